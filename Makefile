@@ -1,0 +1,48 @@
+# recsys developer commands. Everything runs inside .venv, built by `make setup` from the pins in
+# requirements/ (each pin is explained there).
+
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.recsys-setup-done
+# CUDA machines get the CUDA build of FBGEMM, everything else the CPU build.
+HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCHREC_REQS := requirements/torchrec-$(if $(HAS_CUDA),cuda,cpu).txt
+CONFIG ?= configs/dlrm_synthetic.toml
+
+.PHONY: setup train test lint format bench clean
+
+setup: $(STAMP)
+
+# Rebuilt only when a pin or the package metadata changes, so a second `make setup` is instant.
+$(STAMP): pyproject.toml requirements/base.txt $(TORCHREC_REQS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
+	$(BIN)/python -m pip install --quiet -r requirements/base.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r $(TORCHREC_REQS)
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	$(BIN)/python -c "import torch, triton, torchrec, fbgemm_gpu, recsys; print('recsys setup: torch', torch.__version__, 'triton', triton.__version__)"
+	touch $@
+
+train: setup
+	$(BIN)/recsys train --config $(CONFIG)
+
+lint: setup
+	$(BIN)/ruff check recsys tests scripts
+	$(BIN)/ruff format --check recsys tests scripts
+
+format: setup
+	$(BIN)/ruff check --fix recsys tests scripts
+	$(BIN)/ruff format recsys tests scripts
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+# Every benchmark script appends its rows to benchmarks/results/*.csv.
+bench: setup
+	@set -e; for script in scripts/bench_*.py; do \
+		echo "== $$script"; $(BIN)/python $$script; \
+	done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,8 @@
+"""``python -m recsys`` is the ``recsys`` console script."""
+
+import sys
+
+from recsys.train.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,422 @@
+"""Run configuration: nested dataclasses, TOML recipes and ``--section.key=value`` overrides.
+
+Precedence is dataclass defaults < TOML recipe < command line. Every field carries a docstring
+(the string literal under it); :func:`config_reference` renders them as the reference in
+``docs/config.md``. Unknown keys and wrongly typed values raise ``ValueError`` naming the key,
+where it came from, and the closest valid key or the expected type.
+
+Example::
+
+    cfg = load_config("configs/dlrm_synthetic.toml", ["--train.batch_size=2048"])
+    cfg.train.batch_size  # 2048
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import itertools
+import textwrap
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass
+class RunConfig:
+    """Identity of a run and where its files go."""
+
+    name: str = ""
+    """Run name. Empty means the recipe file's stem (``dlrm_synthetic``), or ``recsys``."""
+    dir: str = ""
+    """Run directory holding config.toml, metrics.jsonl and checkpoints/. Empty means
+    ``runs/<name>``."""
+    seed: int = 0
+    """Seed for parameter initialization, data order and the synthetic data generator."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+
+
+@dataclass
+class SyntheticConfig:
+    """The built-in synthetic click log: Criteo-shaped features, labels from a hidden teacher."""
+
+    num_dense: int = 13
+    """Number of dense (float) features; Criteo has 13."""
+    cardinalities: list[int] = field(default_factory=lambda: [1000] * 26)
+    """Number of distinct ids of each categorical feature; its length is the number of
+    categorical features (Criteo has 26)."""
+    bag_sizes: list[int] = field(default_factory=list)
+    """Per categorical feature, the largest number of ids in one sample's bag. 1 (or an empty
+    list, for all features) means one-hot; m > 1 draws bag lengths uniformly from 0..m, so
+    empty bags occur."""
+    zipf_alpha: float = 1.1
+    """Skew of the id distribution: id rank r is drawn with probability ~ 1 / (r + 1)^alpha."""
+    num_tasks: int = 1
+    """Number of labels per sample (tasks of a multi-task model)."""
+    num_train_samples: int = 1_000_000
+    """Rows in the train split."""
+    num_valid_samples: int = 65_536
+    """Rows in the validation split (periodic evaluation)."""
+    num_test_samples: int = 131_072
+    """Rows in the test split (final evaluation)."""
+    teacher_dim: int = 8
+    """Latent dimension of the hidden teacher's embeddings."""
+    teacher_logit_std: float = 2.0
+    """Standard deviation of the teacher's logit; larger means a higher oracle AUC."""
+    click_rate: float = 0.25
+    """Mean click probability (Criteo's is about 0.25)."""
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from and how they are loaded."""
+
+    source: Literal["synthetic"] = "synthetic"
+    """Data source. ``synthetic`` is built in and needs no files."""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    """Settings of the synthetic source."""
+    prefetch_batches: int = 4
+    """Batches built ahead by a background thread while the current one trains (0: none)."""
+    shuffle: bool = True
+    """Shuffle the order of the train split's chunks every epoch."""
+
+
+@dataclass
+class ModelConfig:
+    """Model architecture. Table sizes come from the data, never from here."""
+
+    name: Literal["dlrm"] = "dlrm"
+    """Model to build; see recsys.models.MODELS."""
+    embedding_dim: int = 16
+    """Embedding dimension of every table."""
+    pooling: Literal["sum", "mean"] = "sum"
+    """How a bag of ids is reduced to one vector."""
+    dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 16])
+    """Bottom MLP over the dense features; the last size must equal embedding_dim (DLRM)."""
+    over_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 32, 1])
+    """Top MLP over the interaction; the last size is the number of tasks."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimization loop."""
+
+    batch_size: int = 1024
+    """Samples per step on each rank."""
+    epochs: int = 1
+    """Passes over the train split. Training stops at whichever of epochs / max_steps is first."""
+    max_steps: int = 0
+    """Stop after this many steps (0: no limit beyond epochs)."""
+    dense_optimizer: Literal["adam", "adamw", "adagrad", "sgd"] = "adam"
+    """torch optimizer for the dense (MLP) parameters."""
+    dense_lr: float = 1e-3
+    """Learning rate of the dense optimizer."""
+    embedding_optimizer: Literal["adagrad", "adam", "sgd"] = "adagrad"
+    """torch optimizer for the embedding tables."""
+    embedding_lr: float = 0.05
+    """Learning rate of the embedding optimizer."""
+    log_every_steps: int = 100
+    """Write a train event (loss, samples/s) every this many steps."""
+    eval_every_steps: int = 0
+    """Evaluate on the validation split every this many steps (0: only at the end)."""
+    eval_batch_size: int = 8192
+    """Samples per evaluation batch."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0 when the output is a terminal."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints written under <run dir>/checkpoints."""
+
+    every_steps: int = 0
+    """Also save every this many steps (0: only at the end)."""
+    keep: int = 3
+    """Keep the newest this many checkpoints; older ones are deleted (0: keep all)."""
+    save_final: bool = True
+    """Save a checkpoint when training ends."""
+
+
+@dataclass
+class Config:
+    """A whole run. Each component receives only its own section."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    """[run]"""
+    data: DataConfig = field(default_factory=DataConfig)
+    """[data]"""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """[model]"""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """[train]"""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """[checkpoint]"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Build a :class:`Config` from defaults, an optional TOML recipe and command-line overrides.
+
+    Args:
+        path: TOML recipe file, or None for the defaults.
+        overrides: ``--section.key=value`` strings (``--`` optional); values are parsed as TOML
+            (``64``, ``1e-3``, ``true``, ``[64, 32, 1]``), else taken as a plain string. A list
+            may also be written ``64,32,1``.
+
+    Returns:
+        The resolved config. ``run.name`` defaults to the recipe's file stem.
+
+    Raises:
+        FileNotFoundError: the recipe file does not exist.
+        ValueError: a key is unknown, a value has the wrong type, or the TOML is malformed.
+    """
+    config = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: '{path}'")
+        try:
+            table = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"config file '{path}' is not valid TOML: {err}") from None
+        _apply_table(config, table, prefix="", source=f"config file '{path}'")
+        if not config.run.name:
+            config.run.name = path.stem
+    for override in overrides:
+        key, value = _parse_override(override)
+        _set_key(config, key, value, source=f"command line '{override}'")
+    if not config.run.name:
+        config.run.name = "recsys"
+    if not config.run.dir:
+        config.run.dir = str(Path("runs") / config.run.name)
+    return config
+
+
+def _parse_override(override: str) -> tuple[str, Any]:
+    text = override.removeprefix("--")
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"override '{override}' must look like --section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def _apply_table(obj: Any, table: dict[str, Any], prefix: str, source: str) -> None:
+    for name, value in table.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict):
+            child = _resolve(obj, name, key, source)
+            if not dataclasses.is_dataclass(child):
+                raise ValueError(f"{source}: '{key}' is a value, not a section [{key}]")
+            _apply_table(child, value, prefix=f"{key}.", source=source)
+        else:
+            _set_key(obj, name, value, source, prefix=prefix)
+
+
+def _set_key(root: Any, key: str, value: Any, source: str, prefix: str = "") -> None:
+    *parents, name = key.split(".")
+    obj = root
+    walked = prefix
+    for part in parents:
+        obj = _resolve(obj, part, f"{walked}{part}", source)
+        if not dataclasses.is_dataclass(obj):
+            raise ValueError(f"{source}: '{walked}{part}' is a value, not a section")
+        walked = f"{walked}{part}."
+    full_key = f"{walked}{name}"
+    current = _resolve(obj, name, full_key, source)
+    if dataclasses.is_dataclass(current):
+        raise ValueError(f"{source}: '{full_key}' is a section; set one of its keys instead")
+    hint = typing.get_type_hints(type(obj))[name]
+    setattr(obj, name, _coerce(value, hint, full_key, source))
+
+
+def _resolve(obj: Any, name: str, key: str, source: str) -> Any:
+    names = [f.name for f in dataclasses.fields(obj)]
+    if name not in names:
+        parent = key.rpartition(".")[0]
+        valid = [f"{parent}.{n}" if parent else n for n in names]
+        close = difflib.get_close_matches(key, valid + _all_keys(), n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
+        raise ValueError(f"{source}: unknown config key '{key}'{hint}")
+    return getattr(obj, name)
+
+
+def _all_keys(obj: Any = None, prefix: str = "") -> list[str]:
+    obj = Config() if obj is None else obj
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += _all_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
+    def fail() -> ValueError:
+        return ValueError(
+            f"{source}: config key '{key}' expects {_type_name(hint)}, "
+            f"got {type(value).__name__} {value!r}"
+        )
+
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            extra = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"{source}: config key '{key}' must be one of "
+                f"{', '.join(repr(c) for c in choices)}, got {value!r}{extra}"
+            )
+        return value
+    if origin is list:
+        (item_hint,) = typing.get_args(hint)
+        if isinstance(value, str):
+            parts = [p.strip() for p in value.split(",") if p.strip()]
+            value = [_parse_scalar(p) for p in parts]
+        if not isinstance(value, list):
+            raise fail()
+        return [_coerce(v, item_hint, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise fail()
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise fail()
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise fail()
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise fail()
+        return value
+    raise TypeError(f"config key '{key}' has an unsupported annotation {hint!r}")
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is list:
+        return f"a list of {_type_name(typing.get_args(hint)[0])}"
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(hint))
+    if isinstance(hint, type):
+        return hint.__name__
+    return str(hint)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing and documenting
+
+
+def to_toml(config: Any) -> str:
+    """Render a config (or any section of it) as TOML that :func:`load_config` reads back."""
+    lines: list[str] = []
+    _write_section(config, [], lines)
+    return "\n".join(lines).strip() + "\n"
+
+
+def _write_section(obj: Any, path: list[str], lines: list[str]) -> None:
+    scalars = []
+    sections = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            sections.append((f.name, value))
+        else:
+            scalars.append(f"{f.name} = {_toml_value(value)}")
+    if path and scalars:
+        lines.append(f"[{'.'.join(path)}]")
+    lines.extend(scalars)
+    if scalars:
+        lines.append("")
+    for name, value in sections:
+        _write_section(value, [*path, name], lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of dataclass ``cls``."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, following in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def config_reference() -> str:
+    """Markdown reference of every config key: type, default and docstring."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated by `recsys config --reference` from the docstrings in `recsys/config.py`.",
+        "Set any key in a TOML recipe (`[train]` / `batch_size = 2048`) or on the command line",
+        "(`--train.batch_size=2048`); the command line wins over the recipe, the recipe over",
+        "these defaults.",
+        "",
+    ]
+    _reference_section(Config(), [], out)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _reference_section(obj: Any, path: list[str], out: list[str]) -> None:
+    cls = type(obj)
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    rows = []
+    sections = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            sections.append((f.name, value))
+        else:
+            doc = docs.get(f.name, "").replace("\n", " ")
+            rows.append(
+                f"| `{f.name}` | {_type_name(hints[f.name])} | `{_toml_value(value)}` | {doc} |"
+            )
+    if path:
+        out += [f"## [{'.'.join(path)}]", "", inspect.cleandoc(cls.__doc__ or ""), ""]
+    if rows:
+        out += ["| key | type | default | meaning |", "| --- | --- | --- | --- |", *rows, ""]
+    for name, value in sections:
+        _reference_section(value, [*path, name], out)

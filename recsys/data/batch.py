@@ -1,0 +1,127 @@
+"""The unit of data every recsys component exchanges.
+
+A :class:`Batch` holds B samples: dense features f32[B, N_dense], categorical features as a
+``torchrec.KeyedJaggedTensor`` (F keys, key-major: all of key 0's bags, then key 1's, ...) and
+labels f32[B, T]. Datasets produce large batches ("chunks": a synthetic block, a parquet row
+group) and the loader cuts and joins them into training batches with :meth:`Batch.slice` and
+:meth:`Batch.concat`, so a sample is the same whatever the batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchrec import KeyedJaggedTensor
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Column roles and sizes of a dataset: what a model needs to build its tables.
+
+    Args:
+        dense_names: names of the dense features, N_dense of them.
+        sparse_names: names of the categorical features (the KJT keys), F of them.
+        cardinalities: number of distinct ids of each categorical feature.
+        label_names: names of the T labels (tasks).
+    """
+
+    dense_names: tuple[str, ...]
+    sparse_names: tuple[str, ...]
+    cardinalities: tuple[int, ...]
+    label_names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sparse_names) != len(self.cardinalities):
+            raise ValueError(
+                f"{len(self.sparse_names)} sparse feature names but "
+                f"{len(self.cardinalities)} cardinalities"
+            )
+
+    @property
+    def num_dense(self) -> int:
+        return len(self.dense_names)
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.label_names)
+
+
+@dataclass
+class Batch:
+    """B samples: ``dense`` f32[B, N_dense], ``sparse`` KJT with F keys, ``labels`` f32[B, T]."""
+
+    dense: torch.Tensor
+    sparse: KeyedJaggedTensor
+    labels: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.dense.shape[0]
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """Copy to ``device``; with ``non_blocking`` from pinned memory the copy is async."""
+        return Batch(
+            dense=self.dense.to(device, non_blocking=non_blocking),
+            sparse=self.sparse.to(torch.device(device), non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> Batch:
+        """Page-locked copy, so a later ``.to(cuda, non_blocking=True)`` overlaps compute."""
+        return Batch(
+            dense=self.dense.pin_memory(),
+            sparse=self.sparse.pin_memory(),
+            labels=self.labels.pin_memory(),
+        )
+
+    def slice(self, start: int, stop: int) -> Batch:
+        """Rows ``[start, stop)`` as a new batch (values are copied only for the sparse part)."""
+        kjt = self.sparse
+        num_keys = len(kjt.keys())
+        lengths = kjt.lengths().view(num_keys, -1)  # [F, B]
+        offsets = kjt.offsets().view(-1)  # [F*B + 1]
+        stride = lengths.shape[1]
+        starts = offsets[torch.arange(num_keys) * stride + start].tolist()
+        stops = offsets[torch.arange(num_keys) * stride + stop].tolist()
+        values = torch.cat([kjt.values()[a:b] for a, b in zip(starts, stops, strict=True)])
+        weights = kjt.weights_or_none()
+        if weights is not None:
+            weights = torch.cat([weights[a:b] for a, b in zip(starts, stops, strict=True)])
+        return Batch(
+            dense=self.dense[start:stop],
+            sparse=KeyedJaggedTensor(
+                keys=kjt.keys(),
+                values=values,
+                lengths=lengths[:, start:stop].reshape(-1).clone(),
+                weights=weights,
+            ),
+            labels=self.labels[start:stop],
+        )
+
+    @staticmethod
+    def concat(batches: list[Batch]) -> Batch:
+        """Join batches row-wise; all must have the same keys in the same order."""
+        if len(batches) == 1:
+            return batches[0]
+        keys = batches[0].sparse.keys()
+        for b in batches[1:]:
+            if b.sparse.keys() != keys:
+                raise ValueError(f"cannot concat batches with keys {keys} and {b.sparse.keys()}")
+        per_key_values = [b.sparse.values().split(b.sparse.length_per_key()) for b in batches]
+        values = torch.cat([vals[f] for f in range(len(keys)) for vals in per_key_values])
+        lengths = torch.cat([b.sparse.lengths().view(len(keys), -1) for b in batches], dim=1)
+        weights = None
+        if batches[0].sparse.weights_or_none() is not None:
+            per_key_weights = [b.sparse.weights().split(b.sparse.length_per_key()) for b in batches]
+            weights = torch.cat([w[f] for f in range(len(keys)) for w in per_key_weights])
+        return Batch(
+            dense=torch.cat([b.dense for b in batches]),
+            sparse=KeyedJaggedTensor(
+                keys=keys, values=values, lengths=lengths.reshape(-1), weights=weights
+            ),
+            labels=torch.cat([b.labels for b in batches]),
+        )

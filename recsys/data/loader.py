@@ -1,0 +1,180 @@
+"""BatchLoader: training batches cut from a dataset's chunks, built ahead in a background thread.
+
+A dataset (synthetic today; Criteo and parquet share the interface) exposes its splits as
+chunks, each a :class:`~recsys.data.batch.Batch` of many rows:
+
+    num_chunks(split) -> int
+    chunk_rows(split, i) -> int        (cheap: no data is built)
+    chunk(split, i) -> Batch
+
+Each epoch the loader orders the chunks (a seeded permutation when shuffling), gives rank r the
+chunks r, r + W, r + 2W, ... of that order, and cuts the rows it reads into batches of
+``batch_size``. With ``drop_last`` (training) every rank yields the same number of full batches,
+so collective ops (DDP's all-reduce) never wait for a rank that ran out of data.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from recsys.data.batch import Batch, DatasetSpec
+
+
+class ChunkedDataset(Protocol):
+    spec: DatasetSpec
+
+    def num_chunks(self, split: str) -> int: ...
+
+    def chunk_rows(self, split: str, index: int) -> int: ...
+
+    def chunk(self, split: str, index: int) -> Batch: ...
+
+
+class BatchLoader:
+    """Iterable over one epoch of ``split``'s batches for this rank.
+
+    Args:
+        dataset: a chunked dataset (see module docstring).
+        split: ``"train"``, ``"valid"`` or ``"test"``.
+        batch_size: rows per batch on this rank.
+        shuffle: permute the chunk order with (seed, epoch).
+        seed: seed of the chunk permutation.
+        epoch: epoch number, so each epoch gets its own order.
+        drop_last: drop the final partial batch and equalize the batch count across ranks.
+        rank: this rank's index.
+        world_size: number of ranks W.
+        prefetch: batches built ahead by a background thread (0: build in the caller).
+        device: where batches are delivered; on CUDA they are pinned in the background thread
+            and copied with ``non_blocking=True``.
+
+    Example::
+
+        for batch in BatchLoader(dataset, "train", 1024, shuffle=True, drop_last=True):
+            logits = model(batch.dense, batch.sparse)
+    """
+
+    def __init__(
+        self,
+        dataset: ChunkedDataset,
+        split: str,
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        epoch: int = 0,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        prefetch: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.dataset = dataset
+        self.split = split
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.prefetch = prefetch
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        num_chunks = dataset.num_chunks(split)
+        if shuffle:
+            order = np.random.default_rng(np.random.SeedSequence([seed, epoch])).permutation(
+                num_chunks
+            )
+        else:
+            order = np.arange(num_chunks)
+        self.chunks = [int(c) for c in order[rank::world_size]]
+        rows = sum(dataset.chunk_rows(split, c) for c in self.chunks)
+        if drop_last:
+            rows_per_rank = [
+                sum(dataset.chunk_rows(split, int(c)) for c in order[r::world_size])
+                for r in range(world_size)
+            ]
+            self.num_batches = min(rows_per_rank) // batch_size
+        else:
+            self.num_batches = -(-rows // batch_size)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        pin = self.device.type == "cuda"
+        batches = self._cpu_batches(pin)
+        if self.prefetch > 0:
+            batches = _background(batches, self.prefetch)
+        for batch in batches:
+            yield batch.to(self.device, non_blocking=pin) if self.device.type != "cpu" else batch
+
+    def _cpu_batches(self, pin: bool) -> Iterator[Batch]:
+        produced = 0
+        pending: list[Batch] = []
+        pending_rows = 0
+        for index in self.chunks:
+            if produced == self.num_batches:
+                return
+            chunk = self.dataset.chunk(self.split, index)
+            position = 0
+            while position < len(chunk) and produced < self.num_batches:
+                take = min(self.batch_size - pending_rows, len(chunk) - position)
+                whole = position == 0 and take == len(chunk)
+                pending.append(chunk if whole else chunk.slice(position, position + take))
+                pending_rows += take
+                position += take
+                if pending_rows == self.batch_size:
+                    batch = Batch.concat(pending)
+                    yield batch.pin_memory() if pin else batch
+                    produced += 1
+                    pending, pending_rows = [], 0
+        if pending and produced < self.num_batches:
+            batch = Batch.concat(pending)
+            yield batch.pin_memory() if pin else batch
+
+
+_DONE = object()
+
+
+def _background(items: Iterator[Batch], size: int) -> Iterator[Batch]:
+    """Run ``items`` in a daemon thread, ``size`` ahead; re-raise its errors in the caller."""
+    buffer: queue.Queue = queue.Queue(maxsize=size)
+    stop = threading.Event()
+
+    def put(item: object) -> bool:
+        while not stop.is_set():
+            try:
+                buffer.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put(item):
+                    return
+            put(_DONE)
+        except BaseException as error:  # forwarded to the consumer
+            put(error)
+
+    worker = threading.Thread(target=produce, name="recsys-batch-prefetch", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = buffer.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

@@ -1,0 +1,260 @@
+"""Synthetic Criteo-shaped click logs with labels from a hidden teacher model.
+
+Every sample has N_dense dense features (log(1 + count) of log-normal counts, like preprocessed
+Criteo), F categorical features with Zipf-skewed ids (bags of 0..m ids for multi-hot features)
+and T labels drawn as Bernoulli(p). The click probability p comes from a random *teacher*:
+
+    z_f   = mean of E_f[id] over the bag of feature f          (E_f: [cardinality_f, K])
+    z_0   = tanh(W_0 (x - mu))                                 (x: dense features)
+    s     = sum_{0 <= i < j <= F} <z_i, z_j>                   (pairwise interactions)
+    l_t   = sum_f mean of b_{t,f}[id] + w_t . (x - mu) + a_t * s
+    p_t   = sigmoid(c_t + g * l_t)
+
+with the gain g set so std(c_t + g * l_t) = ``teacher_logit_std`` and c_t so mean(p_t) =
+``click_rate`` (both fitted once on a calibration sample). A model that recovers the teacher
+reaches the *oracle AUC*, the AUC of p itself against the labels, which
+:meth:`SyntheticDataset.click_probability` lets the trainer report beside the model's AUC.
+
+Data is generated in chunks of ``CHUNK_SIZE`` rows; chunk i of a split is a pure function of
+(seed, split, i), so any chunk can be regenerated in any order, on any rank, and the train,
+valid and test splits are independent draws. The teacher depends on the seed only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torchrec import KeyedJaggedTensor
+
+from recsys.config import SyntheticConfig
+from recsys.data.batch import Batch, DatasetSpec
+
+CHUNK_SIZE = 8192
+SPLITS = ("train", "valid", "test")
+_CALIBRATION_STREAM = 1_000_003  # seed stream of the teacher's calibration sample
+
+
+class SyntheticDataset:
+    """Deterministic synthetic click log.
+
+    Args:
+        config: the ``[data.synthetic]`` section.
+        seed: everything (teacher, id permutations, samples) derives from it.
+
+    Example::
+
+        data = SyntheticDataset(SyntheticConfig(num_train_samples=10_000), seed=0)
+        chunk = data.chunk("train", 0)          # Batch of up to CHUNK_SIZE rows
+        p = data.click_probability(chunk)       # f32[B, T], the teacher's click probability
+    """
+
+    def __init__(self, config: SyntheticConfig, seed: int = 0) -> None:
+        _validate(config)
+        self.config = config
+        self.seed = seed
+        num_sparse = len(config.cardinalities)
+        self.bag_sizes = list(config.bag_sizes) or [1] * num_sparse
+        self.spec = DatasetSpec(
+            dense_names=tuple(f"int_{i}" for i in range(config.num_dense)),
+            sparse_names=tuple(f"cat_{i}" for i in range(num_sparse)),
+            cardinalities=tuple(config.cardinalities),
+            label_names=tuple(
+                ["click"]
+                if config.num_tasks == 1
+                else [f"task_{t}" for t in range(config.num_tasks)]
+            ),
+        )
+        rng = np.random.default_rng(np.random.SeedSequence([seed, 0]))
+        self._dense_mu = rng.uniform(0.0, 3.0, config.num_dense)
+        self._dense_sigma = rng.uniform(0.5, 1.5, config.num_dense)
+        # Zipf rank r of feature f is mapped to id (r * mult_f + shift_f) mod n_f, a bijection,
+        # so frequent ids are spread over the table instead of sitting at 0, 1, 2, ...
+        self._id_mult = [_coprime_multiplier(n, rng) for n in config.cardinalities]
+        self._id_shift = [int(rng.integers(n)) for n in config.cardinalities]
+        self._teacher = _Teacher(config, rng)
+        self._teacher.calibrate(self._generate_features(_calibration_rng(seed), 4 * CHUNK_SIZE))
+
+    def num_samples(self, split: str) -> int:
+        _check_split(split)
+        return getattr(self.config, f"num_{split}_samples")
+
+    def num_chunks(self, split: str) -> int:
+        return math.ceil(self.num_samples(split) / CHUNK_SIZE)
+
+    def chunk_rows(self, split: str, index: int) -> int:
+        """Number of rows in chunk ``index`` of ``split`` (all but the last are CHUNK_SIZE)."""
+        return min(CHUNK_SIZE, self.num_samples(split) - index * CHUNK_SIZE)
+
+    def chunk(self, split: str, index: int) -> Batch:
+        """Rows ``[index * CHUNK_SIZE, ...)`` of ``split``, generated from (seed, split, index)."""
+        if not 0 <= index < self.num_chunks(split):
+            raise IndexError(
+                f"chunk {index} of split '{split}' out of [0, {self.num_chunks(split)})"
+            )
+        rng = np.random.default_rng(
+            np.random.SeedSequence([self.seed, 1 + SPLITS.index(split), index])
+        )
+        dense, sparse = self._generate_features(rng, self.chunk_rows(split, index))
+        probability = self._teacher.probability(dense, sparse)  # [B, T]
+        labels = (torch.from_numpy(rng.random(probability.shape)) < probability).float()
+        return Batch(dense=dense, sparse=sparse, labels=labels)
+
+    def click_probability(self, batch: Batch) -> torch.Tensor:
+        """The teacher's click probability f32[B, T] for a batch of this dataset's features."""
+        return self._teacher.probability(batch.dense.cpu(), batch.sparse.to(torch.device("cpu")))
+
+    def _generate_features(
+        self, rng: np.random.Generator, num_rows: int
+    ) -> tuple[torch.Tensor, KeyedJaggedTensor]:
+        counts = np.floor(
+            np.exp(rng.normal(self._dense_mu, self._dense_sigma, (num_rows, len(self._dense_mu))))
+        )
+        dense = torch.from_numpy(np.log1p(counts)).float()  # [B, N_dense]
+        lengths, values = [], []
+        for f, n in enumerate(self.config.cardinalities):
+            m = self.bag_sizes[f]
+            bag = (
+                np.ones(num_rows, np.int32)
+                if m == 1
+                else rng.integers(0, m + 1, num_rows, dtype=np.int32)
+            )
+            rank = _zipf_ranks(rng, n, self.config.zipf_alpha, int(bag.sum()))
+            values.append((rank * self._id_mult[f] + self._id_shift[f]) % n)
+            lengths.append(bag)
+        sparse = KeyedJaggedTensor(
+            keys=list(self.spec.sparse_names),
+            values=torch.from_numpy(np.concatenate(values)),
+            lengths=torch.from_numpy(np.concatenate(lengths)),
+        )
+        return dense, sparse
+
+
+class _Teacher:
+    """The hidden model that defines each sample's click probability (see module docstring)."""
+
+    def __init__(self, config: SyntheticConfig, rng: np.random.Generator) -> None:
+        dim, tasks = config.teacher_dim, config.num_tasks
+        self.embeddings = [
+            torch.from_numpy(rng.normal(0.0, 1.0 / math.sqrt(dim), (n, dim))).float()
+            for n in config.cardinalities
+        ]
+        # Features differ in how much they matter, as real ones do.
+        importance = rng.uniform(0.0, 1.0, len(config.cardinalities))
+        self.biases = [
+            torch.from_numpy(rng.normal(0.0, importance[f], (n, tasks))).float()
+            for f, n in enumerate(config.cardinalities)
+        ]
+        self.dense_mu = torch.zeros(config.num_dense)  # set by calibrate()
+        self.dense_proj = torch.from_numpy(
+            rng.normal(0.0, 1.0 / math.sqrt(config.num_dense), (config.num_dense, dim))
+        ).float()
+        self.dense_weight = torch.from_numpy(
+            rng.normal(0.0, 0.5, (config.num_dense, tasks))
+        ).float()
+        self.interaction_weight = torch.from_numpy(rng.uniform(0.5, 1.5, tasks)).float()
+        self.click_rate = config.click_rate
+        self.logit_std = config.teacher_logit_std
+        self.gain = torch.ones(tasks)
+        self.intercept = torch.zeros(tasks)
+
+    def raw_logit(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        batch_size = dense.shape[0]
+        x = dense - self.dense_mu  # [B, N_dense]
+        pooled, bias = [torch.tanh(x @ self.dense_proj)], x @ self.dense_weight  # [B, K], [B, T]
+        for f, jt in enumerate(sparse.split([1] * len(sparse.keys()))):
+            ids, offsets = jt.values().long(), jt.offsets().long()
+            pooled.append(
+                F.embedding_bag(
+                    ids, self.embeddings[f], offsets, mode="mean", include_last_offset=True
+                )
+            )
+            bias = bias + F.embedding_bag(
+                ids, self.biases[f], offsets, mode="mean", include_last_offset=True
+            )
+        z = torch.stack(pooled, dim=1)  # [B, F+1, K]
+        total = z.sum(1)
+        pairwise = 0.5 * ((total * total).sum(1) - (z * z).sum((1, 2)))  # [B]
+        num_pairs = z.shape[1] * (z.shape[1] - 1) / 2
+        interaction = pairwise / math.sqrt(num_pairs)
+        return bias + self.interaction_weight * interaction.view(batch_size, 1)  # [B, T]
+
+    def calibrate(self, features: tuple[torch.Tensor, KeyedJaggedTensor]) -> None:
+        self.dense_mu = features[0].mean(0)
+        raw = self.raw_logit(*features)  # [B, T]
+        self.gain = self.logit_std / raw.std(0).clamp(min=1e-6)
+        centered = (raw - raw.mean(0)) * self.gain
+        # Bisection for the intercept giving the requested mean click probability.
+        lo, hi = torch.full_like(self.gain, -20.0), torch.full_like(self.gain, 20.0)
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            too_high = torch.sigmoid(centered + mid).mean(0) > self.click_rate
+            hi = torch.where(too_high, mid, hi)
+            lo = torch.where(too_high, lo, mid)
+        self.intercept = (lo + hi) / 2 - raw.mean(0) * self.gain
+
+    def probability(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        return torch.sigmoid(self.raw_logit(dense, sparse) * self.gain + self.intercept)
+
+
+def _zipf_ranks(rng: np.random.Generator, n: int, alpha: float, size: int) -> np.ndarray:
+    """Ranks in [0, n) with P(r) ~ (r + 1)^-alpha (inverse CDF of the continuous power law)."""
+    u = rng.random(size)
+    if abs(alpha - 1.0) < 1e-9:
+        x = np.power(n + 1.0, u)
+    else:
+        top = np.power(n + 1.0, 1.0 - alpha)
+        x = np.power(1.0 + u * (top - 1.0), 1.0 / (1.0 - alpha))
+    return np.minimum(np.floor(x).astype(np.int64) - 1, n - 1)
+
+
+def _coprime_multiplier(n: int, rng: np.random.Generator) -> int:
+    if n <= 2:
+        return 1
+    while True:
+        m = int(rng.integers(1, n))
+        if math.gcd(m, n) == 1:
+            return m
+
+
+def _calibration_rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed, _CALIBRATION_STREAM]))
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split '{split}'; expected one of {', '.join(SPLITS)}")
+
+
+def _validate(config: SyntheticConfig) -> None:
+    if not config.cardinalities:
+        raise ValueError(
+            "data.synthetic.cardinalities is empty; give one size per categorical feature"
+        )
+    for i, n in enumerate(config.cardinalities):
+        if n < 1:
+            raise ValueError(
+                f"data.synthetic.cardinalities[{i}] = {n}; every cardinality must be >= 1"
+            )
+    if config.bag_sizes and len(config.bag_sizes) != len(config.cardinalities):
+        raise ValueError(
+            f"data.synthetic.bag_sizes has {len(config.bag_sizes)} entries but there are "
+            f"{len(config.cardinalities)} categorical features (or leave it empty for one-hot)"
+        )
+    for i, m in enumerate(config.bag_sizes):
+        if m < 1:
+            raise ValueError(f"data.synthetic.bag_sizes[{i}] = {m}; every bag size must be >= 1")
+    if config.num_dense < 1:
+        raise ValueError(f"data.synthetic.num_dense = {config.num_dense}; expected >= 1")
+    if config.num_tasks < 1:
+        raise ValueError(f"data.synthetic.num_tasks = {config.num_tasks}; expected >= 1")
+    if not 0.0 < config.click_rate < 1.0:
+        raise ValueError(f"data.synthetic.click_rate = {config.click_rate}; expected in (0, 1)")
+    if config.zipf_alpha <= 0:
+        raise ValueError(f"data.synthetic.zipf_alpha = {config.zipf_alpha}; expected > 0")
+    for split in SPLITS:
+        n = getattr(config, f"num_{split}_samples")
+        if n < 1:
+            raise ValueError(f"data.synthetic.num_{split}_samples = {n}; expected >= 1")

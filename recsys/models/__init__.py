@@ -1,0 +1,64 @@
+"""Model zoo: architectures only, each built from an EmbeddingBagCollection plus layer sizes.
+
+``MODELS`` maps the config's ``model.name`` to a builder that turns the ``[model]`` section and
+the dataset's :class:`~recsys.data.batch.DatasetSpec` into a module with
+``forward(dense_features, sparse_features) -> logits [B, T]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagConfig, PoolingType
+
+from recsys.config import ModelConfig
+from recsys.data.batch import DatasetSpec
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.models.dlrm import DLRM
+
+__all__ = ["DLRM", "MODELS", "build_model", "table_configs"]
+
+
+def table_configs(spec: DatasetSpec, embedding_dim: int, pooling: str) -> list[EmbeddingBagConfig]:
+    """One table per categorical feature, sized by the dataset (never typed by hand)."""
+    return [
+        EmbeddingBagConfig(
+            name=f"t_{feature}",
+            embedding_dim=embedding_dim,
+            num_embeddings=cardinality,
+            feature_names=[feature],
+            pooling=PoolingType.SUM if pooling == "sum" else PoolingType.MEAN,
+        )
+        for feature, cardinality in zip(spec.sparse_names, spec.cardinalities, strict=True)
+    ]
+
+
+def _build_dlrm(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    if config.over_arch_layer_sizes[-1] != spec.num_tasks:
+        raise ValueError(
+            f"model.over_arch_layer_sizes ends with {config.over_arch_layer_sizes[-1]} but the "
+            f"data has {spec.num_tasks} label(s); the last size must be the number of tasks"
+        )
+    ebc = EmbeddingBagCollection(
+        table_configs(spec, config.embedding_dim, config.pooling), device=device
+    )
+    return DLRM(
+        ebc,
+        dense_in_features=spec.num_dense,
+        dense_arch_layer_sizes=config.dense_arch_layer_sizes,
+        over_arch_layer_sizes=config.over_arch_layer_sizes,
+    ).to(device)
+
+
+MODELS: dict[str, Callable[[ModelConfig, DatasetSpec, torch.device], nn.Module]] = {
+    "dlrm": _build_dlrm,
+}
+
+
+def build_model(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    """Build ``config.name`` for a dataset with ``spec``, on ``device``."""
+    if config.name not in MODELS:
+        raise ValueError(f"unknown model.name {config.name!r}; available: {', '.join(MODELS)}")
+    return MODELS[config.name](config, spec, device)

@@ -1,0 +1,109 @@
+"""Evaluation metrics (AUC, logloss per task, via torchmetrics) and the metrics.jsonl writer.
+
+torchmetrics gathers its states across ranks on ``compute()`` when torch.distributed is
+initialized, so an evaluation that every rank runs over its own share of a split yields the
+metrics of the whole split on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+from torchmetrics.classification import BinaryAUROC
+
+
+class BinaryMetrics:
+    """Accumulates AUC and logloss of T binary tasks over batches.
+
+    Args:
+        label_names: the T task names (used for per-task keys when T > 1).
+        device: where the metric states live.
+        with_oracle: also accumulate the AUC of a given click probability (the synthetic
+            teacher's), reported as ``oracle_auc``.
+    """
+
+    def __init__(
+        self, label_names: tuple[str, ...], device: torch.device, with_oracle: bool = False
+    ) -> None:
+        self.label_names = label_names
+        self.auc = [BinaryAUROC().to(device) for _ in label_names]
+        self.oracle = [BinaryAUROC().to(device) for _ in label_names] if with_oracle else []
+        self.logloss = MeanMetric().to(device)
+
+    @torch.no_grad()
+    def update(
+        self, logits: torch.Tensor, labels: torch.Tensor, probability: torch.Tensor | None = None
+    ) -> None:
+        """logits, labels (and the oracle probability): [B, T]."""
+        losses = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")
+        self.logloss.update(losses.flatten())
+        targets = labels.long()
+        scores = torch.sigmoid(logits.float())
+        for t, metric in enumerate(self.auc):
+            metric.update(scores[:, t], targets[:, t])
+        if probability is not None:
+            for t, metric in enumerate(self.oracle):
+                metric.update(probability[:, t].to(scores.device), targets[:, t])
+
+    def compute(self) -> dict[str, Any]:
+        """``auc`` (mean over tasks), ``logloss``, per-task ``auc_<task>`` when T > 1, and
+        ``oracle_auc`` when tracked."""
+        aucs = [float(m.compute()) for m in self.auc]
+        result: dict[str, Any] = {
+            "auc": sum(aucs) / len(aucs),
+            "logloss": float(self.logloss.compute()),
+        }
+        if len(aucs) > 1:
+            result.update(
+                {f"auc_{name}": a for name, a in zip(self.label_names, aucs, strict=True)}
+            )
+        if self.oracle:
+            oracle = [float(m.compute()) for m in self.oracle]
+            result["oracle_auc"] = sum(oracle) / len(oracle)
+            if len(oracle) > 1:
+                result.update(
+                    {f"oracle_auc_{n}": a for n, a in zip(self.label_names, oracle, strict=True)}
+                )
+        return result
+
+
+class MetricsLogger:
+    """Appends one JSON object per event to ``<run dir>/metrics.jsonl`` (rank 0 only).
+
+    Every event carries ``split``, ``step`` and ``time`` (seconds since the logger started).
+    """
+
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self.path = path
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    def log(self, split: str, step: int, **values: Any) -> dict[str, Any]:
+        event = {
+            "split": split,
+            "step": step,
+            **values,
+            "time": round(time.perf_counter() - self.start, 3),
+        }
+        for key, value in event.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                event[key] = str(value)
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(event) + "\n")
+        return event
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All events of a metrics.jsonl file, in order."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

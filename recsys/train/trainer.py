@@ -1,0 +1,291 @@
+"""The training loop: data -> model -> BCE loss -> two optimizers, with logging, evaluation and
+checkpoints. :func:`train` is what ``recsys train`` runs, on one process or under torchrun.
+
+Events go to ``<run dir>/metrics.jsonl``:
+
+- train: ``{"split": "train", "step", "epoch", "loss", "samples_per_s", "time"}``, the loss
+  averaged over the steps since the previous train event, samples/s over all ranks;
+- eval: ``{"split": "valid" | "test", "step", "auc", "logloss", "num_samples", "time"}`` plus
+  ``oracle_auc`` on synthetic data and per-task ``auc_<task>`` for multi-task models.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from tqdm import tqdm
+
+from recsys.config import CheckpointConfig, Config, DataConfig, TrainConfig, to_toml
+from recsys.data.loader import BatchLoader, ChunkedDataset
+from recsys.data.synthetic import SyntheticDataset
+from recsys.distributed.parallel import (
+    DistributedInfo,
+    init_distributed,
+    parallelize,
+    resolve_device,
+    shutdown_distributed,
+)
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.models import build_model
+from recsys.train.checkpoint import save_checkpoint
+from recsys.train.metrics import BinaryMetrics, MetricsLogger
+
+_OPTIMIZERS = {
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "adagrad": torch.optim.Adagrad,
+    "sgd": torch.optim.SGD,
+}
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports (also printed as the summary line)."""
+
+    run_dir: Path
+    steps: int
+    samples_per_s: float
+    test: dict[str, Any]
+    checkpoint: Path | None
+
+
+def build_dataset(config: DataConfig, seed: int) -> ChunkedDataset:
+    """The dataset named by ``data.source``."""
+    if config.source == "synthetic":
+        return SyntheticDataset(config.synthetic, seed=seed)
+    raise ValueError(f"unknown data.source {config.source!r}; available: synthetic")
+
+
+def build_optimizers(config: TrainConfig, model: nn.Module) -> dict[str, torch.optim.Optimizer]:
+    """``{"dense": ..., "embedding": ...}``: tables of every EmbeddingBagCollection go to the
+    embedding optimizer, all other parameters to the dense one."""
+    table_ids = {
+        id(p)
+        for module in model.modules()
+        if isinstance(module, EmbeddingBagCollection)
+        for p in module.parameters()
+    }
+    tables = [p for p in model.parameters() if id(p) in table_ids]
+    dense = [p for p in model.parameters() if id(p) not in table_ids]
+    optimizers = {}
+    if dense:
+        optimizers["dense"] = _OPTIMIZERS[config.dense_optimizer](dense, lr=config.dense_lr)
+    if tables:
+        optimizers["embedding"] = _OPTIMIZERS[config.embedding_optimizer](
+            tables, lr=config.embedding_lr
+        )
+    return optimizers
+
+
+def train(config: Config) -> TrainResult:
+    """Train ``config``'s model on its data; evaluate on the test split; save a checkpoint.
+
+    Works in one process or in each process of ``torchrun --nproc-per-node=N -m recsys train``.
+    """
+    device = resolve_device(config.run.device, int(os.environ.get("LOCAL_RANK", "0")))
+    info = init_distributed(device)
+    try:
+        return _Run(config, device, info).fit()
+    finally:
+        shutdown_distributed()
+
+
+class _Run:
+    def __init__(self, config: Config, device: torch.device, info: DistributedInfo) -> None:
+        self.config = config
+        self.device = device
+        self.info = info
+        self.run_dir = Path(config.run.dir)
+        if info.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(to_toml(config))
+        self.logger = MetricsLogger(self.run_dir / "metrics.jsonl", enabled=info.is_main)
+        torch.manual_seed(config.run.seed)
+        self.dataset = build_dataset(config.data, config.run.seed)
+        self.model = parallelize(build_model(config.model, self.dataset.spec, device), device)
+        self.optimizers = build_optimizers(config.train, self.model)
+        self.step = 0
+
+    def fit(self) -> TrainResult:
+        cfg, train_cfg = self.config, self.config.train
+        steps_per_epoch = len(self._loader("train", epoch=0))
+        if steps_per_epoch == 0:
+            raise ValueError(
+                f"train.batch_size = {train_cfg.batch_size} x {self.info.world_size} rank(s) "
+                f"is larger than the train split"
+            )
+        total_steps = steps_per_epoch * train_cfg.epochs
+        if train_cfg.max_steps > 0:
+            total_steps = min(total_steps, train_cfg.max_steps)
+        self._print(
+            f"recsys: training {cfg.model.name} on {cfg.data.source} data for {total_steps} steps "
+            f"(batch {train_cfg.batch_size} x {self.info.world_size} rank(s), {self.device}); "
+            f"run dir {self.run_dir}"
+        )
+        progress = tqdm(
+            total=total_steps,
+            disable=not (self.info.is_main and train_cfg.progress_bar and sys.stderr.isatty()),
+            dynamic_ncols=True,
+        )
+        window = _Window(self.device)
+        self.model.train()
+        for epoch in range(train_cfg.epochs):
+            for batch in self._loader("train", epoch=epoch):
+                if self.step == total_steps:
+                    break
+                window.add(self._train_step(batch))
+                self.step += 1
+                progress.update(1)
+                if self.step % train_cfg.log_every_steps == 0 or self.step == total_steps:
+                    loss, rate = window.close(train_cfg.batch_size * self.info.world_size)
+                    self.logger.log("train", self.step, epoch=epoch, loss=loss, samples_per_s=rate)
+                    progress.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rate:,.0f}")
+                    if progress.disable:  # no bar: a log line instead
+                        self._print(
+                            f"step {self.step}/{total_steps}  loss {loss:.4f}  "
+                            f"{rate:,.0f} samples/s"
+                        )
+                if train_cfg.eval_every_steps and self.step % train_cfg.eval_every_steps == 0:
+                    window.pause(lambda: self.evaluate("valid"))
+                if self._checkpoint_due(cfg.checkpoint):
+                    window.pause(self.save)
+            if self.step == total_steps:
+                break
+        progress.close()
+        test = self.evaluate("test")
+        checkpoint = self.save() if cfg.checkpoint.save_final else None
+        samples_per_s = (
+            self.step * train_cfg.batch_size * self.info.world_size / max(window.train_time, 1e-9)
+        )
+        result = TrainResult(self.run_dir, self.step, samples_per_s, test, checkpoint)
+        self._print(_summary_line(cfg.run.name, result))
+        return result
+
+    def _loader(self, split: str, epoch: int = 0) -> BatchLoader:
+        training = split == "train"
+        return BatchLoader(
+            self.dataset,
+            split,
+            self.config.train.batch_size if training else self.config.train.eval_batch_size,
+            shuffle=training and self.config.data.shuffle,
+            seed=self.config.run.seed,
+            epoch=epoch,
+            drop_last=training,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            prefetch=self.config.data.prefetch_batches,
+            device=self.device,
+        )
+
+    def _train_step(self, batch: Any) -> torch.Tensor:
+        logits = self.model(batch.dense, batch.sparse)  # [B, T]
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        for optimizer in self.optimizers.values():
+            optimizer.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(self, split: str) -> dict[str, Any]:
+        """AUC / logloss over the whole split (all ranks), logged as an eval event."""
+        oracle = getattr(self.dataset, "click_probability", None)
+        metrics = BinaryMetrics(self.dataset.spec.label_names, self.device, oracle is not None)
+        was_training = self.model.training
+        self.model.eval()
+        num_samples = 0
+        for batch in self._loader(split):
+            logits = self.model(batch.dense, batch.sparse)
+            metrics.update(logits, batch.labels, oracle(batch) if oracle is not None else None)
+            num_samples += batch.batch_size
+        self.model.train(was_training)
+        result = metrics.compute()
+        result["num_samples"] = _sum_over_ranks(num_samples, self.device)
+        self.logger.log(split, self.step, **result)
+        line = f"eval {split} step {self.step}: auc {result['auc']:.4f}"
+        line += f" logloss {result['logloss']:.4f}"
+        if "oracle_auc" in result:
+            line += f" (oracle auc {result['oracle_auc']:.4f})"
+        self._print(line)
+        return result
+
+    def _checkpoint_due(self, config: CheckpointConfig) -> bool:
+        return config.every_steps > 0 and self.step % config.every_steps == 0
+
+    def save(self) -> Path:
+        """Checkpoint the model, both optimizers and the step under <run dir>/checkpoints."""
+        model_state, optimizer_state = get_state_dict(self.model, list(self.optimizers.values()))
+        state = {
+            "model": model_state,
+            "optimizers": optimizer_state,
+            "step": self.step,
+            "config": to_toml(self.config),
+        }
+        path = save_checkpoint(
+            self.run_dir / "checkpoints", self.step, state, keep=self.config.checkpoint.keep
+        )
+        self._print(f"saved checkpoint {path}")
+        return path
+
+    def _print(self, message: str) -> None:
+        if self.info.is_main:
+            tqdm.write(message)
+
+
+class _Window:
+    """Train loss and time since the last train event; time spent in eval or saving is not
+    counted as training time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), device=device)  # summed on device: no sync per step
+        self.steps = 0
+        self.train_time = 0.0
+        self.start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss += loss
+        self.steps += 1
+
+    def close(self, samples_per_step: int) -> tuple[float, float]:
+        """Mean loss and samples/s of the window; starts the next one."""
+        elapsed = time.perf_counter() - self.start
+        self.train_time += elapsed
+        loss = float(self.loss) / max(self.steps, 1)
+        rate = self.steps * samples_per_step / max(elapsed, 1e-9)
+        self.loss.zero_()
+        self.steps = 0
+        self.start = time.perf_counter()
+        return loss, rate
+
+    def pause(self, work: Any) -> None:
+        """Run ``work`` without counting its time as training time."""
+        paused = time.perf_counter()
+        work()
+        self.start += time.perf_counter() - paused
+
+
+def _sum_over_ranks(value: int, device: torch.device) -> int:
+    if not torch.distributed.is_initialized():
+        return value
+    total = torch.tensor(value, device=device)
+    torch.distributed.all_reduce(total)
+    return int(total)
+
+
+def _summary_line(name: str, result: TrainResult) -> str:
+    test = result.test
+    line = f"recsys: {name} done | {result.steps} steps | test auc {test['auc']:.4f}"
+    if "oracle_auc" in test:
+        line += f" (oracle {test['oracle_auc']:.4f}, gap {test['oracle_auc'] - test['auc']:.4f})"
+    line += f" | test logloss {test['logloss']:.4f} | {result.samples_per_s:,.0f} samples/s"
+    return line + f" | {result.run_dir}"
