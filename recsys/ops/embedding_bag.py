@@ -125,19 +125,26 @@ def validate_inputs(
     for t, pooling in enumerate(table_pooling):
         if pooling not in POOLINGS:
             raise ValueError(f"pooling {pooling!r} of table {t}; expected one of {POOLINGS}")
-    bounds = offsets[[k * batch_size for k in range(num_keys + 1)]].tolist()
-    for f, (k, t) in enumerate(zip(feature_to_key, feature_to_table, strict=True)):
-        ids = values[bounds[k] : bounds[k + 1]]
-        if ids.numel() == 0:
-            continue
-        low, high = (int(x) for x in torch.aminmax(ids))
-        num_rows = weights[t].shape[0]
-        if low < 0 or high >= num_rows:
-            bad = low if low < 0 else high
-            raise ValueError(
-                f"{names[f]}: id {bad} is out of range for its table with {num_rows} rows "
-                f"(expected 0 <= id < {num_rows})"
-            )
+    # One pass over the ids: each id is compared with the row count of the table its key
+    # feeds (keys no feature reads are not checked).
+    key_rows = [torch.iinfo(torch.int64).max] * num_keys
+    for k, t in zip(feature_to_key, feature_to_table, strict=True):
+        key_rows[k] = weights[t].shape[0]
+    bounds = offsets[[k * batch_size for k in range(num_keys + 1)]]
+    ids_per_key = bounds.diff().long()
+    limit = torch.repeat_interleave(torch.tensor(key_rows, device=values.device), ids_per_key)
+    out_of_range = (values < 0) | (values >= limit)
+    if bool(out_of_range.any()):
+        where = int(out_of_range.nonzero()[0])
+        key = (
+            int(torch.searchsorted(bounds, torch.tensor(where, dtype=bounds.dtype), right=True)) - 1
+        )
+        f = list(feature_to_key).index(key)
+        num_rows = key_rows[key]
+        raise ValueError(
+            f"{names[f]}: id {int(values[where])} is out of range for its table with {num_rows} "
+            f"rows (expected 0 <= id < {num_rows})"
+        )
 
 
 def _embedding_bag_torch(
@@ -160,13 +167,18 @@ def _embedding_bag_torch(
         bag_offsets = (offsets[k * B : (k + 1) * B + 1] - start).to(values.dtype)
         psw = None if per_sample_weights is None else per_sample_weights[start:stop]
         mean = table_pooling[t] == "mean"
+        ids, table = values[start:stop], weights[t]
+        if table.dtype in (torch.float16, torch.bfloat16):
+            # ATen pools in the table's dtype; gather the rows and pool them in fp32 instead.
+            table = table[ids.long()].float()  # [L_f, D_t]
+            ids = torch.arange(ids.numel(), device=ids.device, dtype=ids.dtype)
         out = F.embedding_bag(
-            values[start:stop],
-            weights[t],
+            ids,
+            table,
             bag_offsets,
             # ATen rejects per-sample weights with mean pooling: sum, then divide below.
             mode="mean" if mean and psw is None else "sum",
-            per_sample_weights=None if psw is None else psw.to(weights[t].dtype),
+            per_sample_weights=None if psw is None else psw.to(table.dtype),
             include_last_offset=True,
         ).to(out_dtype)  # [B, D_t]
         if mean and psw is not None:

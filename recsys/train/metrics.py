@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,12 @@ class BinaryMetrics:
     def compute(self) -> dict[str, Any]:
         """``auc`` (mean over tasks), ``logloss``, per-task ``auc_<task>`` when T > 1, and
         ``oracle_auc`` when tracked."""
+        with warnings.catch_warnings():
+            # torchmetrics' cross-rank gather indexes with a list, which torch deprecates.
+            warnings.filterwarnings("ignore", message="Using a non-tuple sequence")
+            return self._compute()
+
+    def _compute(self) -> dict[str, Any]:
         aucs = [float(m.compute()) for m in self.auc]
         result: dict[str, Any] = {
             "auc": sum(aucs) / len(aucs),

@@ -1,0 +1,123 @@
+import numpy as np
+import pytest
+import torch
+from torchmetrics.functional.classification import binary_auroc
+
+from recsys.config import SyntheticConfig
+from recsys.data.synthetic import CHUNK_SIZE, SyntheticDataset
+
+
+def small_config(**overrides) -> SyntheticConfig:
+    fields = dict(
+        cardinalities=[50, 1000, 7, 20000, 1],
+        bag_sizes=[1, 4, 1, 2, 1],
+        num_train_samples=3 * CHUNK_SIZE + 100,
+        num_valid_samples=1000,
+        num_test_samples=2 * CHUNK_SIZE,
+    )
+    fields.update(overrides)
+    return SyntheticConfig(**fields)
+
+
+def assert_batches_equal(a, b):
+    torch.testing.assert_close(a.dense, b.dense, rtol=0, atol=0)
+    torch.testing.assert_close(a.labels, b.labels, rtol=0, atol=0)
+    assert a.sparse.keys() == b.sparse.keys()
+    assert torch.equal(a.sparse.values(), b.sparse.values())
+    assert torch.equal(a.sparse.lengths(), b.sparse.lengths())
+
+
+def test_same_seed_same_data_any_order():
+    a = SyntheticDataset(small_config(), seed=3)
+    b = SyntheticDataset(small_config(), seed=3)
+    later = b.chunk("train", 2)  # chunks are independent of the order they are built in
+    assert_batches_equal(a.chunk("train", 2), later)
+    assert_batches_equal(a.chunk("test", 1), b.chunk("test", 1))
+
+
+def test_seeds_and_splits_differ():
+    a = SyntheticDataset(small_config(), seed=0)
+    b = SyntheticDataset(small_config(), seed=1)
+    assert not torch.equal(a.chunk("train", 0).dense, b.chunk("train", 0).dense)
+    assert not torch.equal(a.chunk("train", 0).dense, a.chunk("test", 0).dense)
+    assert not torch.equal(a.chunk("train", 0).dense, a.chunk("train", 1).dense)
+
+
+def test_shapes_sizes_and_ids_in_range():
+    config = small_config(num_tasks=2)
+    data = SyntheticDataset(config, seed=0)
+    assert data.num_chunks("train") == 4
+    assert [data.chunk_rows("train", i) for i in range(4)] == [CHUNK_SIZE] * 3 + [100]
+    chunk = data.chunk("train", 3)
+    assert chunk.dense.shape == (100, 13) and chunk.dense.dtype == torch.float32
+    assert chunk.labels.shape == (100, 2)
+    assert chunk.sparse.keys() == list(data.spec.sparse_names)
+    for name, n in zip(data.spec.sparse_names, config.cardinalities, strict=True):
+        ids = chunk.sparse[name].values()
+        assert ids.numel() == 0 or (ids.min() >= 0 and ids.max() < n)
+    assert set(torch.unique(chunk.labels).tolist()) <= {0.0, 1.0}
+    assert data.spec.label_names == ("task_0", "task_1")
+
+
+def test_bag_lengths_one_hot_and_multi_hot():
+    data = SyntheticDataset(small_config(), seed=0)
+    chunk = data.chunk("train", 0)
+    one_hot = chunk.sparse["cat_0"].lengths()
+    assert torch.all(one_hot == 1)
+    multi = chunk.sparse["cat_1"].lengths()
+    assert multi.min() == 0 and multi.max() == 4  # empty bags occur, never more than 4
+    assert 1.7 < multi.float().mean() < 2.3  # uniform on 0..4
+
+
+def test_ids_are_zipf_skewed():
+    data = SyntheticDataset(small_config(zipf_alpha=1.2), seed=0)
+    ids = data.chunk("train", 0).sparse["cat_3"].values().numpy()
+    counts = np.sort(np.bincount(ids, minlength=20000))[::-1]
+    assert counts[0] > 0.05 * ids.size  # the hottest id takes a large share
+    assert np.count_nonzero(counts) > 500  # and there is a long tail
+
+
+def test_teacher_calibration_and_oracle_auc():
+    config = small_config(click_rate=0.3)
+    data = SyntheticDataset(config, seed=0)
+    chunk = data.chunk("test", 0)
+    probability = data.click_probability(chunk)
+    assert probability.shape == (CHUNK_SIZE, 1)
+    assert abs(float(probability.mean()) - 0.3) < 0.03
+    assert abs(float(chunk.labels.mean()) - 0.3) < 0.03
+    oracle = float(binary_auroc(probability[:, 0], chunk.labels[:, 0].long()))
+    assert oracle > 0.75  # real signal to learn
+    noise = float(binary_auroc(torch.rand(CHUNK_SIZE), chunk.labels[:, 0].long()))
+    assert abs(noise - 0.5) < 0.05
+
+
+def test_teacher_logit_std_controls_difficulty():
+    def oracle(std: float) -> float:
+        data = SyntheticDataset(small_config(teacher_logit_std=std), seed=0)
+        chunk = data.chunk("test", 0)
+        return float(binary_auroc(data.click_probability(chunk)[:, 0], chunk.labels[:, 0].long()))
+
+    assert oracle(0.5) + 0.1 < oracle(3.0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(cardinalities=[]), "cardinalities is empty"),
+        (dict(cardinalities=[5, 0]), r"cardinalities\[1\] = 0"),
+        (dict(bag_sizes=[1, 2]), "bag_sizes has 2 entries but there are 5"),
+        (dict(click_rate=1.5), "click_rate = 1.5"),
+        (dict(num_test_samples=0), "num_test_samples = 0"),
+    ],
+)
+def test_bad_config_is_a_clear_error(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        SyntheticDataset(small_config(**overrides))
+
+
+def test_bad_split_and_chunk():
+    data = SyntheticDataset(small_config())
+    with pytest.raises(ValueError, match="unknown split 'tets'"):
+        data.num_samples("tets")
+    with pytest.raises(IndexError, match="chunk 9"):
+        data.chunk("train", 9)

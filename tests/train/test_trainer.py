@@ -1,0 +1,102 @@
+"""End to end: a short run learns close to the oracle and leaves a usable run directory."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recsys.config import load_config
+from recsys.data.loader import BatchLoader
+from recsys.models import build_model
+from recsys.train.checkpoint import latest_checkpoint, load_checkpoint
+from recsys.train.cli import main
+from recsys.train.metrics import BinaryMetrics, read_metrics
+from recsys.train.trainer import build_dataset, train
+
+SMALL = [
+    "--data.synthetic.cardinalities=[100,1000,500,20,3000,50,200,800,10,2000]",
+    "--data.synthetic.bag_sizes=[1,1,1,1,1,1,1,1,3,2]",
+    "--data.synthetic.num_train_samples=300000",
+    "--data.synthetic.num_valid_samples=16384",
+    "--data.synthetic.num_test_samples=32768",
+    "--train.batch_size=1024",
+    "--train.log_every_steps=50",
+    "--train.eval_every_steps=150",
+    "--model.embedding_dim=8",
+    "--model.dense_arch_layer_sizes=[32,8]",
+    "--model.over_arch_layer_sizes=[64,1]",
+    "--run.device=cpu",
+]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    config = load_config(None, [*SMALL, f"--run.dir={run_dir}", "--run.name=small"])
+    result = train(config)
+    return config, result
+
+
+def test_short_run_lands_within_003_of_oracle(finished_run):
+    _, result = finished_run
+    assert result.test["oracle_auc"] > 0.75
+    assert result.test["oracle_auc"] - result.test["auc"] < 0.03
+    assert result.samples_per_s > 0
+
+
+def test_run_directory_contents(finished_run):
+    config, result = finished_run
+    run_dir = Path(config.run.dir)
+    assert load_config(run_dir / "config.toml") == config
+    events = read_metrics(run_dir / "metrics.jsonl")
+    train_events = [e for e in events if e["split"] == "train"]
+    assert [e["step"] for e in train_events] == [50, 100, 150, 200, 250, 292]
+    for event in train_events:
+        assert {"step", "loss", "samples_per_s", "epoch", "time"} <= set(event)
+    assert train_events[-1]["loss"] < train_events[0]["loss"]
+    valid = [e for e in events if e["split"] == "valid"]
+    assert [e["step"] for e in valid] == [150]
+    (test,) = [e for e in events if e["split"] == "test"]
+    assert test["step"] == 292 and test["num_samples"] == 32768
+    assert {"auc", "logloss", "oracle_auc"} <= set(test)
+    assert test["auc"] == pytest.approx(result.test["auc"])
+    assert result.checkpoint == latest_checkpoint(run_dir / "checkpoints")
+
+
+def test_checkpoint_reproduces_the_test_metrics(finished_run):
+    config, result = finished_run
+    dataset = build_dataset(config.data, config.run.seed)
+    torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+    model = build_model(config.model, dataset.spec, torch.device("cpu"))
+    state = {"model": model.state_dict(), "step": 0}
+    load_checkpoint(result.checkpoint, state)
+    model.load_state_dict(state["model"])
+    assert state["step"] == 292
+    metrics = BinaryMetrics(dataset.spec.label_names, torch.device("cpu"))
+    model.eval()
+    with torch.no_grad():
+        for batch in BatchLoader(dataset, "test", 8192):
+            metrics.update(model(batch.dense, batch.sparse), batch.labels)
+    assert metrics.compute()["auc"] == pytest.approx(result.test["auc"], abs=1e-6)
+
+
+def test_cli_user_errors_exit_2_with_one_line(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+    assert main(["train", "--train.batchsize=4"]) == 2
+    assert "did you mean 'train.batch_size'" in capsys.readouterr().err
+    too_big = ["--data.synthetic.num_train_samples=100", f"--run.dir={tmp_path}", *SMALL[-1:]]
+    assert main(["train", *too_big]) == 2
+    assert "larger than the train split" in capsys.readouterr().err
+
+
+def test_module_entry_point_prints_resolved_config():
+    out = subprocess.run(
+        [sys.executable, "-m", "recsys", "config", "--train.batch_size=77"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "[train]\nbatch_size = 77" in out
