@@ -17,7 +17,6 @@ setup: $(STAMP)
 # Rebuilt only when a pin or the package metadata changes, so a second `make setup` is instant.
 $(STAMP): pyproject.toml requirements/base.txt $(TORCHREC_REQS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
 	$(BIN)/python -m pip install --quiet -r requirements/base.txt
 	$(BIN)/python -m pip install --quiet --no-deps -r $(TORCHREC_REQS)
 	$(BIN)/python -m pip install --quiet --no-deps -e .
