@@ -68,7 +68,8 @@ def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    # Model buffers are constants (index tables), so there is nothing to broadcast per forward.
+    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 
 
 def shutdown_distributed() -> None:

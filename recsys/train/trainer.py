@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from recsys.config import CheckpointConfig, Config, DataConfig, TrainConfig, to_toml
@@ -201,14 +202,17 @@ class _Run:
         """AUC / logloss over the whole split (all ranks), logged as an eval event."""
         oracle = getattr(self.dataset, "click_probability", None)
         metrics = BinaryMetrics(self.dataset.spec.label_names, self.device, oracle is not None)
-        was_training = self.model.training
-        self.model.eval()
+        # The unwrapped module: ranks may hold different numbers of eval batches, and DDP's
+        # forward could start collectives that a rank with fewer batches never joins.
+        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        was_training = model.training
+        model.eval()
         num_samples = 0
         for batch in self._loader(split):
-            logits = self.model(batch.dense, batch.sparse)
+            logits = model(batch.dense, batch.sparse)
             metrics.update(logits, batch.labels, oracle(batch) if oracle is not None else None)
             num_samples += batch.batch_size
-        self.model.train(was_training)
+        model.train(was_training)
         result = metrics.compute()
         result["num_samples"] = _sum_over_ranks(num_samples, self.device)
         self.logger.log(split, self.step, **result)
