@@ -337,19 +337,21 @@ def to_toml(config: Any) -> str:
     return "\n".join(lines).strip() + "\n"
 
 
+def _split_fields(obj: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """(values, sub-sections) of a config section, each as (field name, value) pairs."""
+    items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    return (
+        [(n, v) for n, v in items if not dataclasses.is_dataclass(v)],
+        [(n, v) for n, v in items if dataclasses.is_dataclass(v)],
+    )
+
+
 def _write_section(obj: Any, path: list[str], lines: list[str]) -> None:
-    scalars = []
-    sections = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            sections.append((f.name, value))
-        else:
-            scalars.append(f"{f.name} = {_toml_value(value)}")
-    if path and scalars:
+    values, sections = _split_fields(obj)
+    if path and values:
         lines.append(f"[{'.'.join(path)}]")
-    lines.extend(scalars)
-    if scalars:
+    lines.extend(f"{name} = {_toml_value(value)}" for name, value in values)
+    if values:
         lines.append("")
     for name, value in sections:
         _write_section(value, [*path, name], lines)
@@ -403,17 +405,11 @@ def _reference_section(obj: Any, path: list[str], out: list[str]) -> None:
     cls = type(obj)
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
+    values, sections = _split_fields(obj)
     rows = []
-    sections = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            sections.append((f.name, value))
-        else:
-            doc = docs.get(f.name, "").replace("\n", " ")
-            rows.append(
-                f"| `{f.name}` | {_type_name(hints[f.name])} | `{_toml_value(value)}` | {doc} |"
-            )
+    for name, value in values:
+        doc = docs.get(name, "").replace("\n", " ")
+        rows.append(f"| `{name}` | {_type_name(hints[name])} | `{_toml_value(value)}` | {doc} |")
     if path:
         out += [f"## [{'.'.join(path)}]", "", inspect.cleandoc(cls.__doc__ or ""), ""]
     if rows:
