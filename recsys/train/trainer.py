@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from recsys.config import CheckpointConfig, Config, DataConfig, TrainConfig, to_toml
+from recsys.data.batch import Batch
 from recsys.data.loader import BatchLoader, ChunkedDataset
 from recsys.data.synthetic import SyntheticDataset
 from recsys.distributed.parallel import (
@@ -115,6 +116,7 @@ class _Run:
         self.model = parallelize(build_model(config.model, self.dataset.spec, device), device)
         self.optimizers = build_optimizers(config.train, self.model)
         self.step = 0
+        self.last_checkpoint: Path | None = None
 
     def fit(self) -> TrainResult:
         cfg, train_cfg = self.config, self.config.train
@@ -163,7 +165,11 @@ class _Run:
                 break
         progress.close()
         test = self.evaluate("test")
-        checkpoint = self.save() if cfg.checkpoint.save_final else None
+        checkpoint = None
+        if cfg.checkpoint.save_final:
+            checkpoint = (
+                self.last_checkpoint if self._checkpoint_due(cfg.checkpoint) else self.save()
+            )
         samples_per_s = (
             self.step * train_cfg.batch_size * self.info.world_size / max(window.train_time, 1e-9)
         )
@@ -187,7 +193,7 @@ class _Run:
             device=self.device,
         )
 
-    def _train_step(self, batch: Any) -> torch.Tensor:
+    def _train_step(self, batch: Batch) -> torch.Tensor:
         logits = self.model(batch.dense, batch.sparse)  # [B, T]
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         for optimizer in self.optimizers.values():
@@ -239,6 +245,7 @@ class _Run:
             self.run_dir / "checkpoints", self.step, state, keep=self.config.checkpoint.keep
         )
         self._print(f"saved checkpoint {path}")
+        self.last_checkpoint = path
         return path
 
     def _print(self, message: str) -> None:
@@ -262,9 +269,9 @@ class _Window:
 
     def close(self, samples_per_step: int) -> tuple[float, float]:
         """Mean loss and samples/s of the window; starts the next one."""
+        loss = float(self.loss) / max(self.steps, 1)  # waits for the device: time is honest
         elapsed = time.perf_counter() - self.start
         self.train_time += elapsed
-        loss = float(self.loss) / max(self.steps, 1)
         rate = self.steps * samples_per_step / max(elapsed, 1e-9)
         self.loss.zero_()
         self.steps = 0

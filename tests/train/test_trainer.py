@@ -100,3 +100,23 @@ def test_module_entry_point_prints_resolved_config():
         check=True,
     ).stdout
     assert "[train]\nbatch_size = 77" in out
+
+
+def test_periodic_checkpoints_keep_the_newest(tmp_path):
+    config = load_config(
+        None,
+        [
+            "--data.synthetic.cardinalities=[100,200]",
+            "--data.synthetic.num_train_samples=20000",
+            "--data.synthetic.num_test_samples=5000",
+            "--train.batch_size=1000",
+            "--checkpoint.every_steps=9",
+            "--checkpoint.keep=2",
+            f"--run.dir={tmp_path}",
+            "--run.device=cpu",
+        ],
+    )
+    result = train(config)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_00000018", "step_00000020"]  # 9 was pruned, no temp dirs left
+    assert result.checkpoint.name == "step_00000020"
