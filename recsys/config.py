@@ -73,17 +73,94 @@ class SyntheticConfig:
 
 
 @dataclass
+class CriteoConfig:
+    """Reading a raw Criteo TSV directly (small files; large ones go through preprocess)."""
+
+    hash_buckets: int = 100_000
+    """Rows of every categorical table: ids are int(hex) mod hash_buckets."""
+    valid_fraction: float = 0.05
+    """Share of the lines drawn (seeded by run.seed) into the validation split."""
+    test_fraction: float = 0.05
+    """Share of the lines drawn into the test split."""
+    strict: bool = False
+    """Stop at the first malformed line instead of counting and skipping it."""
+
+
+@dataclass
 class DataConfig:
     """Where batches come from and how they are loaded."""
 
-    source: Literal["synthetic"] = "synthetic"
-    """Data source. ``synthetic`` is built in and needs no files."""
+    source: Literal["auto", "synthetic", "parquet", "criteo"] = "auto"
+    """``auto``: ``parquet`` when data.path is a preprocessed directory, ``criteo`` when it is
+    a file, ``synthetic`` when data.path is empty."""
+    path: str = ""
+    """A directory written by ``recsys preprocess`` (or a raw Criteo TSV file, read whole)."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     """Settings of the synthetic source."""
+    criteo: CriteoConfig = field(default_factory=CriteoConfig)
+    """Settings of the direct Criteo TSV reader."""
     prefetch_batches: int = 4
     """Batches built ahead by a background thread while the current one trains (0: none)."""
     shuffle: bool = True
-    """Shuffle the order of the train split's chunks every epoch."""
+    """Shuffle the train split every epoch: the order of its chunks and the rows within each
+    shuffle buffer."""
+    shuffle_buffer_chunks: int = 4
+    """Chunks (row groups) whose rows are mixed together when shuffling; more mixes better and
+    holds more rows in memory."""
+    validate: bool = True
+    """Check every chunk read from disk: labels in {0, 1}, finite dense values, ids inside
+    their tables."""
+
+
+@dataclass
+class PreprocessConfig:
+    """``recsys preprocess``: raw logs or tables -> parquet + metadata that training reads."""
+
+    format: Literal["criteo", "parquet", "csv"] = "criteo"
+    """Input format: Criteo TSV (label, 13 counts, 26 hex categories; .gz allowed), or parquet /
+    CSV with named columns (give their roles below)."""
+    input: str = ""
+    """Training data: a file, a directory of files, or a glob."""
+    valid: str = ""
+    """Validation data; empty: carve valid_fraction out of input."""
+    test: str = ""
+    """Test data; empty: carve test_fraction out of input."""
+    output: str = ""
+    """Directory to write: train/, valid/, test/ parquet, metadata.json, categories/."""
+    overwrite: bool = False
+    """Replace an existing output directory."""
+    categorical: list[str] = field(default_factory=list)
+    """parquet/csv: one-id-per-row categorical columns."""
+    multi_hot: list[str] = field(default_factory=list)
+    """parquet/csv: list columns, each row a bag of ids."""
+    dense: list[str] = field(default_factory=list)
+    """parquet/csv: numeric feature columns."""
+    label: list[str] = field(default_factory=list)
+    """parquet/csv: 0/1 label columns (several for multi-task models)."""
+    encoding: Literal["categorify", "hash"] = "categorify"
+    """``categorify``: contiguous ids fitted on train (0 padding, 1 missing, 2 rare or unseen,
+    frequent values from 3); ``hash``: id = hash(value) mod hash_buckets."""
+    freq_threshold: int = 1
+    """categorify: values seen fewer times than this in train share the rare id."""
+    hash_buckets: int = 1_000_000
+    """hash: table size of every categorical feature."""
+    log_dense: bool = True
+    """Dense values become log(1 + max(x, 0)) (for counts, as Criteo's); missing ones are 0."""
+    normalize_dense: bool = False
+    """Standardize dense values with the train split's mean and std (after the log)."""
+    valid_fraction: float = 0.05
+    """Share of input rows carved into valid when no valid data is given."""
+    test_fraction: float = 0.05
+    """Share of input rows carved into test when no test data is given."""
+    seed: int = 0
+    """Seed of the carve-out draw."""
+    chunk_mb: int = 64
+    """Input is read and transformed in pieces of about this many MB: memory stays bounded."""
+    row_group_rows: int = 65_536
+    """Rows per parquet row group in the output; a row group is the unit training reads and
+    shards across ranks."""
+    strict: bool = False
+    """Stop at the first malformed line / row instead of counting and skipping it."""
 
 
 @dataclass
@@ -156,6 +233,8 @@ class Config:
     """[train]"""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """[checkpoint]"""
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    """[preprocess] (read by ``recsys preprocess`` only)"""
 
 
 # ---------------------------------------------------------------------------------------------

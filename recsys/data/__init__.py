@@ -1,0 +1,40 @@
+"""Data: sources (synthetic, preprocessed parquet, raw Criteo TSV) behind one chunked interface,
+the Batch they produce, and the BatchLoader that feeds training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from recsys.config import DataConfig
+from recsys.data.loader import ChunkedDataset
+
+
+def build_dataset(config: DataConfig, seed: int) -> ChunkedDataset:
+    """The dataset the ``[data]`` section names (see ``data.source``)."""
+    source = config.source
+    path = Path(config.path) if config.path else None
+    if source == "auto":
+        source = "synthetic" if path is None else "parquet" if path.is_dir() else "criteo"
+    if source == "synthetic":
+        if path is not None:
+            raise ValueError(
+                f"data.path = '{config.path}' but data.source = 'synthetic'; "
+                "use data.source = 'auto' (or 'parquet' / 'criteo') to read it"
+            )
+        from recsys.data.synthetic import SyntheticDataset
+
+        return SyntheticDataset(config.synthetic, seed=seed)
+    if path is None:
+        raise ValueError(f"data.source = '{source}' needs data.path")
+    if not path.exists():
+        raise FileNotFoundError(f"data.path not found: '{path}'")
+    if source == "parquet":
+        from recsys.data.parquet import ParquetDataset
+
+        return ParquetDataset(path, validate=config.validate)
+    from recsys.data.criteo import CriteoDataset
+
+    c = config.criteo
+    return CriteoDataset(
+        path, c.hash_buckets, c.valid_fraction, c.test_fraction, seed=seed, strict=c.strict
+    )

@@ -102,6 +102,30 @@ class Batch:
             labels=self.labels[start:stop],
         )
 
+    def take(self, rows: torch.Tensor) -> Batch:
+        """Rows ``rows`` (int64 [R], any order, repeats allowed) as a new batch."""
+        kjt = self.sparse
+        num_keys = len(kjt.keys())
+        lengths = kjt.lengths().view(num_keys, -1)[:, rows].long()  # [F, R]
+        starts = kjt.offsets()[:-1].view(num_keys, -1)[:, rows].long()  # [F, R]
+        flat_lengths, flat_starts = lengths.reshape(-1), starts.reshape(-1)
+        # Position of every id of every picked bag: its bag's start + its rank in the bag.
+        total = int(flat_lengths.sum())
+        bag_first = torch.cumsum(flat_lengths, 0) - flat_lengths  # [F*R], exclusive
+        rank = torch.arange(total) - torch.repeat_interleave(bag_first, flat_lengths)
+        positions = torch.repeat_interleave(flat_starts, flat_lengths) + rank
+        weights = kjt.weights_or_none()
+        return Batch(
+            dense=self.dense[rows],
+            sparse=KeyedJaggedTensor(
+                keys=kjt.keys(),
+                values=kjt.values()[positions],
+                lengths=lengths.reshape(-1).to(kjt.lengths().dtype),
+                weights=None if weights is None else weights[positions],
+            ),
+            labels=self.labels[rows],
+        )
+
     @staticmethod
     def concat(batches: list[Batch]) -> Batch:
         """Join batches row-wise; all must have the same keys in the same order."""

@@ -8,9 +8,12 @@ chunks, each a :class:`~recsys.data.batch.Batch` of many rows:
     chunk(split, i) -> Batch
 
 Each epoch the loader orders the chunks (a seeded permutation when shuffling), gives rank r the
-chunks r, r + W, r + 2W, ... of that order, and cuts the rows it reads into batches of
-``batch_size``. With ``drop_last`` (training) every rank yields the same number of full batches,
-so collective ops (DDP's all-reduce) never wait for a rank that ran out of data.
+chunks r, r + W, r + 2W, ... of that order, permutes the rows of every ``shuffle_buffer_chunks``
+consecutive chunks when shuffling, and cuts the rows into batches of ``batch_size``. Everything
+is a function of (seed, epoch), so the position (epoch, batches done) is enough to resume.
+With ``drop_last`` (training) every rank yields the same number of full batches, so collective
+ops (DDP's all-reduce) never wait for a rank that ran out of data; the up to W x batch_size rows
+this leaves over are dropped from that epoch. Without it (evaluation) every row is read once.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ class BatchLoader:
         prefetch: batches built ahead by a background thread (0: build in the caller).
         device: where batches are delivered; on CUDA they are pinned in the background thread
             and copied with ``non_blocking=True``.
+        shuffle_buffer_chunks: with ``shuffle``, rows of this many consecutive chunks (of this
+            rank's order) are permuted together before batches are cut.
+        start_batch: resume inside the epoch: skip this many batches (the chunks they came
+            from are not read). The data position of a run is (epoch, batches done).
 
     Example::
 
@@ -73,6 +80,8 @@ class BatchLoader:
         world_size: int = 1,
         prefetch: int = 0,
         device: torch.device | str | None = None,
+        shuffle_buffer_chunks: int = 1,
+        start_batch: int = 0,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -82,8 +91,14 @@ class BatchLoader:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.dataset = dataset
         self.split = split
+        if shuffle_buffer_chunks < 1:
+            raise ValueError(f"shuffle_buffer_chunks must be >= 1, got {shuffle_buffer_chunks}")
         self.batch_size = batch_size
         self.drop_last = drop_last
+        self.shuffle = shuffle
+        self.shuffle_buffer_chunks = shuffle_buffer_chunks
+        self.seed = seed
+        self.epoch = epoch
         self.prefetch = prefetch
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         num_chunks = dataset.num_chunks(split)
@@ -103,6 +118,9 @@ class BatchLoader:
             self.num_batches = min(rows_per_rank) // batch_size
         else:
             self.num_batches = -(-rows // batch_size)
+        if not 0 <= start_batch <= self.num_batches:
+            raise ValueError(f"start_batch {start_batch} outside [0, {self.num_batches}]")
+        self.start_batch = start_batch
 
     def __len__(self) -> int:
         return self.num_batches
@@ -115,19 +133,36 @@ class BatchLoader:
         for batch in batches:
             yield batch.to(self.device, non_blocking=pin) if self.device.type != "cpu" else batch
 
+    def _pieces(self) -> Iterator[Batch]:
+        """This rank's rows of the epoch in order, as pieces of one shuffle buffer each, starting
+        ``start_batch * batch_size`` rows in (buffers before that point are not even read)."""
+        skip = self.start_batch * self.batch_size
+        group_size = self.shuffle_buffer_chunks if self.shuffle else 1
+        for group_index, first in enumerate(range(0, len(self.chunks), group_size)):
+            group = self.chunks[first : first + group_size]
+            num_rows = sum(self.dataset.chunk_rows(self.split, c) for c in group)
+            if skip >= num_rows:
+                skip -= num_rows
+                continue
+            piece = Batch.concat([self.dataset.chunk(self.split, c) for c in group])
+            if self.shuffle:
+                seed = np.random.SeedSequence([self.seed, self.epoch, group_index, 1])
+                order = np.random.default_rng(seed).permutation(num_rows)
+                piece = piece.take(torch.from_numpy(order))
+            if skip:
+                piece, skip = piece.slice(skip, num_rows), 0
+            yield piece
+
     def _cpu_batches(self, pin: bool) -> Iterator[Batch]:
-        produced = 0
+        produced = self.start_batch
         pending: list[Batch] = []
         pending_rows = 0
-        for index in self.chunks:
-            if produced == self.num_batches:
-                return
-            chunk = self.dataset.chunk(self.split, index)
+        for piece in self._pieces():
             position = 0
-            while position < len(chunk) and produced < self.num_batches:
-                take = min(self.batch_size - pending_rows, len(chunk) - position)
-                whole = position == 0 and take == len(chunk)
-                pending.append(chunk if whole else chunk.slice(position, position + take))
+            while position < len(piece) and produced < self.num_batches:
+                take = min(self.batch_size - pending_rows, len(piece) - position)
+                whole = position == 0 and take == len(piece)
+                pending.append(piece if whole else piece.slice(position, position + take))
                 pending_rows += take
                 position += take
                 if pending_rows == self.batch_size:
@@ -135,7 +170,9 @@ class BatchLoader:
                     yield batch.pin_memory() if pin else batch
                     produced += 1
                     pending, pending_rows = [], 0
-        if pending and produced < self.num_batches:
+            if produced == self.num_batches:
+                return
+        if pending:
             batch = Batch.concat(pending)
             yield batch.pin_memory() if pin else batch
 

@@ -22,7 +22,9 @@ valid and test splits are independent draws. The teacher depends on the seed onl
 
 from __future__ import annotations
 
+import gzip
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -105,6 +107,37 @@ class SyntheticDataset:
     def click_probability(self, batch: Batch) -> torch.Tensor:
         """The teacher's click probability f32[B, T] for a batch of this dataset's features."""
         return self._teacher.probability(batch.dense.cpu(), batch.sparse.to(torch.device("cpu")))
+
+    def write_criteo(
+        self, path: str | Path, split: str = "train", num_rows: int | None = None
+    ) -> int:
+        """Write rows of ``split`` as a Criteo TSV (gzip when ``path`` ends in .gz): label, the
+        dense features as integer counts, ids as hex. Needs 13 dense features and one-hot bags.
+
+        Returns the number of lines written. Handy for trying ``recsys preprocess`` on data with
+        a known oracle.
+        """
+        if self.config.num_dense != 13 or len(self.config.cardinalities) != 26:
+            raise ValueError("Criteo lines need num_dense = 13 and 26 cardinalities")
+        if any(m != 1 for m in self.bag_sizes):
+            raise ValueError("Criteo lines hold one id per feature; use one-hot bag_sizes")
+        total = self.num_samples(split) if num_rows is None else num_rows
+        opener = gzip.open if str(path).endswith(".gz") else open
+        written = 0
+        with opener(path, "wt") as out:
+            for index in range(self.num_chunks(split)):
+                if written == total:
+                    break
+                chunk = self.chunk(split, index)
+                rows = min(len(chunk), total - written)
+                counts = np.rint(np.expm1(chunk.dense[:rows].numpy())).astype(np.int64)
+                ids = chunk.sparse.values().view(26, -1)[:, :rows].T.numpy()
+                labels = chunk.labels[:rows, 0].long().numpy()
+                for label, count_row, id_row in zip(labels, counts, ids, strict=True):
+                    fields = [str(label), *map(str, count_row), *(f"{i:08x}" for i in id_row)]
+                    out.write("\t".join(fields) + "\n")
+                written += rows
+        return written
 
     def _generate_features(
         self, rng: np.random.Generator, num_rows: int

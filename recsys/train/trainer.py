@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from recsys.config import CheckpointConfig, Config, DataConfig, TrainConfig, to_toml
+from recsys.config import CheckpointConfig, Config, TrainConfig, to_toml
+from recsys.data import build_dataset
 from recsys.data.batch import Batch
-from recsys.data.loader import BatchLoader, ChunkedDataset
-from recsys.data.synthetic import SyntheticDataset
+from recsys.data.loader import BatchLoader
 from recsys.distributed.parallel import (
     DistributedInfo,
     init_distributed,
@@ -58,13 +58,6 @@ class TrainResult:
     samples_per_s: float
     test: dict[str, Any]
     checkpoint: Path | None
-
-
-def build_dataset(config: DataConfig, seed: int) -> ChunkedDataset:
-    """The dataset named by ``data.source``."""
-    if config.source == "synthetic":
-        return SyntheticDataset(config.synthetic, seed=seed)
-    raise ValueError(f"unknown data.source {config.source!r}; available: synthetic")
 
 
 def build_optimizers(config: TrainConfig, model: nn.Module) -> dict[str, torch.optim.Optimizer]:
@@ -116,6 +109,7 @@ class _Run:
         self.model = parallelize(build_model(config.model, self.dataset.spec, device), device)
         self.optimizers = build_optimizers(config.train, self.model)
         self.step = 0
+        self.data_position = {"epoch": 0, "batch": 0}  # batches of that epoch already trained on
         self.last_checkpoint: Path | None = None
 
     def fit(self) -> TrainResult:
@@ -142,11 +136,12 @@ class _Run:
         window = _Window(self.device)
         self.model.train()
         for epoch in range(train_cfg.epochs):
-            for batch in self._loader("train", epoch=epoch):
+            for index, batch in enumerate(self._loader("train", epoch=epoch)):
                 if self.step == total_steps:
                     break
                 window.add(self._train_step(batch))
                 self.step += 1
+                self.data_position = {"epoch": epoch, "batch": index + 1}
                 progress.update(1)
                 if self.step % train_cfg.log_every_steps == 0 or self.step == total_steps:
                     loss, rate = window.close(train_cfg.batch_size * self.info.world_size)
@@ -191,6 +186,7 @@ class _Run:
             world_size=self.info.world_size,
             prefetch=self.config.data.prefetch_batches,
             device=self.device,
+            shuffle_buffer_chunks=self.config.data.shuffle_buffer_chunks,
         )
 
     def _train_step(self, batch: Batch) -> torch.Tensor:
@@ -233,12 +229,15 @@ class _Run:
         return config.every_steps > 0 and self.step % config.every_steps == 0
 
     def save(self) -> Path:
-        """Checkpoint the model, both optimizers and the step under <run dir>/checkpoints."""
+        """Checkpoint the model, both optimizers, the step and the data position (epoch, batches
+        done: ``BatchLoader(..., epoch=e, start_batch=b)`` continues from it) under
+        <run dir>/checkpoints."""
         model_state, optimizer_state = get_state_dict(self.model, list(self.optimizers.values()))
         state = {
             "model": model_state,
             "optimizers": optimizer_state,
             "step": self.step,
+            "data": dict(self.data_position),
             "config": to_toml(self.config),
         }
         path = save_checkpoint(

@@ -140,3 +140,13 @@ def test_bad_arguments(data):
         BatchLoader(data, "train", 0)
     with pytest.raises(ValueError, match="rank 2 out of range"):
         BatchLoader(data, "train", 8, rank=2, world_size=2)
+
+
+def test_take_gathers_rows_with_their_bags():
+    batch = weighted_batch(9)
+    order = torch.tensor([8, 0, 3, 3, 5])
+    taken = batch.take(order)
+    assert rows(taken) == [rows(batch)[i] for i in order.tolist()]
+    assert torch.equal(taken.labels, batch.labels[order])
+    kept = batch.take(torch.arange(9))
+    assert torch.equal(kept.sparse.weights(), batch.sparse.weights())

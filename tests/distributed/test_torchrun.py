@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from recsys.config import load_config
+from recsys.data import build_dataset
 from recsys.data.loader import BatchLoader
 from recsys.models import build_model
 from recsys.train.checkpoint import load_checkpoint
 from recsys.train.metrics import BinaryMetrics, read_metrics
-from recsys.train.trainer import build_dataset
 
 OVERRIDES = [
     "--data.synthetic.cardinalities=[100,1000,500,20]",

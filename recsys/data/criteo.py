@@ -1,0 +1,296 @@
+"""Criteo click logs: a streaming, validating TSV reader and a direct in-memory dataset.
+
+A Criteo Kaggle / Terabyte line is ``label \\t int_0 .. int_12 \\t cat_0 .. cat_25``: a 0/1
+label, 13 integer count features and 26 categorical features as hex strings; any field but
+the label may be empty (missing). Files may be gzip-compressed (``.gz``).
+
+:func:`read_criteo` streams a file in chunks (bounded memory) and checks every line: a wrong
+column count, a label other than 0/1, a non-integer count or a non-hex category makes the line
+*malformed*. Malformed lines are counted and skipped, with file and line number reported
+(:class:`MalformedLines`), or stop the read in strict mode. Nothing is silently turned into a
+zero: a missing field stays null until a transform fills it on purpose.
+
+:class:`CriteoDataset` reads a small file whole (hashing ids into a fixed number of buckets,
+log(1 + x) on counts) for quick experiments without a preprocessing step; large logs go through
+``recsys preprocess`` (``recsys.data.etl``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pcsv
+import torch
+from torchrec import KeyedJaggedTensor
+
+from recsys.data.batch import Batch, DatasetSpec
+
+NUM_INT = 13
+NUM_CAT = 26
+LABEL = "label"
+INT_COLUMNS = [f"int_{i}" for i in range(NUM_INT)]
+CAT_COLUMNS = [f"cat_{i}" for i in range(NUM_CAT)]
+COLUMNS = [LABEL, *INT_COLUMNS, *CAT_COLUMNS]
+_INTEGER = r"^-?[0-9]+$"
+_HEX = r"^[0-9a-fA-F]{1,16}$"
+_EXAMPLES = 10
+
+
+@dataclass
+class MalformedLines:
+    """Malformed lines met while reading: counts per reason and the first few examples."""
+
+    count: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, path: Path, line: int, kind: str, detail: str) -> None:
+        """Record line ``line`` of ``path``, malformed because of ``kind`` (``detail`` says how)."""
+        self.count += 1
+        self.reasons[kind] += 1
+        if len(self.examples) < _EXAMPLES:
+            self.examples.append(f"{path}:{line}: {detail}")
+
+    def summary(self) -> str:
+        if not self.count:
+            return "no malformed lines"
+        kinds = ", ".join(f"{n} x {r}" for r, n in self.reasons.most_common())
+        return f"skipped {self.count} malformed line(s) ({kinds}); first: {self.examples[0]}"
+
+
+def read_criteo(
+    path: str | Path,
+    chunk_bytes: int = 64 << 20,
+    strict: bool = False,
+    malformed: MalformedLines | None = None,
+) -> Iterator[pa.Table]:
+    """Stream a Criteo TSV (optionally gzip) as validated tables.
+
+    Args:
+        path: the file.
+        chunk_bytes: bytes parsed per chunk; memory stays a small multiple of this.
+        strict: raise ``ValueError`` at the first malformed line instead of skipping it.
+        malformed: collects what was skipped (a new one is used when None).
+
+    Yields:
+        Tables with ``label`` int8, ``int_*`` float64 (null when missing) and ``cat_*`` strings
+        (null when missing), one row per valid line, in file order.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Criteo file not found: '{path}'")
+    malformed = malformed if malformed is not None else MalformedLines()
+    wrong_width: dict[int, str] = {}  # line number -> detail, for lines the parser dropped
+    strict_error: list[str] = []
+
+    def on_invalid_row(row: pcsv.InvalidRow) -> str:
+        detail = f"expected {len(COLUMNS)} tab-separated fields, found {row.actual_columns}"
+        if strict:
+            strict_error.append(f"{path}:{row.number}: malformed line: {detail}")
+            return "error"
+        wrong_width[row.number] = detail
+        return "skip"
+
+    def open_reader() -> pcsv.CSVStreamingReader:
+        return pcsv.open_csv(
+            pa.input_stream(str(path), compression="detect"),
+            read_options=pcsv.ReadOptions(
+                column_names=COLUMNS, block_size=chunk_bytes, use_threads=False
+            ),
+            parse_options=pcsv.ParseOptions(
+                delimiter="\t",
+                quote_char=False,
+                ignore_empty_lines=False,
+                invalid_row_handler=on_invalid_row,
+            ),
+            convert_options=pcsv.ConvertOptions(
+                column_types={c: pa.string() for c in COLUMNS}, strings_can_be_null=False
+            ),
+        )
+
+    @contextmanager
+    def parse_errors() -> Iterator[None]:
+        # The parser reports a strict-mode stop as its own ArrowInvalid: say which line it was.
+        try:
+            yield
+        except pa.ArrowInvalid as error:
+            raise ValueError(strict_error[0] if strict_error else f"{path}: {error}") from None
+
+    with parse_errors():
+        reader = open_reader()
+    next_line = 1
+    while True:
+        try:
+            with parse_errors():
+                record_batch = reader.read_next_batch()
+        except StopIteration:
+            break
+        table = pa.Table.from_batches([record_batch])
+        lines = _line_numbers(next_line, table.num_rows, wrong_width)
+        last = int(lines[-1]) if len(lines) else next_line
+        for line in sorted(n for n in wrong_width if n < last):
+            malformed.add(path, line, "field count", wrong_width.pop(line))
+        next_line = last + 1 if len(lines) else next_line
+        bad = _check_fields(table)
+        if bad is not None:
+            mask, kinds, details = bad
+            for row in np.flatnonzero(mask):
+                if strict:
+                    raise ValueError(f"{path}:{lines[row]}: malformed line: {details[row]}")
+                malformed.add(path, int(lines[row]), kinds[row], details[row])
+            table = table.filter(pa.array(~mask))
+        yield _convert(table)
+    for line in sorted(wrong_width):
+        malformed.add(path, line, "field count", wrong_width.pop(line))
+
+
+def _line_numbers(first: int, num_rows: int, skipped: dict[int, str]) -> np.ndarray:
+    """Line numbers of the ``num_rows`` rows read from line ``first`` on, skipping the lines
+    the parser dropped."""
+    later = sum(1 for n in skipped if n >= first)
+    candidates = np.arange(first, first + num_rows + later)
+    if later:
+        candidates = candidates[~np.isin(candidates, list(skipped))]
+    return candidates[:num_rows]
+
+
+def _check_fields(table: pa.Table) -> tuple[np.ndarray, list[str], list[str]] | None:
+    """(malformed mask, kind and detail per row) for rows with a bad field; None if all fine."""
+    checks = [(LABEL, r"^[01]$", "label {!r} is not 0 or 1")]
+    checks += [(c, _INTEGER, c + " {!r} is not an integer") for c in INT_COLUMNS]
+    checks += [(c, _HEX, c + " {!r} is not hexadecimal") for c in CAT_COLUMNS]
+    mask = np.zeros(table.num_rows, dtype=bool)
+    failures = []
+    for column, pattern, message in checks:
+        values = table.column(column)
+        ok = pc.match_substring_regex(values, pattern)
+        if column != LABEL:
+            ok = pc.or_(ok, pc.equal(values, ""))
+        column_bad = ~ok.to_numpy(zero_copy_only=False)
+        if column_bad.any():
+            failures.append((column, column_bad, values, message))
+            mask |= column_bad
+    if not mask.any():
+        return None
+    kinds = [""] * table.num_rows
+    details = [""] * table.num_rows
+    for column, column_bad, values, message in reversed(failures):  # keep the first bad field
+        for row in np.flatnonzero(column_bad):
+            kinds[row] = column
+            details[row] = message.format(values[int(row)].as_py())
+    return mask, kinds, details
+
+
+def _convert(table: pa.Table) -> pa.Table:
+    columns = {LABEL: pc.cast(table.column(LABEL), pa.int8())}
+    for c in INT_COLUMNS:
+        values = pc.if_else(pc.equal(table.column(c), ""), None, table.column(c))
+        columns[c] = pc.cast(pc.cast(values, pa.int64()), pa.float64())
+    for c in CAT_COLUMNS:
+        values = table.column(c)
+        columns[c] = pc.utf8_lower(pc.if_else(pc.equal(values, ""), None, values))
+    return pa.table(columns)
+
+
+def hash_hex(values: pa.ChunkedArray | pa.Array, buckets: int) -> np.ndarray:
+    """int(hex) mod ``buckets`` for each hex string (up to 16 digits; null -> 0), vectorized."""
+    array = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    strings = np.asarray(array.fill_null("").to_numpy(zero_copy_only=False), dtype="S16")
+    digits = strings.view(np.uint8).reshape(len(strings), 16)
+    nibble = np.zeros(256, dtype=np.uint64)
+    nibble[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10, dtype=np.uint64)
+    nibble[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16, dtype=np.uint64)
+    nibble[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16, dtype=np.uint64)
+    parsed = np.zeros(len(strings), dtype=np.uint64)
+    for i in range(16):  # Horner over the left-aligned digits; padding bytes end a string
+        present = digits[:, i] != 0
+        parsed = np.where(present, parsed * np.uint64(16) + nibble[digits[:, i]], parsed)
+    return (parsed % np.uint64(buckets)).astype(np.int64)
+
+
+class CriteoDataset:
+    """A small Criteo TSV read whole into memory, with the same interface as the others.
+
+    Categories are hashed: id = int(hex) mod ``hash_buckets`` (a missing one is id 0, shared
+    with the ids that hash there); counts become log(1 + max(x, 0)) with missing as 0. Rows are
+    split into train / valid / test by a seeded draw.
+
+    Args:
+        path: the TSV file (``.gz`` allowed).
+        hash_buckets: table size of every categorical feature.
+        valid_fraction, test_fraction: shares of rows for evaluation splits.
+        seed: seed of the split draw.
+        strict: fail on the first malformed line instead of skipping it.
+    """
+
+    CHUNK_ROWS = 65_536
+
+    def __init__(
+        self,
+        path: str | Path,
+        hash_buckets: int = 100_000,
+        valid_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+        seed: int = 0,
+        strict: bool = False,
+    ) -> None:
+        if hash_buckets < 1:
+            raise ValueError(f"hash_buckets must be >= 1, got {hash_buckets}")
+        if valid_fraction < 0 or test_fraction < 0 or valid_fraction + test_fraction >= 1:
+            raise ValueError(
+                f"valid_fraction {valid_fraction} + test_fraction {test_fraction} must be in [0, 1)"
+            )
+        self.malformed = MalformedLines()
+        tables = list(read_criteo(path, strict=strict, malformed=self.malformed))
+        table = pa.concat_tables(tables) if tables else None
+        if table is None or table.num_rows == 0:
+            raise ValueError(f"'{path}' has no valid Criteo lines ({self.malformed.summary()})")
+        self.spec = DatasetSpec(
+            dense_names=tuple(INT_COLUMNS),
+            sparse_names=tuple(CAT_COLUMNS),
+            cardinalities=(hash_buckets,) * NUM_CAT,
+            label_names=(LABEL,),
+        )
+        counts = np.column_stack(
+            [table.column(c).fill_null(0).to_numpy() for c in INT_COLUMNS]
+        ).astype(np.float32)
+        dense = torch.from_numpy(np.log1p(np.maximum(counts, 0)))  # [N, 13]
+        ids = np.stack([hash_hex(table.column(c), hash_buckets) for c in CAT_COLUMNS])  # [26, N]
+        labels = torch.from_numpy(table.column(LABEL).to_numpy().astype(np.float32))[:, None]
+        draw = np.random.default_rng(seed).random(table.num_rows)
+        split_of = np.where(
+            draw < test_fraction, 2, np.where(draw < test_fraction + valid_fraction, 1, 0)
+        )
+        self._splits = {}
+        for index, split in enumerate(("train", "valid", "test")):
+            rows = np.flatnonzero(split_of == index)
+            self._splits[split] = Batch(
+                dense=dense[rows],
+                sparse=KeyedJaggedTensor(
+                    keys=list(CAT_COLUMNS),
+                    values=torch.from_numpy(ids[:, rows].reshape(-1)),
+                    lengths=torch.ones(NUM_CAT * len(rows), dtype=torch.int32),
+                ),
+                labels=labels[rows],
+            )
+
+    def num_samples(self, split: str) -> int:
+        return self._splits[split].batch_size
+
+    def num_chunks(self, split: str) -> int:
+        return math.ceil(self.num_samples(split) / self.CHUNK_ROWS)
+
+    def chunk_rows(self, split: str, index: int) -> int:
+        return min(self.CHUNK_ROWS, self.num_samples(split) - index * self.CHUNK_ROWS)
+
+    def chunk(self, split: str, index: int) -> Batch:
+        start = index * self.CHUNK_ROWS
+        return self._splits[split].slice(start, start + self.chunk_rows(split, index))
