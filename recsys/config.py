@@ -99,8 +99,10 @@ class DataConfig:
     """Settings of the synthetic source."""
     criteo: CriteoConfig = field(default_factory=CriteoConfig)
     """Settings of the direct Criteo TSV reader."""
-    prefetch_batches: int = 4
-    """Batches built ahead by a background thread while the current one trains (0: none)."""
+    prefetch_batches: int = -1
+    """Batches built ahead by a background thread while the current one trains. -1: 4 on CUDA,
+    0 on CPU (there the thread competes with training for the same cores; measured in
+    scripts/bench_data.py); 0: build batches in the training thread."""
     shuffle: bool = True
     """Shuffle the train split every epoch: the order of its chunks and the rows within each
     shuffle buffer."""

@@ -39,7 +39,7 @@ LABEL = "label"
 INT_COLUMNS = [f"int_{i}" for i in range(NUM_INT)]
 CAT_COLUMNS = [f"cat_{i}" for i in range(NUM_CAT)]
 COLUMNS = [LABEL, *INT_COLUMNS, *CAT_COLUMNS]
-_INTEGER = r"^-?[0-9]+$"
+_INTEGER = r"^-?[0-9]{1,18}$"  # fits int64
 _HEX = r"^[0-9a-fA-F]{1,16}$"
 _EXAMPLES = 10
 
@@ -136,17 +136,18 @@ def read_criteo(
         table = pa.Table.from_batches([record_batch])
         lines = _line_numbers(next_line, table.num_rows, wrong_width)
         last = int(lines[-1]) if len(lines) else next_line
-        for line in sorted(n for n in wrong_width if n < last):
-            malformed.add(path, line, "field count", wrong_width.pop(line))
+        problems = [(n, "field count", wrong_width.pop(n)) for n in list(wrong_width) if n < last]
         next_line = last + 1 if len(lines) else next_line
         bad = _check_fields(table)
         if bad is not None:
             mask, kinds, details = bad
-            for row in np.flatnonzero(mask):
-                if strict:
-                    raise ValueError(f"{path}:{lines[row]}: malformed line: {details[row]}")
-                malformed.add(path, int(lines[row]), kinds[row], details[row])
+            rows = np.flatnonzero(mask)
+            if strict:
+                raise ValueError(f"{path}:{lines[rows[0]]}: malformed line: {details[rows[0]]}")
+            problems += [(int(lines[r]), kinds[r], details[r]) for r in rows]
             table = table.filter(pa.array(~mask))
+        for line, kind, detail in sorted(problems):
+            malformed.add(path, line, kind, detail)
         yield _convert(table)
     for line in sorted(wrong_width):
         malformed.add(path, line, "field count", wrong_width.pop(line))
@@ -165,7 +166,7 @@ def _line_numbers(first: int, num_rows: int, skipped: dict[int, str]) -> np.ndar
 def _check_fields(table: pa.Table) -> tuple[np.ndarray, list[str], list[str]] | None:
     """(malformed mask, kind and detail per row) for rows with a bad field; None if all fine."""
     checks = [(LABEL, r"^[01]$", "label {!r} is not 0 or 1")]
-    checks += [(c, _INTEGER, c + " {!r} is not an integer") for c in INT_COLUMNS]
+    checks += [(c, _INTEGER, c + " {!r} is not an integer of up to 18 digits") for c in INT_COLUMNS]
     checks += [(c, _HEX, c + " {!r} is not hexadecimal") for c in CAT_COLUMNS]
     mask = np.zeros(table.num_rows, dtype=bool)
     failures = []

@@ -235,14 +235,14 @@ def _stage(
     parts = dict.fromkeys(SPLITS, 0)
     for split in SPLITS:
         (staging / split).mkdir(parents=True, exist_ok=True)
-    piece = 0
+    first_row = 0  # index of the piece's first row among all input rows read so far
     for source_split, files in sources.items():
         for path in files:
             for table in _read(config, roles, path, malformed):
                 routed = {source_split: table}
                 if source_split == "train" and carve:
-                    routed = _carve(table, carve, config, piece)
-                piece += 1
+                    routed = _carve(table, carve, config, first_row)
+                first_row += table.num_rows
                 for split, part in routed.items():
                     if part.num_rows:
                         pq.write_table(part, staging / split / f"part_{parts[split]:05d}.parquet")
@@ -251,10 +251,10 @@ def _stage(
     return rows
 
 
-def _carve(table: pa.Table, carve: list[str], config: PreprocessConfig, piece: int) -> dict:
-    draw = np.random.default_rng(np.random.SeedSequence([config.seed, piece])).random(
-        table.num_rows
-    )
+def _carve(table: pa.Table, carve: list[str], config: PreprocessConfig, first_row: int) -> dict:
+    """Route each row to train or a carved split by a uniform draw keyed on (seed, row index),
+    so the split does not depend on how the input was cut into pieces."""
+    draw = _uniform(config.seed, np.arange(first_row, first_row + table.num_rows, dtype=np.uint64))
     split_of = np.zeros(table.num_rows, dtype=np.int8)  # 0 train
     edge = 0.0
     for index, split in enumerate(carve, start=1):
@@ -265,6 +265,16 @@ def _carve(table: pa.Table, carve: list[str], config: PreprocessConfig, piece: i
     for index, split in enumerate(carve, start=1):
         routed[split] = table.filter(pa.array(split_of == index))
     return routed
+
+
+def _uniform(seed: int, index: np.ndarray) -> np.ndarray:
+    """Counter-based uniform [0, 1) numbers: splitmix64 of (seed, index)."""
+    with np.errstate(over="ignore"):
+        z = index * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
 def _read(

@@ -122,9 +122,9 @@ class SyntheticDataset:
         if any(m != 1 for m in self.bag_sizes):
             raise ValueError("Criteo lines hold one id per feature; use one-hot bag_sizes")
         total = self.num_samples(split) if num_rows is None else num_rows
-        opener = gzip.open if str(path).endswith(".gz") else open
+        gz = str(path).endswith(".gz")
         written = 0
-        with opener(path, "wt") as out:
+        with gzip.open(path, "wt", compresslevel=1) if gz else open(path, "w") as out:
             for index in range(self.num_chunks(split)):
                 if written == total:
                     break

@@ -184,10 +184,18 @@ class _Run:
             drop_last=training,
             rank=self.info.rank,
             world_size=self.info.world_size,
-            prefetch=self.config.data.prefetch_batches,
+            prefetch=self._prefetch(),
             device=self.device,
             shuffle_buffer_chunks=self.config.data.shuffle_buffer_chunks,
         )
+
+    def _prefetch(self) -> int:
+        prefetch = self.config.data.prefetch_batches
+        if prefetch < -1:
+            raise ValueError(f"data.prefetch_batches = {prefetch}; expected -1 (auto) or >= 0")
+        if prefetch == -1:
+            return 4 if self.device.type == "cuda" else 0
+        return prefetch
 
     def _train_step(self, batch: Batch) -> torch.Tensor:
         logits = self.model(batch.dense, batch.sparse)  # [B, T]

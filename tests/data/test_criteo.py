@@ -33,6 +33,7 @@ MALFORMED = [
     line(ints=[""] * 13, cats=[""] * 26),  # 7 ok: everything missing
     line(ints=["-3", *[""] * 12]),  # 8 ok: negative count
     "1\t2",  # 9 wrong field count
+    line(ints=["9" * 20, *[""] * 12]),  # 10 does not fit int64
 ]
 
 
@@ -43,13 +44,14 @@ def test_malformed_lines_are_counted_with_line_numbers(tmp_path, compress):
     table = pa.concat_tables(read_criteo(path, malformed=malformed))
     assert table.num_rows == 3
     assert table.column_names == COLUMNS
-    assert malformed.count == 6
+    assert malformed.count == 7
     assert [e.split(": ")[0] for e in malformed.examples] == [
-        f"{path}:{n}" for n in (2, 3, 4, 5, 6, 9)
+        f"{path}:{n}" for n in (2, 3, 4, 5, 6, 9, 10)
     ]
     assert "int_0 'x' is not an integer" in malformed.examples[1]
     assert "cat_0 'zz' is not hexadecimal" in malformed.examples[4]
     assert malformed.reasons["field count"] == 2 and malformed.reasons["label"] == 2
+    assert malformed.reasons["int_0"] == 2
     # missing fields stay null: nothing silently becomes zero
     assert table.column("int_0").to_pylist() == [0.0, None, -3.0]
     assert table.column("cat_5").to_pylist() == ["00000005", None, "00000005"]
