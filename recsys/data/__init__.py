@@ -9,12 +9,19 @@ from recsys.config import DataConfig
 from recsys.data.loader import ChunkedDataset
 
 
+def resolve_source(config: DataConfig) -> str:
+    """``data.source`` with ``auto`` resolved from ``data.path``."""
+    if config.source != "auto":
+        return config.source
+    if not config.path:
+        return "synthetic"
+    return "parquet" if Path(config.path).is_dir() else "criteo"
+
+
 def build_dataset(config: DataConfig, seed: int) -> ChunkedDataset:
     """The dataset the ``[data]`` section names (see ``data.source``)."""
-    source = config.source
+    source = resolve_source(config)
     path = Path(config.path) if config.path else None
-    if source == "auto":
-        source = "synthetic" if path is None else "parquet" if path.is_dir() else "criteo"
     if source == "synthetic":
         if path is not None:
             raise ValueError(

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from recsys.config import CheckpointConfig, Config, TrainConfig, to_toml
-from recsys.data import build_dataset
+from recsys.data import build_dataset, resolve_source
 from recsys.data.batch import Batch
 from recsys.data.loader import BatchLoader
 from recsys.distributed.parallel import (
@@ -124,7 +124,8 @@ class _Run:
         if train_cfg.max_steps > 0:
             total_steps = min(total_steps, train_cfg.max_steps)
         self._print(
-            f"recsys: training {cfg.model.name} on {cfg.data.source} data for {total_steps} steps "
+            f"recsys: training {cfg.model.name} on {resolve_source(cfg.data)} data for "
+            f"{total_steps} steps "
             f"(batch {train_cfg.batch_size} x {self.info.world_size} rank(s), {self.device}); "
             f"run dir {self.run_dir}"
         )
