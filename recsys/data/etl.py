@@ -21,7 +21,6 @@ The output directory appears only when everything succeeded: work happens in
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import glob
 import json
 import shutil
@@ -38,6 +37,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
+from recsys._suggest import quoted_with_hints
 from recsys.config import PreprocessConfig
 from recsys.data import criteo
 from recsys.data.criteo import MalformedLines
@@ -331,11 +331,8 @@ def _read_table_pieces(
 def _require_columns(names: list[str], roles: Roles, path: Path) -> None:
     missing = [c for c in roles.all if c not in names]
     if missing:
-        hints = []
-        for c in missing:
-            close = difflib.get_close_matches(c, names, n=1)
-            hints.append(f"'{c}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
-        raise ValueError(f"'{path}' has no column(s) {', '.join(hints)}; its columns: {names}")
+        hints = quoted_with_hints(missing, names)
+        raise ValueError(f"'{path}' has no column(s) {hints}; its columns: {names}")
 
 
 def _check_table(

@@ -8,7 +8,6 @@ import and checkpoints load both ways. All tables are looked up by one call of
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +16,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
+from recsys._suggest import quoted_with_hints
 from recsys.ops.embedding_bag import embedding_bag
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
@@ -160,14 +160,11 @@ class EmbeddingBagCollection(nn.Module):
             position = {k: i for i, k in enumerate(keys)}
             missing = [f for f in self._flat_feature_names if f not in position]
             if missing:
-                hints = []
-                for f in missing:
-                    close = difflib.get_close_matches(f, keys, n=1)
-                    hints.append(f"'{f}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+                hints = quoted_with_hints(missing, keys)
                 raise ValueError(
-                    f"KeyedJaggedTensor is missing features {', '.join(hints)} of this "
-                    f"EmbeddingBagCollection; its keys are {list(keys)}, the collection "
-                    f"expects {self._flat_feature_names}"
+                    f"KeyedJaggedTensor is missing features {hints} of this "
+                    f"EmbeddingBagCollection; its keys are {list(keys)}, the collection expects "
+                    f"{self._flat_feature_names}"
                 )
             self._key_index_cache[cache_key] = [position[f] for f in self._flat_feature_names]
         return self._key_index_cache[cache_key]
