@@ -344,48 +344,32 @@ def _check_table(
     malformed: MalformedLines,
 ) -> pa.Table:
     """Labels must be 0/1 and dense values finite (null means missing and is allowed)."""
-    bad = np.zeros(table.num_rows, dtype=bool)
-    reasons: dict[int, tuple[str, str]] = {}
+    checks = []  # (role, column, values, malformed mask, what is wrong)
     columns = {}
     for name in roles.labels:
         values = pc.cast(table.column(name), pa.float32()).to_numpy(zero_copy_only=False)
-        wrong = ~np.isin(values, [0.0, 1.0])
-        _note(
-            wrong,
-            bad,
-            reasons,
-            name,
-            lambda r, v=values, n=name: f"label {n} {v[r]!r} is not 0 or 1",
-        )
+        checks.append(("label", name, values, ~np.isin(values, [0.0, 1.0]), "is not 0 or 1"))
         columns[name] = pa.array(np.nan_to_num(values), pa.float32())
     for name in roles.dense:
         column = pc.cast(table.column(name), pa.float32())
         values = column.to_numpy(zero_copy_only=False)  # null -> nan here
-        is_null = column.is_null().to_numpy(zero_copy_only=False)
-        wrong = ~np.isfinite(values) & ~is_null
-        _note(
-            wrong,
-            bad,
-            reasons,
-            name,
-            lambda r, v=values, n=name: f"dense {n} {v[r]!r} is not finite",
-        )
+        missing = column.is_null().to_numpy(zero_copy_only=False)
+        checks.append(("dense", name, values, ~np.isfinite(values) & ~missing, "is not finite"))
         columns[name] = column
     for name in roles.sparse:
         columns[name] = table.column(name)
-    if bad.any():
-        for row in np.flatnonzero(bad):
-            kind, detail = reasons[int(row)]
-            if strict:
-                raise ValueError(f"{path}: row {first_row + row}: {detail}")
-            malformed.add(path, first_row + int(row), kind, f"row {first_row + row}: {detail}")
+    bad = np.zeros(table.num_rows, dtype=bool)
+    problems = []
+    for role, name, values, wrong, what in checks:
+        for row in np.flatnonzero(wrong & ~bad):  # report the first bad field of a row
+            line = first_row + int(row)
+            problems.append((line, name, f"row {line}: {role} {name} {values[row]!r} {what}"))
+        bad |= wrong
+    for line, kind, detail in sorted(problems):
+        if strict:
+            raise ValueError(f"{path}: {detail}")
+        malformed.add(path, line, kind, detail)
     return pa.table(columns).filter(pa.array(~bad))
-
-
-def _note(wrong, bad, reasons, kind, describe) -> None:
-    for row in np.flatnonzero(wrong & ~bad):
-        reasons[int(row)] = (kind, describe(int(row)))
-    bad |= wrong
 
 
 # ---------------------------------------------------------------------------------------------
