@@ -17,26 +17,25 @@ from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
 from recsys._suggest import quoted_with_hints
-from recsys.ops.embedding_bag import embedding_bag
+from recsys.embedding.optim import FusedOptimizer
+from recsys.ops.embedding_bag import (
+    FusedUpdate,
+    LookupPlan,
+    TableLayout,
+    table_batched_embedding_bag,
+)
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 _DTYPE = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 
 
 class EmbeddingTable(nn.Module):
-    """One table's weight [num_embeddings, embedding_dim]; looked up by its collection."""
+    """One table's weight [num_embeddings, embedding_dim] (a view of its collection's packed
+    buffer) and, with a fused optimizer, its optimizer state; looked up by its collection."""
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | None,
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, requires_grad: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device)
-        )
+        self.weight = nn.Parameter(weight, requires_grad=requires_grad)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}, dtype={self.weight.dtype}"
@@ -52,9 +51,19 @@ class EmbeddingBagCollection(nn.Module):
         device: where the tables live (``"meta"`` leaves them uninitialized).
         backend: op backend, ``"auto"`` / ``"torch"`` / ``"triton"``.
         validate: check every input's ids against the table sizes (one cheap pass).
+        optimizer: a fused optimizer from :mod:`recsys.embedding.optim` (``SGD``, ``Adagrad``,
+            ``RowWiseAdagrad``, ``Adam``), or None.
 
-    Gradients: tables are ordinary parameters with dense gradients, so any torch optimizer
-    trains them.
+    Training the tables:
+
+    - ``optimizer=None``: tables are ordinary parameters and backward gives them dense
+      gradients (a zero-filled tensor of the table's shape with the touched rows set), so any
+      torch optimizer trains them. Simple, but the gradient is as big as the table.
+    - ``optimizer=RowWiseAdagrad(lr=...)`` (or another fused optimizer): backward applies the
+      update to the touched rows in place, with duplicate ids reduced first, and builds no
+      gradient tensor; the table parameters have ``requires_grad=False`` (give them to no
+      torch optimizer). Its state is in ``state_dict()`` as ``embedding_bags.<table>.<state>``
+      plus ``optimizer_step``; ``ebc.optimizer.lr = x`` changes the learning rate.
 
     Example::
 
@@ -76,6 +85,7 @@ class EmbeddingBagCollection(nn.Module):
         *,
         backend: str = "auto",
         validate: bool = True,
+        optimizer: FusedOptimizer | None = None,
     ) -> None:
         super().__init__()
         names = [t.name for t in tables]
@@ -89,7 +99,12 @@ class EmbeddingBagCollection(nn.Module):
         self._embedding_bag_configs = tables
         self.backend = backend
         self.validate = validate
-        self.embedding_bags = nn.ModuleDict()
+        if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
+            raise ValueError(
+                f"optimizer={optimizer!r}; expected None or a fused optimizer from "
+                "recsys.embedding.optim (SGD, Adagrad, RowWiseAdagrad, Adam)"
+            )
+        self.optimizer = optimizer
         for config in tables:
             if config.pooling not in _POOLING:
                 raise ValueError(
@@ -103,12 +118,27 @@ class EmbeddingBagCollection(nn.Module):
                 )
             if not config.feature_names:
                 config.feature_names = [config.name]
-            self.embedding_bags[config.name] = EmbeddingTable(
-                config.num_embeddings, config.embedding_dim, _DTYPE[config.data_type], self._device
-            )
         dtypes = {_DTYPE[c.data_type] for c in tables}
         if len(dtypes) > 1:
             raise ValueError(f"all tables of a collection must share one data_type, got {dtypes}")
+        self._layout = TableLayout.build(
+            [c.num_embeddings for c in tables], [c.embedding_dim for c in tables]
+        )
+        self._flat = torch.empty(self._layout.numel, dtype=dtypes.pop(), device=self._device)
+        self._states: dict[str, torch.Tensor] = {}
+        if optimizer is not None:
+            for name, kind in optimizer.states.items():
+                size = self._layout.total_rows if kind == "row" else self._layout.numel
+                self._states[name] = torch.full(
+                    (size,), optimizer.initial_state(name), device=self._device
+                )
+            self.register_buffer("optimizer_step", torch.zeros((), dtype=torch.int64))
+        # Autograd input that makes backward run when the tables themselves take no gradient.
+        self._anchor = torch.zeros((), device=self._device, requires_grad=True)
+        self.embedding_bags = nn.ModuleDict()
+        for config, view in zip(tables, self._layout.table_views(self._flat), strict=True):
+            self.embedding_bags[config.name] = EmbeddingTable(view, optimizer is None)
+        self._bind_views()
         self._feature_names: list[list[str]] = [list(t.feature_names) for t in tables]
         self._embedding_names: list[str] = [
             name for per_table in get_embedding_names_by_table(tables) for name in per_table
@@ -119,6 +149,7 @@ class EmbeddingBagCollection(nn.Module):
         self._feature_to_table = [t for t, feats in enumerate(self._feature_names) for _ in feats]
         self._flat_feature_names = [f for feats in self._feature_names for f in feats]
         self._table_pooling = [_POOLING[t.pooling] for t in tables]
+        self._plan = LookupPlan(self._layout, self._feature_to_table, self._table_pooling)
         self._key_index_cache: dict[tuple[str, ...], list[int]] = {}
         self.reset_parameters()
 
@@ -137,15 +168,23 @@ class EmbeddingBagCollection(nn.Module):
                     "this collection is weighted (is_weighted=True) but the input "
                     "KeyedJaggedTensor has no weights"
                 )
-        pooled = embedding_bag(
-            [bag.weight for bag in self.embedding_bags.values()],
+        if not self._views_intact():
+            self._repack()
+        fused = None
+        handles = [bag.weight for bag in self.embedding_bags.values()]
+        if self.optimizer is not None:
+            fused = FusedUpdate(self.optimizer, self._states, self.optimizer_step)
+            handles = [self._anchor]
+        pooled = table_batched_embedding_bag(
+            self._plan,
+            self._flat,
+            handles,
             features.values(),
             features.offsets(),
             self._feature_to_key(features.keys()),
-            self._feature_to_table,
-            self._table_pooling,
             features.stride(),
             weights,
+            fused=fused,
             backend=self.backend,
             validate=self.validate,
             feature_names=self._flat_feature_names,
@@ -168,6 +207,58 @@ class EmbeddingBagCollection(nn.Module):
                 )
             self._key_index_cache[cache_key] = [position[f] for f in self._flat_feature_names]
         return self._key_index_cache[cache_key]
+
+    def _bind_views(self) -> None:
+        """Point every table's weight (and state buffers) at its slice of the packed buffers."""
+        weight_views = self._layout.table_views(self._flat)
+        state_views = {
+            name: (
+                self._layout.row_views(buffer)
+                if self.optimizer.states[name] == "row"
+                else self._layout.table_views(buffer)
+            )
+            for name, buffer in self._states.items()
+        }
+        for t, table in enumerate(self.embedding_bags.values()):
+            table.weight.data = weight_views[t]
+            for name, views in state_views.items():
+                table._buffers[name] = views[t]
+
+    def _views_intact(self) -> bool:
+        base, size = self._flat.data_ptr(), self._flat.element_size()
+        return all(
+            table.weight.data_ptr() == base + offset * size
+            and table.weight.dtype == self._flat.dtype
+            for table, offset in zip(
+                self.embedding_bags.values(), self._layout.elem_offsets, strict=True
+            )
+        )
+
+    def _repack(self) -> None:
+        """Rebuild the packed buffers from the tables' current tensors: needed when something
+        replaced a parameter instead of writing into it (``load_state_dict(assign=True)``,
+        ``param.data = ...``)."""
+        tables = list(self.embedding_bags.values())
+        self._flat = self._layout.pack([t.weight for t in tables])
+        for name in self._states:
+            self._states[name] = torch.cat(
+                [tables[t]._buffers[name].reshape(-1) for t in self._layout.buffer_order()]
+            )
+        self._device = self._flat.device
+        self._bind_views()
+
+    def _apply(self, fn, recurse: bool = True):
+        # Move or convert the packed buffers once, then re-point the tables' views at them
+        # (applying ``fn`` table by table would unpack the tables into separate tensors).
+        self._flat = fn(self._flat)
+        self._states = {name: fn(buffer) for name, buffer in self._states.items()}
+        for name, buffer in self._buffers.items():
+            if buffer is not None:
+                self._buffers[name] = fn(buffer)
+        self._anchor = torch.zeros((), device=self._flat.device, requires_grad=True)
+        self._device = self._flat.device
+        self._bind_views()
+        return self
 
     def is_weighted(self) -> bool:
         return self._is_weighted

@@ -1,0 +1,276 @@
+"""Triton kernels of the table-batched embedding bag (see ``recsys.ops.embedding_bag``).
+
+All tables of a collection live in one flat buffer; table t starts at element
+``table_offset[t]`` and has rows of ``table_dim[t]`` elements. Two kernels, each one launch for
+all tables:
+
+- ``_pool_kernel``: one program per (bag, dim tile). Reads the bag's ids from the KJT values in
+  blocks of BLOCK_L, gathers their rows, accumulates in fp32 (fp64 for fp64 tables) and writes
+  the pooled row straight into its columns of the [B, total_D] output.
+- ``_segment_kernel``: backward, one program per distinct touched row. The caller sorts the
+  batch's lookups by row (stable), so a row's lookups are one contiguous segment; the program
+  sums their upstream gradients (each scaled by its per-sample weight and 1/length for mean
+  pooling) in sorted order, which makes the result deterministic, then either writes the
+  reduced gradient to a compact [U, D] buffer (no optimizer) or applies the fused optimizer to
+  the row and its state in place.
+
+fp16 / bf16 tables are updated in fp32 and stored with stochastic rounding: a value between
+two neighbours of the table's dtype rounds up with probability equal to its distance from the
+lower one, in units of the gap (computed in fp32 with exact power-of-two arithmetic).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Optimizer codes (recsys.embedding.optim); NONE writes the reduced gradient instead.
+OPT_NONE = -1
+
+
+@triton.jit
+def _pool_kernel(
+    values_ptr,
+    offsets_ptr,
+    psw_ptr,
+    weights_ptr,
+    out_ptr,
+    feat_key_ptr,
+    feat_table_ptr,
+    feat_col_ptr,
+    table_dim_ptr,
+    table_offset_ptr,
+    table_mean_ptr,
+    B,
+    total_D,
+    HAS_PSW: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    bag = tl.program_id(0).to(tl.int64)  # feature-major: f * B + b
+    f = bag // B
+    b = bag - f * B
+    key = tl.load(feat_key_ptr + f).to(tl.int64)
+    t = tl.load(feat_table_ptr + f)
+    D = tl.load(table_dim_ptr + t).to(tl.int64)
+    base = tl.load(table_offset_ptr + t)
+    col = tl.load(feat_col_ptr + f)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < D
+    start = tl.load(offsets_ptr + key * B + b).to(tl.int64)
+    end = tl.load(offsets_ptr + key * B + b + 1).to(tl.int64)
+    acc = tl.zeros([BLOCK_D], dtype=ACC)
+    for i in range(start, end, BLOCK_L):
+        lookup = i + tl.arange(0, BLOCK_L)
+        lmask = lookup < end
+        ids = tl.load(values_ptr + lookup, mask=lmask, other=0).to(tl.int64)
+        rows = tl.load(
+            weights_ptr + base + ids[:, None] * D + d[None, :],
+            mask=lmask[:, None] & dmask[None, :],
+            other=0.0,
+        ).to(ACC)
+        if HAS_PSW:
+            psw = tl.load(psw_ptr + lookup, mask=lmask, other=0.0).to(ACC)
+            rows = rows * psw[:, None]
+        acc += tl.sum(rows, axis=0)
+    if tl.load(table_mean_ptr + t) != 0:
+        acc = acc / tl.maximum(end - start, 1).to(ACC)
+    tl.store(out_ptr + b * total_D + col + d, acc, mask=dmask)
+
+
+@triton.jit
+def _segment_kernel(
+    seg_start_ptr,
+    seg_table_ptr,
+    seg_row_ptr,
+    grad_off_ptr,
+    scale_ptr,
+    grad_ptr,
+    table_dim_ptr,
+    table_offset_ptr,
+    table_row_offset_ptr,
+    weights_ptr,
+    state1_ptr,
+    state2_ptr,
+    compact_ptr,
+    lr,
+    eps,
+    beta1,
+    beta2,
+    weight_decay,
+    bias_correction1,
+    bias_correction2,
+    seed,
+    OPT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    ACC: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    lo = tl.load(seg_start_ptr + s)
+    hi = tl.load(seg_start_ptr + s + 1)
+    t = tl.load(seg_table_ptr + s)
+    row = tl.load(seg_row_ptr + s)
+    D = tl.load(table_dim_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    # Sum the segment's gradients, BLOCK_L lookups at a time, in sorted order.
+    g = tl.zeros([BLOCK_D], dtype=ACC)
+    for i in range(lo, hi, BLOCK_L):
+        lookup = i + tl.arange(0, BLOCK_L)
+        lmask = lookup < hi
+        off = tl.load(grad_off_ptr + lookup, mask=lmask, other=0)
+        rows = tl.load(
+            grad_ptr + off[:, None] + d[None, :], mask=lmask[:, None] & dmask[None, :], other=0.0
+        ).to(ACC)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + lookup, mask=lmask, other=0.0).to(ACC)
+            rows = rows * scale[:, None]
+        g += tl.sum(rows, axis=0)
+
+    if OPT == -1:  # no optimizer: hand the reduced gradient back
+        tl.store(compact_ptr + s * BLOCK_D + d, g, mask=dmask)
+    else:
+        element = tl.load(table_offset_ptr + t) + row * D + d
+        w = tl.load(weights_ptr + element, mask=dmask, other=0.0).to(ACC)
+        g = g + weight_decay * w
+        if OPT == 0:  # SGD
+            w = w - lr * g
+        elif OPT == 1:  # Adagrad
+            acc = tl.load(state1_ptr + element, mask=dmask, other=0.0) + g * g
+            tl.store(state1_ptr + element, acc, mask=dmask)
+            w = w - lr * g / (tl.sqrt(acc) + eps)
+        elif OPT == 2:  # RowWiseAdagrad
+            row_state = state1_ptr + tl.load(table_row_offset_ptr + t) + row
+            acc = tl.load(row_state) + tl.sum(tl.where(dmask, g * g, 0.0), axis=0) / D
+            tl.store(row_state, acc)
+            w = w - lr * g / (tl.sqrt(acc) + eps)
+        else:  # Adam (lazy)
+            m = beta1 * tl.load(state1_ptr + element, mask=dmask, other=0.0) + (1 - beta1) * g
+            v = beta2 * tl.load(state2_ptr + element, mask=dmask, other=0.0) + (1 - beta2) * g * g
+            tl.store(state1_ptr + element, m, mask=dmask)
+            tl.store(state2_ptr + element, v, mask=dmask)
+            w = w - lr * (m / bias_correction1) / (tl.sqrt(v / bias_correction2) + eps)
+        if MANTISSA_BITS > 0:  # stochastic rounding to fp16 / bf16
+            w = w.to(tl.float32)
+            magnitude = tl.abs(w)
+            exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            ulp = tl.exp2((tl.maximum(exponent, MIN_EXPONENT) - MANTISSA_BITS).to(tl.float32))
+            units = magnitude / ulp  # exact: ulp is a power of two
+            low = tl.floor(units)
+            noise = tl.rand(seed, (s * BLOCK_D + d).to(tl.int32))
+            rounded = (low + tl.where(noise < units - low, 1.0, 0.0)) * ulp
+            w = tl.where(w < 0, -rounded, rounded)  # representable: the cast below is exact
+        tl.store(weights_ptr + element, w.to(weights_ptr.dtype.element_ty), mask=dmask)
+
+
+def pool(
+    values,
+    offsets,
+    psw,
+    weights,
+    out,
+    meta: dict,
+    batch_size: int,
+    num_features: int,
+    max_dim: int,
+    block_l: int,
+) -> None:
+    """Launch ``_pool_kernel`` over every (bag, dim tile); fills ``out`` [B, total_D]."""
+    import torch
+
+    if batch_size == 0 or num_features == 0:
+        return
+    block_d = min(triton.next_power_of_2(max_dim), 128)
+    grid = (num_features * batch_size, triton.cdiv(max_dim, block_d))
+    _pool_kernel[grid](
+        values,
+        offsets,
+        psw if psw is not None else weights,
+        weights,
+        out,
+        meta["feat_key"],
+        meta["feat_table"],
+        meta["feat_col"],
+        meta["table_dim"],
+        meta["table_offset"],
+        meta["table_mean"],
+        batch_size,
+        out.shape[1],
+        HAS_PSW=psw is not None,
+        ACC=tl.float64 if out.dtype == torch.float64 else tl.float32,
+        BLOCK_L=block_l,
+        BLOCK_D=block_d,
+    )
+
+
+def reduce_segments(
+    segments: dict,
+    grad,
+    meta: dict,
+    max_dim: int,
+    weights=None,
+    states: tuple = (),
+    optimizer_code: int = OPT_NONE,
+    scalars: dict | None = None,
+    seed: int = 0,
+    block_l: int = 8,
+):
+    """Launch ``_segment_kernel`` once per touched row.
+
+    Without an optimizer returns the reduced gradients [U, next_pow2(max_dim)] (row u holds
+    its table's dim columns, zeros after); with one, updates ``weights`` and ``states`` in
+    place and returns None.
+    """
+    import torch
+
+    num_segments = segments["row"].numel()
+    block_d = triton.next_power_of_2(max_dim)
+    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    compact = None
+    if optimizer_code == OPT_NONE:
+        compact = torch.zeros(num_segments, block_d, dtype=acc, device=grad.device)
+    if num_segments == 0:
+        return compact
+    mantissa, min_exponent = 0, 0
+    if weights is not None and weights.dtype in (torch.float16, torch.bfloat16):
+        mantissa, min_exponent = (10, -14) if weights.dtype == torch.float16 else (7, -126)
+    scalars = scalars or {}
+    placeholder = grad
+    state1 = states[0] if len(states) > 0 else placeholder
+    state2 = states[1] if len(states) > 1 else placeholder
+    _segment_kernel[(num_segments,)](
+        segments["start"],
+        segments["table"],
+        segments["row"],
+        segments["grad_off"],
+        segments["scale"] if segments["scale"] is not None else grad,
+        grad,
+        meta["table_dim"],
+        meta["table_offset"],
+        meta["table_row_offset"],
+        weights if weights is not None else grad,
+        state1,
+        state2,
+        compact if compact is not None else grad,
+        float(scalars.get("lr", 0.0)),
+        float(scalars.get("eps", 0.0)),
+        float(scalars.get("beta1", 0.0)),
+        float(scalars.get("beta2", 0.0)),
+        float(scalars.get("weight_decay", 0.0)),
+        float(scalars.get("bias_correction1", 1.0)),
+        float(scalars.get("bias_correction2", 1.0)),
+        seed,
+        OPT=optimizer_code,
+        HAS_SCALE=segments["scale"] is not None,
+        ACC=tl.float64 if acc == torch.float64 else tl.float32,
+        MANTISSA_BITS=mantissa,
+        MIN_EXPONENT=min_exponent,
+        BLOCK_L=block_l,
+        BLOCK_D=block_d,
+    )
+    return compact
