@@ -22,6 +22,7 @@ from recsys.ops.embedding_bag import (
     FusedUpdate,
     LookupPlan,
     TableLayout,
+    choose_backend,
     table_batched_embedding_bag,
 )
 
@@ -175,6 +176,8 @@ class EmbeddingBagCollection(nn.Module):
         if self.optimizer is not None:
             fused = FusedUpdate(self.optimizer, self._states, self.optimizer_step)
             handles = [self._anchor]
+        # Which kernels serve this call (kept for inspection: ``ebc._last_backend``).
+        self._last_backend = choose_backend(self.backend, self._plan, self._flat, fused)
         pooled = table_batched_embedding_bag(
             self._plan,
             self._flat,
@@ -185,7 +188,7 @@ class EmbeddingBagCollection(nn.Module):
             features.stride(),
             weights,
             fused=fused,
-            backend=self.backend,
+            backend=self._last_backend,
             validate=self.validate,
             feature_names=self._flat_feature_names,
         )

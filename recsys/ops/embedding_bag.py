@@ -27,15 +27,17 @@ either
   state are updated in place inside backward; no gradient the size of a table is built.
 
 Backends (chosen in ``recsys.ops._triton``): ``triton`` (CUDA; CPU under TRITON_INTERPRET=1)
-runs ``recsys.ops.embedding_bag_triton``. ``torch`` runs anywhere: per group of equal-dim
-tables, one ``F.embedding_bag`` over the flat buffer with the bags reordered sample-major (so
-its output already is the [B, F*D] layout), and a backward that sorts the lookups and reduces
-each row's gradients with ``F.embedding_bag`` over the upstream gradient, then updates the
-touched rows with ``index_select`` / ``index_copy_``.
+runs ``recsys.ops.embedding_bag_triton``. ``fbgemm`` (CPU, fused SGD / Adagrad /
+RowWiseAdagrad only) is the torch forward plus FBGEMM's C++ fused backward. ``torch`` runs
+anywhere: per group of equal-dim tables, one ``F.embedding_bag`` over the flat buffer with the
+bags reordered sample-major (so its output already is the [B, F*D] layout), and a backward
+that sorts the lookups, reduces each row's gradients with ``F.embedding_bag`` over the
+upstream gradient, then updates the touched rows with ``index_select`` / ``index_copy_``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -572,6 +574,121 @@ def _block_l(values: torch.Tensor, num_bags: int) -> int:
     return block
 
 
+# --------------------------------------------------------------------------- fbgemm backend
+
+
+def fbgemm_unsupported(plan: LookupPlan, flat: torch.Tensor, fused: FusedUpdate | None) -> str:
+    """Why FBGEMM's CPU fused backward cannot serve this call ("" when it can).
+
+    The ``fbgemm`` backend pools with the torch path and hands the fused update to
+    ``torch.ops.fbgemm.split_embedding_backward_codegen_{sgd,adagrad,rowwise_adagrad}_cpu``
+    (fbgemm-gpu-cpu), which reduces duplicate rows and updates them in one C++ pass.
+    """
+    if flat.device.type != "cpu":
+        return "it runs on CPU tensors only"
+    if fused is None:
+        return "it only fuses an optimizer (optimizer=None takes dense gradients)"
+    name, decay = type(fused.optimizer).__name__, fused.optimizer.weight_decay
+    if name not in ("SGD", "Adagrad", "RowWiseAdagrad"):
+        return f"it has no CPU kernel for {name}"
+    if decay:  # its L2 mode does not match the weight decay of recsys.embedding.optim
+        return "weight decay runs on the torch path"
+    if flat.dtype != torch.float32:
+        return f"tables are {flat.dtype}; its CPU backward is fp32 here"
+    if len(plan.layout.groups) > 1:
+        return "tables of different dims (its row space must follow feature order)"
+    if len(set(plan.table_mean)) > 1:
+        return "it takes one pooling mode for all tables, these mix sum and mean"
+    if _fbgemm_ops() is None:
+        return "fbgemm_gpu does not import"
+    return ""
+
+
+def _fbgemm_ops():
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+        return torch.ops.fbgemm
+    except Exception:  # a missing or broken install means "not available"
+        return None
+
+
+def _fbgemm_meta(plan: LookupPlan) -> dict[str, Any]:
+    layout, tables = plan.layout, plan.feature_to_table
+    num_features = len(tables)
+    dims = [layout.dims[t] for t in tables]
+    return {
+        "weights_offsets": torch.tensor([layout.elem_offsets[t] for t in tables]),
+        "row_offsets": torch.tensor([layout.row_offsets[t] for t in tables]),
+        "D_offsets": torch.tensor([0, *torch.tensor(dims).cumsum(0).tolist()], dtype=torch.int32),
+        "max_D": max(dims),
+        "hash_size_cumsum": torch.tensor(
+            [*(layout.row_offsets[t] for t in tables), layout.total_rows]
+        ),
+        "total_hash_size_bits": max(1, math.ceil(math.log2(layout.total_rows + 1))),
+        "placements": torch.full((num_features,), 3, dtype=torch.int32),  # HOST
+        "pooling_mode": 1 if plan.table_mean[0] else 0,  # PoolingMode.MEAN / SUM
+    }
+
+
+def _backward_fbgemm(ctx, grad_out: torch.Tensor, fused: FusedUpdate) -> None:
+    plan = ctx.plan
+    values, offsets, per_sample_weights = ctx.fbgemm_inputs
+    if "fbgemm" not in plan.__dict__:
+        plan.fbgemm = _fbgemm_meta(plan)
+    meta = plan.fbgemm
+    B, num_features = ctx.batch_size, len(plan.feature_to_table)
+    if tuple(ctx.feature_to_key) != tuple(range(num_features)):
+        # FBGEMM reads features in order: gather each feature's bags from its KJT key.
+        keys = torch.tensor(ctx.feature_to_key)
+        bag_index = (keys[:, None] * B + torch.arange(B)).reshape(-1)  # [F*B]
+        starts, lengths = offsets[bag_index].long(), (offsets[bag_index + 1] - offsets[bag_index])
+        new_offsets = torch.zeros(num_features * B + 1, dtype=torch.int64)
+        torch.cumsum(lengths.long(), dim=0, out=new_offsets[1:])
+        total = int(new_offsets[-1])
+        bag = torch.repeat_interleave(torch.arange(num_features * B), lengths, output_size=total)
+        position = torch.arange(total) + (starts - new_offsets[:-1])[bag]
+        values, offsets = values[position], new_offsets
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights[position]
+    else:
+        offsets = offsets[: num_features * B + 1]
+        values = values[: int(offsets[-1])]
+    indice_weights = (
+        torch.empty(0) if per_sample_weights is None else per_sample_weights.float().contiguous()
+    )
+    optimizer = fused.optimizer
+    name = type(optimizer).__name__
+    common = (
+        grad_out.float().contiguous(),
+        ctx.flat,
+        meta["placements"],
+        meta["weights_offsets"],
+        meta["D_offsets"],
+        meta["max_D"],
+        meta["hash_size_cumsum"],
+        meta["total_hash_size_bits"],
+        values.long().contiguous(),
+        offsets.long().contiguous(),
+        meta["pooling_mode"],
+        indice_weights,
+        False,  # stochastic rounding: fp32 tables only
+    )
+    ops = _fbgemm_ops()
+    if name == "SGD":
+        ops.split_embedding_backward_codegen_sgd_cpu(*common, torch.tensor(optimizer.lr))
+        return
+    state = fused.states["sum"]
+    state_offsets = meta["row_offsets"] if name == "RowWiseAdagrad" else meta["weights_offsets"]
+    state_args = (state, meta["placements"], state_offsets, torch.tensor(optimizer.lr))
+    if name == "Adagrad":
+        ops.split_embedding_backward_codegen_adagrad_cpu(*common, *state_args, optimizer.eps)
+    else:  # eps, weight_decay 0 (mode NONE), max_norm 0
+        ops.split_embedding_backward_codegen_rowwise_adagrad_cpu(
+            *common, *state_args, optimizer.eps, 0.0, 0, 0.0
+        )
+
+
 # --------------------------------------------------------------------------- autograd
 
 
@@ -648,6 +765,8 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
             out, ctx.saved_lookups = _pool_torch(
                 plan, flat, values, offsets, per_sample_weights, feature_to_key, batch_size
             )
+            if backend == "fbgemm":
+                ctx.fbgemm_inputs = (values, offsets, per_sample_weights)
         return out
 
     @staticmethod
@@ -664,6 +783,9 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
             fused.step += 1
             step = int(fused.step)
         meta = plan.meta(grad_out.device, ctx.feature_to_key)
+        if ctx.backend == "fbgemm":
+            _backward_fbgemm(ctx, grad_out, fused)
+            return tuple(nothing)
         if ctx.backend == "triton":
             keys, reduced = _backward_triton(ctx, grad_out, meta, fused, step)
         else:
@@ -741,6 +863,23 @@ def _backward_triton(ctx, grad_out, meta, fused, step):
     return None, None
 
 
+def choose_backend(
+    backend: str, plan: LookupPlan, flat: torch.Tensor, fused: FusedUpdate | None
+) -> str:
+    """The backend that serves a call: ``"triton"``, ``"fbgemm"`` or ``"torch"`` (the rules
+    are in ``recsys.ops._triton``). Raises ``ValueError`` for one that cannot run it."""
+    backend = resolve_backend(
+        backend,
+        flat.device,
+        op="embedding_bag",
+        has_triton=True,
+        cpu_paths={"fbgemm": fbgemm_unsupported(plan, flat, fused)},
+    )
+    if backend == "triton" and not triton_interpreted() and flat.device.type != "cuda":
+        raise ValueError("backend='triton' needs the tables on a CUDA device")
+    return backend
+
+
 def table_batched_embedding_bag(
     plan: LookupPlan,
     flat: torch.Tensor,
@@ -788,9 +927,7 @@ def table_batched_embedding_bag(
             per_sample_weights,
             feature_names,
         )
-    backend = resolve_backend(backend, values.device, op="embedding_bag", has_triton=True)
-    if backend == "triton" and not triton_interpreted() and flat.device.type != "cuda":
-        raise ValueError("backend='triton' needs the tables on a CUDA device")
+    backend = choose_backend(backend, plan, flat, fused)
     return _TableBatchedEmbeddingBag.apply(
         plan,
         flat,

@@ -31,7 +31,15 @@ TABLES = [
 ]
 
 
-def table_configs(dtype_name="FP32"):
+# FBGEMM's fused CPU backward serves one dim and one pooling (a shared table is fine).
+FBGEMM_TABLES = [
+    ("t_shared", 6, 8, ["f_a", "f_b"], PoolingType.SUM),
+    ("t_one_row", 1, 8, ["f_c"], PoolingType.SUM),
+    ("t_big", 40, 8, ["f_d", "f_e"], PoolingType.SUM),
+]
+
+
+def table_configs(dtype_name="FP32", tables=TABLES):
     from torchrec.modules.embedding_configs import DataType
 
     return [
@@ -43,13 +51,13 @@ def table_configs(dtype_name="FP32"):
             pooling=pooling,
             data_type=getattr(DataType, dtype_name),
         )
-        for name, rows, dim, features, pooling in TABLES
+        for name, rows, dim, features, pooling in tables
     ]
 
 
-def make_batch(generator, batch_size=6, max_bag=6, weighted=False):
+def make_batch(generator, batch_size=6, max_bag=6, weighted=False, tables=TABLES):
     keys = ["f_e", "f_a", "f_c", "f_b", "f_d", "unused"]  # not in table order
-    rows = {f: r for _, r, _, fs, _ in TABLES for f in fs} | {"unused": 3}
+    rows = {f: r for _, r, _, fs, _ in tables for f in fs} | {"unused": 3}
     lengths = torch.randint(0, max_bag + 1, (len(keys), batch_size), generator=generator)
     values = torch.cat(
         [
@@ -112,10 +120,10 @@ def train(ebc, batches, upstreams):
         ebc(kjt).values().backward(upstream)
 
 
-def batches_and_upstreams(seed, steps=3, weighted=False):
+def batches_and_upstreams(seed, steps=3, weighted=False, tables=TABLES):
     generator = torch.Generator().manual_seed(seed)
-    batches = [make_batch(generator, weighted=weighted) for _ in range(steps)]
-    total_dim = sum(dim * len(features) for _, _, dim, features, _ in TABLES)
+    batches = [make_batch(generator, weighted=weighted, tables=tables) for _ in range(steps)]
+    total_dim = sum(dim * len(features) for _, _, dim, features, _ in tables)
     upstreams = [torch.randn(6, total_dim, generator=generator) for _ in range(steps)]
     return batches, upstreams
 
@@ -123,11 +131,48 @@ def batches_and_upstreams(seed, steps=3, weighted=False):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=repr)
 def test_fused_update_matches_float64_reference(optimizer, backend):
+    check_against_reference(optimizer, backend, TABLES)
+
+
+@pytest.mark.parametrize("backend", ["fbgemm", "auto"])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        SGD(lr=0.1),
+        Adagrad(lr=0.1, eps=1e-6),
+        RowWiseAdagrad(lr=0.1),
+    ],
+    ids=repr,
+)
+def test_fbgemm_fused_backward_matches_float64_reference(optimizer, backend):
+    ebc = check_against_reference(optimizer, backend, FBGEMM_TABLES)
+    assert ebc._last_backend == "fbgemm"
+
+
+def test_fbgemm_backend_refuses_what_it_cannot_do():
+    ebc = EmbeddingBagCollection(table_configs(), optimizer=SGD(lr=0.1), backend="fbgemm")
+    batches, _ = batches_and_upstreams(seed=0, steps=1)
+    with pytest.raises(ValueError, match="fbgemm.*different dims"):
+        ebc(batches[0])
     ebc = EmbeddingBagCollection(
-        table_configs(), is_weighted=True, optimizer=optimizer, backend=backend
+        table_configs(tables=FBGEMM_TABLES), optimizer=Adam(lr=0.1), backend="fbgemm"
+    )
+    with pytest.raises(ValueError, match="no CPU kernel for Adam"):
+        ebc(batches[0])
+    # What it cannot do, "auto" hands to the torch path.
+    ebc = EmbeddingBagCollection(
+        table_configs(tables=FBGEMM_TABLES), optimizer=SGD(lr=0.1, weight_decay=0.1)
+    )
+    ebc(batches[0])
+    assert ebc._last_backend == "torch"
+
+
+def check_against_reference(optimizer, backend, tables):
+    ebc = EmbeddingBagCollection(
+        table_configs(tables=tables), is_weighted=True, optimizer=optimizer, backend=backend
     )
     reference = Reference(ebc, optimizer)
-    batches, upstreams = batches_and_upstreams(seed=1, weighted=True)
+    batches, upstreams = batches_and_upstreams(seed=1, weighted=True, tables=tables)
     train(ebc, batches, upstreams)
     for kjt, upstream in zip(batches, upstreams, strict=True):
         reference.train_step(kjt, upstream)
@@ -147,6 +192,7 @@ def test_fused_update_matches_float64_reference(optimizer, backend):
                 rtol=1e-5,
                 atol=1e-7,
             )
+    return ebc
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
