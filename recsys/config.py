@@ -195,10 +195,16 @@ class TrainConfig:
     """torch optimizer for the dense (MLP) parameters."""
     dense_lr: float = 1e-3
     """Learning rate of the dense optimizer."""
-    embedding_optimizer: Literal["adagrad", "adam", "sgd"] = "adagrad"
-    """torch optimizer for the embedding tables."""
+    embedding_optimizer: Literal["adagrad", "rowwise_adagrad", "adam", "sgd"] = "adagrad"
+    """Optimizer of the embedding tables (recsys.embedding.optim; rowwise_adagrad keeps one
+    state float per row)."""
     embedding_lr: float = 0.05
     """Learning rate of the embedding optimizer."""
+    fused_embedding_update: bool = True
+    """Apply the embedding optimizer inside backward, to the touched rows only, building no
+    table-sized gradient. Single process only for now: under torchrun the tables are
+    replicated and take dense gradients all-reduced by DDP and the torch optimizer of the
+    same name (rowwise_adagrad needs the fused update)."""
     log_every_steps: int = 100
     """Write a train event (loss, samples/s) every this many steps."""
     eval_every_steps: int = 0

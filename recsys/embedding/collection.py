@@ -100,12 +100,7 @@ class EmbeddingBagCollection(nn.Module):
         self._embedding_bag_configs = tables
         self.backend = backend
         self.validate = validate
-        if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
-            raise ValueError(
-                f"optimizer={optimizer!r}; expected None or a fused optimizer from "
-                "recsys.embedding.optim (SGD, Adagrad, RowWiseAdagrad, Adam)"
-            )
-        self.optimizer = optimizer
+        self.optimizer: FusedOptimizer | None = None
         for config in tables:
             if config.pooling not in _POOLING:
                 raise ValueError(
@@ -127,19 +122,12 @@ class EmbeddingBagCollection(nn.Module):
         )
         self._flat = torch.empty(self._layout.numel, dtype=dtypes.pop(), device=self._device)
         self._states: dict[str, torch.Tensor] = {}
-        if optimizer is not None:
-            for name, kind in optimizer.states.items():
-                size = self._layout.total_rows if kind == "row" else self._layout.numel
-                self._states[name] = torch.full(
-                    (size,), optimizer.initial_state(name), device=self._device
-                )
-            self.register_buffer("optimizer_step", torch.zeros((), dtype=torch.int64))
         # Autograd input that makes backward run when the tables themselves take no gradient.
         self._anchor = torch.zeros((), device=self._device, requires_grad=True)
         self.embedding_bags = nn.ModuleDict()
         for config, view in zip(tables, self._layout.table_views(self._flat), strict=True):
-            self.embedding_bags[config.name] = EmbeddingTable(view, optimizer is None)
-        self._bind_views()
+            self.embedding_bags[config.name] = EmbeddingTable(view, requires_grad=True)
+        self.set_optimizer(optimizer)
         self._feature_names: list[list[str]] = [list(t.feature_names) for t in tables]
         self._embedding_names: list[str] = [
             name for per_table in get_embedding_names_by_table(tables) for name in per_table
@@ -210,6 +198,32 @@ class EmbeddingBagCollection(nn.Module):
                 )
             self._key_index_cache[cache_key] = [position[f] for f in self._flat_feature_names]
         return self._key_index_cache[cache_key]
+
+    def set_optimizer(self, optimizer: FusedOptimizer | None) -> None:
+        """Fuse ``optimizer`` into backward from now on (fresh state, step 0), or with None
+        go back to dense gradients for a torch optimizer."""
+        if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
+            raise ValueError(
+                f"optimizer={optimizer!r}; expected None or a fused optimizer from "
+                "recsys.embedding.optim (SGD, Adagrad, RowWiseAdagrad, Adam)"
+            )
+        for table in self.embedding_bags.values():
+            for name in list(table._buffers):
+                del table._buffers[name]
+            table.weight.requires_grad_(optimizer is None)
+        self._states = {}
+        self._buffers.pop("optimizer_step", None)
+        self.optimizer = optimizer
+        if optimizer is not None:
+            for name, kind in optimizer.states.items():
+                size = self._layout.total_rows if kind == "row" else self._layout.numel
+                self._states[name] = torch.full(
+                    (size,), optimizer.initial_state(name), device=self._device
+                )
+            self.register_buffer(
+                "optimizer_step", torch.zeros((), dtype=torch.int64, device=self._device)
+            )
+        self._bind_views()
 
     def _bind_views(self) -> None:
         """Point every table's weight (and state buffers) at its slice of the packed buffers."""

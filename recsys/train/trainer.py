@@ -37,6 +37,7 @@ from recsys.distributed.parallel import (
     shutdown_distributed,
 )
 from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.optim import OPTIMIZERS as FUSED_OPTIMIZERS
 from recsys.models import build_model
 from recsys.train.checkpoint import save_checkpoint
 from recsys.train.metrics import BinaryMetrics, MetricsLogger
@@ -60,17 +61,32 @@ class TrainResult:
     checkpoint: Path | None
 
 
-def build_optimizers(config: TrainConfig, model: nn.Module) -> dict[str, torch.optim.Optimizer]:
-    """``{"dense": ..., "embedding": ...}``: tables of every EmbeddingBagCollection go to the
-    embedding optimizer, all other parameters to the dense one."""
+def build_optimizers(
+    config: TrainConfig, model: nn.Module, world_size: int = 1
+) -> dict[str, torch.optim.Optimizer]:
+    """``{"dense": ..., "embedding": ...}``: all parameters but the tables go to the dense
+    optimizer. The tables of every EmbeddingBagCollection get the embedding optimizer fused
+    into their backward (``train.fused_embedding_update`` in one process), or else a torch
+    optimizer over their dense gradients."""
+    collections = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+    if config.fused_embedding_update and world_size == 1:
+        fused = FUSED_OPTIMIZERS[config.embedding_optimizer]
+        for collection in collections:
+            collection.set_optimizer(fused(lr=config.embedding_lr))
+    elif config.embedding_optimizer not in _OPTIMIZERS:
+        raise ValueError(
+            f"train.embedding_optimizer = {config.embedding_optimizer!r} only exists as a fused "
+            f"update, which needs one process (this run has {world_size}); pick one of "
+            f"{', '.join(_OPTIMIZERS)}"
+        )
     table_ids = {
         id(p)
         for module in model.modules()
         if isinstance(module, EmbeddingBagCollection)
         for p in module.parameters()
     }
-    tables = [p for p in model.parameters() if id(p) in table_ids]
-    dense = [p for p in model.parameters() if id(p) not in table_ids]
+    tables = [p for p in model.parameters() if id(p) in table_ids and p.requires_grad]
+    dense = [p for p in model.parameters() if id(p) not in table_ids and p.requires_grad]
     optimizers = {}
     if dense:
         optimizers["dense"] = _OPTIMIZERS[config.dense_optimizer](dense, lr=config.dense_lr)
@@ -107,7 +123,7 @@ class _Run:
         torch.manual_seed(config.run.seed)
         self.dataset = build_dataset(config.data, config.run.seed)
         self.model = parallelize(build_model(config.model, self.dataset.spec, device), device)
-        self.optimizers = build_optimizers(config.train, self.model)
+        self.optimizers = build_optimizers(config.train, self.model, info.world_size)
         self.step = 0
         self.data_position = {"epoch": 0, "batch": 0}  # batches of that epoch already trained on
         self.last_checkpoint: Path | None = None

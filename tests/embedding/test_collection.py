@@ -52,8 +52,11 @@ def random_kjt(keys, sizes, batch_size=6, weighted=False, empty=("genre",)):
 SIZES = {"user_id": 20, "friend_id": 20, "item_id": 1, "genre": 9, "unused": 5}
 
 
-def pair(configs, weighted=False):
-    ours = EmbeddingBagCollection(configs, is_weighted=weighted)
+BACKENDS = ["torch", "triton"]
+
+
+def pair(configs, weighted=False, backend="auto"):
+    ours = EmbeddingBagCollection(configs, is_weighted=weighted, backend=backend)
     theirs = torchrec.EmbeddingBagCollection(configs, is_weighted=weighted)
     theirs.load_state_dict(ours.state_dict())
     return ours, theirs
@@ -66,15 +69,17 @@ def assert_same_output(ours, theirs, kjt):
     torch.testing.assert_close(a.values(), b.values(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
-def test_matches_torchrec(pooling):
-    ours, theirs = pair(tables(pooling))
+def test_matches_torchrec(pooling, backend):
+    ours, theirs = pair(tables(pooling), backend=backend)
     kjt = random_kjt(["user_id", "friend_id", "item_id", "genre"], SIZES)
     assert_same_output(ours, theirs, kjt)
 
 
-def test_matches_torchrec_weighted():
-    ours, theirs = pair(tables(PoolingType.SUM), weighted=True)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_torchrec_weighted(backend):
+    ours, theirs = pair(tables(PoolingType.SUM), weighted=True, backend=backend)
     kjt = random_kjt(["user_id", "friend_id", "item_id", "genre"], SIZES, weighted=True)
     assert_same_output(ours, theirs, kjt)
 
@@ -85,8 +90,9 @@ def test_keys_in_any_order_and_extra_keys_ignored():
     assert_same_output(ours, theirs, kjt)
 
 
-def test_gradients_match_torchrec():
-    ours, theirs = pair(tables(PoolingType.MEAN))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_match_torchrec(backend):
+    ours, theirs = pair(tables(PoolingType.MEAN), backend=backend)
     kjt = random_kjt(["user_id", "friend_id", "item_id", "genre"], SIZES)
     upstream = torch.randn(6, 4 + 4 + 7 + 3)
     (ours(kjt).values() * upstream).sum().backward()
@@ -159,3 +165,49 @@ def test_bad_tables():
 def test_meta_device_leaves_tables_uninitialized():
     ebc = EmbeddingBagCollection(tables(), device="meta")
     assert ebc.embedding_bags["user"].weight.device.type == "meta"
+
+
+def test_tables_are_views_of_one_packed_buffer():
+    ebc = EmbeddingBagCollection(tables())
+    weights = [t.weight for t in ebc.embedding_bags.values()]
+    storage = {w.untyped_storage().data_ptr() for w in weights}
+    assert len(storage) == 1
+    with torch.no_grad():
+        weights[2][3] = 7.0  # an in-place write through the parameter is what the op reads
+    kjt = KeyedJaggedTensor(keys=["genre"], values=torch.tensor([3]), lengths=torch.tensor([1]))
+    ebc_genre = EmbeddingBagCollection([tables()[2]])
+    ebc_genre.load_state_dict({"embedding_bags.genre.weight": weights[2].detach()})
+    assert torch.equal(ebc_genre(kjt).values(), torch.full((1, 3), 7.0))
+
+
+def test_replaced_parameters_are_repacked():
+    ours, theirs = pair(tables())
+    kjt = random_kjt(["user_id", "friend_id", "item_id", "genre"], SIZES)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_()
+    ours.load_state_dict(theirs.state_dict(), assign=True)  # new tensors, not copies
+    assert_same_output(ours, theirs, kjt)
+    ours.embedding_bags["genre"].weight.data = torch.zeros(9, 3)
+    with torch.no_grad():
+        theirs.embedding_bags["genre"].weight.zero_()
+    assert_same_output(ours, theirs, kjt)
+
+
+def test_deepcopy_and_to_keep_training_identically():
+    import copy
+
+    from recsys.embedding.optim import RowWiseAdagrad
+
+    ebc = EmbeddingBagCollection(tables(), optimizer=RowWiseAdagrad(lr=0.1))
+    kjt = random_kjt(["user_id", "friend_id", "item_id", "genre"], SIZES)
+    other = copy.deepcopy(ebc)
+    a, b = ebc(kjt).values(), other(kjt).values()
+    torch.testing.assert_close(a, b)
+    a.sum().backward()
+    b.sum().backward()
+    for key, value in ebc.state_dict().items():
+        assert torch.equal(value, other.state_dict()[key]), key
+    other.to(torch.float64)
+    assert other._views_intact() and other.embedding_bags["user"].weight.dtype == torch.float64
+    torch.testing.assert_close(other(kjt).values(), ebc(kjt).values().double())

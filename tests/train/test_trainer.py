@@ -121,3 +121,52 @@ def test_periodic_checkpoints_keep_the_newest(tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_00000018", "step_00000020"]  # 9 was pruned, no temp dirs left
     assert result.checkpoint.name == "step_00000020"
+
+
+def test_fused_embedding_update_equals_torch_adagrad(tmp_path):
+    """The fused Adagrad touches only looked-up rows, where torch's dense Adagrad changes
+    nothing else either: the two runs must agree."""
+    common = [
+        "--data.synthetic.cardinalities=[100,2000,300]",
+        "--data.synthetic.bag_sizes=[1,1,3]",
+        "--data.synthetic.num_train_samples=30000",
+        "--data.synthetic.num_test_samples=8192",
+        "--train.batch_size=1000",
+        "--train.embedding_optimizer=adagrad",
+        "--checkpoint.save_final=false",
+        "--run.device=cpu",
+    ]
+    results = {}
+    for fused in (True, False):
+        config = load_config(
+            None,
+            [
+                *common,
+                f"--train.fused_embedding_update={str(fused).lower()}",
+                f"--run.dir={tmp_path / str(fused)}",
+            ],
+        )
+        results[fused] = train(config).test
+    assert results[True]["auc"] == pytest.approx(results[False]["auc"], abs=1e-4)
+    assert results[True]["logloss"] == pytest.approx(results[False]["logloss"], abs=1e-4)
+
+
+def test_rowwise_adagrad_trains_and_needs_the_fused_update(tmp_path):
+    config = load_config(
+        None,
+        [
+            "--data.synthetic.cardinalities=[100,2000]",
+            "--data.synthetic.num_train_samples=20000",
+            "--data.synthetic.num_test_samples=5000",
+            "--train.embedding_optimizer=rowwise_adagrad",
+            "--checkpoint.save_final=false",
+            f"--run.dir={tmp_path}",
+            "--run.device=cpu",
+        ],
+    )
+    assert train(config).test["auc"] > 0.6
+    from recsys.train.trainer import build_optimizers
+
+    model = build_model(config.model, build_dataset(config.data, 0).spec, torch.device("cpu"))
+    with pytest.raises(ValueError, match="rowwise_adagrad.*only exists as a fused update"):
+        build_optimizers(config.train, model, world_size=2)
