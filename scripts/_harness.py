@@ -218,6 +218,32 @@ def tflop_per_s(num_flops: float, time_ms: float) -> float:
     return num_flops / (time_ms * 1e-3) / 1e12
 
 
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory where ``device``'s tensors live: the GPU's free memory, or the host's
+    available RAM (psutil when installed, else all physical RAM, an overestimate)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        import psutil
+    except ImportError:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return psutil.virtual_memory().available
+
+
+def zipf_ids(num_ids: int, num_rows: int, generator: torch.Generator) -> torch.Tensor:
+    """``num_ids`` Zipf(1)-skewed int64 ids in [0, num_rows) on CPU: rank r drawn with
+    P(r) ~ 1/(r+1), mapped to rows by a random permutation so the hot rows are spread over the
+    table."""
+    u = torch.rand(num_ids, generator=generator, dtype=torch.float64)
+    rank = (torch.pow(num_rows + 1.0, u).floor().long() - 1).clamp_(0, num_rows - 1)
+    return torch.randperm(num_rows, generator=generator)[rank]
+
+
+def load_note() -> str:
+    """The 1-minute load average against the core count: other work on a shared machine."""
+    return f"load1={os.getloadavg()[0]:.2f}/{os.cpu_count()}cores"
+
+
 def device_name(device: torch.device) -> str:
     """GPU name, or CPU model with its core count and torch's thread count."""
     if device.type == "cuda":

@@ -1,378 +1,564 @@
-"""Benchmark the multi-table pooled embedding lookup against the peers a user would pick instead.
+"""Benchmark the multi-table pooled embedding lookup, and its training step with the optimizer
+fused into backward, against the peers a user would pick instead.
 
-Providers, all on the same tables (same weights) and the same ids in one run:
+Cases come from ``configs/bench/embedding_bag.toml`` (``--config``): T tables of N rows and dim
+D, batch B, one-hot or multi-hot bags, ids Zipf(1)-skewed with the hot rows scattered over each
+table. Every provider of a case holds the same fp32 weights (table t drawn from a generator
+seeded by ``(--seed, t)``, TorchRec's default init range) and reads the same batch. Passes:
 
-- ``recsys_torch``: ``recsys.EmbeddingBagCollection(backend="torch")``, default validation on;
-- ``recsys_torch_noval``: the same with ``validate=False`` (the validation pass costs this much);
-- ``recsys_triton``: ``backend="triton"``, CUDA only, skipped while the op has no kernels;
-- ``torchrec``: the unsharded ``torchrec.EmbeddingBagCollection`` (one nn.EmbeddingBag per table);
+- ``fwd``: forward with autograd on (as in training), [B, T*D] pooled sums;
+- ``fwd_bwd_sgd``: forward + backward of a fixed upstream gradient + an SGD step (lr 0.01);
+- ``fwd_bwd_rowwise_adagrad``: the same with row-wise Adagrad (lr 0.01, eps 1e-8).
+
+Providers:
+
+- ``recsys_<backend>``: ``recsys.EmbeddingBagCollection(backend=..., validate=False)``, for
+  ``auto`` and each explicit backend in :data:`RECSYS_BACKENDS`; ``fwd`` and ``fwd_bwd_sgd`` on
+  one collection built with ``optimizer=SGD``, ``fwd_bwd_rowwise_adagrad`` on one built with
+  ``optimizer=RowWiseAdagrad`` (the update runs inside backward; no gradient tensor). A
+  backend that raises ValueError on construction or first call is reported as skipped;
+- ``recsys_auto_validate``: the ``auto`` collection with ``validate=True`` (the default), fwd;
 - ``fbgemm_tbe``: FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` (CPU: HOST placement on
-  ComputeDevice.CPU; CUDA: DEVICE), fp32 weights, EXACT_SGD. Its backward applies the SGD
-  update in place and builds no gradient tensor; the others build dense table gradients, freed
-  after each step (``param.grad = None``, as ``optimizer.zero_grad()`` does).
+  ComputeDevice.CPU; CUDA: DEVICE), EXACT_SGD / EXACT_ROWWISE_ADAGRAD fused into backward;
+- ``torch_embeddingbag``: one ``torch.nn.EmbeddingBag(mode="sum", sparse=True)`` per table,
+  outputs concatenated, each table's ids and bag offsets sliced out of the batch beforehand;
+  sparse gradients stepped by ``torch.optim.SGD``, or for the row-wise pass by
+  ``torch.optim.Adagrad`` (element-wise: the closest torch has; its state is table-sized);
+- ``torchrec``: the unsharded ``torchrec.EmbeddingBagCollection`` (fwd; fwd_bwd_sgd with dense
+  table gradients and ``torch.optim.SGD``).
 
-Cases: 26 tables (Criteo-like) with 1e3..1e6 rows (log-spaced), one dim D for all tables, batch
-B, bags one-hot or multi-hot (lengths uniform in 0..16, mean 8, some empty), ids Zipf(1)-skewed
-with hot rows scattered over each table. Every provider's output is checked against a float64
-reference before it is timed. ``fwd`` is the forward with autograd on (as in training);
-``fwd_bwd`` is forward + backward of a fixed upstream gradient.
+The tables of one provider take T*N*D*4 bytes (26 x 1M x 128 fp32: 13.3 GB), so providers are
+built one at a time: build, check the forward against a float64 reference, time its passes
+(interleaved with each other, see ``scripts/_harness.py``), free it, next. Providers are
+therefore not interleaved with each other; every row's notes carry the load average when its
+provider was timed. A pass that holds a second table-sized tensor (dense gradients, element-wise
+Adagrad state) is skipped, with the reason printed, when ``2 * T*N*D*4`` exceeds 60% of the
+memory available when the case starts.
 
-Throughput is nominal bytes / p50 time, the same count for every provider: forward reads the ids,
-offsets and L*D table elements and writes B*sum(D) outputs; backward adds reading the upstream
-gradient and writing L*D row gradients. A dense gradient's zero fill is not counted.
+Throughput (GB/s) is bytes moved / p50 time, counted the same way for every provider of a pass,
+with L ids in the batch and U distinct (table, id) pairs among them:
 
-Run: ``python scripts/bench_embedding_bag.py [--device cuda] [--quick | --full]``; rows go to
-``benchmarks/results/embedding_bag.csv`` (see ``scripts/_harness.py``).
+- ``fwd``: ids ``L*8`` + offsets ``(T*B + 1)*8`` + table rows read ``L*D*4`` + output written
+  ``B*T*D*4``;
+- ``fwd_bwd_sgd``: ``fwd`` + upstream gradient read ``B*T*D*4`` + each distinct touched row
+  read and written once ``U*D*4*2``;
+- ``fwd_bwd_rowwise_adagrad``: ``fwd_bwd_sgd`` + each touched row's state read and written
+  ``U*4*2``.
+
+The table prints each provider's speed relative to ``fbgemm_tbe`` on the same pass (> 1: faster).
+
+Run: ``python scripts/bench_embedding_bag.py [--device cuda] [--quick | --full] [--cases NAME
+...]``; rows go to ``benchmarks/results/embedding_bag.csv`` (see ``scripts/_harness.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import functools
+import gc
 import math
-from collections.abc import Callable
+import tomllib
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from _harness import (
+    REPO_ROOT,
     Row,
     add_common_args,
+    available_memory_bytes,
     environment,
     format_table,
     gb_per_s,
     is_quick,
+    load_note,
     resolve_device,
     time_fns,
     write_rows,
+    zipf_ids,
 )
 
-logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+import recsys
+from recsys import EmbeddingBagConfig, KeyedJaggedTensor  # recsys quiets torchrec's import
+from recsys.embedding.optim import SGD, FusedOptimizer, RowWiseAdagrad
 
-try:
-    import torchrec
-    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+# torch.optim.Adagrad's sparse path warns about sparse invariant checks; nothing to act on here.
+warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
 
-    TORCHREC_MISSING = ""
-except ImportError as error:
-    TORCHREC_MISSING = f"torchrec does not import ({error})"
-
-try:
-    from recsys import EmbeddingBagCollection as RecsysEBC
-
-    RECSYS_MISSING = ""
-except ImportError as error:
-    RECSYS_MISSING = f"recsys does not import ({error})"
-
-NUM_TABLES = 26
-MIN_ROWS, MAX_ROWS = 1_000, 1_000_000
-MAX_BAG = 16  # multi-hot lengths are uniform in [0, MAX_BAG]: pooling factor 8
-ROWS_NOTE = "rows=1e3..1e6"
-IDS_NOTE = "ids=zipf1"
 TOPIC = "embedding_bag"
-DTYPE = torch.float32
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "bench" / "embedding_bag.toml"
+FWD, SGD_PASS, ROWWISE_PASS = "fwd", "fwd_bwd_sgd", "fwd_bwd_rowwise_adagrad"
+PASSES = (FWD, SGD_PASS, ROWWISE_PASS)
+# Backends tried besides "auto" (CPU: FBGEMM's fused backward where it applies; CUDA: Triton);
+# one that cannot run here is reported as skipped.
+RECSYS_BACKENDS = {"cpu": ["torch"], "cuda": ["torch"]}
+LR, EPS = 0.01, 1e-8
+DENSE_MEMORY_FRACTION = 0.6  # a pass holding 2x the tables runs only below this share of free RAM
+CHECK_ROWS = 4096  # samples per chunk of the forward check (bounds its float64 temporaries)
 
 
-@dataclass
-class Inputs:
-    """One batch in KJT layout (key-major), plus its KJT when torchrec imports."""
+@dataclass(frozen=True)
+class Case:
+    """One ``[[case]]`` of the config file (see its header for the fields)."""
 
-    values: torch.Tensor  # [L] int64
-    lengths: torch.Tensor  # [T*B] int64
-    offsets: torch.Tensor  # [T*B + 1] int64
+    name: str
+    num_tables: int
+    rows: int
+    dim: int
+    pooling: int
     batch_size: int
-    kjt: object | None  # torchrec.KeyedJaggedTensor
+    quick: bool
+
+    @property
+    def table_bytes(self) -> int:
+        return self.num_tables * self.rows * self.dim * 4
+
+    @property
+    def config(self) -> str:
+        """The CSV ``config`` column."""
+        return (
+            f"tables={self.num_tables} rows={self.rows} dim={self.dim} batch={self.batch_size} "
+            f"pooling={self.pooling} ids=zipf1"
+        )
 
 
-def table_rows() -> list[int]:
-    """Log-spaced table sizes from MIN_ROWS to MAX_ROWS."""
-    ratio = (MAX_ROWS / MIN_ROWS) ** (1 / (NUM_TABLES - 1))
-    return [round(MIN_ROWS * ratio**t) for t in range(NUM_TABLES)]
+def load_cases(path: Path) -> list[Case]:
+    """Every ``[[case]]`` of the TOML file at ``path``.
+
+    Raises:
+        ValueError: a case lacks a field, has an unknown one, a non-positive size or a
+            duplicate name.
+    """
+    with open(path, "rb") as f:
+        entries = tomllib.load(f).get("case", [])
+    if not entries:
+        raise ValueError(f"--config {path}: no [[case]] entries")
+    fields = set(Case.__dataclass_fields__)
+    cases = []
+    for index, entry in enumerate(entries):
+        label = f"--config {path}: case {entry.get('name', index)!r}"
+        if set(entry) != fields:
+            missing, unknown = sorted(fields - set(entry)), sorted(set(entry) - fields)
+            raise ValueError(f"{label}: missing fields {missing}, unknown fields {unknown}")
+        for field in ("num_tables", "rows", "dim", "pooling", "batch_size"):
+            value = entry[field]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{label}: {field}={value!r} must be an integer >= 1")
+        if not isinstance(entry["quick"], bool):
+            raise ValueError(f"{label}: quick={entry['quick']!r} must be true or false")
+        cases.append(Case(**entry))
+    names = [case.name for case in cases]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"--config {path}: duplicate case names {duplicates}")
+    return cases
 
 
-def make_inputs(
-    rows: list[int],
-    batch_size: int,
-    multi_hot: bool,
-    device: torch.device,
-    generator: torch.Generator,
-) -> Inputs:
-    """Zipf(1) ids: rank r in [0, N) with P(r) ~ 1/(r+1), mapped to rows by a random
-    permutation of the table so the hot rows are spread over it."""
-    B = batch_size
-    if multi_hot:
-        lengths = torch.randint(0, MAX_BAG + 1, (len(rows) * B,), generator=generator)
+def select_cases(cases: list[Case], names: Sequence[str] | None, quick: bool) -> list[Case]:
+    """The cases named by --cases (any, quick or not), else the quick ones under --quick, else
+    all."""
+    if not names:
+        return [case for case in cases if case.quick or not quick]
+    by_name = {case.name: case for case in cases}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise ValueError(f"--cases {unknown}: not in the config; it has {list(by_name)}")
+    return [by_name[name] for name in names]
+
+
+# ------------------------------------------------------------------------------ tables and ids
+
+
+def table_weight(seed: int, table: int, rows: int, dim: int) -> torch.Tensor:
+    """Table ``table``'s weights [rows, dim] on CPU, the same on every call: TorchRec's default
+    init (uniform in +-sqrt(1 / rows)) from a generator seeded by ``(seed, table)``."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + table)
+    bound = math.sqrt(1 / rows)
+    return torch.empty(rows, dim).uniform_(-bound, bound, generator=generator)
+
+
+def fill_table(weight: torch.Tensor, *, seed: int, table: int) -> None:
+    """``init_fn`` of every provider's table ``table``: writes :func:`table_weight` in place."""
+    with torch.no_grad():
+        weight.copy_(table_weight(seed, table, weight.shape[0], weight.shape[1]))
+
+
+def table_configs(case: Case, seed: int) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=f"t_{t}",
+            embedding_dim=case.dim,
+            num_embeddings=case.rows,
+            feature_names=[f"f_{t}"],
+            init_fn=functools.partial(fill_table, seed=seed, table=t),
+        )
+        for t in range(case.num_tables)
+    ]
+
+
+def make_batch(case: Case, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zipf(1) ids [L] and bag lengths [T*B] on CPU, key-major (table t's bags are t*B ..
+    (t+1)*B - 1)."""
+    T, B = case.num_tables, case.batch_size
+    if case.pooling == 1:
+        lengths = torch.ones(T * B, dtype=torch.int64)
     else:
-        lengths = torch.ones(len(rows) * B, dtype=torch.int64)
-    per_table = lengths.view(len(rows), B).sum(dim=1).tolist()
-    values = []
-    for num_rows, num_ids in zip(rows, per_table, strict=True):
-        u = torch.rand(num_ids, generator=generator, dtype=torch.float64)
-        rank = (torch.pow(num_rows + 1.0, u).floor().long() - 1).clamp_(0, num_rows - 1)
-        values.append(torch.randperm(num_rows, generator=generator)[rank])
-    values = torch.cat(values).to(device)  # [L]
-    lengths = lengths.to(device)  # [T*B]
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
-    offsets[1:] = torch.cumsum(lengths, dim=0)  # [T*B + 1]
-    kjt = None
-    if not TORCHREC_MISSING:
-        kjt = KeyedJaggedTensor(
-            keys=[f"cat_{t}" for t in range(len(rows))],
-            values=values,
-            lengths=lengths,
-            offsets=offsets,
-        )
-    return Inputs(values, lengths, offsets, B, kjt)
+        lengths = torch.randint(0, 2 * case.pooling + 1, (T * B,), generator=generator)
+    per_table = lengths.view(T, B).sum(dim=1).tolist()
+    return torch.cat([zipf_ids(n, case.rows, generator) for n in per_table]), lengths
 
 
-def reference(weights: list[torch.Tensor], inputs: Inputs) -> torch.Tensor:
-    """Sum pooling in float64, one table at a time: [B, T*D]."""
-    B = inputs.batch_size
-    bounds = inputs.offsets[::B].tolist()  # start of each table's ids, and the end
+def reference(case: Case, seed: int, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sum pooling in float64 on CPU, one table at a time: [B, T*D]."""
+    B = case.batch_size
+    bounds = [0, *torch.cumsum(lengths.view(case.num_tables, B).sum(dim=1), dim=0).tolist()]
     pooled = []
-    for t, weight in enumerate(weights):
-        ids = inputs.values[bounds[t] : bounds[t + 1]]
-        bag = torch.repeat_interleave(
-            torch.arange(B, device=ids.device), inputs.lengths[t * B : (t + 1) * B]
-        )
-        sums = torch.zeros(B, weight.shape[1], dtype=torch.float64, device=ids.device)
+    for t in range(case.num_tables):
+        weight = table_weight(seed, t, case.rows, case.dim)  # [N, D]
+        ids = values[bounds[t] : bounds[t + 1]]
+        bag = torch.repeat_interleave(torch.arange(B), lengths[t * B : (t + 1) * B])
+        sums = torch.zeros(B, case.dim, dtype=torch.float64)
         pooled.append(sums.index_add_(0, bag, weight[ids].double()))  # [B, D]
     return torch.cat(pooled, dim=1)
 
 
-def tables(rows: list[int], dim: int) -> list:
-    return [
-        EmbeddingBagConfig(
-            name=f"t_cat_{t}", embedding_dim=dim, num_embeddings=n, feature_names=[f"cat_{t}"]
-        )
-        for t, n in enumerate(rows)
+@dataclass
+class Workload:
+    """One case made concrete: its tables' seed and one batch on the device."""
+
+    case: Case
+    seed: int
+    device: torch.device
+    kjt: KeyedJaggedTensor
+    values: torch.Tensor  # [L] int64
+    offsets: torch.Tensor  # [T*B + 1] int64
+    per_table: list[tuple[torch.Tensor, torch.Tensor]]  # table t's ids [L_t], bag starts [B]
+    grad_output: torch.Tensor  # [B, T*D] upstream gradient of the fwd_bwd passes
+    num_distinct: int  # U: distinct (table, id) pairs among the ids
+
+
+def make_workload(
+    case: Case, seed: int, values: torch.Tensor, lengths: torch.Tensor, device: torch.device
+) -> Workload:
+    T, B = case.num_tables, case.batch_size
+    offsets = torch.zeros(T * B + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, dim=0)
+    bounds = offsets[::B].tolist()  # start of each table's ids, and the end
+    per_table = [
+        (values[bounds[t] : bounds[t + 1]], offsets[t * B : (t + 1) * B] - bounds[t])
+        for t in range(T)
     ]
+    num_distinct = sum(ids.unique().numel() for ids, _ in per_table)
+    values, lengths, offsets = values.to(device), lengths.to(device), offsets.to(device)
+    kjt = KeyedJaggedTensor(
+        keys=[f"f_{t}" for t in range(T)], values=values, lengths=lengths, offsets=offsets
+    )
+    generator = torch.Generator().manual_seed(seed)
+    return Workload(
+        case=case,
+        seed=seed,
+        device=device,
+        kjt=kjt,
+        values=values,
+        offsets=offsets,
+        per_table=[(ids.to(device), starts.to(device)) for ids, starts in per_table],
+        grad_output=torch.randn(B, T * case.dim, generator=generator).to(device),
+        num_distinct=num_distinct,
+    )
+
+
+def bytes_moved(work: Workload, pass_: str) -> int:
+    """The module docstring's count of bytes a pass reads and writes."""
+    T, B, D = work.case.num_tables, work.case.batch_size, work.case.dim
+    L, U = work.values.numel(), work.num_distinct
+    output = B * T * D * 4
+    moved = L * 8 + (T * B + 1) * 8 + L * D * 4 + output
+    if pass_ != FWD:
+        moved += output + U * D * 4 * 2
+    if pass_ == ROWWISE_PASS:
+        moved += U * 4 * 2
+    return moved
+
+
+# ------------------------------------------------------------------------------ providers
+
+
+@dataclass
+class Built:
+    """A provider holding the case's tables: its forward and one callable per pass to time."""
+
+    forward: Callable[[], torch.Tensor]  # -> [B, T*D]
+    steps: dict[str, Callable[[], object]]
 
 
 @dataclass
 class Provider:
+    """One way of running the case, built only when it is timed."""
+
     name: str
-    forward: Callable[[Inputs], torch.Tensor]  # -> [B, T*D]
-    params: list[torch.Tensor]  # cleared to grad=None before each fwd_bwd step
-    notes: str
-    reload: Callable[[], None] = lambda: None  # restores the weights an in-place update changed
+    build: Callable[[Workload, Sequence[str]], Built]  # (workload, passes to time) -> Built
+    notes: dict[str, str]  # pass -> what qualifies its row; the passes this provider runs
+    dense_passes: tuple[str, ...] = ()  # passes that hold a second table-sized tensor
+    skip_on: tuple[type[Exception], ...] = ()  # errors of build / first call meaning "cannot run"
 
 
-def build_providers(
-    weights: list[torch.Tensor], dim: int, device: torch.device
-) -> tuple[list[Provider], list[str]]:
-    """Every provider that loads, holding a copy of ``weights``; and why the others were
-    skipped."""
-    rows = [w.shape[0] for w in weights]
-    providers, skipped = [], []
-    state = {f"embedding_bags.t_cat_{t}.weight": w for t, w in enumerate(weights)}
+def backward_step(
+    forward: Callable[[], torch.Tensor],
+    grad_output: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Callable[[], None]:
+    """Forward, backward of ``grad_output``, then ``optimizer``'s step (none when the update
+    is fused into backward)."""
 
-    def recsys(name: str, backend: str, validate: bool, notes: str) -> None:
-        if RECSYS_MISSING:
-            skipped.append(f"{name}: {RECSYS_MISSING}")
-            return
-        ebc = RecsysEBC(tables(rows, dim), device=device, backend=backend, validate=validate)
-        ebc.load_state_dict(state)
-        try:  # a backend that cannot run here (no kernels yet, no GPU) raises on first use
-            ebc(make_inputs([1] * len(rows), 1, False, device, torch.Generator()).kjt)
-        except (ValueError, NotImplementedError, RuntimeError) as error:
-            skipped.append(f"{name}: {type(error).__name__}: {error}")
-            return
-        providers.append(
-            Provider(name, lambda x: ebc(x.kjt).values(), list(ebc.parameters()), notes)
+    def step() -> None:
+        forward().backward(grad_output)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def recsys_provider(
+    backend: str, optimizer: Callable[[], FusedOptimizer], passes: dict[str, str], validate: bool
+) -> Provider:
+    def build(work: Workload, run: Sequence[str]) -> Built:
+        ebc = recsys.EmbeddingBagCollection(
+            table_configs(work.case, work.seed),
+            device=work.device,
+            backend=backend,
+            validate=validate,
+            optimizer=optimizer(),
         )
 
-    recsys("recsys_torch", "torch", True, "dense table grads; validate=True (default)")
-    recsys("recsys_torch_noval", "torch", False, "dense table grads; validate=False")
-    if device.type == "cuda":
-        recsys("recsys_triton", "triton", False, "validate=False")
-    else:
-        skipped.append("recsys_triton: on CPU Triton only runs interpreted; not timed")
+        def forward() -> torch.Tensor:
+            return ebc(work.kjt).values()
 
-    if TORCHREC_MISSING:
-        skipped.append(f"torchrec: {TORCHREC_MISSING}")
-    else:
-        ebc = torchrec.EmbeddingBagCollection(tables(rows, dim), device=device)
-        ebc.load_state_dict(state)
-        providers.append(
-            Provider(
-                "torchrec", lambda x: ebc(x.kjt).values(), list(ebc.parameters()), "dense grads"
+        step = backward_step(forward, work.grad_output)
+        return Built(forward, {p: forward if p == FWD else step for p in run})
+
+    name = "recsys_auto_validate" if validate else f"recsys_{backend}"
+    return Provider(name, build, passes, skip_on=(ValueError,))
+
+
+def fbgemm_provider(optimizer: str, passes: dict[str, str]) -> Provider:
+    def build(work: Workload, run: Sequence[str]) -> Built:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        if work.device.type == "cuda":
+            location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
+        else:
+            location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
+        case = work.case
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(case.rows, case.dim, location, compute)] * case.num_tables,
+            optimizer=EmbOptimType[optimizer],
+            learning_rate=LR,
+            eps=EPS,
+            pooling_mode=PoolingMode.SUM,
+            device=work.device,
+        )
+        for t, weight in enumerate(tbe.split_embedding_weights()):
+            fill_table(weight, seed=work.seed, table=t)
+
+        def forward() -> torch.Tensor:
+            return tbe(work.values, work.offsets)
+
+        step = backward_step(forward, work.grad_output)
+        return Built(forward, {p: forward if p == FWD else step for p in run})
+
+    return Provider("fbgemm_tbe", build, passes, skip_on=(ImportError,))
+
+
+def torch_embeddingbag_provider() -> Provider:
+    def build(work: Workload, run: Sequence[str]) -> Built:
+        case = work.case
+        bags = []
+        for t in range(case.num_tables):
+            weight = torch.empty(case.rows, case.dim, device=work.device)
+            fill_table(weight, seed=work.seed, table=t)
+            bags.append(
+                torch.nn.EmbeddingBag.from_pretrained(weight, freeze=False, mode="sum", sparse=True)
+            )
+        params = [bag.weight for bag in bags]
+
+        def forward() -> torch.Tensor:
+            inputs = zip(bags, work.per_table, strict=True)
+            pooled = [bag(ids, starts) for bag, (ids, starts) in inputs]  # T x [B, D]
+            return torch.cat(pooled, dim=1)  # [B, T*D]
+
+        steps: dict[str, Callable[[], object]] = {}
+        for pass_ in run:
+            if pass_ == FWD:
+                steps[pass_] = forward
+            elif pass_ == SGD_PASS:
+                optimizer = torch.optim.SGD(params, lr=LR)
+                steps[pass_] = backward_step(forward, work.grad_output, optimizer)
+            else:  # torch.optim.Adagrad allocates its table-sized state here
+                optimizer = torch.optim.Adagrad(params, lr=LR, eps=EPS)
+                steps[pass_] = backward_step(forward, work.grad_output, optimizer)
+        return Built(forward, steps)
+
+    notes = {
+        FWD: "one nn.EmbeddingBag per table, outputs torch.cat'ed",
+        SGD_PASS: "sparse grads + torch.optim.SGD",
+        ROWWISE_PASS: "sparse grads + torch.optim.Adagrad: element-wise Adagrad, the closest "
+        "torch has (state as big as the table)",
+    }
+    return Provider("torch_embeddingbag", build, notes, dense_passes=(ROWWISE_PASS,))
+
+
+def torchrec_provider() -> Provider:
+    def build(work: Workload, run: Sequence[str]) -> Built:
+        import torchrec
+
+        ebc = torchrec.EmbeddingBagCollection(
+            table_configs(work.case, work.seed), device=work.device
+        )
+
+        def forward() -> torch.Tensor:
+            return ebc(work.kjt).values()
+
+        steps: dict[str, Callable[[], object]] = {FWD: forward}
+        if SGD_PASS in run:
+            optimizer = torch.optim.SGD(ebc.parameters(), lr=LR)
+            steps[SGD_PASS] = backward_step(forward, work.grad_output, optimizer)
+        return Built(forward, {p: steps[p] for p in run})
+
+    notes = {
+        FWD: "unsharded torchrec.EmbeddingBagCollection",
+        SGD_PASS: "unsharded, dense table grads + torch.optim.SGD",
+    }
+    return Provider("torchrec", build, notes, dense_passes=(SGD_PASS,))
+
+
+def providers(device: torch.device) -> list[Provider]:
+    """Every provider, in the order they are built; fbgemm_tbe first (the baseline)."""
+    result = [
+        fbgemm_provider(
+            "EXACT_SGD", {FWD: "", SGD_PASS: "EXACT_SGD fused into backward (no grad tensor)"}
+        ),
+        fbgemm_provider(
+            "EXACT_ROWWISE_ADAGRAD",
+            {ROWWISE_PASS: "EXACT_ROWWISE_ADAGRAD fused into backward (no grad tensor)"},
+        ),
+    ]
+    for backend in ["auto", *RECSYS_BACKENDS[device.type]]:
+        result.append(
+            recsys_provider(
+                backend,
+                lambda: SGD(lr=LR),
+                {FWD: "validate=False", SGD_PASS: "validate=False; optimizer=SGD, fused"},
+                validate=False,
             )
         )
-
-    try:
-        providers.append(fbgemm_provider(weights, device))
-    except Exception as error:  # any failure to import, build or run means "not available"
-        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        skipped.append(f"fbgemm_tbe: {type(error).__name__}: {message}")
-    return providers, skipped
-
-
-def fbgemm_provider(weights: list[torch.Tensor], device: torch.device) -> Provider:
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-        EmbeddingLocation,
-        PoolingMode,
-    )
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
-
-    if device.type == "cuda":
-        location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
-    else:
-        location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
-    tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(w.shape[0], w.shape[1], location, compute) for w in weights],
-        optimizer=EmbOptimType.EXACT_SGD,
-        learning_rate=0.01,
-        pooling_mode=PoolingMode.SUM,
-        device=device,
-    )
-
-    def reload() -> None:
-        with torch.no_grad():
-            for dst, src in zip(tbe.split_embedding_weights(), weights, strict=True):
-                dst.copy_(src)
-
-    reload()
-    return Provider(
-        "fbgemm_tbe",
-        lambda x: tbe(x.values, x.offsets),
-        [],
-        "backward applies EXACT_SGD lr=0.01 in place (no grad tensor)",
-        reload,
-    )
-
-
-def nominal_bytes(inputs: Inputs, dim: int, with_backward: bool) -> int:
-    L, elem = inputs.values.numel(), DTYPE.itemsize
-    output = inputs.batch_size * NUM_TABLES * dim * 4
-    forward = L * 8 + inputs.offsets.numel() * 8 + L * dim * elem + output
-    return forward + (output + L * dim * elem if with_backward else 0)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_common_args(parser)
-    parser.add_argument("--dims", type=int, nargs="+", help="embedding dims to sweep")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", help="batch sizes to sweep")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    device = resolve_device(args.device)
-    quick = is_quick(args)
-    dims = args.dims or ([16, 33, 128] if quick else [16, 33, 64, 128])
-    batch_sizes = args.batch_sizes or ([2048] if quick else [2048, 8192])
-    warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
-    repeats = args.repeats if args.repeats is not None else (5 if quick else 20)
-    for reason in (TORCHREC_MISSING, RECSYS_MISSING):
-        if reason:
-            print(f"note: {reason}; continuing with the providers that load")
-
-    env = environment(device)
-    print(f"device: {env['device']}\nversions: {env['versions']}\ncommit: {env['commit']}")
-    generator = torch.Generator().manual_seed(args.seed)
-    rows = table_rows()
-    results: list[Row] = []
-    for dim in dims:
-        # TorchRec's default init: uniform in +-sqrt(1 / num_embeddings).
-        weights = [
-            (torch.rand(n, dim, generator=generator) * 2 - 1).mul_(math.sqrt(1 / n)).to(device)
-            for n in rows
-        ]
-        providers, skipped = build_providers(weights, dim, device)
-        for reason in skipped:
-            print(f"skip {reason}")
-        for batch_size in batch_sizes:
-            for multi_hot in (False, True):
-                inputs = make_inputs(rows, batch_size, multi_hot, device, generator)
-                pooling = MAX_BAG // 2 if multi_hot else 1
-                config = (
-                    f"tables={NUM_TABLES} {ROWS_NOTE} dim={dim} batch={batch_size} "
-                    f"pooling={pooling} {IDS_NOTE}"
+        result.append(
+            recsys_provider(
+                backend,
+                lambda: RowWiseAdagrad(lr=LR, eps=EPS),
+                {ROWWISE_PASS: "validate=False; optimizer=RowWiseAdagrad, fused"},
+                validate=False,
+            )
+        )
+        if backend == "auto":
+            result.append(
+                recsys_provider(
+                    "auto", lambda: SGD(lr=LR), {FWD: "validate=True (default)"}, validate=True
                 )
-                check_outputs(providers, weights, inputs)
-                results += time_case(providers, inputs, dim, config, device, warmup, repeats)
-                print(f"done {config}", flush=True)
-        del providers, weights
-
-    path = write_rows(TOPIC, results, env, args.out_dir)
-    print_summary(results)
-    print(f"\n{len(results)} rows appended to {path}")
+            )
+    return [*result, torch_embeddingbag_provider(), torchrec_provider()]
 
 
-def check_outputs(providers: list[Provider], weights: list[torch.Tensor], inputs: Inputs) -> None:
-    """Every provider's forward must match the float64 reference before it is timed."""
-    expected = reference(weights, inputs)
-    for provider in providers:
-        provider.reload()
+# ------------------------------------------------------------------------------ running a case
+
+
+def check_forward(name: str, output: torch.Tensor, expected: torch.Tensor) -> None:
+    """``output`` [B, T*D] must match the float64 reference, compared in chunks of samples."""
+    for start in range(0, expected.shape[0], CHECK_ROWS):
         torch.testing.assert_close(
-            provider.forward(inputs).double(),
-            expected,
+            output[start : start + CHECK_ROWS].detach().cpu().double(),
+            expected[start : start + CHECK_ROWS],
             rtol=1e-5,
             atol=1e-6,
-            msg=lambda message, name=provider.name: f"{name} does not match the reference: "
-            + message,
+            msg=lambda message: f"{name} does not match the reference: {message}",
         )
 
 
-def time_case(
-    providers: list[Provider],
-    inputs: Inputs,
-    dim: int,
-    config: str,
-    device: torch.device,
-    warmup: int,
-    repeats: int,
-) -> list[Row]:
-    """Forwards of all providers (interleaved), then their forward+backwards: rows of one case."""
-    grad_out = torch.randn(inputs.batch_size, NUM_TABLES * dim, device=device)  # [B, T*D]
-
-    def forward(provider: Provider) -> Callable[[], None]:
-        return lambda: provider.forward(inputs)
-
-    def forward_backward(provider: Provider) -> Callable[[], None]:
-        def step() -> None:
-            provider.forward(inputs).backward(grad_out)
-            # Free the dense gradients as optimizer.zero_grad() does, so that only one
-            # provider's are alive at a time and each step allocates them afresh.
-            for param in provider.params:
-                param.grad = None
-
-        return step
-
+def run_case(case: Case, seed: int, device: torch.device, warmup: int, repeats: int) -> list[Row]:
+    """Build, check and time every provider on one case, one at a time; prints why a provider
+    or pass was skipped."""
+    generator = torch.Generator().manual_seed(seed)
+    values, lengths = make_batch(case, generator)
+    expected = reference(case, seed, values, lengths)  # [B, T*D] float64, CPU
+    work = make_workload(case, seed, values, lengths, device)
+    del values, lengths
+    available = available_memory_bytes(device)
+    dense_fits = 2 * case.table_bytes <= DENSE_MEMORY_FRACTION * available
     rows = []
-    for pass_, make_step in (("fwd", forward), ("fwd_bwd", forward_backward)):
-        steps = {provider.name: make_step(provider) for provider in providers}
-        timings = time_fns(steps, device, warmup=warmup, repeats=repeats)
-        num_bytes = nominal_bytes(inputs, dim, with_backward=pass_ == "fwd_bwd")
-        for provider in providers:
-            timing = timings[provider.name]
+    for provider in providers(device):
+        run = list(provider.notes)
+        if not dense_fits:
+            for pass_ in provider.dense_passes:
+                print(
+                    f"skip {provider.name} {pass_}: needs 2 x {case.table_bytes / 1e9:.1f} GB "
+                    f"(tables + table-sized grads or state), over {DENSE_MEMORY_FRACTION:.0%} "
+                    f"of the {available / 1e9:.1f} GB available"
+                )
+            run = [p for p in run if p not in provider.dense_passes]
+        if not run:
+            continue
+        print(f"{case.name}: {provider.name} {'/'.join(run)}", flush=True)
+        built = None
+        try:
+            built = provider.build(work, run)
+            output = built.forward()
+        except provider.skip_on as error:
+            message = (str(error).strip().splitlines() or [""])[0]
+            print(f"skip {provider.name} {'/'.join(run)}: {type(error).__name__}: {message}")
+            built = None  # free its tables before the next provider is built
+            continue
+        check_forward(provider.name, output, expected)
+        del output
+        load = load_note()
+        timings = time_fns(built.steps, device, warmup=warmup, repeats=repeats)
+        del built
+        gc.collect()
+        for pass_, timing in timings.items():
+            notes = "; ".join(n for n in (provider.notes[pass_], load) if n)
             rows.append(
                 Row(
                     op=TOPIC,
                     pass_=pass_,
                     provider=provider.name,
-                    config=config,
+                    config=case.config,
                     dtype="fp32",
                     timing=timing,
-                    throughput=gb_per_s(num_bytes, timing.p50_ms),
+                    throughput=gb_per_s(bytes_moved(work, pass_), timing.p50_ms),
                     throughput_unit="GB/s",
-                    notes=provider.notes,
+                    notes=notes,
                 )
             )
     return rows
 
 
-def print_summary(results: list[Row]) -> None:
-    """One line per (config, pass, provider): p50, GB/s and the speed relative to torchrec."""
-    baseline = {(r.config, r.pass_): r.timing.p50_ms for r in results if r.provider == "torchrec"}
+def print_case(case: Case, rows: list[Row]) -> None:
+    """One line per (pass, provider): p50, p20-p80, GB/s and the speed relative to fbgemm_tbe."""
+    baseline = {r.pass_: r.timing.p50_ms for r in rows if r.provider == "fbgemm_tbe"}
     lines = []
-    for r in results:
-        base = baseline.get((r.config, r.pass_))
+    for r in sorted(rows, key=lambda r: PASSES.index(r.pass_)):
+        base = baseline.get(r.pass_)
         lines.append(
             [
-                r.config.split(" dim=")[1].replace(f" {IDS_NOTE}", ""),
                 r.pass_,
                 r.provider,
                 f"{r.timing.p50_ms:.3f}",
@@ -381,9 +567,38 @@ def print_summary(results: list[Row]) -> None:
                 f"{base / r.timing.p50_ms:.2f}x" if base else "-",
             ]
         )
-    header = ["dim=...", "pass", "provider", "p50 ms", "p20-p80 ms", "GB/s", "vs torchrec"]
-    print()
-    print(format_table(header, lines))
+    header = ["pass", "provider", "p50 ms", "p20-p80 ms", "GB/s", "vs fbgemm_tbe"]
+    print(f"\n{case.name}: {case.config}")
+    print(format_table(header, lines), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(parser)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="cases TOML")
+    parser.add_argument(
+        "--cases", nargs="+", metavar="NAME", help="run these cases (quick or not) only"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    quick = is_quick(args)
+    cases = select_cases(load_cases(args.config), args.cases, quick)
+    if not cases:
+        raise ValueError(f"--config {args.config}: no case has quick = true; run with --full")
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
+    repeats = args.repeats if args.repeats is not None else (5 if quick else 20)
+
+    env = environment(device)
+    print(f"device: {env['device']}\nversions: {env['versions']}\ncommit: {env['commit']}")
+    print(f"cases: {', '.join(case.name for case in cases)}")
+    num_rows = 0
+    for case in cases:
+        rows = run_case(case, args.seed, device, warmup, repeats)
+        path = write_rows(TOPIC, rows, env, args.out_dir)
+        num_rows += len(rows)
+        print_case(case, rows)
+    print(f"\n{num_rows} rows appended to {path}")
 
 
 if __name__ == "__main__":
