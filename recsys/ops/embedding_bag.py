@@ -28,11 +28,11 @@ either
 
 Backends (chosen in ``recsys.ops._triton``): ``triton`` (CUDA; CPU under TRITON_INTERPRET=1)
 runs ``recsys.ops.embedding_bag_triton``. ``fbgemm`` (CPU, fused SGD / Adagrad /
-RowWiseAdagrad only) is the torch forward plus FBGEMM's C++ fused backward. ``torch`` runs
-anywhere: per group of equal-dim tables, one ``F.embedding_bag`` over the flat buffer with the
-bags reordered sample-major (so its output already is the [B, F*D] layout), and a backward
-that sorts the lookups, reduces each row's gradients with ``F.embedding_bag`` over the
-upstream gradient, then updates the touched rows with ``index_select`` / ``index_copy_``.
+RowWiseAdagrad only) is FBGEMM's C++ fused backward, behind FBGEMM's forward for short bags
+and the torch forward for long ones. ``torch`` runs anywhere: one ``F.embedding_bag`` per
+feature over its table's view of the buffer; a backward that sorts the lookups per group of
+equal-dim tables, reduces each row's gradients with ``F.embedding_bag`` over the upstream
+gradient, then updates the touched rows with ``index_select`` / ``index_copy_``.
 """
 
 from __future__ import annotations
@@ -427,38 +427,40 @@ def _pool_torch(
     per_sample_weights: torch.Tensor | None,
     feature_to_key: Sequence[int],
     batch_size: int,
-) -> tuple[torch.Tensor, list]:
+) -> torch.Tensor:
+    """One ``F.embedding_bag`` per feature over its table's view of the packed buffer, reading
+    the feature's KJT slice in place (ATen's CPU kernel; measured faster than one call over
+    the whole buffer, whose bags would first have to be reordered sample-major)."""
     B, out_dtype = batch_size, _accumulate_dtype(flat.dtype)
-    meta = plan.meta(values.device, feature_to_key)
-    saved: list = []
-    pooled_groups = []
-    for g, features in enumerate(plan.group_features):
-        if not features:
-            saved.append(None)
-            continue
-        lookups = _group_lookups(plan, meta, g, values, offsets, per_sample_weights, B, out_dtype)
-        table = plan.layout.group_view(flat, g)
-        ids, scale = lookups["ids"], lookups["scale"]
+    tables = plan.layout.table_views(flat)
+    num_keys = max(feature_to_key, default=-1) + 1
+    bounds = offsets[[k * B for k in range(num_keys + 1)]].tolist()
+    pooled = []
+    for k, t in zip(feature_to_key, plan.feature_to_table, strict=True):
+        start, stop = bounds[k], bounds[k + 1]
+        bag_offsets = (offsets[k * B : (k + 1) * B + 1] - start).to(values.dtype)
+        psw = None if per_sample_weights is None else per_sample_weights[start:stop]
+        mean = plan.table_mean[t]
+        ids, table = values[start:stop], tables[t]
         if table.dtype in (torch.float16, torch.bfloat16):
             # ATen pools in the table's dtype; gather the rows and pool them in fp32 instead.
-            table = table.index_select(0, ids).to(out_dtype)  # [L_g, D]
-            ids = torch.arange(ids.numel(), device=ids.device)
-        pooled = F.embedding_bag(
+            table = table[ids.long()].float()  # [L_f, D_t]
+            ids = torch.arange(ids.numel(), device=ids.device, dtype=ids.dtype)
+        out = F.embedding_bag(
             ids,
             table,
-            lookups["offsets"],
-            mode="sum",
-            per_sample_weights=scale,
+            bag_offsets,
+            # ATen rejects per-sample weights with mean pooling: sum, then divide below.
+            mode="mean" if mean and psw is None else "sum",
+            per_sample_weights=None if psw is None else psw.to(table.dtype),
             include_last_offset=True,
-        ).to(out_dtype)  # [B*F_g, D]
-        saved.append(lookups)
-        pooled_groups.append((g, pooled.view(B, len(features) * table.shape[1])))
-    if plan.single_group:
-        return pooled_groups[0][1], saved
-    out = torch.empty(B, plan.total_dim, dtype=out_dtype, device=flat.device)
-    for g, pooled in pooled_groups:
-        out.index_copy_(1, meta[f"group{g}_cols"], pooled)
-    return out, saved
+        ).to(out_dtype)  # [B, D_t]
+        if mean and psw is not None:
+            out = out / bag_offsets.diff().clamp(min=1).to(out_dtype).unsqueeze(1)
+        pooled.append(out)
+    if not pooled:
+        return torch.zeros(B, 0, dtype=out_dtype, device=flat.device)
+    return torch.cat(pooled, dim=1)  # [B, total_D]
 
 
 def _reduce_torch(
@@ -580,8 +582,8 @@ def _block_l(values: torch.Tensor, num_bags: int) -> int:
 def fbgemm_unsupported(plan: LookupPlan, flat: torch.Tensor, fused: FusedUpdate | None) -> str:
     """Why FBGEMM's CPU fused backward cannot serve this call ("" when it can).
 
-    The ``fbgemm`` backend pools with the torch path and hands the fused update to
-    ``torch.ops.fbgemm.split_embedding_backward_codegen_{sgd,adagrad,rowwise_adagrad}_cpu``
+    The ``fbgemm`` backend runs FBGEMM's CPU table-batched forward and hands the fused update
+    to ``torch.ops.fbgemm.split_embedding_backward_codegen_{sgd,adagrad,rowwise_adagrad}_cpu``
     (fbgemm-gpu-cpu), which reduces duplicate rows and updates them in one C++ pass.
     """
     if flat.device.type != "cpu":
@@ -614,10 +616,12 @@ def _fbgemm_ops():
 
 
 def _fbgemm_meta(plan: LookupPlan) -> dict[str, Any]:
+    if hasattr(plan, "fbgemm_meta"):
+        return plan.fbgemm_meta
     layout, tables = plan.layout, plan.feature_to_table
     num_features = len(tables)
     dims = [layout.dims[t] for t in tables]
-    return {
+    meta = {
         "weights_offsets": torch.tensor([layout.elem_offsets[t] for t in tables]),
         "row_offsets": torch.tensor([layout.row_offsets[t] for t in tables]),
         "D_offsets": torch.tensor([0, *torch.tensor(dims).cumsum(0).tolist()], dtype=torch.int32),
@@ -629,22 +633,34 @@ def _fbgemm_meta(plan: LookupPlan) -> dict[str, Any]:
         "placements": torch.full((num_features,), 3, dtype=torch.int32),  # HOST
         "pooling_mode": 1 if plan.table_mean[0] else 0,  # PoolingMode.MEAN / SUM
     }
+    plan.fbgemm_meta = meta
+    return meta
 
 
-def _backward_fbgemm(ctx, grad_out: torch.Tensor, fused: FusedUpdate) -> None:
-    plan = ctx.plan
-    values, offsets, per_sample_weights = ctx.fbgemm_inputs
-    if "fbgemm" not in plan.__dict__:
-        plan.fbgemm = _fbgemm_meta(plan)
-    meta = plan.fbgemm
-    B, num_features = ctx.batch_size, len(plan.feature_to_table)
-    if tuple(ctx.feature_to_key) != tuple(range(num_features)):
-        # FBGEMM reads features in order: gather each feature's bags from its KJT key.
-        keys = torch.tensor(ctx.feature_to_key)
+# Mean ids per bag below which FBGEMM's forward beats one ATen embedding_bag per feature
+# (2-core EPYC, 26 x 1M x 64, batch 2048: 0.9 vs 1.6 ms at 1, 2.2 vs 3.2 at 2, 8.6 vs 5.8 at 4,
+# 30 vs 14 at 20); the fused backward is FBGEMM's either way.
+FBGEMM_FORWARD_MAX_BAG = 3
+
+
+def _fbgemm_inputs(
+    plan: LookupPlan,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    feature_to_key: Sequence[int],
+    batch_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The batch as FBGEMM reads it: int64 ids and [F*B + 1] offsets, features in order."""
+    B, num_features = batch_size, len(plan.feature_to_table)
+    if tuple(feature_to_key) != tuple(range(num_features)):
+        # Gather each feature's bags from its KJT key.
+        keys = torch.tensor(feature_to_key)
         bag_index = (keys[:, None] * B + torch.arange(B)).reshape(-1)  # [F*B]
-        starts, lengths = offsets[bag_index].long(), (offsets[bag_index + 1] - offsets[bag_index])
+        starts = offsets[bag_index].long()
+        lengths = offsets[bag_index + 1].long() - starts
         new_offsets = torch.zeros(num_features * B + 1, dtype=torch.int64)
-        torch.cumsum(lengths.long(), dim=0, out=new_offsets[1:])
+        torch.cumsum(lengths, dim=0, out=new_offsets[1:])
         total = int(new_offsets[-1])
         bag = torch.repeat_interleave(torch.arange(num_features * B), lengths, output_size=total)
         position = torch.arange(total) + (starts - new_offsets[:-1])[bag]
@@ -654,9 +670,44 @@ def _backward_fbgemm(ctx, grad_out: torch.Tensor, fused: FusedUpdate) -> None:
     else:
         offsets = offsets[: num_features * B + 1]
         values = values[: int(offsets[-1])]
-    indice_weights = (
-        torch.empty(0) if per_sample_weights is None else per_sample_weights.float().contiguous()
+    if per_sample_weights is not None:
+        per_sample_weights = per_sample_weights.float().contiguous()
+    return values.long().contiguous(), offsets.long().contiguous(), per_sample_weights
+
+
+def _pool_fbgemm(
+    plan: LookupPlan, flat: torch.Tensor, inputs: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """FBGEMM's CPU forward (through its SGD lookup op, which builds no graph here: forward
+    of an autograd.Function runs without grad, and the update only happens in its backward)."""
+    meta = _fbgemm_meta(plan)
+    values, offsets, indice_weights = inputs
+    return _fbgemm_ops().split_embedding_codegen_lookup_sgd_function_cpu(
+        flat,
+        meta["placements"],
+        meta["weights_offsets"],
+        meta["D_offsets"],
+        plan.total_dim,
+        meta["max_D"],
+        meta["hash_size_cumsum"],
+        meta["total_hash_size_bits"],
+        values,
+        offsets,
+        meta["pooling_mode"],
+        indice_weights,
+        None,  # feature_requires_grad
+        False,  # gradient_clipping
+        0.0,  # max_gradient
+        False,  # stochastic_rounding
+        0.0,  # learning_rate (unused: no backward through this call)
+        0,  # output dtype FP32
     )
+
+
+def _backward_fbgemm(ctx, grad_out: torch.Tensor, fused: FusedUpdate) -> None:
+    plan = ctx.plan
+    meta = _fbgemm_meta(plan)
+    values, offsets, indice_weights = ctx.fbgemm_inputs
     optimizer = fused.optimizer
     name = type(optimizer).__name__
     common = (
@@ -668,10 +719,10 @@ def _backward_fbgemm(ctx, grad_out: torch.Tensor, fused: FusedUpdate) -> None:
         meta["max_D"],
         meta["hash_size_cumsum"],
         meta["total_hash_size_bits"],
-        values.long().contiguous(),
-        offsets.long().contiguous(),
+        values,
+        offsets,
         meta["pooling_mode"],
-        indice_weights,
+        torch.empty(0) if indice_weights is None else indice_weights,
         False,  # stochastic rounding: fp32 tables only
     )
     ops = _fbgemm_ops()
@@ -758,15 +809,24 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
                 plan.layout.max_dim,
                 _block_l(values, len(plan.feature_to_table) * batch_size),
             )
-            ctx.saved_lookups = None
-            psw = () if per_sample_weights is None else (per_sample_weights,)
-            ctx.save_for_backward(values, offsets, *psw)
+        elif backend == "fbgemm" and values.numel() < FBGEMM_FORWARD_MAX_BAG * max(
+            len(plan.feature_to_table) * batch_size, 1
+        ):
+            ctx.fbgemm_inputs = _fbgemm_inputs(
+                plan, values, offsets, per_sample_weights, feature_to_key, batch_size
+            )
+            out = _pool_fbgemm(plan, flat, ctx.fbgemm_inputs)
         else:
-            out, ctx.saved_lookups = _pool_torch(
+            out = _pool_torch(
                 plan, flat, values, offsets, per_sample_weights, feature_to_key, batch_size
             )
             if backend == "fbgemm":
-                ctx.fbgemm_inputs = (values, offsets, per_sample_weights)
+                ctx.fbgemm_inputs = _fbgemm_inputs(
+                    plan, values, offsets, per_sample_weights, feature_to_key, batch_size
+                )
+        if backend != "fbgemm":
+            psw = () if per_sample_weights is None else (per_sample_weights,)
+            ctx.save_for_backward(values, offsets, *psw)
         return out
 
     @staticmethod
@@ -799,10 +859,21 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
 def _backward_torch(ctx, grad_out, meta, fused, step):
     plan, layout, flat = ctx.plan, ctx.plan.layout, ctx.flat
     generator = torch.Generator(device=flat.device).manual_seed(_rounding_seed(step))
+    values, offsets, *psw = ctx.saved_tensors
     all_keys, all_reduced = [], []
-    for g, lookups in enumerate(ctx.saved_lookups):
-        if lookups is None:
+    for g, features in enumerate(plan.group_features):
+        if not features:
             continue
+        lookups = _group_lookups(
+            plan,
+            meta,
+            g,
+            values,
+            offsets,
+            psw[0] if psw else None,
+            ctx.batch_size,
+            _accumulate_dtype(grad_out.dtype),
+        )
         rows, reduced = _reduce_torch(plan, meta, g, lookups, grad_out, ctx.batch_size)
         if fused is None:
             group_start = layout.row_offsets[layout.groups[g][0]]

@@ -120,9 +120,12 @@ def train(ebc, batches, upstreams):
         ebc(kjt).values().backward(upstream)
 
 
-def batches_and_upstreams(seed, steps=3, weighted=False, tables=TABLES):
+def batches_and_upstreams(seed, steps=3, weighted=False, tables=TABLES, max_bag=6):
     generator = torch.Generator().manual_seed(seed)
-    batches = [make_batch(generator, weighted=weighted, tables=tables) for _ in range(steps)]
+    batches = [
+        make_batch(generator, max_bag=max_bag, weighted=weighted, tables=tables)
+        for _ in range(steps)
+    ]
     total_dim = sum(dim * len(features) for _, _, dim, features, _ in tables)
     upstreams = [torch.randn(6, total_dim, generator=generator) for _ in range(steps)]
     return batches, upstreams
@@ -144,8 +147,9 @@ def test_fused_update_matches_float64_reference(optimizer, backend):
     ],
     ids=repr,
 )
-def test_fbgemm_fused_backward_matches_float64_reference(optimizer, backend):
-    ebc = check_against_reference(optimizer, backend, FBGEMM_TABLES)
+@pytest.mark.parametrize("max_bag", [2, 12])  # short bags: FBGEMM's forward; long: ATen's
+def test_fbgemm_fused_backward_matches_float64_reference(optimizer, backend, max_bag):
+    ebc = check_against_reference(optimizer, backend, FBGEMM_TABLES, max_bag)
     assert ebc._last_backend == "fbgemm"
 
 
@@ -167,12 +171,14 @@ def test_fbgemm_backend_refuses_what_it_cannot_do():
     assert ebc._last_backend == "torch"
 
 
-def check_against_reference(optimizer, backend, tables):
+def check_against_reference(optimizer, backend, tables, max_bag=6):
     ebc = EmbeddingBagCollection(
         table_configs(tables=tables), is_weighted=True, optimizer=optimizer, backend=backend
     )
     reference = Reference(ebc, optimizer)
-    batches, upstreams = batches_and_upstreams(seed=1, weighted=True, tables=tables)
+    batches, upstreams = batches_and_upstreams(
+        seed=1, weighted=True, tables=tables, max_bag=max_bag
+    )
     train(ebc, batches, upstreams)
     for kjt, upstream in zip(batches, upstreams, strict=True):
         reference.train_step(kjt, upstream)
@@ -220,19 +226,25 @@ def test_fused_builds_no_table_gradient_and_leaves_untouched_rows(backend):
     assert small.any(dim=1).tolist() == [False, False, True, False, False]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype_name", ["FP32", "BF16"])
-def test_two_runs_bitwise_equal(backend, dtype_name):
+@pytest.mark.parametrize(
+    ("backend", "dtype_name", "tables"),
+    [
+        *((b, d, TABLES) for b in BACKENDS for d in ("FP32", "BF16")),
+        ("fbgemm", "FP32", FBGEMM_TABLES),
+    ],
+    ids=["torch-fp32", "torch-bf16", "triton-fp32", "triton-bf16", "fbgemm-fp32"],
+)
+def test_two_runs_bitwise_equal(backend, dtype_name, tables):
     states = []
     for _ in range(2):
         torch.manual_seed(0)
         ebc = EmbeddingBagCollection(
-            table_configs(dtype_name),
+            table_configs(dtype_name, tables),
             is_weighted=True,
             optimizer=RowWiseAdagrad(lr=0.1),
             backend=backend,
         )
-        batches, upstreams = batches_and_upstreams(seed=2, weighted=True)
+        batches, upstreams = batches_and_upstreams(seed=2, weighted=True, tables=tables)
         train(ebc, batches, upstreams)
         states.append(ebc.state_dict())
     for key in states[0]:
