@@ -21,8 +21,11 @@ lower one, in units of the gap (computed in fp32 with exact power-of-two arithme
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from recsys.ops.embedding_bag_layout import LookupPlan, accumulate_dtype, rounding_seed
 
 # Optimizer codes (recsys.embedding.optim); NONE writes the reduced gradient instead.
 OPT_NONE = -1
@@ -181,8 +184,6 @@ def pool(
     block_l: int,
 ) -> None:
     """Launch ``_pool_kernel`` over every (bag, dim tile); fills ``out`` [B, total_D]."""
-    import torch
-
     if batch_size == 0 or num_features == 0:
         return
     block_d = min(triton.next_power_of_2(max_dim), 128)
@@ -226,8 +227,6 @@ def reduce_segments(
     its table's dim columns, zeros after); with one, updates ``weights`` and ``states`` in
     place and returns None.
     """
-    import torch
-
     num_segments = segments["row"].numel()
     block_d = triton.next_power_of_2(max_dim)
     acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
@@ -274,3 +273,103 @@ def reduce_segments(
         BLOCK_D=block_d,
     )
     return compact
+
+
+# --------------------------------------------------------------------------- glue
+
+
+def _segments(
+    plan: LookupPlan,
+    meta: dict[str, torch.Tensor],
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    batch_size: int,
+    scale_dtype: torch.dtype,
+) -> dict[str, torch.Tensor | None]:
+    """Every lookup of the batch sorted by row (stable), cut into one segment per distinct
+    row: segment starts, table, table-local row and global row key of each segment, and each
+    sorted lookup's upstream-gradient offset and scale."""
+    B, device = batch_size, values.device
+    num_features = meta["feat_key"].numel()
+    bag_index = meta["feat_key"][:, None] * B + torch.arange(B, device=device)  # [F, B]
+    starts = offsets[bag_index].long().reshape(-1)  # feature-major bags
+    lengths = offsets[bag_index + 1].long().reshape(-1) - starts
+    ends = torch.cumsum(lengths, dim=0)
+    total = int(ends[-1]) if ends.numel() else 0
+    bag = torch.repeat_interleave(
+        torch.arange(num_features * B, device=device), lengths, output_size=total
+    )
+    position = torch.arange(total, device=device) + (starts - (ends - lengths))[bag]
+    feature, sample = bag // B, bag % B
+    table = meta["feat_table"][feature].long()
+    key = meta["table_row_offset"][table] + values[position].long()
+    grad_off = sample * plan.total_dim + meta["feat_col"][feature]
+    scale = None
+    if per_sample_weights is not None:
+        scale = per_sample_weights[position].to(scale_dtype)
+    if plan.any_mean:
+        inverse = 1.0 / lengths.clamp(min=1).to(scale_dtype)
+        inverse = torch.where(
+            meta["feat_mean"][feature], inverse[bag], torch.ones((), dtype=scale_dtype)
+        )
+        scale = inverse if scale is None else scale * inverse
+    key, order = torch.sort(key, stable=True)
+    unique, counts = torch.unique_consecutive(key, return_counts=True)
+    start = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=device)
+    torch.cumsum(counts, dim=0, out=start[1:])
+    bound = torch.searchsorted(meta["row_bounds"], unique, right=True) - 1
+    seg_table = meta["bound_table"][bound]
+    return {
+        "start": start,
+        "table": seg_table,
+        "row": unique - meta["table_row_offset"][seg_table.long()],
+        "key": unique,
+        "grad_off": grad_off[order],
+        "scale": None if scale is None else scale[order],
+    }
+
+
+def lookup_block(values: torch.Tensor, num_bags: int) -> int:
+    """Ids loaded per step of the pooling loop: about the mean bag length, 1..32."""
+    mean = values.numel() / max(num_bags, 1)
+    block = 1
+    while block < mean and block < 32:
+        block *= 2
+    return block
+
+
+def backward(ctx, grad_out, meta, fused, step):
+    """Backward of the Triton path: sort the lookups into segments, then one launch of
+    ``_segment_kernel`` that applies ``fused`` in place (returns ``(None, None)``) or returns
+    the segments' row keys and reduced gradients for dense table gradients."""
+    plan, flat = ctx.plan, ctx.flat
+    values, offsets, *psw = ctx.saved_tensors
+    segments = _segments(
+        plan,
+        meta,
+        values,
+        offsets,
+        psw[0] if psw else None,
+        ctx.batch_size,
+        accumulate_dtype(grad_out.dtype),
+    )
+    num_lookups = segments["grad_off"].numel()
+    block_l = lookup_block(segments["grad_off"], segments["key"].numel()) if num_lookups else 1
+    if fused is None:
+        reduced = reduce_segments(segments, grad_out, meta, plan.layout.max_dim, block_l=block_l)
+        return segments["key"], reduced
+    names = list(fused.optimizer.states)
+    reduce_segments(
+        segments,
+        grad_out,
+        meta,
+        plan.layout.max_dim,
+        weights=flat,
+        states=tuple(fused.states[name] for name in names),
+        optimizer_code=fused.optimizer.code,
+        scalars=fused.optimizer.scalars(step),
+        seed=rounding_seed(step),
+        block_l=block_l,
+    )
+    return None, None

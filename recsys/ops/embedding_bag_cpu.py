@@ -1,0 +1,368 @@
+"""CPU paths of the table-batched embedding bag (see ``recsys.ops.embedding_bag``).
+
+- torch (runs anywhere): one ``F.embedding_bag`` per feature over its table's view of the
+  packed buffer; backward sorts the lookups per group of equal-dim tables, reduces each row's
+  gradients with ``F.embedding_bag`` over the upstream gradient, then updates the touched rows
+  (``index_select`` / ``index_copy_``) or hands back dense gradients.
+- fbgemm (CPU, fused SGD / Adagrad / RowWiseAdagrad on fp32 tables of one dim and one pooling):
+  FBGEMM's C++ fused backward (fbgemm-gpu-cpu), behind FBGEMM's forward for short bags and the
+  torch forward for long ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from recsys.ops.embedding_bag_layout import (
+    FusedUpdate,
+    LookupPlan,
+    accumulate_dtype,
+    rounding_seed,
+    stochastic_round,
+)
+
+
+def _group_lookups(
+    plan: LookupPlan,
+    meta: dict[str, torch.Tensor],
+    group: int,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    batch_size: int,
+    scale_dtype: torch.dtype,
+) -> dict[str, torch.Tensor | None]:
+    """The lookups of one dim group with bags in sample-major order (bag b * F_g + f).
+
+    Returns ids (group-local rows, int64), offsets [B*F_g + 1], bag of each lookup, and each
+    lookup's scale (per-sample weight times 1/length for mean pooling; None when all are 1).
+    """
+    B, device = batch_size, values.device
+    keys = meta[f"group{group}_key"]  # [F_g]
+    num_features = keys.numel()
+    bag_index = keys[:, None] * B + torch.arange(B, device=device)  # [F_g, B]
+    starts = offsets[bag_index].long()
+    lengths = offsets[bag_index + 1].long() - starts
+    starts, lengths = starts.t().reshape(-1), lengths.t().reshape(-1)  # [B*F_g] sample-major
+    bag_offsets = torch.zeros(B * num_features + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lengths, dim=0, out=bag_offsets[1:])
+    total = int(bag_offsets[-1])
+    bag = torch.repeat_interleave(
+        torch.arange(B * num_features, device=device), lengths, output_size=total
+    )
+    position = torch.arange(total, device=device) + (starts - bag_offsets[:-1])[bag]
+    feature = bag % num_features if num_features > 1 else torch.zeros_like(bag)
+    ids = values[position].long() + meta[f"group{group}_row"][feature]
+    scale = None
+    if per_sample_weights is not None:
+        scale = per_sample_weights[position].to(scale_dtype)
+    means = meta[f"group{group}_mean"]
+    if bool(plan.any_mean) and bool(means.any()):
+        inverse = 1.0 / lengths.clamp(min=1).to(scale_dtype)
+        inverse = torch.where(means[feature], inverse[bag], torch.ones((), dtype=scale_dtype))
+        scale = inverse if scale is None else scale * inverse
+    return {"ids": ids, "offsets": bag_offsets, "bag": bag, "scale": scale}
+
+
+def pool_torch(
+    plan: LookupPlan,
+    flat: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    feature_to_key: Sequence[int],
+    batch_size: int,
+) -> torch.Tensor:
+    """One ``F.embedding_bag`` per feature over its table's view of the packed buffer, reading
+    the feature's KJT slice in place (ATen's CPU kernel; measured faster than one call over
+    the whole buffer, whose bags would first have to be reordered sample-major)."""
+    B, out_dtype = batch_size, accumulate_dtype(flat.dtype)
+    tables = plan.layout.table_views(flat)
+    num_keys = max(feature_to_key, default=-1) + 1
+    bounds = offsets[[k * B for k in range(num_keys + 1)]].tolist()
+    pooled = []
+    for k, t in zip(feature_to_key, plan.feature_to_table, strict=True):
+        start, stop = bounds[k], bounds[k + 1]
+        bag_offsets = (offsets[k * B : (k + 1) * B + 1] - start).to(values.dtype)
+        psw = None if per_sample_weights is None else per_sample_weights[start:stop]
+        mean = plan.table_mean[t]
+        ids, table = values[start:stop], tables[t]
+        if table.dtype in (torch.float16, torch.bfloat16):
+            # ATen pools in the table's dtype; gather the rows and pool them in fp32 instead.
+            table = table[ids.long()].float()  # [L_f, D_t]
+            ids = torch.arange(ids.numel(), device=ids.device, dtype=ids.dtype)
+        out = F.embedding_bag(
+            ids,
+            table,
+            bag_offsets,
+            # ATen rejects per-sample weights with mean pooling: sum, then divide below.
+            mode="mean" if mean and psw is None else "sum",
+            per_sample_weights=None if psw is None else psw.to(table.dtype),
+            include_last_offset=True,
+        ).to(out_dtype)  # [B, D_t]
+        if mean and psw is not None:
+            out = out / bag_offsets.diff().clamp(min=1).to(out_dtype).unsqueeze(1)
+        pooled.append(out)
+    if not pooled:
+        return torch.zeros(B, 0, dtype=out_dtype, device=flat.device)
+    return torch.cat(pooled, dim=1)  # [B, total_D]
+
+
+def _reduce_torch(
+    plan: LookupPlan,
+    meta: dict[str, torch.Tensor],
+    group: int,
+    lookups: dict,
+    grad_out: torch.Tensor,
+    batch_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted distinct group-local rows [U] and their reduced gradients [U, D]."""
+    dim = plan.layout.dims[plan.layout.groups[group][0]]
+    if plan.single_group:
+        grad = grad_out.view(-1, dim)  # [B*F, D]
+    else:
+        grad = grad_out.index_select(1, meta[f"group{group}_cols"]).view(-1, dim)
+    rows, order = torch.sort(lookups["ids"], stable=True)
+    rows, counts = torch.unique_consecutive(rows, return_counts=True)
+    segments = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=rows.device)
+    torch.cumsum(counts, dim=0, out=segments[1:])
+    scale = lookups["scale"]
+    reduced = F.embedding_bag(
+        lookups["bag"][order],
+        grad,
+        segments,
+        mode="sum",
+        per_sample_weights=None if scale is None else scale[order].to(grad.dtype),
+        include_last_offset=True,
+    )  # [U, D]
+    return rows, reduced
+
+
+def _update_rows_torch(
+    fused: FusedUpdate,
+    weight: torch.Tensor,
+    states: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    step: int,
+    generator: torch.Generator,
+) -> None:
+    """Apply the fused optimizer to ``rows`` of a [N, D] ``weight`` and its ``states``."""
+    compute = accumulate_dtype(weight.dtype)
+    current = weight.index_select(0, rows).to(compute)
+    state_rows = {name: state.index_select(0, rows) for name, state in states.items()}
+    updated = fused.optimizer.update(current, grad.to(compute), state_rows, step)
+    weight.index_copy_(0, rows, stochastic_round(updated, weight.dtype, generator))
+    for name, state in states.items():
+        state.index_copy_(0, rows, state_rows[name])
+
+
+def backward_torch(ctx, grad_out, meta, fused, step):
+    """Backward of the torch path: per dim group, reduce each touched row's gradients, then
+    apply ``fused`` to the rows (returns ``(None, None)``) or return the sorted global row keys
+    and their reduced gradients [U, max_dim] for dense table gradients."""
+    plan, layout, flat = ctx.plan, ctx.plan.layout, ctx.flat
+    generator = torch.Generator(device=flat.device).manual_seed(rounding_seed(step))
+    values, offsets, *psw = ctx.saved_tensors
+    all_keys, all_reduced = [], []
+    for g, features in enumerate(plan.group_features):
+        if not features:
+            continue
+        lookups = _group_lookups(
+            plan,
+            meta,
+            g,
+            values,
+            offsets,
+            psw[0] if psw else None,
+            ctx.batch_size,
+            accumulate_dtype(grad_out.dtype),
+        )
+        rows, reduced = _reduce_torch(plan, meta, g, lookups, grad_out, ctx.batch_size)
+        if fused is None:
+            group_start = layout.row_offsets[layout.groups[g][0]]
+            all_keys.append(rows + group_start)
+            all_reduced.append(reduced)
+            continue
+        states = {
+            name: layout.group_rows(buffer, g)
+            if fused.optimizer.states[name] == "row"
+            else layout.group_view(buffer, g)
+            for name, buffer in fused.states.items()
+        }
+        _update_rows_torch(
+            fused, layout.group_view(flat, g), states, rows, reduced, step, generator
+        )
+    if fused is not None:
+        return None, None
+    # Groups are in row-space order, so the keys stay sorted; pad dims to the widest.
+    width = layout.max_dim
+    padded = [F.pad(r, (0, width - r.shape[1])) for r in all_reduced]
+    return torch.cat(all_keys), torch.cat(padded)
+
+
+def fbgemm_unsupported(plan: LookupPlan, flat: torch.Tensor, fused: FusedUpdate | None) -> str:
+    """Why FBGEMM's CPU fused backward cannot serve this call ("" when it can).
+
+    The ``fbgemm`` backend runs FBGEMM's CPU table-batched forward and hands the fused update
+    to ``torch.ops.fbgemm.split_embedding_backward_codegen_{sgd,adagrad,rowwise_adagrad}_cpu``
+    (fbgemm-gpu-cpu), which reduces duplicate rows and updates them in one C++ pass.
+    """
+    if flat.device.type != "cpu":
+        return "it runs on CPU tensors only"
+    if fused is None:
+        return "it only fuses an optimizer (optimizer=None takes dense gradients)"
+    name, decay = type(fused.optimizer).__name__, fused.optimizer.weight_decay
+    if name not in ("SGD", "Adagrad", "RowWiseAdagrad"):
+        return f"it has no CPU kernel for {name}"
+    if decay:  # its L2 mode does not match the weight decay of recsys.embedding.optim
+        return "weight decay runs on the torch path"
+    if flat.dtype != torch.float32:
+        return f"tables are {flat.dtype}; its CPU backward is fp32 here"
+    if len(plan.layout.groups) > 1:
+        return "tables of different dims (its row space must follow feature order)"
+    if len(set(plan.table_mean)) > 1:
+        return "it takes one pooling mode for all tables, these mix sum and mean"
+    if _fbgemm_ops() is None:
+        return "fbgemm_gpu does not import"
+    return ""
+
+
+def _fbgemm_ops():
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+        return torch.ops.fbgemm
+    except Exception:  # a missing or broken install means "not available"
+        return None
+
+
+def _fbgemm_meta(plan: LookupPlan) -> dict[str, Any]:
+    if hasattr(plan, "fbgemm_meta"):
+        return plan.fbgemm_meta
+    layout, tables = plan.layout, plan.feature_to_table
+    num_features = len(tables)
+    dims = [layout.dims[t] for t in tables]
+    meta = {
+        "weights_offsets": torch.tensor([layout.elem_offsets[t] for t in tables]),
+        "row_offsets": torch.tensor([layout.row_offsets[t] for t in tables]),
+        "D_offsets": torch.tensor([0, *torch.tensor(dims).cumsum(0).tolist()], dtype=torch.int32),
+        "max_D": max(dims),
+        "hash_size_cumsum": torch.tensor(
+            [*(layout.row_offsets[t] for t in tables), layout.total_rows]
+        ),
+        "total_hash_size_bits": max(1, math.ceil(math.log2(layout.total_rows + 1))),
+        "placements": torch.full((num_features,), 3, dtype=torch.int32),  # HOST
+        "pooling_mode": 1 if plan.table_mean[0] else 0,  # PoolingMode.MEAN / SUM
+    }
+    plan.fbgemm_meta = meta
+    return meta
+
+
+# Mean ids per bag below which FBGEMM's forward beats one ATen embedding_bag per feature
+# (2-core EPYC, 26 x 1M x 64, batch 2048: 0.9 vs 1.6 ms at 1, 2.2 vs 3.2 at 2, 8.6 vs 5.8 at 4,
+# 30 vs 14 at 20); the fused backward is FBGEMM's either way.
+FBGEMM_FORWARD_MAX_BAG = 3
+
+
+def fbgemm_inputs(
+    plan: LookupPlan,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    feature_to_key: Sequence[int],
+    batch_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The batch as FBGEMM reads it: int64 ids and [F*B + 1] offsets, features in order."""
+    B, num_features = batch_size, len(plan.feature_to_table)
+    if tuple(feature_to_key) != tuple(range(num_features)):
+        # Gather each feature's bags from its KJT key.
+        keys = torch.tensor(feature_to_key)
+        bag_index = (keys[:, None] * B + torch.arange(B)).reshape(-1)  # [F*B]
+        starts = offsets[bag_index].long()
+        lengths = offsets[bag_index + 1].long() - starts
+        new_offsets = torch.zeros(num_features * B + 1, dtype=torch.int64)
+        torch.cumsum(lengths, dim=0, out=new_offsets[1:])
+        total = int(new_offsets[-1])
+        bag = torch.repeat_interleave(torch.arange(num_features * B), lengths, output_size=total)
+        position = torch.arange(total) + (starts - new_offsets[:-1])[bag]
+        values, offsets = values[position], new_offsets
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights[position]
+    else:
+        offsets = offsets[: num_features * B + 1]
+        values = values[: int(offsets[-1])]
+    if per_sample_weights is not None:
+        per_sample_weights = per_sample_weights.float().contiguous()
+    return values.long().contiguous(), offsets.long().contiguous(), per_sample_weights
+
+
+def pool_fbgemm(
+    plan: LookupPlan, flat: torch.Tensor, inputs: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """FBGEMM's CPU forward (through its SGD lookup op, which builds no graph here: forward
+    of an autograd.Function runs without grad, and the update only happens in its backward)."""
+    meta = _fbgemm_meta(plan)
+    values, offsets, indice_weights = inputs
+    return _fbgemm_ops().split_embedding_codegen_lookup_sgd_function_cpu(
+        flat,
+        meta["placements"],
+        meta["weights_offsets"],
+        meta["D_offsets"],
+        plan.total_dim,
+        meta["max_D"],
+        meta["hash_size_cumsum"],
+        meta["total_hash_size_bits"],
+        values,
+        offsets,
+        meta["pooling_mode"],
+        indice_weights,
+        None,  # feature_requires_grad
+        False,  # gradient_clipping
+        0.0,  # max_gradient
+        False,  # stochastic_rounding
+        0.0,  # learning_rate (unused: no backward through this call)
+        0,  # output dtype FP32
+    )
+
+
+def backward_fbgemm(ctx, grad_out: torch.Tensor, fused: FusedUpdate) -> None:
+    """Apply ``fused`` in place with FBGEMM's C++ backward for its optimizer."""
+    plan = ctx.plan
+    meta = _fbgemm_meta(plan)
+    values, offsets, indice_weights = ctx.fbgemm_inputs
+    optimizer = fused.optimizer
+    name = type(optimizer).__name__
+    common = (
+        grad_out.float().contiguous(),
+        ctx.flat,
+        meta["placements"],
+        meta["weights_offsets"],
+        meta["D_offsets"],
+        meta["max_D"],
+        meta["hash_size_cumsum"],
+        meta["total_hash_size_bits"],
+        values,
+        offsets,
+        meta["pooling_mode"],
+        torch.empty(0) if indice_weights is None else indice_weights,
+        False,  # stochastic rounding: fp32 tables only
+    )
+    ops = _fbgemm_ops()
+    if name == "SGD":
+        ops.split_embedding_backward_codegen_sgd_cpu(*common, torch.tensor(optimizer.lr))
+        return
+    state = fused.states["sum"]
+    state_offsets = meta["row_offsets"] if name == "RowWiseAdagrad" else meta["weights_offsets"]
+    state_args = (state, meta["placements"], state_offsets, torch.tensor(optimizer.lr))
+    if name == "Adagrad":
+        ops.split_embedding_backward_codegen_adagrad_cpu(*common, *state_args, optimizer.eps)
+    else:  # eps, weight_decay 0 (mode NONE), max_norm 0
+        ops.split_embedding_backward_codegen_rowwise_adagrad_cpu(
+            *common, *state_args, optimizer.eps, 0.0, 0, 0.0
+        )

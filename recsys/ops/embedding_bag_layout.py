@@ -1,0 +1,222 @@
+"""Data layout of the table-batched embedding bag: the packed buffer (:class:`TableLayout`),
+what stays fixed between calls (:class:`LookupPlan`), the fused optimizer's state
+(:class:`FusedUpdate`), and the rounding shared by every backend."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+POOLINGS = ("sum", "mean")
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """Where each table lives in one flat buffer of all tables (and in the row space).
+
+    Tables of equal dim are adjacent ("dim groups", in order of first appearance), so each
+    group is one [rows, D] matrix. Table t's weight is
+    ``buffer[elem_offsets[t] : elem_offsets[t] + rows[t] * dims[t]].view(rows[t], dims[t])``;
+    its rows are ``row_offsets[t] ...`` in the row space that per-row state (RowWiseAdagrad)
+    and the backward's sort use.
+    """
+
+    rows: tuple[int, ...]
+    dims: tuple[int, ...]
+    elem_offsets: tuple[int, ...]
+    row_offsets: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...]  # table indices of each dim group, buffer order
+
+    @classmethod
+    def build(cls, rows: Sequence[int], dims: Sequence[int]) -> TableLayout:
+        for t, (n, d) in enumerate(zip(rows, dims, strict=True)):
+            if n < 1 or d < 1:
+                raise ValueError(f"table {t} has shape ({n}, {d}); rows and dim must be >= 1")
+        groups: dict[int, list[int]] = {}
+        for t, d in enumerate(dims):
+            groups.setdefault(d, []).append(t)
+        elem_offsets, row_offsets = [0] * len(rows), [0] * len(rows)
+        elem, row = 0, 0
+        for tables in groups.values():
+            for t in tables:
+                elem_offsets[t], row_offsets[t] = elem, row
+                elem += rows[t] * dims[t]
+                row += rows[t]
+        return cls(
+            tuple(rows),
+            tuple(dims),
+            tuple(elem_offsets),
+            tuple(row_offsets),
+            tuple(tuple(ts) for ts in groups.values()),
+        )
+
+    @property
+    def numel(self) -> int:
+        return sum(n * d for n, d in zip(self.rows, self.dims, strict=True))
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rows)
+
+    @property
+    def max_dim(self) -> int:
+        return max(self.dims)
+
+    def buffer_order(self) -> list[int]:
+        return [t for tables in self.groups for t in tables]
+
+    def table_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each table's [N_t, D_t] view into a flat buffer of ``numel`` elements."""
+        return [
+            buffer[e : e + n * d].view(n, d)
+            for e, n, d in zip(self.elem_offsets, self.rows, self.dims, strict=True)
+        ]
+
+    def row_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each table's [N_t] view into a flat per-row buffer of ``total_rows`` elements."""
+        return [buffer[r : r + n] for r, n in zip(self.row_offsets, self.rows, strict=True)]
+
+    def group_view(self, buffer: torch.Tensor, group: int) -> torch.Tensor:
+        """Dim group ``group`` of a flat buffer as one [rows, D] matrix."""
+        tables = self.groups[group]
+        start, dim = self.elem_offsets[tables[0]], self.dims[tables[0]]
+        return buffer[start : start + sum(self.rows[t] for t in tables) * dim].view(-1, dim)
+
+    def group_rows(self, buffer: torch.Tensor, group: int) -> torch.Tensor:
+        """Dim group ``group`` of a flat per-row buffer."""
+        tables = self.groups[group]
+        start = self.row_offsets[tables[0]]
+        return buffer[start : start + sum(self.rows[t] for t in tables)]
+
+    def pack(self, tables: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One flat buffer holding a copy of ``tables`` (same order as ``rows``)."""
+        return torch.cat([tables[t].detach().reshape(-1) for t in self.buffer_order()])
+
+
+@dataclass
+class FusedUpdate:
+    """A fused optimizer and the state it updates in backward.
+
+    ``optimizer`` is a :class:`recsys.embedding.optim.FusedOptimizer`; ``states`` maps each of
+    its state names to a flat fp32 buffer (``numel`` elements for per-element state,
+    ``total_rows`` for per-row state); ``step`` is an int64 scalar tensor counting the updates
+    applied so far (backward increments it).
+    """
+
+    optimizer: Any
+    states: dict[str, torch.Tensor]
+    step: torch.Tensor
+
+
+class LookupPlan:
+    """What stays fixed between calls: the layout, which table each feature reads, pooling,
+    and where each feature's columns start in the output. Device-side copies of this metadata
+    are cached per (device, KJT key order)."""
+
+    def __init__(
+        self,
+        layout: TableLayout,
+        feature_to_table: Sequence[int],
+        table_pooling: Sequence[str],
+    ) -> None:
+        for t, pooling in enumerate(table_pooling):
+            if pooling not in POOLINGS:
+                raise ValueError(f"pooling {pooling!r} of table {t}; expected one of {POOLINGS}")
+        if len(table_pooling) != len(layout.rows):
+            raise ValueError(
+                f"{len(table_pooling)} poolings for {len(layout.rows)} tables; give one per table"
+            )
+        for f, t in enumerate(feature_to_table):
+            if not 0 <= t < len(layout.rows):
+                raise ValueError(f"feature {f} reads table {t}; there are {len(layout.rows)}")
+        self.layout = layout
+        self.feature_to_table = tuple(feature_to_table)
+        self.table_mean = tuple(p == "mean" for p in table_pooling)
+        dims = [layout.dims[t] for t in self.feature_to_table]
+        self.feature_cols = tuple(sum(dims[:f]) for f in range(len(dims)))
+        self.total_dim = sum(dims)
+        # Features of each dim group, in output order, and their columns.
+        group_of = {t: g for g, tables in enumerate(layout.groups) for t in tables}
+        self.group_features = [
+            [f for f, t in enumerate(self.feature_to_table) if group_of[t] == g]
+            for g in range(len(layout.groups))
+        ]
+        # One group whose features are all the features: its [B*F, D] pooled rows already are
+        # the [B, total_D] output, no column scatter needed.
+        self.single_group = sum(1 for fs in self.group_features if fs) == 1
+        self.any_mean = any(self.table_mean[t] for t in self.feature_to_table)
+        self._meta: dict[tuple, dict[str, torch.Tensor]] = {}
+
+    def meta(self, device: torch.device, feature_to_key: Sequence[int]) -> dict[str, torch.Tensor]:
+        cache_key = (device, tuple(feature_to_key))
+        if cache_key not in self._meta:
+            layout = self.layout
+
+            def tensor(data: Sequence[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+                return torch.tensor(list(data), dtype=dtype, device=device)
+
+            order = layout.buffer_order()
+            meta = {
+                "feat_key": tensor(feature_to_key),
+                "feat_table": tensor(self.feature_to_table, torch.int32),
+                "feat_col": tensor(self.feature_cols),
+                "feat_mean": tensor(
+                    [self.table_mean[t] for t in self.feature_to_table], torch.bool
+                ),
+                "table_dim": tensor(layout.dims, torch.int32),
+                "table_offset": tensor(layout.elem_offsets),
+                "table_row_offset": tensor(layout.row_offsets),
+                "table_mean": tensor(self.table_mean, torch.int32),
+                # first row of each table in buffer order, and that table's index
+                "row_bounds": tensor([layout.row_offsets[t] for t in order]),
+                "bound_table": tensor(order, torch.int32),
+            }
+            for g, features in enumerate(self.group_features):
+                group_start = layout.row_offsets[layout.groups[g][0]]
+                meta[f"group{g}_key"] = tensor([feature_to_key[f] for f in features])
+                meta[f"group{g}_row"] = tensor(
+                    [layout.row_offsets[self.feature_to_table[f]] - group_start for f in features]
+                )
+                meta[f"group{g}_mean"] = tensor(
+                    [self.table_mean[self.feature_to_table[f]] for f in features], torch.bool
+                )
+                dim = layout.dims[layout.groups[g][0]]
+                meta[f"group{g}_cols"] = tensor(
+                    [self.feature_cols[f] + c for f in features for c in range(dim)]
+                )
+            self._meta[cache_key] = meta
+        return self._meta[cache_key]
+
+
+def stochastic_round(
+    x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Cast ``x`` to ``dtype``, rounding stochastically when it is fp16 / bf16: a value between
+    two neighbours ``lo < hi`` of ``dtype`` becomes ``hi`` with probability
+    ``(x - lo) / (hi - lo)``, so ``E[result] == x`` and updates far below the dtype's precision
+    still count on average. The Triton kernel computes the same."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return x.to(dtype)
+    mantissa_bits, min_exponent = (10, -14) if dtype == torch.float16 else (7, -126)
+    x = x.float()
+    magnitude = x.abs()
+    exponent = ((magnitude.view(torch.int32) >> 23) & 0xFF) - 127
+    ulp = torch.exp2((exponent.clamp(min=min_exponent) - mantissa_bits).float())
+    units = magnitude / ulp  # exact: ulp is a power of two
+    low = units.floor()
+    noise = torch.rand(x.shape, generator=generator, device=x.device)
+    rounded = (low + (noise < units - low).float()) * ulp
+    return torch.where(x < 0, -rounded, rounded).to(dtype)  # representable: exact cast
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rounding_seed(step: int) -> int:
+    """Seed of the stochastic rounding of update ``step``: a pure function of the step, so two
+    runs (and a resumed run) round identically."""
+    return (step * 2654435761 + 0x5EED) % (2**31 - 1)
