@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -61,6 +60,7 @@ from _harness import (
     environment,
     format_table,
     is_quick,
+    load_note,
     resolve_device,
     time_fns,
     write_rows,
@@ -103,11 +103,6 @@ class Result:
         if self.batches_per_call is None:
             return None
         return self.batches_per_call / (self.row.timing.p50_ms * 1e-3)
-
-
-def load_note() -> str:
-    """The 1-minute load average against the core count: other work on a shared machine."""
-    return f"load1={os.getloadavg()[0]:.2f}/{os.cpu_count()}cores"
 
 
 def make_result(

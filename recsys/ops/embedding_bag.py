@@ -28,8 +28,8 @@ either
 
 Backends (chosen in ``recsys.ops._triton``): ``triton`` (CUDA; CPU under TRITON_INTERPRET=1)
 runs ``recsys.ops.embedding_bag_triton``. ``fbgemm`` (CPU, fused SGD / Adagrad /
-RowWiseAdagrad only) is FBGEMM's C++ fused backward, behind FBGEMM's forward for short bags
-and the torch forward for long ones. ``torch`` runs anywhere: one ``F.embedding_bag`` per
+RowWiseAdagrad only) is FBGEMM's C++ fused backward, behind FBGEMM's forward for small
+batches and the torch forward for large ones. ``torch`` runs anywhere: one ``F.embedding_bag`` per
 feature over its table's view of the buffer; a backward that sorts the lookups per group of
 equal-dim tables, reduces each row's gradients with ``F.embedding_bag`` over the upstream
 gradient, then updates the touched rows with ``index_select`` / ``index_copy_``.
@@ -43,7 +43,7 @@ import torch
 
 from recsys.ops._triton import resolve_backend, triton_interpreted
 from recsys.ops.embedding_bag_cpu import (
-    FBGEMM_FORWARD_MAX_BAG,
+    FBGEMM_FORWARD_MAX_IDS,
     backward_fbgemm,
     backward_torch,
     fbgemm_inputs,
@@ -254,9 +254,7 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
                 plan.layout.max_dim,
                 embedding_bag_triton.lookup_block(values, len(plan.feature_to_table) * batch_size),
             )
-        elif backend == "fbgemm" and values.numel() < FBGEMM_FORWARD_MAX_BAG * max(
-            len(plan.feature_to_table) * batch_size, 1
-        ):
+        elif backend == "fbgemm" and values.numel() < FBGEMM_FORWARD_MAX_IDS:
             ctx.fbgemm_inputs = fbgemm_inputs(
                 plan, values, offsets, per_sample_weights, feature_to_key, batch_size
             )

@@ -5,8 +5,8 @@
   gradients with ``F.embedding_bag`` over the upstream gradient, then updates the touched rows
   (``index_select`` / ``index_copy_``) or hands back dense gradients.
 - fbgemm (CPU, fused SGD / Adagrad / RowWiseAdagrad on fp32 tables of one dim and one pooling):
-  FBGEMM's C++ fused backward (fbgemm-gpu-cpu), behind FBGEMM's forward for short bags and the
-  torch forward for long ones.
+  FBGEMM's C++ fused backward (fbgemm-gpu-cpu), behind FBGEMM's forward for small batches and
+  the torch forward for large ones.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from recsys.ops.embedding_bag_layout import (
     FusedUpdate,
     LookupPlan,
     accumulate_dtype,
+    bag_lookups,
+    lookup_scale,
     rounding_seed,
     stochastic_round,
 )
@@ -42,31 +44,15 @@ def _group_lookups(
     Returns ids (group-local rows, int64), offsets [B*F_g + 1], bag of each lookup, and each
     lookup's scale (per-sample weight times 1/length for mean pooling; None when all are 1).
     """
-    B, device = batch_size, values.device
     keys = meta[f"group{group}_key"]  # [F_g]
-    num_features = keys.numel()
-    bag_index = keys[:, None] * B + torch.arange(B, device=device)  # [F_g, B]
-    starts = offsets[bag_index].long()
-    lengths = offsets[bag_index + 1].long() - starts
-    starts, lengths = starts.t().reshape(-1), lengths.t().reshape(-1)  # [B*F_g] sample-major
-    bag_offsets = torch.zeros(B * num_features + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lengths, dim=0, out=bag_offsets[1:])
-    total = int(bag_offsets[-1])
-    bag = torch.repeat_interleave(
-        torch.arange(B * num_features, device=device), lengths, output_size=total
-    )
-    position = torch.arange(total, device=device) + (starts - bag_offsets[:-1])[bag]
-    feature = bag % num_features if num_features > 1 else torch.zeros_like(bag)
-    ids = values[position].long() + meta[f"group{group}_row"][feature]
-    scale = None
-    if per_sample_weights is not None:
-        scale = per_sample_weights[position].to(scale_dtype)
+    lookups = bag_lookups(offsets, keys, batch_size, sample_major=True)
+    bag = lookups["bag"]
+    feature = bag % keys.numel()
+    ids = values[lookups["position"]].long() + meta[f"group{group}_row"][feature]
     means = meta[f"group{group}_mean"]
-    if bool(plan.any_mean) and bool(means.any()):
-        inverse = 1.0 / lengths.clamp(min=1).to(scale_dtype)
-        inverse = torch.where(means[feature], inverse[bag], torch.ones((), dtype=scale_dtype))
-        scale = inverse if scale is None else scale * inverse
-    return {"ids": ids, "offsets": bag_offsets, "bag": bag, "scale": scale}
+    mean = means[feature] if plan.any_mean and bool(means.any()) else None
+    scale = lookup_scale(lookups, per_sample_weights, mean, scale_dtype)
+    return {"ids": ids, "offsets": lookups["offsets"], "bag": bag, "scale": scale}
 
 
 def pool_torch(
@@ -264,10 +250,12 @@ def _fbgemm_meta(plan: LookupPlan) -> dict[str, Any]:
     return meta
 
 
-# Mean ids per bag below which FBGEMM's forward beats one ATen embedding_bag per feature
-# (2-core EPYC, 26 x 1M x 64, batch 2048: 0.9 vs 1.6 ms at 1, 2.2 vs 3.2 at 2, 8.6 vs 5.8 at 4,
-# 30 vs 14 at 20); the fused backward is FBGEMM's either way.
-FBGEMM_FORWARD_MAX_BAG = 3
+# Ids per batch below which FBGEMM's forward beats one ATen embedding_bag per feature: it saves
+# the per-call overhead of small batches, ATen's kernel wins on large ones (2-core EPYC, 26
+# tables x 1M x 64, ms FBGEMM vs ATen: 53k ids 0.9 vs 1.6; 106k 2.2 vs 3.2; 213k 8.6 vs 5.8;
+# 1.1M 30 vs 14; 1.7M (batch 65536, one-hot) 227 vs 167). The fused backward is FBGEMM's
+# either way.
+FBGEMM_FORWARD_MAX_IDS = 150_000
 
 
 def fbgemm_inputs(
@@ -282,18 +270,10 @@ def fbgemm_inputs(
     B, num_features = batch_size, len(plan.feature_to_table)
     if tuple(feature_to_key) != tuple(range(num_features)):
         # Gather each feature's bags from its KJT key.
-        keys = torch.tensor(feature_to_key)
-        bag_index = (keys[:, None] * B + torch.arange(B)).reshape(-1)  # [F*B]
-        starts = offsets[bag_index].long()
-        lengths = offsets[bag_index + 1].long() - starts
-        new_offsets = torch.zeros(num_features * B + 1, dtype=torch.int64)
-        torch.cumsum(lengths, dim=0, out=new_offsets[1:])
-        total = int(new_offsets[-1])
-        bag = torch.repeat_interleave(torch.arange(num_features * B), lengths, output_size=total)
-        position = torch.arange(total) + (starts - new_offsets[:-1])[bag]
-        values, offsets = values[position], new_offsets
+        lookups = bag_lookups(offsets, torch.tensor(feature_to_key), B, sample_major=False)
+        values, offsets = values[lookups["position"]], lookups["offsets"]
         if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights[position]
+            per_sample_weights = per_sample_weights[lookups["position"]]
     else:
         offsets = offsets[: num_features * B + 1]
         values = values[: int(offsets[-1])]

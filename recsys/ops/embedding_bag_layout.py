@@ -191,6 +191,50 @@ class LookupPlan:
         return self._meta[cache_key]
 
 
+def bag_lookups(
+    offsets: torch.Tensor, keys: torch.Tensor, batch_size: int, *, sample_major: bool
+) -> dict[str, torch.Tensor]:
+    """Every lookup of the features that read KJT ``keys`` [F], bags in feature-major (bag
+    f*B + b) or sample-major (b*F + f) order.
+
+    Returns ``lengths`` [F*B] and ``offsets`` [F*B + 1] of the bags in that order, and per
+    lookup its ``bag`` and its ``position`` in the KJT values.
+    """
+    B, device = batch_size, offsets.device
+    bag_index = keys[:, None] * B + torch.arange(B, device=device)  # [F, B]
+    if sample_major:
+        bag_index = bag_index.t()
+    bag_index = bag_index.reshape(-1)
+    starts = offsets[bag_index].long()
+    lengths = offsets[bag_index + 1].long() - starts
+    bag_offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lengths, dim=0, out=bag_offsets[1:])
+    total = int(bag_offsets[-1])
+    bag = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=device), lengths, output_size=total
+    )
+    position = torch.arange(total, device=device) + (starts - bag_offsets[:-1])[bag]
+    return {"lengths": lengths, "offsets": bag_offsets, "bag": bag, "position": position}
+
+
+def lookup_scale(
+    lookups: dict[str, torch.Tensor],
+    per_sample_weights: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """Each lookup's factor on its row's gradient: its per-sample weight, times 1/length of
+    its bag where ``mean`` (a bool per lookup) says the bag is mean-pooled; None when all 1."""
+    scale = None
+    if per_sample_weights is not None:
+        scale = per_sample_weights[lookups["position"]].to(dtype)
+    if mean is not None:
+        inverse = 1.0 / lookups["lengths"].clamp(min=1).to(dtype)
+        inverse = torch.where(mean, inverse[lookups["bag"]], torch.ones((), dtype=dtype))
+        scale = inverse if scale is None else scale * inverse
+    return scale
+
+
 def stochastic_round(
     x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None = None
 ) -> torch.Tensor:

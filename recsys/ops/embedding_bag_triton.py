@@ -25,7 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from recsys.ops.embedding_bag_layout import LookupPlan, accumulate_dtype, rounding_seed
+from recsys.ops.embedding_bag_layout import (
+    LookupPlan,
+    accumulate_dtype,
+    bag_lookups,
+    lookup_scale,
+    rounding_seed,
+)
 
 # Optimizer codes (recsys.embedding.optim); NONE writes the reduced gradient instead.
 OPT_NONE = -1
@@ -291,29 +297,14 @@ def _segments(
     row: segment starts, table, table-local row and global row key of each segment, and each
     sorted lookup's upstream-gradient offset and scale."""
     B, device = batch_size, values.device
-    num_features = meta["feat_key"].numel()
-    bag_index = meta["feat_key"][:, None] * B + torch.arange(B, device=device)  # [F, B]
-    starts = offsets[bag_index].long().reshape(-1)  # feature-major bags
-    lengths = offsets[bag_index + 1].long().reshape(-1) - starts
-    ends = torch.cumsum(lengths, dim=0)
-    total = int(ends[-1]) if ends.numel() else 0
-    bag = torch.repeat_interleave(
-        torch.arange(num_features * B, device=device), lengths, output_size=total
-    )
-    position = torch.arange(total, device=device) + (starts - (ends - lengths))[bag]
+    lookups = bag_lookups(offsets, meta["feat_key"], B, sample_major=False)
+    bag, position = lookups["bag"], lookups["position"]
     feature, sample = bag // B, bag % B
     table = meta["feat_table"][feature].long()
     key = meta["table_row_offset"][table] + values[position].long()
     grad_off = sample * plan.total_dim + meta["feat_col"][feature]
-    scale = None
-    if per_sample_weights is not None:
-        scale = per_sample_weights[position].to(scale_dtype)
-    if plan.any_mean:
-        inverse = 1.0 / lengths.clamp(min=1).to(scale_dtype)
-        inverse = torch.where(
-            meta["feat_mean"][feature], inverse[bag], torch.ones((), dtype=scale_dtype)
-        )
-        scale = inverse if scale is None else scale * inverse
+    mean = meta["feat_mean"][feature] if plan.any_mean else None
+    scale = lookup_scale(lookups, per_sample_weights, mean, scale_dtype)
     key, order = torch.sort(key, stable=True)
     unique, counts = torch.unique_consecutive(key, return_counts=True)
     start = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=device)
