@@ -175,6 +175,8 @@ class ModelConfig:
     """Embedding dimension of every table."""
     pooling: Literal["sum", "mean"] = "sum"
     """How a bag of ids is reduced to one vector."""
+    embedding_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """Storage dtype of the tables (pooled in fp32 either way); fp16 / bf16 halve their memory."""
     dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 16])
     """Bottom MLP over the dense features; the last size must equal embedding_dim (DLRM)."""
     over_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 32, 1])
@@ -200,6 +202,9 @@ class TrainConfig:
     state float per row)."""
     embedding_lr: float = 0.05
     """Learning rate of the embedding optimizer."""
+    embedding_stochastic_rounding: bool = True
+    """fp16 / bf16 tables: write fused updates back with stochastic rounding (else round to
+    nearest, which drops updates smaller than half a unit in the last place)."""
     fused_embedding_update: bool = True
     """Apply the embedding optimizer inside backward, to the touched rows only, building no
     table-sized gradient. Single process only for now: under torchrun the tables are

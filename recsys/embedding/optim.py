@@ -28,7 +28,8 @@ rate from the next step on (this is how a schedule drives a fused optimizer).
 fp16 / bf16 tables are updated in fp32 and written back with stochastic rounding (unbiased: a
 value between two representable neighbours rounds up with probability proportional to its
 distance from the lower one), so updates far below the table's precision still move the weights
-on average; optimizer state is always fp32.
+on average (``stochastic_rounding=False`` rounds to nearest instead); optimizer state is
+always fp32.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class FusedOptimizer:
 
     lr: float
     weight_decay: float = 0.0
+    stochastic_rounding: bool = True
+    """fp16 / bf16 tables: round updated weights stochastically (else to nearest)."""
 
     code: ClassVar[int]
     #: state name -> "row" (one fp32 per row) or "element" (one fp32 per weight element)

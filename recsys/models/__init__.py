@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType
 
 from recsys.config import ModelConfig
 from recsys.data.batch import DatasetSpec
@@ -21,7 +22,12 @@ from recsys.models.dlrm import DLRM
 __all__ = ["DLRM", "MODELS", "build_model", "table_configs"]
 
 
-def table_configs(spec: DatasetSpec, embedding_dim: int, pooling: str) -> list[EmbeddingBagConfig]:
+_DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16}
+
+
+def table_configs(
+    spec: DatasetSpec, embedding_dim: int, pooling: str, dtype: str = "fp32"
+) -> list[EmbeddingBagConfig]:
     """One table per categorical feature, sized by the dataset (never typed by hand)."""
     return [
         EmbeddingBagConfig(
@@ -30,6 +36,7 @@ def table_configs(spec: DatasetSpec, embedding_dim: int, pooling: str) -> list[E
             num_embeddings=cardinality,
             feature_names=[feature],
             pooling=PoolingType.SUM if pooling == "sum" else PoolingType.MEAN,
+            data_type=_DATA_TYPES[dtype],
         )
         for feature, cardinality in zip(spec.sparse_names, spec.cardinalities, strict=True)
     ]
@@ -42,7 +49,8 @@ def _build_dlrm(config: ModelConfig, spec: DatasetSpec, device: torch.device) ->
             f"data has {spec.num_tasks} label(s); the last size must be the number of tasks"
         )
     ebc = EmbeddingBagCollection(
-        table_configs(spec, config.embedding_dim, config.pooling), device=device
+        table_configs(spec, config.embedding_dim, config.pooling, config.embedding_dtype),
+        device=device,
     )
     return DLRM(
         ebc,

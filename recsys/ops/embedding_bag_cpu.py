@@ -143,7 +143,9 @@ def _update_rows_torch(
     current = weight.index_select(0, rows).to(compute)
     state_rows = {name: state.index_select(0, rows) for name, state in states.items()}
     updated = fused.optimizer.update(current, grad.to(compute), state_rows, step)
-    weight.index_copy_(0, rows, stochastic_round(updated, weight.dtype, generator))
+    if fused.optimizer.stochastic_rounding:
+        updated = stochastic_round(updated, weight.dtype, generator)
+    weight.index_copy_(0, rows, updated.to(weight.dtype))
     for name, state in states.items():
         state.index_copy_(0, rows, state_rows[name])
 

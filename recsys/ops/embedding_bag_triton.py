@@ -16,7 +16,8 @@ all tables:
 
 fp16 / bf16 tables are updated in fp32 and stored with stochastic rounding: a value between
 two neighbours of the table's dtype rounds up with probability equal to its distance from the
-lower one, in units of the gap (computed in fp32 with exact power-of-two arithmetic).
+lower one, in units of the gap (computed in fp32 with exact power-of-two arithmetic); or, with
+``stochastic_rounding=False``, to the nearest neighbour.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def _segment_kernel(
     OPT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     ACC: tl.constexpr,
+    LOW_PRECISION: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     MANTISSA_BITS: tl.constexpr,
     MIN_EXPONENT: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -164,16 +167,22 @@ def _segment_kernel(
             tl.store(state1_ptr + element, m, mask=dmask)
             tl.store(state2_ptr + element, v, mask=dmask)
             w = w - lr * (m / bias_correction1) / (tl.sqrt(v / bias_correction2) + eps)
-        if MANTISSA_BITS > 0:  # stochastic rounding to fp16 / bf16
+        if LOW_PRECISION:
+            # Round to fp16 / bf16 in fp32 with exact power-of-two arithmetic, so the cast
+            # below is exact (and the same under the CPU interpreter as on a GPU).
             w = w.to(tl.float32)
             magnitude = tl.abs(w)
             exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
             ulp = tl.exp2((tl.maximum(exponent, MIN_EXPONENT) - MANTISSA_BITS).to(tl.float32))
-            units = magnitude / ulp  # exact: ulp is a power of two
+            units = magnitude / ulp
             low = tl.floor(units)
-            noise = tl.rand(seed, (s * BLOCK_D + d).to(tl.int32))
-            rounded = (low + tl.where(noise < units - low, 1.0, 0.0)) * ulp
-            w = tl.where(w < 0, -rounded, rounded)  # representable: the cast below is exact
+            if STOCHASTIC:  # up with probability equal to the distance from low
+                up = tl.rand(seed, (s * BLOCK_D + d).to(tl.int32)) < units - low
+            else:  # to nearest, ties to even
+                odd = (low - 2.0 * tl.floor(low * 0.5)) != 0.0
+                up = (units - low > 0.5) | ((units - low == 0.5) & odd)
+            rounded = (low + tl.where(up, 1.0, 0.0)) * ulp
+            w = tl.where(w < 0, -rounded, rounded)
         tl.store(weights_ptr + element, w.to(weights_ptr.dtype.element_ty), mask=dmask)
 
 
@@ -226,6 +235,7 @@ def reduce_segments(
     scalars: dict | None = None,
     seed: int = 0,
     block_l: int = 8,
+    stochastic: bool = True,
 ):
     """Launch ``_segment_kernel`` once per touched row.
 
@@ -242,7 +252,8 @@ def reduce_segments(
     if num_segments == 0:
         return compact
     mantissa, min_exponent = 0, 0
-    if weights is not None and weights.dtype in (torch.float16, torch.bfloat16):
+    low_precision = weights is not None and weights.dtype in (torch.float16, torch.bfloat16)
+    if low_precision:
         mantissa, min_exponent = (10, -14) if weights.dtype == torch.float16 else (7, -126)
     scalars = scalars or {}
     placeholder = grad
@@ -273,6 +284,8 @@ def reduce_segments(
         OPT=optimizer_code,
         HAS_SCALE=segments["scale"] is not None,
         ACC=tl.float64 if acc == torch.float64 else tl.float32,
+        LOW_PRECISION=low_precision,
+        STOCHASTIC=stochastic,
         MANTISSA_BITS=mantissa,
         MIN_EXPONENT=min_exponent,
         BLOCK_L=block_l,
@@ -362,5 +375,6 @@ def backward(ctx, grad_out, meta, fused, step):
         scalars=fused.optimizer.scalars(step),
         seed=rounding_seed(step),
         block_l=block_l,
+        stochastic=fused.optimizer.stochastic_rounding,
     )
     return None, None

@@ -72,7 +72,12 @@ def build_optimizers(
     if config.fused_embedding_update and world_size == 1:
         fused = FUSED_OPTIMIZERS[config.embedding_optimizer]
         for collection in collections:
-            collection.set_optimizer(fused(lr=config.embedding_lr))
+            collection.set_optimizer(
+                fused(
+                    lr=config.embedding_lr,
+                    stochastic_rounding=config.embedding_stochastic_rounding,
+                )
+            )
     elif config.embedding_optimizer not in _OPTIMIZERS:
         raise ValueError(
             f"train.embedding_optimizer = {config.embedding_optimizer!r} only exists as a fused "
