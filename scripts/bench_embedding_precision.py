@@ -12,7 +12,9 @@ lr 0.05) from the same seed on the same synthetic data:
 
 Each row: samples/s of the run (``throughput``), its step time from the train events' rates
 (p20 / p50 / p80 over the logged windows), and in ``notes`` the test AUC and logloss next to the
-oracle AUC of the synthetic teacher. Quick mode trains on 500k samples instead of 2M.
+oracle AUC of the synthetic teacher. Quick mode trains on 500k samples instead of 2M;
+``--set train.embedding_optimizer=sgd train.embedding_lr=0.005`` changes the recipe for every
+variant (small updates are where the rounding matters).
 
 Run: ``python scripts/bench_embedding_precision.py [--quick | --full]``; rows go to
 ``benchmarks/results/embedding_precision.csv`` (see ``scripts/_harness.py``).
@@ -69,6 +71,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="recipe overrides for every variant, e.g. train.embedding_optimizer=sgd",
+    )
     args = parser.parse_args()
     device = resolve_device(args.device)
     quick = is_quick(args)
@@ -76,7 +85,7 @@ def main() -> None:
     print(f"device: {env['device']}\nversions: {env['versions']}\ncommit: {env['commit']}")
     size = ["--data.synthetic.num_train_samples=500000"] if quick else []
     common = [*size, f"--run.device={device}", "--train.progress_bar=false"]
-    common += ["--checkpoint.save_final=false"]
+    common += ["--checkpoint.save_final=false", *(f"--{item}" for item in args.set)]
     rows = []
     for name in args.variants:
         with tempfile.TemporaryDirectory() as run_dir:
