@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -99,15 +99,23 @@ def pool_torch(
     return torch.cat(pooled, dim=1)  # [B, total_D]
 
 
-def _reduce_torch(
+# Rows reduced and updated per chunk: a chunk's temporaries (rows x dim floats each) stay
+# cache-sized and are reused by the allocator, instead of whole-batch [U, D] temporaries of
+# hundreds of MiB that page-fault in fresh on every step. Measured on the 2-core EPYC, 26 x 1M
+# x 64 tables, batch 2048, fused fwd+bwd p50: Adam at 20 ids per bag 340 ms with 1 MiB chunks
+# vs 1.2 s with 8 MiB and 3.6 s unchunked; SGD one-hot 11 vs 17 vs 26 ms. 512 KiB-2 MiB is flat.
+CHUNK_BYTES = 1 << 20
+
+
+def _reduced_chunks(
     plan: LookupPlan,
     meta: dict[str, torch.Tensor],
     group: int,
     lookups: dict,
     grad_out: torch.Tensor,
-    batch_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted distinct group-local rows [U] and their reduced gradients [U, D]."""
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The group's distinct touched rows in increasing order, with their reduced gradients,
+    in chunks: (group-local rows [u], gradients [u, D])."""
     dim = plan.layout.dims[plan.layout.groups[group][0]]
     if plan.single_group:
         grad = grad_out.view(-1, dim)  # [B*F, D]
@@ -117,16 +125,22 @@ def _reduce_torch(
     rows, counts = torch.unique_consecutive(rows, return_counts=True)
     segments = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(counts, dim=0, out=segments[1:])
+    bags = lookups["bag"][order]
     scale = lookups["scale"]
-    reduced = F.embedding_bag(
-        lookups["bag"][order],
-        grad,
-        segments,
-        mode="sum",
-        per_sample_weights=None if scale is None else scale[order].to(grad.dtype),
-        include_last_offset=True,
-    )  # [U, D]
-    return rows, reduced
+    scale = None if scale is None else scale[order].to(grad.dtype)
+    chunk = max(1, CHUNK_BYTES // (dim * grad.element_size()))
+    cuts = [*range(0, rows.numel(), chunk), rows.numel()]
+    starts = segments[cuts].tolist()
+    for lo, hi, first, last in zip(cuts[:-1], cuts[1:], starts[:-1], starts[1:], strict=True):
+        reduced = F.embedding_bag(
+            bags[first:last],
+            grad,
+            segments[lo : hi + 1] - first,
+            mode="sum",
+            per_sample_weights=None if scale is None else scale[first:last],
+            include_last_offset=True,
+        )  # [hi - lo, D]
+        yield rows[lo:hi], reduced
 
 
 def _update_rows_torch(
@@ -171,11 +185,12 @@ def backward_torch(ctx, grad_out, meta, fused, step):
             ctx.batch_size,
             accumulate_dtype(grad_out.dtype),
         )
-        rows, reduced = _reduce_torch(plan, meta, g, lookups, grad_out, ctx.batch_size)
+        chunks = _reduced_chunks(plan, meta, g, lookups, grad_out)
         if fused is None:
             group_start = layout.row_offsets[layout.groups[g][0]]
-            all_keys.append(rows + group_start)
-            all_reduced.append(reduced)
+            for rows, reduced in chunks:
+                all_keys.append(rows + group_start)
+                all_reduced.append(reduced)
             continue
         states = {
             name: layout.group_rows(buffer, g)
@@ -183,14 +198,17 @@ def backward_torch(ctx, grad_out, meta, fused, step):
             else layout.group_view(buffer, g)
             for name, buffer in fused.states.items()
         }
-        _update_rows_torch(
-            fused, layout.group_view(flat, g), states, rows, reduced, step, generator
-        )
+        weight = layout.group_view(flat, g)
+        for rows, reduced in chunks:
+            _update_rows_torch(fused, weight, states, rows, reduced, step, generator)
     if fused is not None:
         return None, None
     # Groups are in row-space order, so the keys stay sorted; pad dims to the widest.
     width = layout.max_dim
     padded = [F.pad(r, (0, width - r.shape[1])) for r in all_reduced]
+    if not padded:
+        empty = torch.zeros(0, dtype=torch.int64, device=flat.device)
+        return empty, torch.zeros(0, width, dtype=grad_out.dtype, device=flat.device)
     return torch.cat(all_keys), torch.cat(padded)
 
 

@@ -137,6 +137,15 @@ def test_fused_update_matches_float64_reference(optimizer, backend):
     check_against_reference(optimizer, backend, TABLES)
 
 
+@pytest.mark.parametrize(
+    "optimizer", [SGD(lr=0.1), RowWiseAdagrad(lr=0.1), Adam(lr=0.01)], ids=repr
+)
+def test_torch_path_in_chunks_of_three_rows_matches_reference(optimizer, monkeypatch):
+    # CHUNK_BYTES of 3 rows of the widest dim: every group is reduced and updated in pieces.
+    monkeypatch.setattr("recsys.ops.embedding_bag_cpu.CHUNK_BYTES", 3 * 129 * 4)
+    check_against_reference(optimizer, "torch", TABLES)
+
+
 @pytest.mark.parametrize("backend", ["fbgemm", "auto"])
 @pytest.mark.parametrize(
     "optimizer",

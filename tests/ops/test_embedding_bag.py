@@ -121,10 +121,13 @@ def test_awkward_dims_one_row_tables_batch_of_one(dim, backend):
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "torch_in_chunks"])
 @pytest.mark.parametrize("pooling", ["sum", "mean", "mixed"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_gradients_match_float64_reference(pooling, weighted, backend):
+def test_gradients_match_float64_reference(pooling, weighted, backend, monkeypatch):
+    if backend == "torch_in_chunks":  # reduce 2 rows at a time
+        monkeypatch.setattr("recsys.ops.embedding_bag_cpu.CHUNK_BYTES", 2 * 33 * 8)
+        backend = "torch"
     # Heavy duplicates: 3 tables of 10, 1 and 37 rows, bags up to 12 ids.
     inputs = make_inputs(weighted=weighted, dtype=torch.float64, max_bag=12)
     table_pooling = poolings(pooling)
