@@ -254,19 +254,20 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
                 plan.layout.max_dim,
                 embedding_bag_triton.lookup_block(values, len(plan.feature_to_table) * batch_size),
             )
-        elif backend == "fbgemm" and values.numel() < FBGEMM_FORWARD_MAX_IDS:
+        elif backend == "fbgemm":
             ctx.fbgemm_inputs = fbgemm_inputs(
                 plan, values, offsets, per_sample_weights, feature_to_key, batch_size
             )
-            out = pool_fbgemm(plan, flat, ctx.fbgemm_inputs)
+            if values.numel() < FBGEMM_FORWARD_MAX_IDS:
+                out = pool_fbgemm(plan, flat, ctx.fbgemm_inputs)
+            else:
+                out = pool_torch(
+                    plan, flat, values, offsets, per_sample_weights, feature_to_key, batch_size
+                )
         else:
             out = pool_torch(
                 plan, flat, values, offsets, per_sample_weights, feature_to_key, batch_size
             )
-            if backend == "fbgemm":
-                ctx.fbgemm_inputs = fbgemm_inputs(
-                    plan, values, offsets, per_sample_weights, feature_to_key, batch_size
-                )
         if backend != "fbgemm":
             psw = () if per_sample_weights is None else (per_sample_weights,)
             ctx.save_for_backward(values, offsets, *psw)
