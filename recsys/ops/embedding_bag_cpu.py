@@ -249,8 +249,8 @@ def _fbgemm_ops():
 
 
 def _fbgemm_meta(plan: LookupPlan) -> dict[str, Any]:
-    if hasattr(plan, "fbgemm_meta"):
-        return plan.fbgemm_meta
+    if "fbgemm" in plan.backend_meta:
+        return plan.backend_meta["fbgemm"]
     layout, tables = plan.layout, plan.feature_to_table
     num_features = len(tables)
     dims = [layout.dims[t] for t in tables]
@@ -266,7 +266,7 @@ def _fbgemm_meta(plan: LookupPlan) -> dict[str, Any]:
         "placements": torch.full((num_features,), 3, dtype=torch.int32),  # HOST
         "pooling_mode": 1 if plan.table_mean[0] else 0,  # PoolingMode.MEAN / SUM
     }
-    plan.fbgemm_meta = meta
+    plan.backend_meta["fbgemm"] = meta
     return meta
 
 

@@ -149,6 +149,8 @@ class LookupPlan:
         self.single_group = sum(1 for fs in self.group_features if fs) == 1
         self.any_mean = any(self.table_mean[t] for t in self.feature_to_table)
         self._meta: dict[tuple, dict[str, torch.Tensor]] = {}
+        # Metadata a backend derives once per plan (e.g. FBGEMM's offsets), by backend name.
+        self.backend_meta: dict[str, dict[str, Any]] = {}
 
     def meta(self, device: torch.device, feature_to_key: Sequence[int]) -> dict[str, torch.Tensor]:
         cache_key = (device, tuple(feature_to_key))
