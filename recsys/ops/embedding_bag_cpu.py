@@ -25,6 +25,7 @@ from recsys.ops.embedding_bag_layout import (
     bag_lookups,
     lookup_scale,
     rounding_seed,
+    sorted_segments,
     stochastic_round,
 )
 
@@ -41,18 +42,17 @@ def _group_lookups(
 ) -> dict[str, torch.Tensor | None]:
     """The lookups of one dim group with bags in sample-major order (bag b * F_g + f).
 
-    Returns ids (group-local rows, int64), offsets [B*F_g + 1], bag of each lookup, and each
-    lookup's scale (per-sample weight times 1/length for mean pooling; None when all are 1).
+    Returns each lookup's id (group-local row, int64), its bag, and its scale (per-sample
+    weight times 1/length for mean pooling; None when all are 1).
     """
     keys = meta[f"group{group}_key"]  # [F_g]
     lookups = bag_lookups(offsets, keys, batch_size, sample_major=True)
     bag = lookups["bag"]
     feature = bag % keys.numel()
     ids = values[lookups["position"]].long() + meta[f"group{group}_row"][feature]
-    means = meta[f"group{group}_mean"]
-    mean = means[feature] if plan.any_mean and bool(means.any()) else None
+    mean = meta[f"group{group}_mean"][feature] if plan.group_any_mean[group] else None
     scale = lookup_scale(lookups, per_sample_weights, mean, scale_dtype)
-    return {"ids": ids, "offsets": lookups["offsets"], "bag": bag, "scale": scale}
+    return {"ids": ids, "bag": bag, "scale": scale}
 
 
 def pool_torch(
@@ -121,10 +121,7 @@ def _reduced_chunks(
         grad = grad_out.view(-1, dim)  # [B*F, D]
     else:
         grad = grad_out.index_select(1, meta[f"group{group}_cols"]).view(-1, dim)
-    rows, order = torch.sort(lookups["ids"], stable=True)
-    rows, counts = torch.unique_consecutive(rows, return_counts=True)
-    segments = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=rows.device)
-    torch.cumsum(counts, dim=0, out=segments[1:])
+    rows, order, segments = sorted_segments(lookups["ids"])
     bags = lookups["bag"][order]
     scale = lookups["scale"]
     scale = None if scale is None else scale[order].to(grad.dtype)

@@ -148,6 +148,10 @@ class LookupPlan:
         # the [B, total_D] output, no column scatter needed.
         self.single_group = sum(1 for fs in self.group_features if fs) == 1
         self.any_mean = any(self.table_mean[t] for t in self.feature_to_table)
+        self.group_any_mean = [
+            any(self.table_mean[self.feature_to_table[f]] for f in features)
+            for features in self.group_features
+        ]
         self._meta: dict[tuple, dict[str, torch.Tensor]] = {}
         # Metadata a backend derives once per plan (e.g. FBGEMM's offsets), by backend name.
         self.backend_meta: dict[str, dict[str, Any]] = {}
@@ -217,6 +221,17 @@ def bag_lookups(
     )
     position = torch.arange(total, device=device) + (starts - bag_offsets[:-1])[bag]
     return {"lengths": lengths, "offsets": bag_offsets, "bag": bag, "position": position}
+
+
+def sorted_segments(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort lookups by row key (stable, so equal keys keep their order and every reduction
+    over a segment is deterministic): the distinct keys [U], the sorting permutation [L], and
+    where each distinct key's run of lookups starts in sorted order [U + 1]."""
+    sorted_keys, order = torch.sort(keys, stable=True)
+    unique, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
+    starts = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=keys.device)
+    torch.cumsum(counts, dim=0, out=starts[1:])
+    return unique, order, starts
 
 
 def lookup_scale(

@@ -32,6 +32,7 @@ from recsys.ops.embedding_bag_layout import (
     bag_lookups,
     lookup_scale,
     rounding_seed,
+    sorted_segments,
 )
 
 # Optimizer codes (recsys.embedding.optim); NONE writes the reduced gradient instead.
@@ -309,7 +310,7 @@ def _segments(
     """Every lookup of the batch sorted by row (stable), cut into one segment per distinct
     row: segment starts, table, table-local row and global row key of each segment, and each
     sorted lookup's upstream-gradient offset and scale."""
-    B, device = batch_size, values.device
+    B = batch_size
     lookups = bag_lookups(offsets, meta["feat_key"], B, sample_major=False)
     bag, position = lookups["bag"], lookups["position"]
     feature, sample = bag // B, bag % B
@@ -318,10 +319,7 @@ def _segments(
     grad_off = sample * plan.total_dim + meta["feat_col"][feature]
     mean = meta["feat_mean"][feature] if plan.any_mean else None
     scale = lookup_scale(lookups, per_sample_weights, mean, scale_dtype)
-    key, order = torch.sort(key, stable=True)
-    unique, counts = torch.unique_consecutive(key, return_counts=True)
-    start = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=device)
-    torch.cumsum(counts, dim=0, out=start[1:])
+    unique, order, start = sorted_segments(key)
     bound = torch.searchsorted(meta["row_bounds"], unique, right=True) - 1
     seg_table = meta["bound_table"][bound]
     return {
