@@ -258,9 +258,7 @@ class EmbeddingBagCollection(nn.Module):
         tables = list(self.embedding_bags.values())
         self._flat = self._layout.pack([t.weight for t in tables])
         for name in self._states:
-            self._states[name] = torch.cat(
-                [tables[t]._buffers[name].reshape(-1) for t in self._layout.buffer_order()]
-            )
+            self._states[name] = self._layout.pack([t._buffers[name] for t in tables])
         self._device = self._flat.device
         self._bind_views()
 
