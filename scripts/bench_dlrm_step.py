@@ -8,6 +8,9 @@ Providers:
 
 - ``recsys``: ``recsys.DLRM`` over ``recsys.EmbeddingBagCollection(optimizer=SGD(lr=0.01),
   validate=False)``;
+- ``recsys_ebc_plain_torch_layers``: the same recsys collection inside
+  ``torchrec.models.dlrm.DLRM``, whose MLPs and interaction are plain torch modules: shows what
+  recsys' own layers (``recsys.models.layers``) cost or save against the plain torch model;
 - ``torchrec_dmp_fused``: ``torchrec.models.dlrm.DLRM`` over a meta-device
   ``torchrec.EmbeddingBagCollection`` sharded by ``DistributedModelParallel`` in a process
   group of one rank (gloo; nccl on CUDA): every table TABLE_WISE on the FUSED kernel (FBGEMM's
@@ -135,6 +138,22 @@ def recsys_dlrm(
 
 
 @contextlib.contextmanager
+def plain_torch_layers(
+    tables: list[EmbeddingBagConfig], device: torch.device
+) -> Iterator[tuple[nn.Module, torch.optim.Optimizer]]:
+    """The same model with plain torch layers: torchrec's DLRM (nn.Linear + ReLU MLPs, the
+    cat / bmm / gather InteractionArch) over the same recsys collection."""
+    import torchrec.models.dlrm
+
+    ebc = recsys.EmbeddingBagCollection(tables, device=device, optimizer=SGD(lr=LR), validate=False)
+    model = torchrec.models.dlrm.DLRM(
+        ebc, NUM_DENSE, [*BOTTOM_MLP, tables[0].embedding_dim], TOP_MLP
+    ).to(device)
+    dense = [p for p in model.parameters() if p.requires_grad]
+    yield model, torch.optim.SGD(dense, lr=LR)
+
+
+@contextlib.contextmanager
 def single_rank_process_group(device: torch.device) -> Iterator[None]:
     """A process group of one rank on a free local port, destroyed on exit."""
     with socket.socket() as s:
@@ -194,6 +213,10 @@ def torchrec_dmp_fused(
 
 PROVIDERS: dict[str, tuple[Provider, str]] = {
     "recsys": (recsys_dlrm, "EmbeddingBagCollection(optimizer=SGD, validate=False)"),
+    "recsys_ebc_plain_torch_layers": (
+        plain_torch_layers,
+        "torchrec.models.dlrm.DLRM (plain torch MLPs and interaction) over the recsys collection",
+    ),
     "torchrec_dmp_fused": (
         torchrec_dmp_fused,
         "DMP world of 1, TABLE_WISE, FUSED kernel (FBGEMM TBE, EXACT_SGD); dense part in DDP",
@@ -305,6 +328,9 @@ def main() -> None:
     for r in rows:
         if r.provider != "torchrec_dmp_fused":
             r.notes += f"; {r.throughput / baseline:.2f}x torchrec_dmp_fused samples/s"
+    plain = next(r for r in rows if r.provider == "recsys_ebc_plain_torch_layers").throughput
+    recsys_row = next(r for r in rows if r.provider == "recsys")
+    recsys_row.notes += f"; {recsys_row.throughput / plain:.2f}x recsys_ebc_plain_torch_layers"
     lines = [
         [
             r.provider,
