@@ -9,7 +9,7 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.layers import MLP, DotInteraction
+from recsys.models.layers import DotInteraction, FusedMLP
 
 
 class DLRM(nn.Module):
@@ -49,9 +49,9 @@ class DLRM(nn.Module):
         num_sparse = sum(len(c.feature_names) for c in configs)
         self.embedding_dim = embedding_dim
         self.sparse_arch = embedding_bag_collection
-        self.dense_arch = MLP(dense_in_features, dense_arch_layer_sizes)
+        self.dense_arch = FusedMLP(dense_in_features, dense_arch_layer_sizes)
         self.inter_arch = DotInteraction(num_sparse)
-        self.over_arch = MLP(
+        self.over_arch = FusedMLP(
             self.inter_arch.output_size(embedding_dim),
             over_arch_layer_sizes,
             final_activation=False,

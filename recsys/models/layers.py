@@ -6,33 +6,38 @@ Shape letters: B batch, F sparse features, D embedding dim, N_in / N_out layer w
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from recsys.ops._triton import BACKENDS
+from recsys.ops.cross_interaction import cross_layer, cross_layer_low_rank, cross_layer_vector
 from recsys.ops.dot_interaction import PAIR_ORDERS, PairOrder, dot_interaction, output_width
-
-ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
-    "relu": nn.ReLU,
-    "gelu": nn.GELU,
-    "silu": nn.SiLU,
-    "sigmoid": nn.Sigmoid,
-}
+from recsys.ops.fused_mlp import ACTIVATIONS, fused_linear
 
 
-class MLP(nn.Module):
-    """Stack of Linear + activation layers.
+class FusedMLP(nn.Module):
+    """Stack of Linear + activation (+ dropout) layers, each one fused kernel on CUDA
+    (``recsys.ops.fused_mlp.fused_linear``); plain torch ops on CPU.
+
+    Parameters are ``nn.Linear`` layers with their default init in ``self.layers``, so the
+    state_dict keys are ``layers.<i>.weight`` / ``layers.<i>.bias``.
 
     Args:
         in_features: N_in.
         layer_sizes: output width of each layer.
-        activation: ``"relu"``, ``"gelu"``, ``"silu"`` or ``"sigmoid"``.
-        final_activation: apply the activation after the last layer too (False gives logits).
+        activation: ``"relu"``, ``"gelu"``, ``"silu"``, ``"sigmoid"`` or ``"none"``.
+        dropout: drop probability in [0, 1) after each activated layer, in training mode only.
+            Dropout seeds come from torch's default generator, so ``torch.manual_seed`` makes
+            runs repeat.
+        final_activation: activation (and dropout) after the last layer too; False gives
+            logits.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see ``recsys.ops._triton``).
 
     Example::
 
-        MLP(13, [512, 256, 64])(torch.randn(8, 13)).shape  # [8, 64]
+        FusedMLP(13, [512, 256, 64], dropout=0.1)(torch.randn(8, 13)).shape  # [8, 64]
     """
 
     def __init__(
@@ -40,24 +45,53 @@ class MLP(nn.Module):
         in_features: int,
         layer_sizes: Sequence[int],
         activation: str = "relu",
+        dropout: float = 0.0,
         final_activation: bool = True,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
-            raise ValueError(f"activation {activation!r}; expected one of {sorted(ACTIVATIONS)}")
+            raise ValueError(f"activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if not layer_sizes:
-            raise ValueError("MLP needs at least one layer size")
-        layers: list[nn.Module] = []
+            raise ValueError("FusedMLP needs at least one layer size, got none")
         sizes = [in_features, *layer_sizes]
-        for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
-            layers.append(nn.Linear(n_in, n_out))
-            if final_activation or i < len(layer_sizes) - 1:
-                layers.append(ACTIVATIONS[activation]())
-        self.layers = nn.Sequential(*layers)
+        if any(size < 1 for size in sizes):
+            raise ValueError(
+                f"in_features and layer_sizes must be >= 1, got {in_features} and "
+                f"{list(layer_sizes)}"
+            )
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        self.layers = nn.ModuleList(
+            nn.Linear(n_in, n_out) for n_in, n_out in itertools.pairwise(sizes)
+        )
+        self.activation = activation
+        self.dropout = dropout
+        self.final_activation = final_activation
+        self.backend = backend
         self.out_features = sizes[-1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)  # [B, N_in] -> [B, N_out]
+        leading = x.shape[:-1]
+        if x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1])  # [B, N_in]
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            activated = self.final_activation or i < last
+            x = fused_linear(
+                x,
+                layer.weight,
+                layer.bias,
+                activation=self.activation if activated else "none",
+                dropout=self.dropout if activated else 0.0,
+                training=self.training,
+                backend=self.backend,
+            )
+        if len(leading) != 1:
+            x = x.reshape(*leading, self.out_features)  # [..., N_out]
+        return x
 
 
 class DotInteraction(nn.Module):
@@ -156,3 +190,125 @@ class FactorizationMachine(nn.Module):
         if self.reduce_sum:
             interaction = interaction.sum(dim=1, keepdim=True)  # [B, 1]
         return interaction.to(embeddings.dtype)
+
+
+def _check_cross_sizes(in_features: int, num_layers: int) -> None:
+    if in_features < 1:
+        raise ValueError(f"in_features must be >= 1, got {in_features}")
+    if num_layers < 0:
+        raise ValueError(f"num_layers must be >= 0, got {num_layers}")
+
+
+class CrossNet(nn.Module):
+    """DCN-v2 cross network, full rank: ``x_{l+1} = x0 * (W_l x_l + b_l) + x_l`` per layer.
+
+    Parameters are named and shaped as in ``torchrec.modules.crossnet.CrossNet``
+    (``kernels.<l>`` [D, D], ``bias.<l>`` [D, 1]), so its state_dict loads unchanged.
+
+    Args:
+        in_features: D.
+        num_layers: number of cross layers.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see ``recsys.ops._triton``).
+
+    Example::
+
+        CrossNet(16, num_layers=3)(torch.randn(8, 16)).shape  # [8, 16]
+    """
+
+    def __init__(self, in_features: int, num_layers: int, backend: str = "auto") -> None:
+        super().__init__()
+        _check_cross_sizes(in_features, num_layers)
+        self.backend = backend
+        self.kernels = nn.ParameterList(
+            nn.Parameter(nn.init.xavier_normal_(torch.empty(in_features, in_features)))
+            for _ in range(num_layers)
+        )
+        self.bias = nn.ParameterList(
+            nn.Parameter(torch.zeros(in_features, 1)) for _ in range(num_layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x0 = x  # [B, D]
+        for weight, bias in zip(self.kernels, self.bias, strict=True):
+            x = cross_layer(x0, x, weight, bias.view(-1), backend=self.backend)
+        return x
+
+
+class LowRankCrossNet(nn.Module):
+    """DCN-v2 cross network with low-rank weights W_l = U_l V_l:
+    ``x_{l+1} = x0 * (U_l V_l x_l + b_l) + x_l`` per layer.
+
+    Parameters are named and shaped as in ``torchrec.modules.crossnet.LowRankCrossNet``
+    (``W_kernels.<l>`` = U [D, r], ``V_kernels.<l>`` = V [r, D], ``bias.<l>`` [D]).
+
+    Args:
+        in_features: D.
+        num_layers: number of cross layers.
+        low_rank: r >= 1.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see ``recsys.ops._triton``).
+
+    Example::
+
+        LowRankCrossNet(16, num_layers=2, low_rank=4)(torch.randn(8, 16)).shape  # [8, 16]
+    """
+
+    def __init__(
+        self, in_features: int, num_layers: int, low_rank: int = 1, backend: str = "auto"
+    ) -> None:
+        super().__init__()
+        _check_cross_sizes(in_features, num_layers)
+        if low_rank < 1:
+            raise ValueError(f"low_rank must be >= 1, got {low_rank}")
+        self.backend = backend
+        self.W_kernels = nn.ParameterList(
+            nn.Parameter(nn.init.xavier_normal_(torch.empty(in_features, low_rank)))
+            for _ in range(num_layers)
+        )
+        self.V_kernels = nn.ParameterList(
+            nn.Parameter(nn.init.xavier_normal_(torch.empty(low_rank, in_features)))
+            for _ in range(num_layers)
+        )
+        self.bias = nn.ParameterList(
+            nn.Parameter(torch.zeros(in_features)) for _ in range(num_layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x0 = x  # [B, D]
+        for u, v, bias in zip(self.W_kernels, self.V_kernels, self.bias, strict=True):
+            x = cross_layer_low_rank(x0, x, u, v, bias, backend=self.backend)
+        return x
+
+
+class VectorCrossNet(nn.Module):
+    """DCN-v1 cross network: ``x_{l+1} = x0 * (x_l . w_l) + b_l + x_l`` per layer.
+
+    Parameters are named and shaped as in ``torchrec.modules.crossnet.VectorCrossNet``
+    (``kernels.<l>`` [D, 1], ``bias.<l>`` [D, 1]).
+
+    Args:
+        in_features: D.
+        num_layers: number of cross layers.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see ``recsys.ops._triton``).
+
+    Example::
+
+        VectorCrossNet(16, num_layers=3)(torch.randn(8, 16)).shape  # [8, 16]
+    """
+
+    def __init__(self, in_features: int, num_layers: int, backend: str = "auto") -> None:
+        super().__init__()
+        _check_cross_sizes(in_features, num_layers)
+        self.backend = backend
+        self.kernels = nn.ParameterList(
+            nn.Parameter(nn.init.xavier_normal_(torch.empty(in_features, 1)))
+            for _ in range(num_layers)
+        )
+        self.bias = nn.ParameterList(
+            nn.Parameter(torch.zeros(in_features, 1)) for _ in range(num_layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x0 = x  # [B, D]
+        for weight, bias in zip(self.kernels, self.bias, strict=True):
+            x = cross_layer_vector(x0, x, weight.view(-1), bias.view(-1), backend=self.backend)
+        return x
