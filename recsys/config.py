@@ -166,10 +166,41 @@ class PreprocessConfig:
 
 
 @dataclass
-class ModelConfig:
-    """Model architecture. Table sizes come from the data, never from here."""
+class CrossConfig:
+    """Cross network of dcn and dlrm_dcn."""
 
-    name: Literal["dlrm"] = "dlrm"
+    num_layers: int = 3
+    """Number of cross layers."""
+    low_rank: int = 0
+    """0: full-rank layers (W is [D, D]); r > 0: low-rank W = U V of rank r (DCN-v2; MLPerf's
+    DLRM-DCNv2 uses 512)."""
+    version: Literal["v2", "v1"] = "v2"
+    """dcn only: v2 (matrix W, Wang et al. 2021) or v1 (vector w, Wang et al. 2017)."""
+    structure: Literal["stacked", "parallel"] = "stacked"
+    """dcn only: the deep network after the cross network (stacked) or beside it, their outputs
+    concatenated (parallel)."""
+
+
+@dataclass
+class MMoEConfig:
+    """Multi-gate mixture of experts (mmoe)."""
+
+    num_experts: int = 4
+    """Experts shared by all tasks."""
+    expert_layer_sizes: list[int] = field(default_factory=lambda: [64, 32])
+    """MLP sizes of each expert."""
+    tower_layer_sizes: list[int] = field(default_factory=lambda: [32])
+    """Hidden sizes of each task's tower; a final layer to one logit is added."""
+
+
+@dataclass
+class ModelConfig:
+    """Model architecture. Table sizes and the number of tasks come from the data, never from
+    here."""
+
+    name: Literal["dlrm", "dlrm_dcn", "dcn", "deepfm", "wide_deep", "xdeepfm", "pnn", "mmoe"] = (
+        "dlrm"
+    )
     """Model to build; see recsys.models.MODELS."""
     embedding_dim: int = 16
     """Embedding dimension of every table."""
@@ -180,7 +211,20 @@ class ModelConfig:
     dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 16])
     """Bottom MLP over the dense features; the last size must equal embedding_dim (DLRM)."""
     over_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 32, 1])
-    """Top MLP over the interaction; the last size is the number of tasks."""
+    """Top (deep) MLP; its last size is the number of tasks (every model but mmoe)."""
+    activation: Literal["relu", "gelu", "silu"] = "relu"
+    """Activation of the hidden MLP layers."""
+    dropout: float = 0.0
+    """Dropout after each hidden MLP layer, in training only."""
+    cross: CrossConfig = field(default_factory=CrossConfig)
+    """[model.cross]"""
+    cin_layer_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    """xdeepfm: feature maps of each compressed interaction network (CIN) layer."""
+    pnn_product: Literal["inner", "outer", "both"] = "inner"
+    """pnn: the product layer: inner products of embedding pairs (IPNN), outer products
+    (OPNN, kernel-compressed) or both (PNN*)."""
+    mmoe: MMoEConfig = field(default_factory=MMoEConfig)
+    """[model.mmoe]"""
 
 
 @dataclass
@@ -197,6 +241,9 @@ class TrainConfig:
     """torch optimizer for the dense (MLP) parameters."""
     dense_lr: float = 1e-3
     """Learning rate of the dense optimizer."""
+    task_loss_weights: list[float] = field(default_factory=list)
+    """Weight of each task's BCE loss in the total (multi-task models); empty: 1 for every
+    task. The loss is sum_t w_t * BCE_t / sum_t w_t."""
     embedding_optimizer: Literal["adagrad", "rowwise_adagrad", "adam", "sgd"] = "adagrad"
     """Optimizer of the embedding tables (recsys.embedding.optim; rowwise_adagrad keeps one
     state float per row)."""

@@ -19,7 +19,7 @@ from recsys.data.batch import DatasetSpec
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.models.dlrm import DLRM
 
-__all__ = ["DLRM", "MODELS", "build_model", "table_configs"]
+__all__ = ["DLRM", "MODELS", "build_model", "linear_table_configs", "table_configs"]
 
 
 _DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16}
@@ -42,18 +42,53 @@ def table_configs(
     ]
 
 
-def _build_dlrm(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
-    if config.over_arch_layer_sizes[-1] != spec.num_tasks:
-        raise ValueError(
-            f"model.over_arch_layer_sizes ends with {config.over_arch_layer_sizes[-1]} but the "
-            f"data has {spec.num_tasks} label(s); the last size must be the number of tasks"
+def linear_table_configs(configs: list[EmbeddingBagConfig]) -> list[EmbeddingBagConfig]:
+    """Dimension-1 twins of ``configs`` (same rows, features and pooling, name ``<t>_linear``):
+    a collection of them pools one weight per id, the first-order ("linear", "wide") term of
+    DeepFM, Wide&Deep and xDeepFM, through the same kernels as every other table."""
+    return [
+        EmbeddingBagConfig(
+            name=f"{c.name}_linear",
+            embedding_dim=1,
+            num_embeddings=c.num_embeddings,
+            feature_names=list(c.feature_names),
+            pooling=c.pooling,
+            data_type=c.data_type,
         )
-    ebc = EmbeddingBagCollection(
+        for c in configs
+    ]
+
+
+def _collection(
+    config: ModelConfig, spec: DatasetSpec, device: torch.device
+) -> EmbeddingBagCollection:
+    """The model's tables: one per categorical feature, ``model.embedding_dim`` wide."""
+    return EmbeddingBagCollection(
         table_configs(spec, config.embedding_dim, config.pooling, config.embedding_dtype),
         device=device,
     )
+
+
+def _linear_collection(
+    config: ModelConfig, spec: DatasetSpec, device: torch.device
+) -> EmbeddingBagCollection:
+    """Dimension-1 tables for a first-order term (see :func:`linear_table_configs`)."""
+    tables = table_configs(spec, config.embedding_dim, config.pooling, config.embedding_dtype)
+    return EmbeddingBagCollection(linear_table_configs(tables), device=device)
+
+
+def _check_num_tasks(sizes: list[int], spec: DatasetSpec, key: str) -> None:
+    if not sizes or sizes[-1] != spec.num_tasks:
+        raise ValueError(
+            f"{key} = {sizes} must end with the number of tasks: the data has "
+            f"{spec.num_tasks} label(s)"
+        )
+
+
+def _build_dlrm(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
     return DLRM(
-        ebc,
+        _collection(config, spec, device),
         dense_in_features=spec.num_dense,
         dense_arch_layer_sizes=config.dense_arch_layer_sizes,
         over_arch_layer_sizes=config.over_arch_layer_sizes,

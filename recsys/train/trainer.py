@@ -102,6 +102,31 @@ def build_optimizers(
     return optimizers
 
 
+def task_loss_weights(
+    config: TrainConfig, num_tasks: int, device: torch.device
+) -> torch.Tensor | None:
+    """``train.task_loss_weights`` normalized to sum to 1, as a [T] tensor; None when empty
+    (every task weighs the same: the plain mean BCE over [B, T]).
+
+    Raises:
+        ValueError: a count other than the data's number of tasks, or a negative or all-zero
+            weight list.
+    """
+    weights = config.task_loss_weights
+    if not weights:
+        return None
+    if len(weights) != num_tasks:
+        raise ValueError(
+            f"train.task_loss_weights has {len(weights)} weights {weights}, but the data has "
+            f"{num_tasks} task(s)"
+        )
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(
+            f"train.task_loss_weights = {weights}; expected weights >= 0 with a positive sum"
+        )
+    return torch.tensor(weights, device=device) / sum(weights)
+
+
 def train(config: Config) -> TrainResult:
     """Train ``config``'s model on its data; evaluate on the test split; save a checkpoint.
 
@@ -129,6 +154,7 @@ class _Run:
         self.dataset = build_dataset(config.data, config.run.seed)
         self.model = parallelize(build_model(config.model, self.dataset.spec, device), device)
         self.optimizers = build_optimizers(config.train, self.model, info.world_size)
+        self.task_weights = task_loss_weights(config.train, self.dataset.spec.num_tasks, device)
         self.step = 0
         self.data_position = {"epoch": 0, "batch": 0}  # batches of that epoch already trained on
         self.last_checkpoint: Path | None = None
@@ -221,7 +247,13 @@ class _Run:
 
     def _train_step(self, batch: Batch) -> torch.Tensor:
         logits = self.model(batch.dense, batch.sparse)  # [B, T]
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        if self.task_weights is None:
+            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        else:
+            per_task = F.binary_cross_entropy_with_logits(
+                logits, batch.labels, reduction="none"
+            ).mean(dim=0)  # [T]
+            loss = (per_task * self.task_weights).sum()
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -170,3 +170,41 @@ def test_rowwise_adagrad_trains_and_needs_the_fused_update(tmp_path):
     model = build_model(config.model, build_dataset(config.data, 0).spec, torch.device("cpu"))
     with pytest.raises(ValueError, match="rowwise_adagrad.*only exists as a fused update"):
         build_optimizers(config.train, model, world_size=2)
+
+
+def test_task_loss_weights_are_checked_and_normalized():
+    from recsys.config import TrainConfig
+    from recsys.train.trainer import task_loss_weights
+
+    cpu = torch.device("cpu")
+    assert task_loss_weights(TrainConfig(), 2, cpu) is None
+    weights = task_loss_weights(TrainConfig(task_loss_weights=[1.0, 3.0]), 2, cpu)
+    torch.testing.assert_close(weights, torch.tensor([0.25, 0.75]))
+    with pytest.raises(ValueError, match=r"has 1 weights \[1.0\], but the data has 2 task"):
+        task_loss_weights(TrainConfig(task_loss_weights=[1.0]), 2, cpu)
+    with pytest.raises(ValueError, match="expected weights >= 0 with a positive sum"):
+        task_loss_weights(TrainConfig(task_loss_weights=[1.0, -1.0]), 2, cpu)
+
+
+def test_multi_task_run_weights_the_task_losses(tmp_path):
+    """Each task learns only when its loss has weight: swapping the weights swaps which task
+    gets the better AUC."""
+    test = {}
+    for weights in ("[1.0,0.0]", "[0.0,1.0]"):
+        config = load_config(
+            None,
+            [
+                "--data.synthetic.cardinalities=[100,2000,300]",
+                "--data.synthetic.num_tasks=2",
+                "--data.synthetic.num_train_samples=40000",
+                "--data.synthetic.num_test_samples=8192",
+                "--model.over_arch_layer_sizes=[32,2]",
+                f"--train.task_loss_weights={weights}",
+                "--checkpoint.save_final=false",
+                f"--run.dir={tmp_path / weights}",
+                "--run.device=cpu",
+            ],
+        )
+        test[weights] = train(config).test
+    assert test["[1.0,0.0]"]["auc_task_0"] > test["[0.0,1.0]"]["auc_task_0"] + 0.1
+    assert test["[0.0,1.0]"]["auc_task_1"] > test["[1.0,0.0]"]["auc_task_1"] + 0.1
