@@ -1,10 +1,12 @@
 import pytest
 import torch
+import torch.nn.functional as F
 import torchrec
 import torchrec.models.dlrm as torchrec_dlrm
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from recsys import DLRM, EmbeddingBagCollection
+from recsys.embedding.optim import SGD
 
 
 def make_tables(num_features=5, dim=8):
@@ -60,17 +62,44 @@ def test_matches_torchrec_dlrm_with_same_weights():
     torch.testing.assert_close(ours(dense, sparse), theirs(dense, sparse), rtol=1e-5, atol=1e-6)
 
 
-def test_recsys_collection_inside_torchrec_dlrm():
-    """A TorchRec model gets recsys' collection by swapping one constructor."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_recsys_collection_inside_torchrec_dlrm_trains_like_torchrecs(fused):
+    """A TorchRec model gets recsys' collection by swapping one constructor: loaded with the
+    same weights it gives the same outputs, and trains the same over several SGD steps, with
+    dense table gradients or with SGD fused into recsys' backward."""
     tables = make_tables()
-    model = torchrec_dlrm.DLRM(
-        embedding_bag_collection=EmbeddingBagCollection(tables),
-        dense_in_features=13,
-        dense_arch_layer_sizes=[32, 8],
-        over_arch_layer_sizes=[16, 1],
-    )
+
+    def torchrec_model(collection):
+        return torchrec_dlrm.DLRM(
+            embedding_bag_collection=collection,
+            dense_in_features=13,
+            dense_arch_layer_sizes=[32, 8],
+            over_arch_layer_sizes=[16, 1],
+        )
+
+    theirs = torchrec_model(torchrec.EmbeddingBagCollection(tables))
+    collection = EmbeddingBagCollection(tables, optimizer=SGD(lr=0.1) if fused else None)
+    ours = torchrec_model(collection)
+    assert ours.state_dict().keys() >= theirs.state_dict().keys()
+    ours.load_state_dict(theirs.state_dict(), strict=not fused)  # fused adds optimizer_step
+
+    def sgd(model):
+        return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    optimizers = sgd(ours), sgd(theirs)
+    for _ in range(3):
+        dense, sparse = make_inputs()
+        labels = torch.randint(0, 2, (9, 1)).float()
+        for model, optimizer in zip((ours, theirs), optimizers, strict=True):
+            loss = F.binary_cross_entropy_with_logits(model(dense, sparse), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
     dense, sparse = make_inputs()
-    assert model(dense, sparse).shape == (9, 1)
+    torch.testing.assert_close(ours(dense, sparse), theirs(dense, sparse), rtol=1e-5, atol=1e-6)
+    ours_state = ours.state_dict()
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours_state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_bad_sizes():
