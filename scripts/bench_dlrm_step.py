@@ -35,15 +35,10 @@ import argparse
 import contextlib
 import gc
 import itertools
-import logging
-import os
-import socket
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from _harness import (
     Row,
@@ -58,16 +53,12 @@ from _harness import (
     write_rows,
     zipf_ids,
 )
+from _torchrec_peers import dmp_fused_dlrm
 from torch import nn
 
 import recsys
 from recsys import EmbeddingBagConfig, KeyedJaggedTensor  # recsys quiets torchrec's import
 from recsys.embedding.optim import SGD
-
-# The planner and DMP warn about their own defaults (topology factory, storage reservation,
-# DDP's broadcast_buffers) on every build; nothing the benchmark can act on.
-logging.getLogger("torchrec.distributed").setLevel(logging.ERROR)
-warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.distributed")
 
 TOPIC = "dlrm_step"
 NUM_SPARSE, NUM_DENSE = 26, 13
@@ -154,60 +145,14 @@ def plain_torch_layers(
 
 
 @contextlib.contextmanager
-def single_rank_process_group(device: torch.device) -> Iterator[None]:
-    """A process group of one rank on a free local port, destroyed on exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
 def torchrec_dmp_fused(
     tables: list[EmbeddingBagConfig], device: torch.device
 ) -> Iterator[tuple[nn.Module, torch.optim.Optimizer]]:
-    import torchrec
-    import torchrec.models.dlrm
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import (
-        EmbeddingShardingPlanner,
-        ParameterConstraints,
-        Topology,
-    )
-    from torchrec.distributed.types import ShardingType
 
-    with single_rank_process_group(device):
-        ebc = torchrec.EmbeddingBagCollection(tables, device=torch.device("meta"))
-        model = torchrec.models.dlrm.DLRM(
-            ebc, NUM_DENSE, [*BOTTOM_MLP, tables[0].embedding_dim], TOP_MLP
-        )
-        sharder = EmbeddingBagCollectionSharder(
-            fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
-        )
-        constraints = {
-            table.name: ParameterConstraints(
-                sharding_types=[ShardingType.TABLE_WISE.value],
-                compute_kernels=[EmbeddingComputeKernel.FUSED.value],
-            )
-            for table in tables
-        }
-        planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=1, compute_device=device.type), constraints=constraints
-        )
-        plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
-        dmp = DistributedModelParallel(model, device=device, sharders=[sharder], plan=plan)
-        # The sharded tables are trained by their fused optimizer; torch's takes the rest.
-        dense = [p for name, p in dmp.named_parameters() if "embedding_bags" not in name]
+    fused_params = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+    bottom = [*BOTTOM_MLP, tables[0].embedding_dim]
+    with dmp_fused_dlrm(tables, device, NUM_DENSE, bottom, TOP_MLP, fused_params) as (dmp, dense):
         yield dmp, torch.optim.SGD(dense, lr=LR)
 
 
