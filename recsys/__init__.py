@@ -17,19 +17,26 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, Pooling
 from recsys.config import Config, load_config
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models import DLRM
+from recsys.models import DCN, DLRM, DLRM_DCN, PNN, DeepFM, MMoE, WideDeep, XDeepFM
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DCN",
     "DLRM",
+    "DLRM_DCN",
+    "PNN",
     "Batch",
     "Config",
     "DatasetSpec",
+    "DeepFM",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "KeyedJaggedTensor",
     "KeyedTensor",
+    "MMoE",
     "PoolingType",
+    "WideDeep",
+    "XDeepFM",
     "load_config",
 ]

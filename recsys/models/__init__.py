@@ -7,6 +7,7 @@ the dataset's :class:`~recsys.data.batch.DatasetSpec` into a module with
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -17,9 +18,28 @@ from torchrec.modules.embedding_configs import DataType
 from recsys.config import ModelConfig
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.dlrm import DLRM
+from recsys.models.dcn import DCN
+from recsys.models.deepfm import DeepFM
+from recsys.models.dlrm import DLRM, DLRM_DCN
+from recsys.models.mmoe import MMoE
+from recsys.models.pnn import PNN
+from recsys.models.wide_deep import WideDeep
+from recsys.models.xdeepfm import XDeepFM
 
-__all__ = ["DLRM", "MODELS", "build_model", "linear_table_configs", "table_configs"]
+__all__ = [
+    "DCN",
+    "DLRM",
+    "DLRM_DCN",
+    "MODELS",
+    "PNN",
+    "DeepFM",
+    "MMoE",
+    "WideDeep",
+    "XDeepFM",
+    "build_model",
+    "linear_table_configs",
+    "table_configs",
+]
 
 
 _DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16}
@@ -92,11 +112,134 @@ def _build_dlrm(config: ModelConfig, spec: DatasetSpec, device: torch.device) ->
         dense_in_features=spec.num_dense,
         dense_arch_layer_sizes=config.dense_arch_layer_sizes,
         over_arch_layer_sizes=config.over_arch_layer_sizes,
+        activation=config.activation,
+        dropout=config.dropout,
+    ).to(device)
+
+
+def _build_dlrm_dcn(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
+    if config.cross.version != "v2" or config.cross.structure != "stacked":
+        raise ValueError(
+            f"model.cross.version = {config.cross.version!r} and model.cross.structure = "
+            f"{config.cross.structure!r}: dlrm_dcn is a stacked DCN-v2 (those keys are for dcn)"
+        )
+    return DLRM_DCN(
+        _collection(config, spec, device),
+        dense_in_features=spec.num_dense,
+        dense_arch_layer_sizes=config.dense_arch_layer_sizes,
+        over_arch_layer_sizes=config.over_arch_layer_sizes,
+        dcn_num_layers=config.cross.num_layers,
+        dcn_low_rank_dim=config.cross.low_rank,
+        activation=config.activation,
+        dropout=config.dropout,
+    ).to(device)
+
+
+def _build_dcn(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    """model.dense_arch_layer_sizes is unused: DCN feeds the dense features to the cross
+    network as they are."""
+    _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
+    return DCN(
+        _collection(config, spec, device),
+        dense_in_features=spec.num_dense,
+        over_arch_layer_sizes=config.over_arch_layer_sizes,
+        activation=config.activation,
+        dropout=config.dropout,
+        num_cross_layers=config.cross.num_layers,
+        low_rank=config.cross.low_rank,
+        version=config.cross.version,
+        structure=config.cross.structure,
+    ).to(device)
+
+
+def _build_pnn(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
+    return PNN(
+        _collection(config, spec, device),
+        dense_in_features=spec.num_dense,
+        dense_arch_layer_sizes=config.dense_arch_layer_sizes,
+        over_arch_layer_sizes=config.over_arch_layer_sizes,
+        activation=config.activation,
+        dropout=config.dropout,
+        product=config.pnn_product,
+    ).to(device)
+
+
+def _build_mmoe(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    """Sizes come from ``[model.mmoe]`` and the number of tasks from the data:
+    model.over_arch_layer_sizes and model.dense_arch_layer_sizes are not used (the dense
+    features go to the experts as they are); setting them to other than their defaults warns."""
+    defaults = ModelConfig()
+    for key in ("over_arch_layer_sizes", "dense_arch_layer_sizes"):
+        if getattr(config, key) != getattr(defaults, key):
+            warnings.warn(
+                f"model.{key} = {getattr(config, key)} is not used by mmoe; its sizes are "
+                "model.mmoe.expert_layer_sizes and model.mmoe.tower_layer_sizes",
+                stacklevel=2,
+            )
+    return MMoE(
+        _collection(config, spec, device),
+        dense_in_features=spec.num_dense,
+        expert_layer_sizes=config.mmoe.expert_layer_sizes,
+        tower_layer_sizes=config.mmoe.tower_layer_sizes,
+        num_tasks=spec.num_tasks,
+        activation=config.activation,
+        dropout=config.dropout,
+        num_experts=config.mmoe.num_experts,
+    ).to(device)
+
+
+def _build_deepfm(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
+    return DeepFM(
+        _collection(config, spec, device),
+        _linear_collection(config, spec, device),
+        dense_in_features=spec.num_dense,
+        dense_arch_layer_sizes=config.dense_arch_layer_sizes,
+        over_arch_layer_sizes=config.over_arch_layer_sizes,
+        activation=config.activation,
+        dropout=config.dropout,
+    ).to(device)
+
+
+def _build_wide_deep(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    """model.dense_arch_layer_sizes is unused: the deep MLP takes the dense features as they
+    are, concatenated with the embeddings."""
+    _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
+    return WideDeep(
+        _collection(config, spec, device),
+        _linear_collection(config, spec, device),
+        dense_in_features=spec.num_dense,
+        over_arch_layer_sizes=config.over_arch_layer_sizes,
+        activation=config.activation,
+        dropout=config.dropout,
+    ).to(device)
+
+
+def _build_xdeepfm(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
+    return XDeepFM(
+        _collection(config, spec, device),
+        _linear_collection(config, spec, device),
+        dense_in_features=spec.num_dense,
+        dense_arch_layer_sizes=config.dense_arch_layer_sizes,
+        cin_layer_sizes=config.cin_layer_sizes,
+        over_arch_layer_sizes=config.over_arch_layer_sizes,
+        activation=config.activation,
+        dropout=config.dropout,
     ).to(device)
 
 
 MODELS: dict[str, Callable[[ModelConfig, DatasetSpec, torch.device], nn.Module]] = {
     "dlrm": _build_dlrm,
+    "dlrm_dcn": _build_dlrm_dcn,
+    "dcn": _build_dcn,
+    "pnn": _build_pnn,
+    "mmoe": _build_mmoe,
+    "deepfm": _build_deepfm,
+    "wide_deep": _build_wide_deep,
+    "xdeepfm": _build_xdeepfm,
 }
 
 

@@ -1,5 +1,15 @@
-"""DLRM (Naumov et al., 2019): bottom MLP on dense features, dot interaction with the pooled
-embeddings, top MLP to the logits. Constructor and forward mirror ``torchrec.models.dlrm.DLRM``.
+"""DLRM (Naumov et al., 2019, https://arxiv.org/abs/1906.00091) and DLRM-DCNv2 (MLPerf's DLRM:
+the dot interaction replaced by a DCN-v2 cross network, Wang et al., 2021,
+https://arxiv.org/abs/2008.13535). Constructors and forward mirror
+``torchrec.models.dlrm.DLRM`` and ``torchrec.models.dlrm.DLRM_DCN``.
+
+Data flow, F sparse features of dim D, T tasks::
+
+    DLRM       dense [B, N_dense] -> dense_arch -> [B, D] ---------+
+               sparse KJT -> sparse_arch -> [B, F*D] -> [B, F, D] -+-> inter_arch (dot)
+               -> [B, D + F(F+1)/2] -> over_arch -> logits [B, T]
+    DLRM_DCN   dense_arch [B, D] | sparse_arch [B, F*D] -> concat [B, (F+1)*D]
+               -> inter_arch (cross network) -> [B, (F+1)*D] -> over_arch -> logits [B, T]
 """
 
 from __future__ import annotations
@@ -9,7 +19,24 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.layers import DotInteraction, FusedMLP
+from recsys.models.layers import CrossNet, DotInteraction, FusedMLP, LowRankCrossNet
+
+
+def _shared_embedding_dim(embedding_bag_collection: EmbeddingBagCollection, model: str) -> int:
+    dims = {c.embedding_dim for c in embedding_bag_collection.embedding_bag_configs()}
+    if len(dims) != 1:
+        raise ValueError(f"{model} needs all tables to have one embedding_dim, got {sorted(dims)}")
+    (embedding_dim,) = dims
+    return embedding_dim
+
+
+def _check_dense_arch(dense_arch_layer_sizes: list[int], embedding_dim: int, why: str) -> None:
+    if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
+        last = dense_arch_layer_sizes[-1] if dense_arch_layer_sizes else None
+        raise ValueError(
+            f"dense_arch_layer_sizes[-1] = {last} must equal the embedding_dim {embedding_dim} "
+            f"({why})"
+        )
 
 
 class DLRM(nn.Module):
@@ -20,6 +47,8 @@ class DLRM(nn.Module):
         dense_in_features: number of dense features N_dense.
         dense_arch_layer_sizes: bottom MLP sizes; the last must equal D.
         over_arch_layer_sizes: top MLP sizes; the last is the number of tasks T (1 for CTR).
+        activation: activation of the MLPs' hidden layers (``"relu"``, ``"gelu"``, ``"silu"``).
+        dropout: dropout after each activated MLP layer, in training only.
 
     Example::
 
@@ -34,26 +63,28 @@ class DLRM(nn.Module):
         dense_in_features: int,
         dense_arch_layer_sizes: list[int],
         over_arch_layer_sizes: list[int],
+        *,
+        activation: str = "relu",
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        embedding_dim = _shared_embedding_dim(embedding_bag_collection, "DLRM")
+        _check_dense_arch(
+            dense_arch_layer_sizes, embedding_dim, "the dense vector joins the dot products"
+        )
         configs = embedding_bag_collection.embedding_bag_configs()
-        dims = {c.embedding_dim for c in configs}
-        if len(dims) != 1:
-            raise ValueError(f"DLRM needs all tables to have one embedding_dim, got {sorted(dims)}")
-        (embedding_dim,) = dims
-        if dense_arch_layer_sizes[-1] != embedding_dim:
-            raise ValueError(
-                f"dense_arch_layer_sizes[-1] = {dense_arch_layer_sizes[-1]} must equal the "
-                f"embedding_dim {embedding_dim} (the dense vector joins the dot products)"
-            )
         num_sparse = sum(len(c.feature_names) for c in configs)
         self.embedding_dim = embedding_dim
         self.sparse_arch = embedding_bag_collection
-        self.dense_arch = FusedMLP(dense_in_features, dense_arch_layer_sizes)
+        self.dense_arch = FusedMLP(
+            dense_in_features, dense_arch_layer_sizes, activation=activation, dropout=dropout
+        )
         self.inter_arch = DotInteraction(num_sparse)
         self.over_arch = FusedMLP(
             self.inter_arch.output_size(embedding_dim),
             over_arch_layer_sizes,
+            activation=activation,
+            dropout=dropout,
             final_activation=False,
         )
 
@@ -66,3 +97,85 @@ class DLRM(nn.Module):
         embedded_sparse = pooled.view(B, -1, self.embedding_dim)  # [B, F, D]
         interaction = self.inter_arch(embedded_dense, embedded_sparse)  # [B, D + (F+1)F/2]
         return self.over_arch(interaction)  # [B, T]
+
+
+class DLRM_DCN(nn.Module):
+    """DLRM-DCNv2 (MLPerf's DLRM): DLRM with a DCN-v2 cross network in place of the dot
+    interaction, over an EmbeddingBagCollection whose tables all have the same dimension D.
+
+    The cross network runs on [dense_emb, e_1, ..., e_F] flattened to [B, (F+1)*D]: a
+    :class:`~recsys.models.layers.LowRankCrossNet` of rank ``dcn_low_rank_dim`` when it is > 0
+    (torchrec's ``DLRM_DCN`` is always low rank; MLPerf uses 512), else a full-rank
+    :class:`~recsys.models.layers.CrossNet`. With ``dcn_low_rank_dim > 0`` the parameters and
+    their order match ``torchrec.models.dlrm.DLRM_DCN``'s.
+
+    Args:
+        embedding_bag_collection: the sparse arch; F features of dim D.
+        dense_in_features: number of dense features N_dense.
+        dense_arch_layer_sizes: bottom MLP sizes; the last must equal D.
+        over_arch_layer_sizes: top MLP sizes; the last is the number of tasks T.
+        dcn_num_layers: number of cross layers (>= 0).
+        dcn_low_rank_dim: rank r of each cross layer's weight U V [(F+1)D, r] [r, (F+1)D]; 0 for
+            a full-rank W [(F+1)D, (F+1)D].
+        activation: activation of the MLPs' hidden layers.
+        dropout: dropout after each activated MLP layer, in training only.
+
+    Example::
+
+        model = DLRM_DCN(ebc, dense_in_features=13, dense_arch_layer_sizes=[64, 16],
+                         over_arch_layer_sizes=[64, 1], dcn_num_layers=3, dcn_low_rank_dim=64)
+        logits = model(dense_features, sparse_features)  # f32[B, 1]
+    """
+
+    def __init__(
+        self,
+        embedding_bag_collection: EmbeddingBagCollection,
+        dense_in_features: int,
+        dense_arch_layer_sizes: list[int],
+        over_arch_layer_sizes: list[int],
+        dcn_num_layers: int,
+        dcn_low_rank_dim: int,
+        *,
+        activation: str = "relu",
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        embedding_dim = _shared_embedding_dim(embedding_bag_collection, "DLRM_DCN")
+        _check_dense_arch(
+            dense_arch_layer_sizes, embedding_dim, "the dense vector joins the cross network"
+        )
+        if dcn_num_layers < 0:
+            raise ValueError(f"dcn_num_layers must be >= 0, got {dcn_num_layers}")
+        if dcn_low_rank_dim < 0:
+            raise ValueError(
+                f"dcn_low_rank_dim must be >= 0 (0: full rank), got {dcn_low_rank_dim}"
+            )
+        configs = embedding_bag_collection.embedding_bag_configs()
+        num_sparse = sum(len(c.feature_names) for c in configs)
+        cross_width = (num_sparse + 1) * embedding_dim
+        self.embedding_dim = embedding_dim
+        self.sparse_arch = embedding_bag_collection
+        self.dense_arch = FusedMLP(
+            dense_in_features, dense_arch_layer_sizes, activation=activation, dropout=dropout
+        )
+        self.inter_arch: nn.Module
+        if dcn_low_rank_dim > 0:
+            self.inter_arch = LowRankCrossNet(cross_width, dcn_num_layers, dcn_low_rank_dim)
+        else:
+            self.inter_arch = CrossNet(cross_width, dcn_num_layers)
+        self.over_arch = FusedMLP(
+            cross_width,
+            over_arch_layer_sizes,
+            activation=activation,
+            dropout=dropout,
+            final_activation=False,
+        )
+
+    def forward(
+        self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
+    ) -> torch.Tensor:
+        embedded_dense = self.dense_arch(dense_features)  # [B, D]
+        pooled = self.sparse_arch(sparse_features).values()  # [B, F*D]
+        combined = torch.cat([embedded_dense, pooled], dim=1)  # [B, (F+1)*D]
+        crossed = self.inter_arch(combined)  # [B, (F+1)*D]
+        return self.over_arch(crossed)  # [B, T]

@@ -10,7 +10,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torchrec import KeyedJaggedTensor
 
+from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.ops._triton import BACKENDS
 from recsys.ops.cross_interaction import cross_layer, cross_layer_low_rank, cross_layer_vector
 from recsys.ops.dot_interaction import PAIR_ORDERS, PairOrder, dot_interaction, output_width
@@ -190,6 +192,269 @@ class FactorizationMachine(nn.Module):
         if self.reduce_sum:
             interaction = interaction.sum(dim=1, keepdim=True)  # [B, 1]
         return interaction.to(embeddings.dtype)
+
+
+PRODUCTS = ("inner", "outer", "both")
+
+
+class ProductLayer(nn.Module):
+    """PNN product layer (Qu et al., 2016): the linear signal z (the F embeddings, flattened)
+    and the quadratic signal p of the feature pairs, concatenated: ``[z | p]`` [B, W].
+
+    - ``"inner"`` (IPNN): <e_i, e_j> for each pair i < j, F(F-1)/2 values, by
+      ``recsys.ops.dot_interaction`` (TorchRec's pair order; Triton on CUDA).
+    - ``"outer"`` (OPNN with the paper's superposition): p = s s^T with s = sum_f e_f [B, D].
+      p is symmetric, so only its upper triangle with the diagonal is kept, D(D+1)/2 values:
+      the next linear layer's weights over them are the paper's W_p (a weight on p[i, j] and
+      one on p[j, i] act as their sum), so dropping the lower triangle loses nothing.
+    - ``"both"`` (PNN*): ``[z | inner | outer]``.
+
+    The paper's first hidden layer, relu(W_z z + W_p p + b), is the next MLP's first layer
+    applied to this output.
+
+    Args:
+        num_features: F.
+        embedding_dim: D.
+        product: ``"inner"``, ``"outer"`` or ``"both"``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``, for the inner products.
+
+    Example::
+
+        layer = ProductLayer(27, 16, product="both")
+        layer(torch.randn(4, 27, 16)).shape  # [4, 27*16 + 351 + 136] = [4, 919]
+    """
+
+    def __init__(
+        self, num_features: int, embedding_dim: int, product: str = "inner", backend: str = "auto"
+    ) -> None:
+        super().__init__()
+        if product not in PRODUCTS:
+            raise ValueError(f"product {product!r}; expected one of {', '.join(PRODUCTS)}")
+        if num_features < 1 or embedding_dim < 1:
+            raise ValueError(
+                f"num_features and embedding_dim must be >= 1, got {num_features} and "
+                f"{embedding_dim}"
+            )
+        self.num_features = num_features
+        self.embedding_dim = embedding_dim
+        self.product = product
+        self.backend = backend
+        rows, cols = torch.triu_indices(embedding_dim, embedding_dim)
+        self.register_buffer("outer_rows", rows, persistent=False)
+        self.register_buffer("outer_cols", cols, persistent=False)
+        self.out_features = num_features * embedding_dim
+        if product in ("inner", "both"):
+            self.out_features += num_features * (num_features - 1) // 2
+        if product in ("outer", "both"):
+            self.out_features += embedding_dim * (embedding_dim + 1) // 2
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        if embeddings.dim() != 3 or embeddings.shape[1:] != (self.num_features, self.embedding_dim):
+            raise ValueError(
+                f"ProductLayer built for embeddings [B, {self.num_features}, "
+                f"{self.embedding_dim}], got shape {tuple(embeddings.shape)}"
+            )
+        parts = [embeddings.flatten(1)]  # z [B, F*D]
+        if self.product in ("inner", "both"):
+            # dot_interaction returns [e_0 | pairs of e_0..e_{F-1}]; e_0 is already in z.
+            with_first = dot_interaction(
+                embeddings[:, 0], embeddings[:, 1:], backend=self.backend
+            )  # [B, D + F(F-1)/2]
+            parts.append(with_first[:, self.embedding_dim :])  # [B, F(F-1)/2]
+        if self.product in ("outer", "both"):
+            summed = embeddings.sum(dim=1)  # s [B, D]
+            parts.append(summed[:, self.outer_rows] * summed[:, self.outer_cols])  # [B, D(D+1)/2]
+        return torch.cat(parts, dim=1)  # [B, W]
+
+
+class MixtureOfExperts(nn.Module):
+    """Multi-gate mixture of experts (MMoE, Ma et al., 2018): K expert MLPs shared by T tasks
+    and, per task, a softmax gate over the experts that mixes their outputs::
+
+        experts   x [B, N_in] -> expert_k(x) [B, E] for each k, stacked [B, K, E]
+        gates     g_t = softmax(W_t x + b_t) [B, K] for each task t, stacked [B, T, K]
+        output    out[:, t] = sum_k g_t[:, k] * expert_k(x)                 [B, T, E]
+
+    Each expert is a :class:`FusedMLP` (activated last layer too). The T gates are one
+    ``nn.Linear(N_in, T*K)`` (``gates.weight`` rows t*K..(t+1)*K-1 are task t's gate). With
+    ``num_tasks=1`` this is a plain (one-gate) mixture of experts.
+
+    Args:
+        in_features: N_in.
+        expert_layer_sizes: each expert's MLP sizes; the last is E.
+        num_experts: K.
+        num_tasks: T.
+        activation: activation of the experts' layers.
+        dropout: dropout after each expert layer, in training only.
+
+    Example::
+
+        moe = MixtureOfExperts(429, [64, 32], num_experts=4, num_tasks=2)
+        moe(torch.randn(8, 429)).shape  # [8, 2, 32]
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        expert_layer_sizes: Sequence[int],
+        num_experts: int,
+        num_tasks: int,
+        activation: str = "relu",
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if num_tasks < 1:
+            raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+        if not expert_layer_sizes:
+            raise ValueError("expert_layer_sizes must name at least one layer, got []")
+        self.num_experts = num_experts
+        self.num_tasks = num_tasks
+        self.experts = nn.ModuleList(
+            FusedMLP(in_features, expert_layer_sizes, activation=activation, dropout=dropout)
+            for _ in range(num_experts)
+        )
+        self.gates = nn.Linear(in_features, num_tasks * num_experts)
+        self.out_features = expert_layer_sizes[-1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One FusedMLP per expert: on 2 CPU cores a batched matmul over stacked expert weights
+        # measured no faster, and the loop keeps each expert's fused GPU kernels.
+        experts = torch.stack([expert(x) for expert in self.experts], dim=1)  # [B, K, E]
+        gate_logits = self.gates(x).view(-1, self.num_tasks, self.num_experts)  # [B, T, K]
+        return torch.bmm(gate_logits.softmax(dim=-1), experts)  # [B, T, E]
+
+
+class LinearArch(nn.Module):
+    """First-order ("linear", "wide") term: one learned weight per id, summed over the
+    features, plus a linear function of the dense features and a bias:
+
+        logit_t = sum_f w_f,t[ids of f] + sum_n u_{t,n} x_n + b_t      -> [B, T]
+
+    The per-id weights live in a second :class:`EmbeddingBagCollection` of dimension-1 tables
+    (``recsys.models.linear_table_configs``), so they are looked up, sharded and updated by
+    the fused optimizers exactly like every other table. Dimension-1 tables give every task
+    the same sparse weights; tables of dimension T give each task its own.
+
+    Args:
+        embedding_bag_collection: the weight tables, all of dimension 1 or all of dimension T.
+            They may cover any of the input's features (the input KJT may hold more).
+        dense_in_features: N_dense.
+        num_tasks: T.
+
+    Example::
+
+        linear = LinearArch(EmbeddingBagCollection(linear_table_configs(tables)), 13, 1)
+        linear(dense_features, sparse_features).shape  # [B, 1]
+    """
+
+    def __init__(
+        self,
+        embedding_bag_collection: EmbeddingBagCollection,
+        dense_in_features: int,
+        num_tasks: int,
+    ) -> None:
+        super().__init__()
+        if num_tasks < 1:
+            raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+        dims = sorted({c.embedding_dim for c in embedding_bag_collection.embedding_bag_configs()})
+        if dims not in ([1], [num_tasks]):
+            raise ValueError(
+                f"the linear tables must all have embedding_dim 1 (or num_tasks = {num_tasks}), "
+                f"got {dims}"
+            )
+        self.weights_per_id = dims[0]
+        self.sparse_arch = embedding_bag_collection
+        self.dense_arch = nn.Linear(dense_in_features, num_tasks)
+
+    def forward(
+        self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
+    ) -> torch.Tensor:
+        B = dense_features.shape[0]
+        weights = self.sparse_arch(sparse_features).values()  # [B, F * (1 or T)]
+        sparse_logits = weights.view(B, -1, self.weights_per_id).sum(dim=1)  # [B, 1 or T]
+        return self.dense_arch(dense_features) + sparse_logits  # [B, T]
+
+
+class CIN(nn.Module):
+    """Compressed interaction network (xDeepFM, Lian et al., 2018): explicit vector-wise
+    interactions of degree 2, 3, ... between F embeddings of dim D.
+
+    Layer k maps X^{k-1} [B, H_{k-1}, D] (X^0 = the embeddings, H_0 = F) to X^k [B, H_k, D]:
+
+        X^k_{h,*} = sum_{i < H_{k-1}, j < F} W^{k,h}_{ij} (X^{k-1}_{i,*} o X^0_{j,*})
+
+    (o elementwise), the paper's formula: no bias, no activation. Each layer's output maps are
+    summed over D and all of them concatenated: [B, :attr:`output_size`].
+
+    ``split_half=True`` (the authors' released code and DeepCTR; not in the paper's equations):
+    every layer but the last sends half of its H_k maps to the output and only the other half
+    on to the next layer, which halves the next layer's cost; hidden sizes must be even. False:
+    every map goes to both, as in the paper's equations.
+
+    Each layer is one GEMM, [B*D, H_{k-1}*F] x [H_{k-1}*F, H_k], with ``kernels.<k>`` as
+    [H_k, H_{k-1}*F] (column i*F + j holds W^{k,h}_{ij}). The outer products are materialized,
+    B*D*H_{k-1}*F values per layer (and kept for backward), so memory traffic, not arithmetic,
+    bounds its speed; the first layer, with F*F products, costs the most. Deterministic.
+
+    Args:
+        num_fields: F.
+        layer_sizes: H_1, ..., H_K.
+        split_half: see above.
+
+    Example::
+
+        cin = CIN(27, [64, 64])
+        cin(torch.randn(8, 27, 16)).shape  # [8, 96] = [8, cin.output_size]
+    """
+
+    def __init__(
+        self, num_fields: int, layer_sizes: Sequence[int], split_half: bool = True
+    ) -> None:
+        super().__init__()
+        if num_fields < 1:
+            raise ValueError(f"num_fields must be >= 1, got {num_fields}")
+        if not layer_sizes or any(size < 1 for size in layer_sizes):
+            raise ValueError(f"layer_sizes must be one or more sizes >= 1, got {list(layer_sizes)}")
+        if split_half and any(size % 2 for size in layer_sizes[:-1]):
+            raise ValueError(
+                f"layer_sizes = {list(layer_sizes)}: with split_half every size but the last must "
+                "be even"
+            )
+        self.num_fields = num_fields
+        self.split_half = split_half
+        self.kernels = nn.ParameterList()
+        num_maps, output_size = num_fields, 0  # maps fed to the next layer, pooled outputs
+        for k, size in enumerate(layer_sizes):
+            kernel = torch.empty(size, num_maps * num_fields)
+            self.kernels.append(nn.Parameter(nn.init.xavier_uniform_(kernel)))
+            last = k == len(layer_sizes) - 1
+            num_maps = size // 2 if split_half and not last else size
+            output_size += size - num_maps if split_half and not last else size
+        self.output_size = output_size
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        if embeddings.dim() != 3 or embeddings.shape[1] != self.num_fields:
+            raise ValueError(
+                f"CIN takes embeddings [B, F={self.num_fields}, D], got shape "
+                f"{tuple(embeddings.shape)}"
+            )
+        B, F, D = embeddings.shape
+        # Maps kept last ([B, D, H]) so that every layer is a single GEMM over B*D rows.
+        x0 = embeddings.transpose(1, 2)  # [B, D, F]
+        x = x0  # [B, D, H_0]
+        pooled = []
+        last = len(self.kernels) - 1
+        for k, kernel in enumerate(self.kernels):
+            z = (x.unsqueeze(3) * x0.unsqueeze(2)).reshape(B, D, -1)  # [B, D, H_{k-1} * F]
+            x = nn.functional.linear(z, kernel)  # [B, D, H_k]
+            if self.split_half and k < last:
+                x, out = x.chunk(2, dim=2)  # [B, D, H_k / 2] each: next layer, output
+            else:
+                out = x
+            pooled.append(out.sum(dim=1))  # [B, H_k or H_k / 2]
+        return torch.cat(pooled, dim=1)  # [B, output_size]
 
 
 def _check_cross_sizes(in_features: int, num_layers: int) -> None:

@@ -1,0 +1,114 @@
+"""DeepFM (Guo et al., 2017, https://arxiv.org/abs/1703.04247): a first-order term, a
+factorization machine and a deep MLP over the same embeddings, their logits summed.
+
+Data flow, F sparse features of dim D, N_dense dense features, T tasks::
+
+    dense [B, N_dense] -> dense_arch -> [B, D] ------------------+
+    sparse KJT -> sparse_arch -> [B, F*D] -> [B, F, D] ----------+-> fields [B, F+1, D]
+    linear_arch(dense, sparse)                                  -> [B, T]  first order
+    fields -> inter_arch (FM, sum over pairs and D)             -> [B, 1]  second order
+    fields -> [B, (F+1)*D] -> over_arch                         -> [B, T]  deep
+    logits = first order + second order + deep                  -> [B, T]
+
+Dense features: the paper's data has them bucketized into categories, so every field is an
+embedding. Here the bottom MLP projects them to one more D-dim field (as DLRM and TorchRec's
+DeepFM do), so the FM models dense x sparse pairs as it does sparse x sparse ones, which it
+could not if the dense features only fed the first-order and deep parts; they also enter the
+first-order term as they are.
+
+Multi-task: the first-order dense term, the bias and the deep MLP have T outputs; the FM term
+has no weights of its own and is added to every task (so are the sparse first-order weights
+when their tables have dimension 1, see :class:`~recsys.models.layers.LinearArch`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec import KeyedJaggedTensor
+
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.models.layers import FactorizationMachine, FusedMLP, LinearArch
+
+
+class DeepFM(nn.Module):
+    """DeepFM over an EmbeddingBagCollection whose tables all have the same dimension D.
+
+    Args:
+        embedding_bag_collection: the sparse arch; F features of dim D, shared by the FM and
+            the deep part.
+        linear_embedding_bag_collection: dimension-1 twins of its tables (see
+            ``recsys.models.linear_table_configs``), the first-order weights; dimension-T
+            tables give each task its own.
+        dense_in_features: number of dense features N_dense.
+        dense_arch_layer_sizes: bottom MLP sizes; the last must equal D.
+        over_arch_layer_sizes: deep MLP sizes; the last is the number of tasks T.
+        activation: activation of the MLPs' hidden layers (``"relu"``, ``"gelu"``, ``"silu"``).
+        dropout: dropout after each hidden MLP layer, in training only.
+
+    Example::
+
+        tables = table_configs(spec, embedding_dim=16, pooling="sum")
+        model = DeepFM(EmbeddingBagCollection(tables),
+                       EmbeddingBagCollection(linear_table_configs(tables)),
+                       dense_in_features=13, dense_arch_layer_sizes=[64, 16],
+                       over_arch_layer_sizes=[128, 64, 1])
+        logits = model(dense_features, sparse_features)  # f32[B, 1]
+    """
+
+    def __init__(
+        self,
+        embedding_bag_collection: EmbeddingBagCollection,
+        linear_embedding_bag_collection: EmbeddingBagCollection,
+        dense_in_features: int,
+        dense_arch_layer_sizes: list[int],
+        over_arch_layer_sizes: list[int],
+        *,
+        activation: str = "relu",
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        configs = embedding_bag_collection.embedding_bag_configs()
+        dims = {c.embedding_dim for c in configs}
+        if len(dims) != 1:
+            raise ValueError(
+                f"DeepFM needs all tables to have one embedding_dim, got {sorted(dims)}"
+            )
+        (embedding_dim,) = dims
+        if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
+            raise ValueError(
+                f"dense_arch_layer_sizes = {dense_arch_layer_sizes} must end with the "
+                f"embedding_dim {embedding_dim} (the dense vector is one more FM field)"
+            )
+        if not over_arch_layer_sizes:
+            raise ValueError("over_arch_layer_sizes must end with the number of tasks, got []")
+        num_fields = sum(len(c.feature_names) for c in configs) + 1
+        num_tasks = over_arch_layer_sizes[-1]
+        self.embedding_dim = embedding_dim
+        self.sparse_arch = embedding_bag_collection
+        self.linear_arch = LinearArch(linear_embedding_bag_collection, dense_in_features, num_tasks)
+        self.dense_arch = FusedMLP(
+            dense_in_features, dense_arch_layer_sizes, activation=activation, dropout=dropout
+        )
+        self.inter_arch = FactorizationMachine(reduce_sum=True)
+        self.over_arch = FusedMLP(
+            num_fields * embedding_dim,
+            over_arch_layer_sizes,
+            activation=activation,
+            dropout=dropout,
+            final_activation=False,
+        )
+
+    def forward(
+        self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
+    ) -> torch.Tensor:
+        B = dense_features.shape[0]
+        embedded_dense = self.dense_arch(dense_features)  # [B, D]
+        pooled = self.sparse_arch(sparse_features).values()  # [B, F*D]
+        fields = torch.cat(
+            [embedded_dense.unsqueeze(1), pooled.view(B, -1, self.embedding_dim)], dim=1
+        )  # [B, F+1, D]
+        first_order = self.linear_arch(dense_features, sparse_features)  # [B, T]
+        second_order = self.inter_arch(fields)  # [B, 1]
+        deep = self.over_arch(fields.flatten(1))  # [B, T]
+        return first_order + second_order + deep  # [B, T]

@@ -1,0 +1,98 @@
+"""PNN (Qu et al., 2016, "Product-based Neural Networks for User Response Prediction",
+https://arxiv.org/abs/1611.00144): a product layer over the feature embeddings, then an MLP.
+
+The dense features join the products as one more field: the bottom MLP maps them to a D-dim
+vector e_0 (as in DLRM), so the product layer sees F+1 fields. Its output is the linear signal
+z (the F+1 embeddings, flattened) and the quadratic signal p, concatenated (see
+:class:`~recsys.models.layers.ProductLayer`); the top MLP's first layer is the paper's
+relu(W_z z + W_p p + b).
+
+Data flow, F sparse features of dim D, T tasks::
+
+    dense [B, N_dense] -> dense_arch -> e_0 [B, D] ---------------+
+    sparse KJT -> sparse_arch -> [B, F*D] -> e_1..e_F [B, F, D] --+-> [B, F+1, D]
+    -> inter_arch (product) -> [z | p] [B, W] -> over_arch -> logits [B, T]
+
+    W = (F+1)*D + P, P = (F+1)F/2 inner products ("inner"), D(D+1)/2 outer-product entries
+    ("outer", the upper triangle of s s^T with s = sum of the F+1 embeddings), or both ("both").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec import KeyedJaggedTensor
+
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.models.layers import FusedMLP, ProductLayer
+
+
+class PNN(nn.Module):
+    """PNN over an EmbeddingBagCollection whose tables all have the same dimension D.
+
+    Args:
+        embedding_bag_collection: the sparse arch; F features of dim D.
+        dense_in_features: number of dense features N_dense.
+        dense_arch_layer_sizes: bottom MLP sizes; the last must equal D (the dense vector is
+            one more field of the products).
+        over_arch_layer_sizes: top MLP sizes; the last is the number of tasks T.
+        activation: activation of the MLPs' hidden layers (``"relu"``, ``"gelu"``, ``"silu"``).
+        dropout: dropout after each activated MLP layer, in training only.
+        product: ``"inner"`` (IPNN), ``"outer"`` (OPNN) or ``"both"`` (PNN*).
+
+    Example::
+
+        model = PNN(ebc, dense_in_features=13, dense_arch_layer_sizes=[64, 16],
+                    over_arch_layer_sizes=[128, 64, 1], product="inner")
+        logits = model(dense_features, sparse_features)  # f32[B, 1]
+    """
+
+    def __init__(
+        self,
+        embedding_bag_collection: EmbeddingBagCollection,
+        dense_in_features: int,
+        dense_arch_layer_sizes: list[int],
+        over_arch_layer_sizes: list[int],
+        *,
+        activation: str = "relu",
+        dropout: float = 0.0,
+        product: str = "inner",
+    ) -> None:
+        super().__init__()
+        configs = embedding_bag_collection.embedding_bag_configs()
+        dims = {c.embedding_dim for c in configs}
+        if len(dims) != 1:
+            raise ValueError(f"PNN needs all tables to have one embedding_dim, got {sorted(dims)}")
+        (embedding_dim,) = dims
+        if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
+            last = dense_arch_layer_sizes[-1] if dense_arch_layer_sizes else None
+            raise ValueError(
+                f"dense_arch_layer_sizes[-1] = {last} must equal the embedding_dim "
+                f"{embedding_dim} (the dense vector is one more field of the products)"
+            )
+        if not over_arch_layer_sizes:
+            raise ValueError("over_arch_layer_sizes must end with the number of tasks, got []")
+        num_sparse = sum(len(c.feature_names) for c in configs)
+        self.embedding_dim = embedding_dim
+        self.sparse_arch = embedding_bag_collection
+        self.dense_arch = FusedMLP(
+            dense_in_features, dense_arch_layer_sizes, activation=activation, dropout=dropout
+        )
+        self.inter_arch = ProductLayer(num_sparse + 1, embedding_dim, product=product)
+        self.over_arch = FusedMLP(
+            self.inter_arch.out_features,
+            over_arch_layer_sizes,
+            activation=activation,
+            dropout=dropout,
+            final_activation=False,
+        )
+
+    def forward(
+        self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
+    ) -> torch.Tensor:
+        B = dense_features.shape[0]
+        embedded_dense = self.dense_arch(dense_features)  # [B, D]
+        pooled = self.sparse_arch(sparse_features).values()  # [B, F*D]
+        fields = torch.cat([embedded_dense, pooled], dim=1).view(B, -1, self.embedding_dim)
+        products = self.inter_arch(fields)  # [B, F+1, D] -> [B, W]
+        return self.over_arch(products)  # [B, T]
