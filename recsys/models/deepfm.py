@@ -28,7 +28,12 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.layers import FactorizationMachine, FusedMLP, LinearArch
+from recsys.models.layers import (
+    FactorizationMachine,
+    FusedMLP,
+    LinearArch,
+    shared_embedding_dim,
+)
 
 
 class DeepFM(nn.Module):
@@ -69,12 +74,7 @@ class DeepFM(nn.Module):
     ) -> None:
         super().__init__()
         configs = embedding_bag_collection.embedding_bag_configs()
-        dims = {c.embedding_dim for c in configs}
-        if len(dims) != 1:
-            raise ValueError(
-                f"DeepFM needs all tables to have one embedding_dim, got {sorted(dims)}"
-            )
-        (embedding_dim,) = dims
+        embedding_dim = shared_embedding_dim(embedding_bag_collection, "DeepFM")
         if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
             raise ValueError(
                 f"dense_arch_layer_sizes = {dense_arch_layer_sizes} must end with the "

@@ -19,24 +19,14 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.layers import CrossNet, DotInteraction, FusedMLP, LowRankCrossNet
-
-
-def _shared_embedding_dim(embedding_bag_collection: EmbeddingBagCollection, model: str) -> int:
-    dims = {c.embedding_dim for c in embedding_bag_collection.embedding_bag_configs()}
-    if len(dims) != 1:
-        raise ValueError(f"{model} needs all tables to have one embedding_dim, got {sorted(dims)}")
-    (embedding_dim,) = dims
-    return embedding_dim
-
-
-def _check_dense_arch(dense_arch_layer_sizes: list[int], embedding_dim: int, why: str) -> None:
-    if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
-        last = dense_arch_layer_sizes[-1] if dense_arch_layer_sizes else None
-        raise ValueError(
-            f"dense_arch_layer_sizes[-1] = {last} must equal the embedding_dim {embedding_dim} "
-            f"({why})"
-        )
+from recsys.models.layers import (
+    CrossNet,
+    DotInteraction,
+    FusedMLP,
+    LowRankCrossNet,
+    check_dense_arch,
+    shared_embedding_dim,
+)
 
 
 class DLRM(nn.Module):
@@ -68,8 +58,8 @@ class DLRM(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        embedding_dim = _shared_embedding_dim(embedding_bag_collection, "DLRM")
-        _check_dense_arch(
+        embedding_dim = shared_embedding_dim(embedding_bag_collection, "DLRM")
+        check_dense_arch(
             dense_arch_layer_sizes, embedding_dim, "the dense vector joins the dot products"
         )
         configs = embedding_bag_collection.embedding_bag_configs()
@@ -140,8 +130,8 @@ class DLRM_DCN(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        embedding_dim = _shared_embedding_dim(embedding_bag_collection, "DLRM_DCN")
-        _check_dense_arch(
+        embedding_dim = shared_embedding_dim(embedding_bag_collection, "DLRM_DCN")
+        check_dense_arch(
             dense_arch_layer_sizes, embedding_dim, "the dense vector joins the cross network"
         )
         if dcn_num_layers < 0:

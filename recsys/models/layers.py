@@ -19,6 +19,27 @@ from recsys.ops.dot_interaction import PAIR_ORDERS, PairOrder, dot_interaction, 
 from recsys.ops.fused_mlp import ACTIVATIONS, fused_linear
 
 
+def shared_embedding_dim(embedding_bag_collection: EmbeddingBagCollection, model: str) -> int:
+    """The one embedding_dim of every table of the collection, for models that stack the
+    pooled embeddings into [B, F, D]; ``ValueError`` naming ``model`` otherwise."""
+    dims = {c.embedding_dim for c in embedding_bag_collection.embedding_bag_configs()}
+    if len(dims) != 1:
+        raise ValueError(f"{model} needs all tables to have one embedding_dim, got {sorted(dims)}")
+    (embedding_dim,) = dims
+    return embedding_dim
+
+
+def check_dense_arch(dense_arch_layer_sizes: list[int], embedding_dim: int, why: str) -> None:
+    """``ValueError`` unless the bottom MLP ends with the embedding_dim (``why`` says what
+    the dense vector joins)."""
+    if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
+        last = dense_arch_layer_sizes[-1] if dense_arch_layer_sizes else None
+        raise ValueError(
+            f"dense_arch_layer_sizes[-1] = {last} must equal the embedding_dim {embedding_dim} "
+            f"({why})"
+        )
+
+
 class FusedMLP(nn.Module):
     """Stack of Linear + activation (+ dropout) layers, each one fused kernel on CUDA
     (``recsys.ops.fused_mlp.fused_linear``); plain torch ops on CPU.

@@ -24,7 +24,12 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.layers import FusedMLP, ProductLayer
+from recsys.models.layers import (
+    FusedMLP,
+    ProductLayer,
+    check_dense_arch,
+    shared_embedding_dim,
+)
 
 
 class PNN(nn.Module):
@@ -60,16 +65,9 @@ class PNN(nn.Module):
     ) -> None:
         super().__init__()
         configs = embedding_bag_collection.embedding_bag_configs()
-        dims = {c.embedding_dim for c in configs}
-        if len(dims) != 1:
-            raise ValueError(f"PNN needs all tables to have one embedding_dim, got {sorted(dims)}")
-        (embedding_dim,) = dims
-        if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
-            last = dense_arch_layer_sizes[-1] if dense_arch_layer_sizes else None
-            raise ValueError(
-                f"dense_arch_layer_sizes[-1] = {last} must equal the embedding_dim "
-                f"{embedding_dim} (the dense vector is one more field of the products)"
-            )
+        embedding_dim = shared_embedding_dim(embedding_bag_collection, "PNN")
+        why = "the dense vector is one more field of the products"
+        check_dense_arch(dense_arch_layer_sizes, embedding_dim, why)
         if not over_arch_layer_sizes:
             raise ValueError("over_arch_layer_sizes must end with the number of tasks, got []")
         num_sparse = sum(len(c.feature_names) for c in configs)

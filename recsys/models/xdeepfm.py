@@ -33,7 +33,7 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.layers import CIN, FusedMLP, LinearArch
+from recsys.models.layers import CIN, FusedMLP, LinearArch, shared_embedding_dim
 
 
 class XDeepFM(nn.Module):
@@ -79,12 +79,7 @@ class XDeepFM(nn.Module):
     ) -> None:
         super().__init__()
         configs = embedding_bag_collection.embedding_bag_configs()
-        dims = {c.embedding_dim for c in configs}
-        if len(dims) != 1:
-            raise ValueError(
-                f"XDeepFM needs all tables to have one embedding_dim, got {sorted(dims)}"
-            )
-        (embedding_dim,) = dims
+        embedding_dim = shared_embedding_dim(embedding_bag_collection, "XDeepFM")
         if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
             raise ValueError(
                 f"dense_arch_layer_sizes = {dense_arch_layer_sizes} must end with the "
