@@ -268,6 +268,24 @@ class TrainConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """How tables are sharded over ranks under torchrun (ignored in one process)."""
+
+    constraints: list[str] = field(default_factory=list)
+    """Per-table placements that override the planner, "<table>=<type>[@<rank>,...]" with type
+    data_parallel, table_wise, row_wise or column_wise; e.g. ["t_C1=row_wise",
+    "t_C2=table_wise@1"]."""
+    memory_per_rank_gb: float = 0.0
+    """GiB each rank may use for tables and their optimizer state (0: no limit)."""
+    forward_precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    """How pooled embeddings travel between ranks (int8: per-row scale)."""
+    backward_precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    """How the gradients of pooled embeddings travel back."""
+    print_plan: bool = True
+    """Print the sharding plan (rank 0) before training."""
+
+
+@dataclass
 class CheckpointConfig:
     """Checkpoints written under <run dir>/checkpoints."""
 
@@ -291,6 +309,8 @@ class Config:
     """[model]"""
     train: TrainConfig = field(default_factory=TrainConfig)
     """[train]"""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """[distributed]"""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """[checkpoint]"""
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)

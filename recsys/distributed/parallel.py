@@ -1,19 +1,26 @@
 """Process groups and ``parallelize``: how a model runs on several ranks under torchrun.
 
-Today every table is DATA_PARALLEL: the whole model is replicated and wrapped in
-DistributedDataParallel, which all-reduces the gradients of dense layers and tables alike.
-Model-parallel sharding (TABLE_WISE, ROW_WISE, COLUMN_WISE over all-to-all) plugs in here.
+``parallelize`` swaps each EmbeddingBagCollection for its model-parallel twin
+(:class:`~recsys.distributed.sharded.ShardedEmbeddingBagCollection`, tables placed by a
+:class:`~recsys.distributed.planner.ShardingPlan`) and wraps the dense rest in
+DistributedDataParallel.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from recsys.distributed.planner import ShardingPlan, check_plan, plan_sharding
+from recsys.distributed.sharded import ShardedEmbeddingBagCollection
+from recsys.embedding.collection import EmbeddingBagCollection
 
 
 @dataclass(frozen=True)
@@ -59,17 +66,109 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
+def collections_of(model: nn.Module) -> dict[str, EmbeddingBagCollection]:
+    """Every EmbeddingBagCollection of ``model`` by module path (``""`` for the model itself)."""
+    return {
+        path: module
+        for path, module in model.named_modules()
+        if isinstance(module, EmbeddingBagCollection)
+    }
+
+
+def parallelize(
+    model: nn.Module,
+    device: torch.device,
+    plan: ShardingPlan | None = None,
+    *,
+    forward_precision: str = "fp32",
+    backward_precision: str = "fp32",
+    **planner_options: Any,
+) -> nn.Module:
     """Make ``model`` train across the ranks of the initialized process group.
 
-    Returns the model unchanged in a world of one, else the DDP-wrapped model (every table
-    replicated, DATA_PARALLEL).
+    Every EmbeddingBagCollection becomes a :class:`ShardedEmbeddingBagCollection` placed by
+    ``plan`` (default: :func:`plan_sharding` over all the model's collections, given
+    ``planner_options`` such as ``memory_per_rank``, ``batch_size``, ``constraints``), and the
+    dense parameters (plus DATA_PARALLEL tables trained by a torch optimizer) are wrapped in
+    DistributedDataParallel. Set a fused optimizer on the collections before calling this: the
+    shards take it, and its state, with them.
+
+    Args:
+        model: the single-process model, on ``device`` (its tables may be on ``meta``).
+        device: this rank's device.
+        plan: where each table goes; see :mod:`recsys.distributed.planner`.
+        forward_precision / backward_precision: quantized communication of pooled embeddings
+            and of their gradients (``fp32``, ``fp16``, ``bf16``, ``int8``).
+
+    Returns:
+        The model unchanged in a world of one, else the DDP-wrapped model.
+
+    Example (every rank of ``torchrun --nproc-per-node=2 train.py``)::
+
+        model = DLRM(...)                        # holds an EmbeddingBagCollection
+        model = parallelize(model, device)      # planned, sharded, DDP-wrapped
+        print(model.module.sharding_plan.describe())
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
+    world = dist.get_world_size()
+    collections = collections_of(model)
+    configs = {path: ebc.embedding_bag_configs() for path, ebc in collections.items()}
+    if plan is None:
+        states = _optimizer_states(collections.values())
+        plan = plan_sharding(configs, world, optimizer_states=states, **planner_options)
+    check_plan(plan, configs, world)
+    # Embedding collectives get their own group, so they never interleave with DDP's.
+    group = dist.new_group(backend=dist.get_backend())
+    ignored: list[str] = []
+    for path, ebc in collections.items():
+        sharded = ShardedEmbeddingBagCollection(
+            ebc,
+            plan[path],
+            process_group=group,
+            forward_precision=forward_precision,
+            backward_precision=backward_precision,
+            device=device,
+        )
+        _replace(model, path, sharded)
+        prefix = f"{path}." if path else ""
+        trained_by_ddp = {id(p) for p in sharded.ddp_parameters()}
+        ignored += [
+            prefix + name for name, p in sharded.named_parameters() if id(p) not in trained_by_ddp
+        ]
+        ignored += [prefix + name for name, _ in sharded.named_buffers()]
+    model.sharding_plan = plan
+    if isinstance(model, ShardedEmbeddingBagCollection) or not any(
+        p.requires_grad for p in model.parameters()
+    ):
+        return model
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     device_ids = [device.index] if device.type == "cuda" else None
-    # Model buffers are constants (index tables), so there is nothing to broadcast per forward.
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    # Model buffers are constants (index tables): nothing to broadcast per forward.
+    no_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        else {"broadcast_buffers": False}
+    )
+    return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
+
+
+def _optimizer_states(collections) -> dict[str, str] | None:
+    for ebc in collections:
+        if ebc.optimizer is not None:
+            return dict(ebc.optimizer.states)
+    return None
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    if not path:
+        raise ValueError(
+            "parallelize() needs a model that holds its EmbeddingBagCollection; to shard a bare "
+            "collection build ShardedEmbeddingBagCollection(ebc, plan[''], device=...)"
+        )
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, module)
 
 
 def shutdown_distributed() -> None:

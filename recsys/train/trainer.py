@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -36,6 +36,8 @@ from recsys.distributed.parallel import (
     resolve_device,
     shutdown_distributed,
 )
+from recsys.distributed.planner import parse_constraints
+from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import OPTIMIZERS as FUSED_OPTIMIZERS
 from recsys.models import build_model
@@ -61,36 +63,57 @@ class TrainResult:
     checkpoint: Path | None
 
 
-def build_optimizers(
-    config: TrainConfig, model: nn.Module, world_size: int = 1
-) -> dict[str, torch.optim.Optimizer]:
-    """``{"dense": ..., "embedding": ...}``: all parameters but the tables go to the dense
-    optimizer. The tables of every EmbeddingBagCollection get the embedding optimizer fused
-    into their backward (``train.fused_embedding_update`` in one process), or else a torch
-    optimizer over their dense gradients."""
-    collections = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
-    if config.fused_embedding_update and world_size == 1:
+def collections(model: nn.Module) -> list[nn.Module]:
+    """The model's embedding collections (plain or sharded), not the ones a sharded collection
+    holds inside."""
+    found, inside = [], []
+    for path, module in model.named_modules():
+        if any(path.startswith(p) for p in inside):
+            continue
+        if isinstance(module, ShardedEmbeddingBagCollection):
+            found.append(module)
+            inside.append(f"{path}.")
+        elif isinstance(module, EmbeddingBagCollection):
+            found.append(module)
+    return found
+
+
+def configure_embedding_optimizer(config: TrainConfig, model: nn.Module) -> None:
+    """With ``train.fused_embedding_update``, fuse the embedding optimizer into the backward of
+    every (unsharded) EmbeddingBagCollection; call it before :func:`parallelize`, which hands
+    the optimizer to the shards. Otherwise check a torch optimizer of that name exists."""
+    if config.fused_embedding_update:
         fused = FUSED_OPTIMIZERS[config.embedding_optimizer]
-        for collection in collections:
-            collection.set_optimizer(
-                fused(
-                    lr=config.embedding_lr,
-                    stochastic_rounding=config.embedding_stochastic_rounding,
+        for collection in collections(model):
+            if isinstance(collection, EmbeddingBagCollection):
+                collection.set_optimizer(
+                    fused(
+                        lr=config.embedding_lr,
+                        stochastic_rounding=config.embedding_stochastic_rounding,
+                    )
                 )
-            )
     elif config.embedding_optimizer not in _OPTIMIZERS:
         raise ValueError(
             f"train.embedding_optimizer = {config.embedding_optimizer!r} only exists as a fused "
-            f"update, which needs one process (this run has {world_size}); pick one of "
-            f"{', '.join(_OPTIMIZERS)}"
+            f"update (train.fused_embedding_update = true); with dense table gradients pick one "
+            f"of {', '.join(_OPTIMIZERS)}"
         )
-    table_ids = {
-        id(p)
-        for module in model.modules()
-        if isinstance(module, EmbeddingBagCollection)
-        for p in module.parameters()
-    }
-    tables = [p for p in model.parameters() if id(p) in table_ids and p.requires_grad]
+
+
+def build_optimizers(config: TrainConfig, model: nn.Module) -> dict[str, torch.optim.Optimizer]:
+    """``{"dense": ..., "embedding": ...}``: all parameters but the tables go to the dense
+    optimizer. Tables get the embedding optimizer fused into their backward
+    (``train.fused_embedding_update``; set here on collections that have none yet), or else a
+    torch optimizer over their dense gradients."""
+    if not any(getattr(c, "optimizer", None) for c in collections(model)):
+        configure_embedding_optimizer(config, model)
+    table_ids, tables = set(), []
+    for collection in collections(model):
+        table_ids |= {id(p) for p in collection.parameters()}
+        if isinstance(collection, ShardedEmbeddingBagCollection):
+            tables += collection.parameters_for_optimizer()
+        else:
+            tables += [p for p in collection.parameters() if p.requires_grad]
     dense = [p for p in model.parameters() if id(p) not in table_ids and p.requires_grad]
     optimizers = {}
     if dense:
@@ -152,12 +175,36 @@ class _Run:
         self.logger = MetricsLogger(self.run_dir / "metrics.jsonl", enabled=info.is_main)
         torch.manual_seed(config.run.seed)
         self.dataset = build_dataset(config.data, config.run.seed)
-        self.model = parallelize(build_model(config.model, self.dataset.spec, device), device)
-        self.optimizers = build_optimizers(config.train, self.model, info.world_size)
+        model = build_model(config.model, self.dataset.spec, device)
+        configure_embedding_optimizer(config.train, model)
+        self.model = self._parallelize(model)
+        self.optimizers = build_optimizers(config.train, self.model)
         self.task_weights = task_loss_weights(config.train, self.dataset.spec.num_tasks, device)
         self.step = 0
         self.data_position = {"epoch": 0, "batch": 0}  # batches of that epoch already trained on
         self.last_checkpoint: Path | None = None
+
+    def _parallelize(self, model: nn.Module) -> nn.Module:
+        """Shard the tables and DDP the rest when there are several ranks (see
+        :func:`recsys.distributed.parallel.parallelize`)."""
+        if self.info.world_size == 1:
+            return model
+        cfg = self.config.distributed
+        comm_bytes = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+        model = parallelize(
+            model,
+            self.device,
+            forward_precision=cfg.forward_precision,
+            backward_precision=cfg.backward_precision,
+            memory_per_rank=int(cfg.memory_per_rank_gb * 2**30),
+            batch_size=self.config.train.batch_size,
+            constraints=parse_constraints(cfg.constraints),
+            forward_comm_bytes=comm_bytes[cfg.forward_precision],
+            backward_comm_bytes=comm_bytes[cfg.backward_precision],
+        )
+        if cfg.print_plan:
+            self._print(_unwrap(model).sharding_plan.describe())
+        return model
 
     def fit(self) -> TrainResult:
         cfg, train_cfg = self.config, self.config.train
@@ -268,14 +315,23 @@ class _Run:
         metrics = BinaryMetrics(self.dataset.spec.label_names, self.device, oracle is not None)
         # The unwrapped module: ranks may hold different numbers of eval batches, and DDP's
         # forward could start collectives that a rank with fewer batches never joins.
-        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        model = _unwrap(self.model)
         was_training = model.training
         model.eval()
         num_samples = 0
-        for batch in self._loader(split):
+        loader = self._loader(split)
+        # Sharded tables make every forward a collective: ranks with fewer batches run
+        # one-sample forwards (their output unused) until every rank has had as many.
+        extra = _max_over_ranks(len(loader), self.device) - len(loader)
+        batch = None
+        for batch in loader:
             logits = model(batch.dense, batch.sparse)
             metrics.update(logits, batch.labels, oracle(batch) if oracle is not None else None)
             num_samples += batch.batch_size
+        if extra:
+            filler = (batch or next(iter(self._loader("train")))).slice(0, 1)
+            for _ in range(extra):
+                model(filler.dense, filler.sparse)
         model.train(was_training)
         result = metrics.compute()
         result["num_samples"] = _sum_over_ranks(num_samples, self.device)
@@ -294,7 +350,10 @@ class _Run:
         """Checkpoint the model, both optimizers, the step and the data position (epoch, batches
         done: ``BatchLoader(..., epoch=e, start_batch=b)`` continues from it) under
         <run dir>/checkpoints."""
-        model_state, optimizer_state = get_state_dict(self.model, list(self.optimizers.values()))
+        # The model's own state_dict: sharded tables appear as ShardedTensors of their full
+        # shape, so the checkpoint does not depend on the plan.
+        model_state = _unwrap(self.model).state_dict()
+        optimizer_state = get_optimizer_state_dict(self.model, list(self.optimizers.values()))
         state = {
             "model": model_state,
             "optimizers": optimizer_state,
@@ -344,6 +403,18 @@ class _Window:
         paused = time.perf_counter()
         work()
         self.start += time.perf_counter() - paused
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    if not torch.distributed.is_initialized():
+        return value
+    total = torch.tensor(value, device=device)
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+    return int(total)
 
 
 def _sum_over_ranks(value: int, device: torch.device) -> int:

@@ -1,0 +1,281 @@
+"""The all-to-alls of model-parallel embeddings, and quantized communication.
+
+Two exchanges serve a sharded lookup (W ranks, rank r holds the samples of its own batch B_r):
+
+- **input dist** (:func:`all_to_all_ids`): every rank sends each rank the ids of the shards that
+  rank owns, in two phases. First the counts (how many samples, how many ids), then the bag
+  lengths, ids and per-id weights, whose sizes the counts made known. A receiver gets the
+  blocks source by source; :func:`source_to_slot_major` reorders them into one
+  KeyedJaggedTensor layout (slot by slot, each slot's bags source by source) for the local
+  lookup.
+- **output dist** (:func:`pooled_all_to_all`): the pooled vectors computed for the samples of
+  rank s go back to rank s; its backward sends the gradients the other way. This is where
+  quantization applies.
+
+Quantized communication (:data:`PRECISIONS`): ``fp32`` (exact), ``fp16`` / ``bf16`` (a cast;
+relative error <= 2**-11 / 2**-8 per element), ``int8`` (per row: ``scale = max|x| / 127``,
+``q = round(x / scale)``; the fp32 scale travels in 4 extra bytes of the row; absolute error
+<= ``max|row| / 254`` per element). A row is one sample's pooled vectors for one destination.
+Decoded values are fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+_CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank handed to collectives since the last :meth:`reset` (its own block
+    included): ``input`` (counts, lengths, ids, weights), ``forward`` (pooled vectors),
+    ``backward`` (their gradients, and the replicated tables' gradient all-reduce)."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: {"input": 0, "forward": 0, "backward": 0})
+
+    def add(self, kind: str, *tensors: torch.Tensor) -> None:
+        self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def reset(self) -> None:
+        for kind in self.bytes:
+            self.bytes[kind] = 0
+
+
+def check_precision(precision: str, what: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"{what} = {precision!r}; expected one of {', '.join(PRECISIONS)}")
+    return precision
+
+
+# ---------------------------------------------------------------------------------------------
+# Codecs: blocks of [rows, width] fp32 values <-> what travels
+
+
+def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
+    """``x`` [R, C] (fp32) -> the [R, C'] tensor sent for it (C' = C + 4 int8 bytes for int8)."""
+    if precision == "fp32":
+        return x
+    if precision in _CASTS:
+        return x.to(_CASTS[precision])
+    scale = x.abs().amax(dim=1, keepdim=True) / 127.0  # [R, 1]
+    q = torch.round(x / torch.where(scale > 0, scale, 1.0)).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=1)  # the fp32 scale as its 4 bytes
+
+
+def decode(y: torch.Tensor, precision: str) -> torch.Tensor:
+    """Inverse of :func:`encode`: [R, C'] received -> [R, C] fp32."""
+    if precision == "fp32":
+        return y
+    if precision in _CASTS:
+        return y.float()
+    scale = y[:, -4:].contiguous().view(torch.float32)  # [R, 1]
+    return y[:, :-4].float() * scale
+
+
+def wire_width(width: int, precision: str) -> int:
+    """Elements per row on the wire for a row of ``width`` values."""
+    return width + 4 if precision == "int8" else width
+
+
+def wire_dtype(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "int8": torch.int8}.get(precision) or _CASTS[precision]
+
+
+# ---------------------------------------------------------------------------------------------
+# Input dist
+
+
+def all_to_all(
+    send: torch.Tensor,
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    group: dist.ProcessGroup | None,
+    async_op: bool = False,
+):
+    """All-to-all of a 1-D tensor: ``send_splits[d]`` elements to rank d, ``recv_splits[s]``
+    from rank s. Returns the received tensor (and the work handle with ``async_op``)."""
+    recv = send.new_empty(sum(recv_splits))
+    work = dist.all_to_all_single(
+        recv, send, list(recv_splits), list(send_splits), group=group, async_op=async_op
+    )
+    return (recv, work) if async_op else recv
+
+
+@dataclass
+class ReceivedIds:
+    """What one rank received in the input dist, source by source.
+
+    ``batch_sizes[s]`` samples came from rank s, with ``lengths`` [sum_s S * B_s] (source s's
+    block is [S, B_s], slot-major), ``values`` and optional ``weights`` (source-major)."""
+
+    batch_sizes: list[int]
+    lengths: torch.Tensor
+    values: torch.Tensor
+    weights: torch.Tensor | None
+
+
+def all_to_all_ids(
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    batch_size: int,
+    slots_per_rank: Sequence[int],
+    values_per_rank: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+) -> ReceivedIds:
+    """Two-phase all-to-all of bags.
+
+    Args:
+        lengths: [sum_d S_d * B] bag lengths, destination by destination (S_d slots of B bags).
+        values: ids in the same order; ``weights`` likewise, or None.
+        batch_size: B, this rank's samples.
+        slots_per_rank: S_d, the slots rank d looks up (the same list on every rank).
+        values_per_rank: [W] int64, how many of ``values`` go to each rank.
+
+    Returns:
+        The bags every rank sent to this one.
+    """
+    world, rank = len(slots_per_rank), dist.get_rank(group)
+    counts = torch.stack([torch.full_like(values_per_rank, batch_size), values_per_rank], dim=1)
+    counts = counts.to(torch.int64).reshape(-1)  # [W * 2]: (B, num values) per destination
+    stats.add("input", counts)
+    received = all_to_all(counts, [2] * world, [2] * world, group).view(world, 2).tolist()
+    batch_sizes = [b for b, _ in received]
+    num_values = [n for _, n in received]
+    sent_values = values_per_rank.tolist()
+    stats.add("input", lengths, values, *(() if weights is None else (weights,)))
+    works = []
+    recv_lengths, work = all_to_all(
+        lengths,
+        [s * batch_size for s in slots_per_rank],
+        [slots_per_rank[rank] * b for b in batch_sizes],
+        group,
+        async_op=True,
+    )
+    works.append(work)
+    recv_values, work = all_to_all(values, sent_values, num_values, group, async_op=True)
+    works.append(work)
+    recv_weights = None
+    if weights is not None:
+        recv_weights, work = all_to_all(weights, sent_values, num_values, group, async_op=True)
+        works.append(work)
+    for work in works:
+        work.wait()
+    return ReceivedIds(batch_sizes, recv_lengths, recv_values, recv_weights)
+
+
+def source_to_slot_major(
+    received: ReceivedIds, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Reorder received bags from [source][slot][sample] to [slot][source][sample]: the
+    KeyedJaggedTensor layout of ``num_slots`` keys over a batch of sum_s B_s samples, source
+    0's samples first. Returns (lengths, values, weights)."""
+    sizes = received.batch_sizes
+    device = received.lengths.device
+    if len(sizes) == 1 or num_slots <= 1:
+        return received.lengths, received.values, received.weights
+    # Bag lengths: a fixed permutation of positions.
+    bases = torch.tensor([0, *sizes[:-1]], device=device).cumsum(0) * num_slots
+    pieces = [
+        base + torch.arange(num_slots * b, device=device).view(num_slots, b)
+        for base, b in zip(bases.tolist(), sizes, strict=True)
+    ]
+    lengths = received.lengths[torch.cat(pieces, dim=1).reshape(-1)]
+    # Ids: whole (source, slot) segments move; gather each segment's range in the new order.
+    segment = torch.stack(
+        [
+            block.view(num_slots, b).sum(dim=1)
+            for block, b in zip(
+                received.lengths.split([num_slots * b for b in sizes]), sizes, strict=True
+            )
+        ]
+    )  # [W, S] ids per (source, slot)
+    starts = (segment.reshape(-1).cumsum(0) - segment.reshape(-1)).view_as(segment)
+    segment_t, starts_t = segment.t().reshape(-1), starts.t().reshape(-1)  # slot-major
+    new_starts = segment_t.cumsum(0) - segment_t
+    shift = torch.repeat_interleave(starts_t - new_starts, segment_t)
+    index = shift + torch.arange(shift.numel(), device=device)
+    weights = None if received.weights is None else received.weights[index]
+    return lengths, received.values[index], weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Output dist
+
+
+@dataclass
+class PooledLayout:
+    """Shapes of one output dist: this rank computed [sum_s B_s, ``local_width``] pooled rows
+    (``batch_sizes[s]`` of them for rank s) and receives [B_r, ``widths[d]``] from each rank d."""
+
+    batch_sizes: list[int]
+    local_width: int
+    widths: list[int]
+    forward: str = "fp32"
+    backward: str = "fp32"
+    grad_scale: float = 1.0
+
+
+def _exchange(
+    blocks: Sequence[torch.Tensor],
+    recv_shapes: Sequence[tuple[int, int]],
+    precision: str,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+    kind: str,
+) -> list[torch.Tensor]:
+    """Send ``blocks[d]`` ([rows, width] fp32) to rank d; receive a [rows, width] block of
+    ``recv_shapes[s]`` from each rank s, through the codec of ``precision``."""
+    encoded = [encode(block, precision).reshape(-1) for block in blocks]
+    send = torch.cat(encoded) if encoded else blocks[0].new_empty(0)
+    stats.add(kind, send)
+    recv_splits = [rows * wire_width(width, precision) for rows, width in recv_shapes]
+    recv = all_to_all(send, [e.numel() for e in encoded], recv_splits, group)
+    out = []
+    for piece, (rows, width) in zip(recv.split(recv_splits), recv_shapes, strict=True):
+        out.append(decode(piece.view(rows, wire_width(width, precision)), precision))
+    return out
+
+
+class _PooledAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layout, group, stats, anchor, pooled):
+        ctx.layout, ctx.group, ctx.stats = layout, group, stats
+        rank_batch = layout.batch_sizes[dist.get_rank(group)]
+        blocks = pooled.float().split(layout.batch_sizes)  # [B_s, local_width] for rank s
+        shapes = [(rank_batch, width) for width in layout.widths]
+        received = _exchange(blocks, shapes, layout.forward, group, stats, "forward")
+        return torch.cat(received, dim=1)  # [B_r, sum_d widths[d]]
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout = ctx.layout
+        grad = grad.float() * layout.grad_scale
+        blocks = [g.contiguous() for g in grad.split(layout.widths, dim=1)]
+        shapes = [(b, layout.local_width) for b in layout.batch_sizes]
+        received = _exchange(blocks, shapes, layout.backward, ctx.group, ctx.stats, "backward")
+        return None, None, None, None, torch.cat(received, dim=0)
+
+
+def pooled_all_to_all(
+    pooled: torch.Tensor,
+    layout: PooledLayout,
+    anchor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+) -> torch.Tensor:
+    """Send each rank's rows of ``pooled`` [sum_s B_s, local_width] back to it; returns
+    [B_r, sum_d widths[d]], rank d's columns after rank d-1's.
+
+    Differentiable: backward sends the gradient the other way, multiplied by
+    ``layout.grad_scale``. ``anchor`` is a scalar that requires grad, so the backward (a
+    collective) runs on every rank even where ``pooled`` needs no gradient.
+    """
+    return _PooledAllToAll.apply(layout, group, stats, anchor, pooled)

@@ -1,0 +1,733 @@
+"""Sharding plans: where each table of each EmbeddingBagCollection lives, and the planner that
+makes one.
+
+A plan maps a collection's module path (``""`` for a bare collection, else e.g.
+``"sparse_arch.embedding_bag_collection"``) to ``{table name: TableSharding}``. A
+:class:`TableSharding` is a :class:`ShardingType` and its shards; each shard is a block of the
+table's rows x columns on one rank:
+
+- ``DATA_PARALLEL``: the whole table on every rank; each rank looks up its own batch and the
+  gradients are averaged over ranks. For small tables: no communication in forward.
+- ``TABLE_WISE``: the whole table on one rank.
+- ``ROW_WISE``: rows split in blocks of ``ceil(num_embeddings / world_size)``, block r on rank r
+  (so id ``i`` lives on rank ``i // block``); ranks past the last row hold nothing. Each rank
+  pools the ids it owns; the partial sums are added up at the sample's rank.
+- ``COLUMN_WISE``: columns split into pieces, each piece (all rows) on a different rank.
+
+Build plans by hand with :func:`data_parallel`, :func:`table_wise`, :func:`row_wise` and
+:func:`column_wise`, or let :func:`plan_sharding` choose (it documents its cost model), within
+user constraints (:class:`TableConstraint`, :func:`parse_constraints`); ``plan.describe()`` prints
+a plan.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from torchrec import DataType, EmbeddingBagConfig
+
+from recsys._suggest import did_you_mean, quoted_with_hints
+
+
+class ShardingType(str, enum.Enum):
+    """How one table is split over the ranks (TorchRec's names)."""
+
+    DATA_PARALLEL = "data_parallel"
+    TABLE_WISE = "table_wise"
+    ROW_WISE = "row_wise"
+    COLUMN_WISE = "column_wise"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rows ``[row_offset, row_offset + num_rows)`` x columns ``[col_offset, col_offset +
+    num_cols)`` of a table, held by ``rank``."""
+
+    rank: int
+    row_offset: int
+    num_rows: int
+    col_offset: int
+    num_cols: int
+
+
+@dataclass(frozen=True)
+class TableSharding:
+    """One table's sharding type and shards (see the module docstring for each type's shape)."""
+
+    sharding_type: ShardingType
+    shards: tuple[Shard, ...]
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks that hold a piece of the table, in shard order."""
+        return [s.rank for s in self.shards]
+
+
+@dataclass
+class ShardingPlan:
+    """Every collection's table shardings, for ``world_size`` ranks.
+
+    Attributes:
+        world_size: number of ranks the plan is for.
+        collections: module path -> table name -> :class:`TableSharding`.
+        memory_per_rank: bytes each rank may use for tables and optimizer state, when the
+            planner was given a budget (0: unknown); ``describe()`` shows usage against it.
+        footprints: module path -> table name -> :class:`TableFootprint`, recorded by
+            :func:`plan_sharding` (empty for a hand-built plan).
+        rank_costs: the planner's estimated cost of each rank per step, in its relative units
+            (empty for a hand-built plan).
+    """
+
+    world_size: int
+    collections: dict[str, dict[str, TableSharding]] = field(default_factory=dict)
+    memory_per_rank: int = 0
+    footprints: dict[str, dict[str, TableFootprint]] = field(default_factory=dict)
+    rank_costs: list[float] = field(default_factory=list)
+
+    def __getitem__(self, path: str) -> dict[str, TableSharding]:
+        if path not in self.collections:
+            raise KeyError(
+                f"the sharding plan has no collection at {path!r}; it has "
+                f"{sorted(self.collections)}"
+            )
+        return self.collections[path]
+
+    def describe(self) -> str:
+        """A fixed-width text table: one line per table, then one line per rank.
+
+        Returns:
+            the table, ready to print or log. A hand-built plan records no dtypes, so its
+            memory column assumes fp32 tables without optimizer state, and says so.
+
+        Example:
+            >>> print(plan_sharding({"": tables}, world_size=2).describe())  # doctest: +SKIP
+        """
+        return _describe(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks for hand-written plans
+
+
+def data_parallel(num_embeddings: int, embedding_dim: int, world_size: int) -> TableSharding:
+    """The whole table replicated on every rank."""
+    return TableSharding(
+        ShardingType.DATA_PARALLEL,
+        tuple(Shard(r, 0, num_embeddings, 0, embedding_dim) for r in range(world_size)),
+    )
+
+
+def table_wise(num_embeddings: int, embedding_dim: int, rank: int) -> TableSharding:
+    """The whole table on ``rank``."""
+    return TableSharding(
+        ShardingType.TABLE_WISE, (Shard(rank, 0, num_embeddings, 0, embedding_dim),)
+    )
+
+
+def row_block(num_embeddings: int, world_size: int) -> int:
+    """Rows per row-wise shard: id ``i`` lives on rank ``i // row_block(...)``."""
+    return max(1, math.ceil(num_embeddings / world_size))
+
+
+def row_wise(num_embeddings: int, embedding_dim: int, world_size: int) -> TableSharding:
+    """Rows in blocks of ``ceil(num_embeddings / world_size)``, block r on rank r."""
+    block = row_block(num_embeddings, world_size)
+    shards = []
+    for rank in range(world_size):
+        start = rank * block
+        rows = min(num_embeddings, start + block) - start
+        if rows > 0:
+            shards.append(Shard(rank, start, rows, 0, embedding_dim))
+    return TableSharding(ShardingType.ROW_WISE, tuple(shards))
+
+
+def column_wise(
+    num_embeddings: int, embedding_dim: int, ranks: Sequence[int], widths: Sequence[int] = ()
+) -> TableSharding:
+    """Columns split over distinct ``ranks``: pieces of ``widths`` (default: as even as
+    possible, wider pieces first) in column order."""
+    if not widths:
+        base, extra = divmod(embedding_dim, len(ranks))
+        widths = [base + (1 if i < extra else 0) for i in range(len(ranks))]
+    if len(widths) != len(ranks):
+        raise ValueError(f"column_wise: {len(widths)} widths {list(widths)} for ranks {ranks}")
+    shards, offset = [], 0
+    for rank, width in zip(ranks, widths, strict=True):
+        shards.append(Shard(rank, 0, num_embeddings, offset, width))
+        offset += width
+    return TableSharding(ShardingType.COLUMN_WISE, tuple(shards))
+
+
+def check_table_sharding(config: EmbeddingBagConfig, sharding: TableSharding, world_size: int):
+    """Raise ``ValueError`` unless ``sharding`` is a valid placement of ``config``'s table on
+    ``world_size`` ranks (the shapes each sharding type must have are in the module docstring)."""
+    name, rows, dim = config.name, config.num_embeddings, config.embedding_dim
+    kind = ShardingType(sharding.sharding_type)
+    where = f"table '{name}' ({rows} x {dim}, {kind.name})"
+    if not sharding.shards:
+        raise ValueError(f"{where}: the sharding has no shards")
+    for shard in sharding.shards:
+        if not 0 <= shard.rank < world_size:
+            raise ValueError(f"{where}: shard on rank {shard.rank}; expected 0..{world_size - 1}")
+    full = tuple(Shard(s.rank, 0, rows, 0, dim) for s in sharding.shards)
+    if kind == ShardingType.DATA_PARALLEL:
+        expected = data_parallel(rows, dim, world_size).shards
+    elif kind == ShardingType.TABLE_WISE:
+        expected = full[:1]
+    elif kind == ShardingType.ROW_WISE:
+        expected = row_wise(rows, dim, world_size).shards
+    else:
+        ranks = sharding.ranks
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"{where}: column shards must be on distinct ranks, got {ranks}")
+        widths = [s.num_cols for s in sharding.shards]
+        if any(w <= 0 for w in widths):
+            raise ValueError(f"{where}: column shard widths {widths} must be positive")
+        expected = column_wise(rows, dim, ranks, widths).shards
+    if tuple(sharding.shards) != tuple(expected):
+        raise ValueError(
+            f"{where}: shards {list(sharding.shards)} are not a {kind.name} placement; "
+            f"expected {list(expected)}"
+        )
+
+
+def check_plan(
+    plan: ShardingPlan, collections: dict[str, Sequence[EmbeddingBagConfig]], world_size: int
+) -> None:
+    """Raise ``ValueError`` unless ``plan`` places every table of every collection in
+    ``collections`` (module path -> table configs) validly on ``world_size`` ranks, and names
+    no collection or table that does not exist."""
+    if plan.world_size != world_size:
+        raise ValueError(
+            f"the sharding plan is for {plan.world_size} ranks but this job has {world_size}"
+        )
+    unknown = sorted(set(plan.collections) - set(collections))
+    if unknown:
+        raise ValueError(
+            f"the sharding plan names collections {unknown} that the model does not have; "
+            f"its collections are {sorted(collections)}"
+        )
+    for path, configs in collections.items():
+        shardings = plan.collections.get(path, {})
+        names = [c.name for c in configs]
+        extra = sorted(set(shardings) - set(names))
+        missing = [n for n in names if n not in shardings]
+        if extra or missing:
+            raise ValueError(
+                f"collection {path!r}: the plan lacks tables {missing} and names unknown tables "
+                f"{extra}; the collection's tables are {names}"
+            )
+        for config in configs:
+            check_table_sharding(config, shardings[config.name], world_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Constraints
+
+_CONSTRAINT_FORM = "<table>=<type>[@<rank>[,<rank>...]]"
+_CONSTRAINT_RE = re.compile(r"\s*([^=\s]+)\s*=\s*(\w+)\s*(?:@\s*(\d+(?:\s*,\s*\d+)*))?\s*")
+
+
+def _sharding_type(value: str | ShardingType) -> ShardingType:
+    """``value`` as a ShardingType: its lower-case value or its upper-case name."""
+    if isinstance(value, ShardingType):
+        return value
+    by_text = {t.value: t for t in ShardingType} | {t.name: t for t in ShardingType}
+    if value not in by_text:
+        valid = [t.value for t in ShardingType]
+        hint = did_you_mean(value.lower(), valid)
+        raise ValueError(f"unknown sharding type {value!r}{hint}; expected one of {valid}")
+    return by_text[value]
+
+
+@dataclass(frozen=True)
+class TableConstraint:
+    """What the user allows for one table; the planner chooses within it.
+
+    Attributes:
+        sharding_types: allowed sharding types (strings are accepted); empty = any.
+        ranks: for TABLE_WISE, the ranks it may go to; for COLUMN_WISE, exactly the ranks of
+            its column shards, in column order; empty = the planner picks.
+
+    Example:
+        >>> str(TableConstraint(("column_wise",), ranks=(0, 1)))
+        'column_wise@0,1'
+    """
+
+    sharding_types: tuple[ShardingType, ...] = ()
+    ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        given = self.sharding_types
+        types = tuple(_sharding_type(t) for t in ((given,) if isinstance(given, str) else given))
+        object.__setattr__(self, "sharding_types", types)
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+        ranks = self.ranks
+        if any(not isinstance(r, int) or r < 0 for r in ranks) or len(set(ranks)) < len(ranks):
+            raise ValueError(f"constraint '{self}': ranks {ranks} must be distinct ints >= 0")
+        if ranks and not {ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE} & set(types):
+            raise ValueError(
+                f"constraint '{self}': ranks need sharding type table_wise or column_wise; "
+                f"{[t.value for t in types] or 'any type'} may use every rank"
+            )
+
+    def __str__(self) -> str:
+        text = "|".join(t.value for t in self.sharding_types) or "any"
+        return text + (f"@{','.join(map(str, self.ranks))}" if self.ranks else "")
+
+
+def parse_constraints(items: Sequence[str]) -> dict[str, TableConstraint]:
+    """Parse constraints written ``"<table>=<type>[@<rank>[,<rank>...]]"``.
+
+    Args:
+        items: one string per table. ``<table>`` is a table name (that table in every
+            collection) or ``"<module path>:<table>"``; ``<type>`` a :class:`ShardingType`
+            value (``row_wise``) or name (``ROW_WISE``); ranks as in :class:`TableConstraint`.
+
+    Returns:
+        table key -> constraint, for :func:`plan_sharding`.
+
+    Example:
+        >>> parse_constraints(["t_C2=table_wise@1", "t_C3=column_wise@0,1"])["t_C3"].ranks
+        (0, 1)
+    """
+    constraints: dict[str, TableConstraint] = {}
+    for item in items:
+        match = _CONSTRAINT_RE.fullmatch(item)
+        if match is None:
+            raise ValueError(
+                f"sharding constraint {item!r} is malformed; expected {_CONSTRAINT_FORM}"
+            )
+        table, kind, ranks = match.groups()
+        if table in constraints:
+            raise ValueError(f"sharding constraint {item!r}: table {table!r} is constrained twice")
+        try:
+            ranks = tuple(int(r) for r in ranks.split(",")) if ranks else ()
+            constraints[table] = TableConstraint((_sharding_type(kind),), ranks)
+        except ValueError as error:
+            raise ValueError(f"sharding constraint {item!r}: {error}") from None
+    return constraints
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes and the cost model
+
+_ELEMENT_BYTES = {DataType.FP32: 4, DataType.FP16: 2, DataType.BF16: 2}
+_ID_BYTES = 8
+# A communicated byte costs as much as this many bytes read from memory: a GPU reads its own
+# memory about 10x faster than it exchanges data with other ranks.
+_COMM_WEIGHT = 10.0
+
+
+@dataclass(frozen=True)
+class TableFootprint:
+    """A table as :func:`plan_sharding` sized it, for :meth:`ShardingPlan.describe`.
+
+    Attributes:
+        data_type: the weights' dtype, e.g. ``"fp32"``.
+        optimizer_state: the fused optimizer's state, e.g. ``"sum per row"`` ("" for none).
+        shard_bytes: bytes of weights and optimizer state of each shard, in shard order.
+    """
+
+    data_type: str
+    optimizer_state: str
+    shard_bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Table:
+    path: str
+    config: EmbeddingBagConfig
+    element_bytes: int
+    pooling: float  # mean ids per sample, summed over the table's features
+    constraint: TableConstraint
+
+    @property
+    def label(self) -> str:
+        return f"{self.path}:{self.config.name}" if self.path else self.config.name
+
+    def whole(self) -> Shard:
+        return Shard(0, 0, self.config.num_embeddings, 0, self.config.embedding_dim)
+
+
+def _shard_bytes(shard: Shard, element_bytes: int, states: dict[str, str]) -> int:
+    """Weights plus fp32 optimizer state of one shard."""
+    elements = shard.num_rows * shard.num_cols
+    state = sum(shard.num_rows if kind == "row" else elements for kind in states.values())
+    return elements * element_bytes + 4 * state
+
+
+def _rank_bytes(sharding: TableSharding, table: _Table, states: dict[str, str], world: int):
+    used = [0] * world
+    for shard in sharding.shards:
+        used[shard.rank] += _shard_bytes(shard, table.element_bytes, states)
+    return used
+
+
+@dataclass(frozen=True)
+class _CostModel:
+    world_size: int
+    batch_size: int
+    forward_comm_bytes: int
+    backward_comm_bytes: int
+
+    def rank_costs(self, sharding: TableSharding, table: _Table) -> list[float]:
+        """Each rank's cost per step of placing ``table`` as ``sharding`` (see plan_sharding)."""
+        world, local, pooling = self.world_size, self.batch_size, table.pooling
+        batch, rows, dim = local * world, table.config.num_embeddings, table.config.embedding_dim
+        comm = _COMM_WEIGHT * (world - 1) / world  # a rank's traffic to itself is free
+        costs = [0.0] * world
+        if sharding.sharding_type == ShardingType.DATA_PARALLEL:
+            for shard in sharding.shards:  # ring all-reduce: sends and receives 2x the gradient
+                costs[shard.rank] += local * pooling * dim * table.element_bytes
+                costs[shard.rank] += comm * 4 * rows * dim * 4
+            return costs
+        vector_bytes = self.forward_comm_bytes + self.backward_comm_bytes
+        for shard in sharding.shards:
+            ids = batch * pooling * shard.num_rows / max(rows, 1)  # the ids this shard serves
+            costs[shard.rank] += ids * shard.num_cols * table.element_bytes
+            costs[shard.rank] += comm * (ids * _ID_BYTES + batch * shard.num_cols * vector_bytes)
+        # Every rank, for its own samples: sends their ids (to every column shard), receives
+        # their pooled vectors (a partial sum from every row shard), sends back the gradients.
+        kind, num_shards = sharding.sharding_type, len(sharding.shards)
+        id_copies = num_shards if kind == ShardingType.COLUMN_WISE else 1
+        vector_copies = num_shards if kind == ShardingType.ROW_WISE else 1
+        for rank in range(world):
+            costs[rank] += comm * local * pooling * id_copies * _ID_BYTES
+            costs[rank] += comm * local * dim * vector_copies * vector_bytes
+        return costs
+
+    def whole_cost(self, table: _Table) -> float:
+        """Cost of the table TABLE_WISE, summed over ranks."""
+        return sum(self.rank_costs(TableSharding(ShardingType.TABLE_WISE, (table.whole(),)), table))
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner
+
+
+def _column_widths(dim: int, pieces: int) -> list[int]:
+    """Widths of ``pieces`` column shards: multiples of 4 (the rest on the last) if possible."""
+    unit = 4 if dim >= 4 * pieces else 1
+    base, extra = divmod(dim // unit, pieces)
+    widths = [unit * (base + (1 if i < extra else 0)) for i in range(pieces)]
+    widths[-1] += dim % unit
+    return widths
+
+
+@dataclass
+class _Ranks:
+    """What is placed so far: bytes and estimated cost per rank; ``budget`` 0 = no limit;
+    ``unplaced``: the cost of the tables still to place, each as if TABLE_WISE."""
+
+    used: list[int]
+    costs: list[float]
+    budget: int
+    unplaced: float = 0.0
+
+    def free(self, rank: int) -> float:
+        return self.budget - self.used[rank] if self.budget else math.inf
+
+
+def _column_candidates(table: _Table, ranks: _Ranks, states: dict[str, str]):
+    """COLUMN_WISE on exactly the constraint's ranks, or over 2..min(world, dim // 4) ranks with
+    the widest pieces on the least-loaded ranks that can hold them."""
+    rows, dim, world = table.config.num_embeddings, table.config.embedding_dim, len(ranks.used)
+    if table.constraint.ranks:
+        pieces = len(table.constraint.ranks)
+        yield column_wise(rows, dim, table.constraint.ranks, _column_widths(dim, pieces))
+        return
+    for pieces in range(2, min(world, dim // 4 if dim >= 8 else dim) + 1):
+        widths = _column_widths(dim, pieces)
+        widest = _shard_bytes(Shard(0, 0, rows, 0, widths[0]), table.element_bytes, states)
+        order = sorted(
+            range(world), key=lambda r: (ranks.free(r) < widest, ranks.costs[r], ranks.used[r], r)
+        )
+        yield column_wise(rows, dim, order[:pieces], widths)
+
+
+def _candidates(table: _Table, ranks: _Ranks, states: dict[str, str]) -> list[TableSharding]:
+    """Every placement the table's constraint allows, in a fixed order."""
+    rows, dim, world = table.config.num_embeddings, table.config.embedding_dim, len(ranks.used)
+    allowed = table.constraint.sharding_types
+    if world == 1 and not allowed:
+        return [table_wise(rows, dim, 0)]
+    candidates: list[TableSharding] = []
+    for kind in allowed or ShardingType:
+        if kind == ShardingType.DATA_PARALLEL:
+            candidates.append(data_parallel(rows, dim, world))
+        elif kind == ShardingType.TABLE_WISE:
+            candidates += [table_wise(rows, dim, r) for r in table.constraint.ranks or range(world)]
+        elif kind == ShardingType.ROW_WISE:
+            candidates.append(row_wise(rows, dim, world))
+        elif "row" not in states.values():
+            # Per-row optimizer state cannot be shared by column shards (the sharded
+            # collection refuses it), so COLUMN_WISE is only a candidate without it.
+            candidates += _column_candidates(table, ranks, states)
+    return candidates
+
+
+def _format_bytes(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num_bytes) < 1024:
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.1f} TiB"
+
+
+def _state_label(states: dict[str, str]) -> str:
+    return ", ".join(f"{name} per {kind}" for name, kind in states.items())
+
+
+def _not_fit_error(
+    table: _Table, candidates: list[TableSharding], ranks: _Ranks, states: dict[str, str]
+) -> ValueError:
+    """The error for a table that no candidate fits: its size, each rank's free memory, and
+    what the placement that comes closest lacks."""
+    config, world, constraint = table.config, len(ranks.used), table.constraint
+    size = _format_bytes(_shard_bytes(table.whole(), table.element_bytes, states))
+    state = f" + {_state_label(states)}" if states else ""
+    what = f"table '{table.label}' ({config.num_embeddings} x {config.embedding_dim} "
+    what += f"{config.data_type.name.lower()}{state}, {size})"
+    where = f" under its constraint '{constraint}'" if constraint.sharding_types else ""
+    if not candidates:
+        return ValueError(f"{what} has no placement{where} on {world} ranks")
+    shortfalls = []  # (bytes missing, rank, candidate index)
+    for index, sharding in enumerate(candidates):
+        need = _rank_bytes(sharding, table, states, world)
+        shortfalls.append(max((need[r] - ranks.free(r), r, index) for r in range(world)))
+    missing, rank, index = min(shortfalls)
+    best, free = candidates[index], ", ".join(_format_bytes(ranks.free(r)) for r in range(world))
+    return ValueError(
+        f"{what} does not fit{where}: memory_per_rank is {_format_bytes(ranks.budget)} and the "
+        f"ranks have [{free}] free; the closest placement, {best.sharding_type.name} on ranks "
+        f"{best.ranks}, lacks {_format_bytes(missing)} ({missing} bytes) on rank {rank}; "
+        f"{'relax the constraint, ' if where else ''}raise memory_per_rank or add ranks"
+    )
+
+
+def _place(table: _Table, ranks: _Ranks, model: _CostModel, states: dict[str, str]):
+    """The allowed placement that fits and scores lowest, added to ``ranks``."""
+    candidates, world = _candidates(table, ranks, states), len(ranks.used)
+    best = None
+    for index, sharding in enumerate(candidates):
+        need = _rank_bytes(sharding, table, states, world)
+        if any(need[r] > ranks.free(r) for r in range(world)):
+            continue
+        added = model.rank_costs(sharding, table)
+        after = [cost + extra for cost, extra in zip(ranks.costs, added, strict=True)]
+        # The busiest rank ends at least at the average of all work, this table's and the rest;
+        # below that, the more even spread wins. fsum: the same sum in any order.
+        total = math.fsum(added)
+        floor = (math.fsum(ranks.costs) + total + ranks.unplaced) / world
+        spread = math.fsum(cost * cost for cost in after)
+        score = (max(max(after), floor) + total / world, spread, index)
+        if best is None or score < best[0]:
+            best = (score, sharding, need, added)
+    if best is None:
+        raise _not_fit_error(table, candidates, ranks, states)
+    _, sharding, need, added = best
+    for rank in range(world):
+        ranks.used[rank] += need[rank]
+        ranks.costs[rank] += added[rank]
+    return sharding
+
+
+def _check_known(owner: str, kind: str, names: Iterable[str], known: set[str]) -> None:
+    unknown = sorted(set(names) - known)
+    if unknown:
+        hints = quoted_with_hints(unknown, known)
+        raise ValueError(f"{owner} name unknown {kind} {hints}; the {kind} are {sorted(known)}")
+
+
+def _table(
+    path: str,
+    config: EmbeddingBagConfig,
+    pooling_factors: dict[str, float],
+    constraints: dict[str, TableConstraint],
+    world: int,
+) -> _Table:
+    """``config`` with its element size, pooling factor and (checked) constraint."""
+    if config.data_type not in _ELEMENT_BYTES:
+        valid = [t.name for t in _ELEMENT_BYTES]
+        raise ValueError(f"table '{config.name}': data_type {config.data_type.name} not in {valid}")
+    constraint = constraints.get(f"{path}:{config.name}", constraints.get(config.name))
+    constraint, dim = constraint or TableConstraint(), config.embedding_dim
+    pooling = sum(pooling_factors.get(f, 1.0) for f in config.feature_names)
+    table = _Table(path, config, _ELEMENT_BYTES[config.data_type], pooling, constraint)
+    ranks, where = constraint.ranks, f"table '{table.label}' constraint '{constraint}'"
+    if any(r >= world for r in ranks):
+        raise ValueError(f"{where}: ranks {ranks} must be < world_size {world}")
+    if len(ranks) > dim and ShardingType.COLUMN_WISE in constraint.sharding_types:
+        raise ValueError(f"{where}: {len(ranks)} column shards of a table with {dim} columns")
+    return table
+
+
+def plan_sharding(
+    collections: dict[str, Sequence[EmbeddingBagConfig]],
+    world_size: int,
+    *,
+    memory_per_rank: int = 0,
+    optimizer_states: dict[str, str] | None = None,
+    batch_size: int = 1024,
+    pooling_factors: dict[str, float] | None = None,
+    constraints: dict[str, TableConstraint] | None = None,
+    forward_comm_bytes: int = 4,
+    backward_comm_bytes: int = 4,
+) -> ShardingPlan:
+    """Place every table on ``world_size`` ranks within ``memory_per_rank``, balancing an
+    estimated per-rank cost.
+
+    Greedy and deterministic. Tables go largest first (by the larger of their shares of all
+    bytes and of all estimated cost; ties by path and name), each to the placement that its
+    constraint allows, that fits the memory left, and that scores lowest: the busiest rank's
+    cost afterwards (never counted below the average rank's final cost, which later tables can
+    fill up to) plus the placement's own cost averaged over the ranks. The first term balances
+    the ranks; the second charges for total work, so a replicated table must be cheap
+    everywhere to win. Ties go to the more even spread (sum of squared rank costs), then to
+    the earlier candidate: DATA_PARALLEL, TABLE_WISE on rank 0, 1, ..., ROW_WISE, COLUMN_WISE
+    in 2..min(W, D // 4) pieces of multiples of 4 columns. A world of one puts unconstrained
+    tables TABLE_WISE on rank 0.
+
+    Cost model, per rank per step, in bytes moved; a communicated byte counts 10x a byte read
+    from memory, and traffic to the rank itself is free (communication scales by (W - 1) / W).
+    With W ranks, B = ``batch_size``, G = B * W, P the table's pooling factor, R x D elements
+    of e bytes: DATA_PARALLEL costs every rank a lookup of B * P * D * e plus a ring
+    all-reduce of the fp32 gradient, 4 * R * D * 4 (2x the table each way). A shard with r
+    rows and c columns costs its rank a lookup of G * P * r / R * c * e, receiving those ids
+    (8 bytes each), sending G pooled c-vectors and receiving their gradients
+    (``forward_comm_bytes`` and ``backward_comm_bytes`` per value). TABLE_WISE is one whole
+    shard, ROW_WISE W row blocks that each send a partial sum for every sample, COLUMN_WISE k
+    pieces that each receive every id. And every rank, for its own B samples of a sharded
+    table, sends their ids (to each column piece), receives the pooled vectors (from each row
+    block), and sends back their gradients.
+
+    Args:
+        collections: module path -> the collection's table configs (FP32, FP16 or BF16).
+        world_size: number of ranks.
+        memory_per_rank: bytes each rank may hold in weights and optimizer state; 0 = no limit.
+        optimizer_states: the fused optimizer's ``states`` (name -> ``"row"``: one fp32 per
+            row, or ``"element"``: one fp32 per weight), e.g. ``RowWiseAdagrad.states``.
+        batch_size: samples per rank per step.
+        pooling_factors: feature name -> mean ids per bag (default 1.0); a table's pooling
+            factor is the sum over its features.
+        constraints: table name (that table in every collection) or ``"<module path>:<table>"``
+            -> :class:`TableConstraint` (see :func:`parse_constraints`).
+        forward_comm_bytes: bytes per value of the pooled embeddings sent in forward.
+        backward_comm_bytes: bytes per value of their gradients sent in backward.
+
+    Returns:
+        a plan that passes :func:`check_plan`, with sizes and costs for ``describe()``.
+
+    Raises:
+        ValueError: a bad argument, an unknown table or feature, or a table that does not fit
+            (naming it, its size, each rank's free memory and how much is missing).
+
+    Example:
+        >>> tables = [EmbeddingBagConfig(name="t", num_embeddings=10**6, embedding_dim=64,
+        ...                              feature_names=["f"])]
+        >>> plan = plan_sharding({"": tables}, world_size=2, memory_per_rank=2**27)
+        >>> plan[""]["t"].sharding_type.name
+        'COLUMN_WISE'
+    """
+    states, pooling_factors = dict(optimizer_states or {}), pooling_factors or {}
+    comm_bytes = (forward_comm_bytes, backward_comm_bytes)
+    if min(world_size, batch_size, *comm_bytes) < 1 or memory_per_rank < 0:
+        raise ValueError(
+            f"world_size={world_size}, batch_size={batch_size} and forward/backward_comm_bytes="
+            f"{comm_bytes} must be >= 1, memory_per_rank={memory_per_rank} >= 0"
+        )
+    if any(kind not in ("row", "element") for kind in states.values()):
+        raise ValueError(f"optimizer_states={states}: each value must be 'row' or 'element'")
+    if any(not value >= 0 for value in pooling_factors.values()):
+        raise ValueError(f"pooling_factors={pooling_factors}: each value must be >= 0")
+    constraints, configs = constraints or {}, [(p, c) for p, g in collections.items() for c in g]
+    features = {f for _, config in configs for f in config.feature_names}
+    _check_known("pooling_factors", "features", pooling_factors, features)
+    names = {c.name for _, c in configs} | {f"{p}:{c.name}" for p, c in configs if p}
+    _check_known("sharding constraints", "tables", constraints, names)
+    tables = [_table(p, c, pooling_factors, constraints, world_size) for p, c in configs]
+    model = _CostModel(world_size, batch_size, *comm_bytes)
+    ranks = _Ranks([0] * world_size, [0.0] * world_size, memory_per_rank)
+
+    whole_costs = [model.whole_cost(t) for t in tables]
+    whole_bytes = [_shard_bytes(t.whole(), t.element_bytes, states) for t in tables]
+    total_cost, total_bytes = math.fsum(whole_costs) or 1.0, sum(whole_bytes) or 1
+
+    def largest_first(i: int) -> tuple:  # by the larger of its shares of all bytes and all cost
+        share = max(whole_bytes[i] / total_bytes, whole_costs[i] / total_cost)
+        return (-share, tables[i].path, tables[i].config.name)
+
+    placed, ranks.unplaced = {}, math.fsum(whole_costs)
+    for i in sorted(range(len(tables)), key=largest_first):
+        table, ranks.unplaced = tables[i], ranks.unplaced - whole_costs[i]
+        sharding = _place(table, ranks, model, states)
+        shard_bytes = tuple(_shard_bytes(s, table.element_bytes, states) for s in sharding.shards)
+        dtype, state = table.config.data_type.name.lower(), _state_label(states)
+        placed[table.path, table.config.name] = sharding, TableFootprint(dtype, state, shard_bytes)
+    plan = ShardingPlan(world_size, memory_per_rank=memory_per_rank, rank_costs=ranks.costs)
+    for path, group in collections.items():  # in the caller's order, for describe()
+        plan.collections[path] = {c.name: placed[path, c.name][0] for c in group}
+        plan.footprints[path] = {c.name: placed[path, c.name][1] for c in group}
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# describe()
+
+
+def _text_table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(map(str.ljust, row, widths)).rstrip() for row in rows]
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """``0-7`` for 3+ consecutive ranks in order, else ``3,1``."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _table_line(path: str, name: str, sharding: TableSharding, footprint: TableFootprint):
+    rows = max(s.row_offset + s.num_rows for s in sharding.shards)
+    cols = max(s.col_offset + s.num_cols for s in sharding.shards)
+    low, high = (_format_bytes(f(footprint.shard_bytes)) for f in (min, max))
+    memory, kind = (high if low == high else f"{low}..{high}"), ShardingType(sharding.sharding_type)
+    where, size = _rank_list(sharding.ranks), f"{rows} x {cols}"
+    return [path or "(root)", name, size, footprint.data_type, kind.name, where, memory]
+
+
+def _describe(plan: ShardingPlan) -> str:
+    world, budget = plan.world_size, plan.memory_per_rank
+    used, num_shards, states = [0] * world, [0] * world, set()
+    table_lines = [["collection", "table", "rows x dim", "dtype", "sharding", "ranks"]]
+    table_lines[0].append("memory/shard")
+    for path, shardings in plan.collections.items():
+        for name, sharding in shardings.items():
+            footprint = plan.footprints.get(path, {}).get(name)
+            if footprint is None:  # hand-built
+                sizes = tuple(_shard_bytes(s, 4, {}) for s in sharding.shards)
+                footprint = TableFootprint("fp32?", "", sizes)
+            states.add(footprint.optimizer_state)
+            for shard, size in zip(sharding.shards, footprint.shard_bytes, strict=True):
+                used[shard.rank] += size
+                num_shards[shard.rank] += 1
+            table_lines.append(_table_line(path, name, sharding, footprint))
+    peak = max(plan.rank_costs, default=0.0) or 1.0
+    rank_lines = [["rank", "shards", "memory", "of memory_per_rank", "est. cost (busiest = 1)"]]
+    for rank in range(world):
+        share = f"{used[rank] / budget:.1%}" if budget else "-"
+        cost = f"{plan.rank_costs[rank] / peak:.2f}" if plan.rank_costs else "-"
+        memory = _format_bytes(used[rank])
+        rank_lines.append([str(rank), str(num_shards[rank]), memory, share, cost])
+    limit = _format_bytes(budget) if budget else "not set"
+    header = [f"ShardingPlan for {world} rank{'s' * (world > 1)}, memory_per_rank {limit}"]
+    if not plan.footprints:
+        header.append("hand-built plan: memory assumes fp32 weights (fp32?) and no optimizer state")
+    elif states - {""}:
+        header.append(f"memory includes optimizer state: {', '.join(sorted(states - {''}))}")
+    return "\n".join([*header, "", *_text_table(table_lines), "", *_text_table(rank_lines)])

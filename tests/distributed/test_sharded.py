@@ -1,0 +1,249 @@
+"""ShardedEmbeddingBagCollection on 2 and 4 gloo ranks against the unsharded collection run on
+the concatenated batch in one process: forward outputs, and after several steps with the fused
+optimizer (or dense gradients and a torch optimizer) the gathered tables and optimizer states.
+Each test spawns its ranks once and runs every case inside them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.modules.embedding_configs import PoolingType
+
+from recsys.data.batch import Batch
+from recsys.distributed import planner as P
+from recsys.distributed.comm import decode, encode
+from recsys.distributed.sharded import ShardedEmbeddingBagCollection
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from tests.distributed.spawn import run_ranks
+
+# name, dim, rows, features, pooling: odd dims, a 3-row table (fewer rows than 4 ranks), a
+# table shared by two features, mean pooling.
+TABLES = [
+    ("t0", 4, 10, ["a"], PoolingType.SUM),
+    ("t1", 8, 13, ["b", "c"], PoolingType.MEAN),
+    ("t2", 6, 7, ["d"], PoolingType.SUM),
+    ("t3", 5, 3, ["e"], PoolingType.MEAN),
+]
+ROWS = {f: n for _, _, n, fs, _ in TABLES for f in fs}
+FEATURES = ["a", "b", "c", "d", "e"]
+
+
+def configs() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=name, embedding_dim=dim, num_embeddings=rows, feature_names=list(fs), pooling=pool
+        )
+        for name, dim, rows, fs, pool in TABLES
+    ]
+
+
+def random_kjt(seed: int, batch_size: int, keys: list[str], weighted: bool) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(keys), batch_size), generator=g)
+    values = torch.cat(
+        [
+            torch.randint(0, ROWS.get(k, 5), (int(n),), generator=g)
+            for k, n in zip(keys, lengths.sum(1), strict=True)
+        ]
+    )
+    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths.reshape(-1), weights=weights)
+
+
+def rows_of(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:
+    size = kjt.stride()
+    return Batch(torch.zeros(size, 1), kjt, torch.zeros(size, 1)).slice(start, stop).sparse
+
+
+def make_plan(kinds: list[str], world: int) -> dict[str, P.TableSharding]:
+    plan = {}
+    for i, (name, dim, rows, _, _) in enumerate(TABLES):
+        kind = kinds[i % len(kinds)]
+        if kind == "tw":
+            plan[name] = P.table_wise(rows, dim, (i + 1) % world)
+        elif kind == "rw":
+            plan[name] = P.row_wise(rows, dim, world)
+        elif kind == "cw":
+            plan[name] = P.column_wise(rows, dim, [world - 1, 0])
+        else:
+            plan[name] = P.data_parallel(rows, dim, world)
+    return plan
+
+
+def assert_state_equal(sharded: ShardedEmbeddingBagCollection, reference, atol: float) -> None:
+    """Every shard this rank holds (and every replicated table) equals the reference's rows and
+    columns; the state_dict has the reference's keys and logical shapes."""
+    expected = reference.state_dict()
+    state = sharded.state_dict()
+    assert set(state) == set(expected)
+    for key, value in state.items():
+        if isinstance(value, ShardedTensor):
+            assert tuple(value.size()) == tuple(expected[key].shape), key
+            for shard in value.local_shards():
+                where = tuple(
+                    slice(o, o + n)
+                    for o, n in zip(
+                        shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True
+                    )
+                )
+                torch.testing.assert_close(
+                    shard.tensor, expected[key][where], atol=atol, rtol=0, msg=key
+                )
+        else:
+            torch.testing.assert_close(value, expected[key], atol=atol, rtol=0, msg=key)
+
+
+def train_and_compare(rank, world, kinds, make_optimizer, weighted, steps=3, batch=5):
+    torch.manual_seed(0)
+    unsharded = EmbeddingBagCollection(configs(), is_weighted=weighted, optimizer=make_optimizer())
+    reference = EmbeddingBagCollection(configs(), is_weighted=weighted, optimizer=make_optimizer())
+    reference.load_state_dict(unsharded.state_dict())
+    sharded = ShardedEmbeddingBagCollection(unsharded, make_plan(kinds, world))
+    fused = make_optimizer() is not None
+    torch_optimizers = []
+    if not fused:
+        torch_optimizers = [
+            torch.optim.SGD(sharded.parameters_for_optimizer(), lr=0.5),
+            torch.optim.SGD(reference.parameters(), lr=0.5),
+        ]
+    # Keys in another order than the tables', plus one the collection does not read.
+    keys = ["e", "zz", "d", "c", "b", "a"]
+    for step in range(steps):
+        full = random_kjt(100 * step + 1, batch * world, keys, weighted)
+        out = sharded(rows_of(full, rank * batch, (rank + 1) * batch))
+        expected = reference(full)
+        assert out.keys() == expected.keys()
+        mine = expected.values()[rank * batch : (rank + 1) * batch]
+        torch.testing.assert_close(out.values(), mine, atol=1e-6, rtol=1e-6)
+        grad = torch.randn(expected.values().shape, generator=torch.Generator().manual_seed(step))
+        # The mean over the global batch: each rank's own mean, averaged over ranks.
+        (out.values() * grad[rank * batch : (rank + 1) * batch]).sum().div(batch).backward()
+        (expected.values() * grad).sum().div(batch * world).backward()
+        for optimizer in torch_optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_state_equal(sharded, reference, atol=1e-6)
+
+
+def _sharding_cases(rank: int, world: int) -> None:
+    for kinds in (["tw"], ["rw"], ["cw"], ["dp"], ["tw", "rw", "cw", "dp"], ["rw", "dp", "tw"]):
+        train_and_compare(rank, world, kinds, lambda: Adagrad(lr=0.1), weighted=False)
+    no_columns = ["rw", "tw", "dp"]
+    train_and_compare(rank, world, no_columns, lambda: RowWiseAdagrad(lr=0.1), weighted=True)
+    train_and_compare(rank, world, ["cw", "rw"], lambda: Adam(lr=0.05), weighted=True)
+    train_and_compare(rank, world, ["tw", "cw", "rw"], lambda: SGD(lr=0.3), weighted=False)
+    # Dense gradients and a torch optimizer (replicated tables need DDP: see test_parallel).
+    train_and_compare(rank, world, ["tw", "cw", "rw"], lambda: None, weighted=False)
+
+
+def test_every_sharding_type_matches_one_process_on_two_ranks():
+    run_ranks(2, _sharding_cases)
+
+
+def _four_rank_cases(rank: int, world: int) -> None:
+    train_and_compare(rank, world, ["rw", "cw", "dp", "tw"], lambda: Adagrad(lr=0.1), False)
+    train_and_compare(rank, world, ["rw"], lambda: RowWiseAdagrad(lr=0.1), True, steps=2)
+
+
+def test_mixed_plan_matches_one_process_on_four_ranks():
+    run_ranks(4, _four_rank_cases)
+
+
+def _uneven_and_loading(rank: int, world: int) -> None:
+    torch.manual_seed(1)
+    unsharded = EmbeddingBagCollection(configs(), optimizer=Adagrad(lr=0.1))
+    sharded = ShardedEmbeddingBagCollection(unsharded, make_plan(["tw", "rw", "cw", "dp"], world))
+    # Ranks with different batch sizes, one of them empty.
+    sizes = [3, 0, 7, 1][:world]
+    full = random_kjt(7, sum(sizes), FEATURES, weighted=False)
+    start = sum(sizes[:rank])
+    with torch.no_grad():
+        out = sharded(rows_of(full, start, start + sizes[rank])).values()
+        expected = unsharded(full).values()[start : start + sizes[rank]]
+    assert out.shape == (sizes[rank], expected.shape[1])
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    # Loading the unsharded state into another sharding reproduces the collection.
+    fresh = ShardedEmbeddingBagCollection(
+        EmbeddingBagCollection(configs(), optimizer=Adagrad(lr=0.1)),
+        make_plan(["rw", "cw", "dp", "tw"], world),
+    )
+    missing, unexpected = fresh.load_state_dict(unsharded.state_dict())
+    assert not missing and not unexpected
+    assert_state_equal(fresh, unsharded, atol=0)
+    # Bad input names the problem on the sending rank.
+    bad = KeyedJaggedTensor(
+        keys=FEATURES,
+        values=torch.tensor([0, 0, 0, 0, 99]),
+        lengths=torch.ones(5, dtype=torch.int64),
+    )
+    with pytest.raises(ValueError, match="id 99 is out of range"):
+        sharded(bad)
+    with pytest.raises(ValueError, match="missing features"):
+        sharded(random_kjt(0, 2, ["a", "b"], weighted=False))
+
+
+def test_uneven_batches_bad_input_and_loading_another_plan():
+    run_ranks(2, _uneven_and_loading)
+
+
+@pytest.mark.parametrize(
+    ("precision", "bound"),
+    [("fp16", lambda x: x.abs() * 2**-11), ("bf16", lambda x: x.abs() * 2**-8)],
+)
+def test_cast_codecs_round_to_nearest(precision, bound):
+    x = torch.randn(64, 37) * 10
+    y = decode(encode(x, precision), precision)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert ((y - x).abs() <= bound(x)).all()
+
+
+def test_int8_codec_error_is_below_half_a_step_of_each_rows_scale():
+    x = torch.randn(64, 37) * torch.logspace(-3, 3, 64).unsqueeze(1)
+    x[5] = 0.0  # an all-zero row decodes to zeros
+    sent = encode(x, "int8")
+    assert sent.dtype == torch.int8 and sent.shape == (64, 41)
+    y = decode(sent, "int8")
+    step = x.abs().amax(dim=1, keepdim=True) / 127
+    assert ((y - x).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert (y[5] == 0).all()
+
+
+def _quantized(rank: int, world: int) -> None:
+    torch.manual_seed(2)
+    unsharded = EmbeddingBagCollection(configs(), optimizer=SGD(lr=0.5))
+    plan = make_plan(["tw", "cw", "dp"], world)
+    exact = ShardedEmbeddingBagCollection(unsharded, plan)
+    full = random_kjt(3, 8 * world, FEATURES, weighted=False)
+    mine = rows_of(full, 8 * rank, 8 * (rank + 1))
+    reference = exact(mine).values().detach()
+    scale = reference.abs().amax(dim=1, keepdim=True)  # >= every row's max of the sample
+    for precision, bound in [("fp16", 2**-11), ("bf16", 2**-8), ("int8", 1 / 254)]:
+        quantized = ShardedEmbeddingBagCollection(
+            unsharded, plan, forward_precision=precision, backward_precision=precision
+        )
+        out = quantized(mine)
+        err = (out.values() - reference).abs()
+        assert (err <= scale * bound * (1 + 1e-5) + 1e-7).all(), (precision, err.max())
+        assert err.max() > 0  # it really was quantized
+        sent = quantized.comm_stats.bytes["forward"]
+        assert sent < exact.comm_stats.bytes["forward"]
+        out.values().sum().backward()
+        assert quantized.comm_stats.bytes["backward"] > 0
+
+
+def test_quantized_comms_stay_within_their_error_bound():
+    run_ranks(2, _quantized)
+
+
+def test_plans_that_do_not_match_the_collection_are_rejected():
+    tables = configs()
+    with pytest.raises(ValueError, match="not a ROW_WISE placement"):
+        bad = P.TableSharding(
+            P.ShardingType.ROW_WISE, (P.Shard(0, 0, 5, 0, 4), P.Shard(1, 5, 5, 0, 4))
+        )
+        P.check_table_sharding(tables[0], bad, 3)
+    with pytest.raises(ValueError, match="distinct ranks"):
+        P.check_table_sharding(tables[0], P.column_wise(10, 4, [1, 1]), 2)
