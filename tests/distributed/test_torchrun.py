@@ -80,3 +80,55 @@ def test_two_rank_training(tmp_path):
     single = metrics.compute()
     assert single["auc"] == pytest.approx(test["auc"], abs=1e-6)
     assert single["logloss"] == pytest.approx(test["logloss"], abs=1e-6)
+
+
+def test_two_ranks_reach_the_auc_of_one_process_with_the_same_global_batch(tmp_path):
+    """The default recipe (sharded tables over 2 gloo ranks, batch 1024 each) against one
+    process with batch 2048; one pass over 1M samples each, so the test takes ~2 minutes."""
+    recipe = ["--config", "configs/dlrm_synthetic.toml"]
+    common = [
+        "--data.synthetic.num_train_samples=1000000",
+        "--train.eval_every_steps=0",
+        "--checkpoint.save_final=false",
+        "--run.device=cpu",
+        "--data.prefetch_batches=0",
+    ]
+    done = run_torchrun(
+        [
+            "--nproc-per-node=2",
+            "-m",
+            "recsys",
+            "train",
+            *recipe,
+            f"--run.dir={tmp_path / 'two'}",
+            "--train.batch_size=1024",
+            *common,
+        ],
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ROW_WISE" in done.stdout or "TABLE_WISE" in done.stdout  # the plan was printed
+    single = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recsys",
+            "train",
+            *recipe,
+            f"--run.dir={tmp_path / 'one'}",
+            *common,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="2"),
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    aucs = {}
+    for run in ("one", "two"):
+        (test,) = [
+            e for e in read_metrics(tmp_path / run / "metrics.jsonl") if e["split"] == "test"
+        ]
+        aucs[run] = test["auc"]
+        assert test["num_samples"] == 131072
+    assert aucs["two"] == pytest.approx(aucs["one"], abs=0.01), aucs
