@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from recsys.distributed.planner import ShardingPlan, check_plan, plan_sharding
+from recsys.distributed.plan import ShardingPlan, check_plan
+from recsys.distributed.planner import plan_sharding
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 

@@ -55,7 +55,7 @@ from recsys.distributed.comm import (
     pooled_all_to_all,
     source_to_slot_major,
 )
-from recsys.distributed.planner import (
+from recsys.distributed.plan import (
     Shard,
     ShardingType,
     TableSharding,

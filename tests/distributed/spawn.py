@@ -9,6 +9,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -19,10 +20,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out: str, body, args) -> None:
+def _entry(rank: int, world_size: int, port: int, out: str, backend: str, body, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         body(rank, world_size, *args)
     except BaseException:
@@ -32,14 +35,14 @@ def _entry(rank: int, world_size: int, port: int, out: str, body, args) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, body, *args) -> None:
-    """``body(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise AssertionError with
-    the failing ranks' tracebacks."""
+def run_ranks(world_size: int, body, *args, backend: str = "gloo") -> None:
+    """``body(rank, world_size, *args)`` on ``world_size`` ranks (gloo on CPU, or ``nccl`` with
+    rank r on cuda:r); raise AssertionError with the failing ranks' tracebacks."""
     with tempfile.TemporaryDirectory() as out:
         try:
             mp.spawn(
                 _entry,
-                args=(world_size, _free_port(), out, body, args),
+                args=(world_size, _free_port(), out, backend, body, args),
                 nprocs=world_size,
                 join=True,
             )

@@ -247,3 +247,26 @@ def test_plans_that_do_not_match_the_collection_are_rejected():
         P.check_table_sharding(tables[0], bad, 3)
     with pytest.raises(ValueError, match="distinct ranks"):
         P.check_table_sharding(tables[0], P.column_wise(10, 4, [1, 1]), 2)
+
+
+def _nccl(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    torch.manual_seed(3)
+    unsharded = EmbeddingBagCollection(configs(), device=device, optimizer=Adagrad(lr=0.1))
+    reference = EmbeddingBagCollection(configs(), device=device, optimizer=Adagrad(lr=0.1))
+    reference.load_state_dict(unsharded.state_dict())
+    sharded = ShardedEmbeddingBagCollection(unsharded, make_plan(["tw", "rw", "cw", "dp"], world))
+    for step in range(3):
+        full = random_kjt(step, 16 * world, FEATURES, weighted=False).to(device)
+        out = sharded(rows_of(full.to(torch.device("cpu")), 16 * rank, 16 * (rank + 1)).to(device))
+        expected = reference(full).values()
+        mine = expected[16 * rank : 16 * (rank + 1)]
+        torch.testing.assert_close(out.values(), mine, atol=1e-5, rtol=1e-5)
+        out.values().sum().div(16).backward()
+        expected.sum().div(16 * world).backward()
+    assert_state_equal(sharded, reference, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_nccl_path_on_the_gpus_there_are():
+    run_ranks(min(torch.cuda.device_count(), 2), _nccl, backend="nccl")
