@@ -290,6 +290,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     self.replicated.embedding_bags[c.name].weight.copy_(
                         copy_from.embedding_bags[c.name].weight
                     )
+        # Replicas start equal whatever each rank's RNG did (tables initialized from meta).
+        first = 0 if self._group is None else dist.get_global_rank(self._group, 0)
+        for table in self.replicated.embedding_bags.values():
+            dist.broadcast(table.weight.data, src=first, group=self._group)
         self._dp_touched: dict[str, torch.Tensor] = {}
         self.replicated_states = nn.ModuleDict()
         if self.optimizer is None:

@@ -173,6 +173,18 @@ def _uneven_and_loading(rank: int, world: int) -> None:
     missing, unexpected = fresh.load_state_dict(unsharded.state_dict())
     assert not missing and not unexpected
     assert_state_equal(fresh, unsharded, atol=0)
+    # From the meta device: shards initialized in place, replicas equal on every rank.
+    torch.manual_seed(rank)  # different RNG streams must not make replicas differ
+    meta = EmbeddingBagCollection(configs(), device="meta", optimizer=Adagrad(lr=0.1))
+    plan = make_plan(["tw", "rw", "cw", "dp"], world)
+    built = ShardedEmbeddingBagCollection(meta, plan, device=torch.device("cpu"))
+    replica = built.state_dict()["embedding_bags.t3.weight"].clone()  # t3 is DATA_PARALLEL
+    gathered = [torch.empty_like(replica) for _ in range(world)]
+    torch.distributed.all_gather(gathered, replica)
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+    bound = (1 / 13) ** 0.5  # t1 (13 rows, ROW_WISE): TorchRec's uniform(+-sqrt(1 / rows))
+    local_rows = built.shards.embedding_bags["t1"].weight
+    assert local_rows.abs().max() <= bound and local_rows.std() > 0
     # Bad input names the problem on the sending rank.
     bad = KeyedJaggedTensor(
         keys=FEATURES,
