@@ -295,6 +295,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for table in self.replicated.embedding_bags.values():
             dist.broadcast(table.weight.data, src=first, group=self._group)
         self._dp_touched: dict[str, torch.Tensor] = {}
+        self._dp_grads: dict[str, torch.Tensor] = {}
         self.replicated_states = nn.ModuleDict()
         if self.optimizer is None:
             return
@@ -502,30 +503,46 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._dp_touched[c.name] = touched.index_fill_(0, ids, True)
 
     def _replicated_update(self, table: str):
+        """The hook of one replicated table: keep its gradient; once every replicated table has
+        one (they come from one backward node, so back to back), average all of them over
+        ranks in ONE all-reduce, with the rows any rank touched, and update those rows."""
+
         def hook(weight: torch.Tensor) -> None:
-            grad, weight.grad = weight.grad, None
-            touched = self._dp_touched.pop(table)
-            packed = torch.cat([grad.reshape(-1).float(), touched.float()])
-            self.comm_stats.add("backward", packed)
-            dist.all_reduce(packed, group=self._group)  # sum over ranks
-            num = weight.numel()
-            grad = packed[:num].view_as(weight) / self.world_size
-            rows = (packed[num:] > 0).nonzero().squeeze(1)
-            step = self._pending_step
-            self.replicated_step.fill_(step)
-            holder = self.replicated_states[table]
-            state = {name: buffer[rows] for name, buffer in holder._buffers.items()}
-            with torch.no_grad():
-                new = self.optimizer.update(weight[rows].float(), grad[rows], state, step)
-                if self.optimizer.stochastic_rounding:
-                    generator = torch.Generator(device=weight.device)
-                    generator.manual_seed(rounding_seed(step))
-                    new = stochastic_round(new, weight.dtype, generator)
-                weight.index_copy_(0, rows, new.to(weight.dtype))
-                for name, buffer in holder._buffers.items():
-                    buffer.index_copy_(0, rows, state[name])
+            self._dp_grads[table] = weight.grad
+            weight.grad = None
+            if len(self._dp_grads) == len(self._dp_configs):
+                self._apply_replicated_updates()
 
         return hook
+
+    def _apply_replicated_updates(self) -> None:
+        names = [c.name for c in self._dp_configs]
+        grads = [self._dp_grads.pop(name) for name in names]
+        touched = [self._dp_touched.pop(name) for name in names]
+        packed = torch.cat([g.reshape(-1).float() for g in grads] + [t.float() for t in touched])
+        self.comm_stats.add("backward", packed)
+        dist.all_reduce(packed, group=self._group)  # sums over ranks
+        sizes = [g.numel() for g in grads] + [t.numel() for t in touched]
+        pieces = packed.split(sizes)
+        step = self._pending_step
+        self.replicated_step.fill_(step)
+        generator = None
+        if self.optimizer.stochastic_rounding:
+            generator = torch.Generator(device=packed.device)
+            generator.manual_seed(rounding_seed(step))
+        with torch.no_grad():
+            for t, name in enumerate(names):
+                weight = self.replicated.embedding_bags[name].weight
+                grad = pieces[t].view_as(weight) / self.world_size
+                rows = (pieces[len(names) + t] > 0).nonzero().squeeze(1)
+                holder = self.replicated_states[name]
+                state = {key: buffer[rows] for key, buffer in holder._buffers.items()}
+                new = self.optimizer.update(weight[rows].float(), grad[rows], state, step)
+                if generator is not None:
+                    new = stochastic_round(new, weight.dtype, generator)
+                weight.index_copy_(0, rows, new.to(weight.dtype))
+                for key, buffer in holder._buffers.items():
+                    buffer.index_copy_(0, rows, state[key])
 
     def parameters_for_optimizer(self) -> list[nn.Parameter]:
         """Table parameters a torch optimizer must train: none with a fused optimizer, else

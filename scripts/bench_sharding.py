@@ -1,0 +1,843 @@
+"""Benchmark the training step of recsys's sharded embedding collection on several ranks.
+
+The step time and the bytes each rank exchanges per step of ``ShardedEmbeddingBagCollection``,
+for each sharding type, with and without quantized communication, against the unsharded
+collection in one process and TorchRec's DistributedModelParallel.
+
+Collection (Criteo-shaped, from ``configs/dlrm_synthetic.toml``): 26 tables, one per
+categorical feature, with the recipe's cardinalities (times ``--rows-scale``), dim ``--dim``
+(64), sum pooling, the recipe's bags (22 one-hot features; the last four multi-hot, 0..m ids
+drawn uniformly, m = 3, 3, 4, 5), ids Zipf(1)-skewed with the hot rows scattered over each
+table (``_harness.zipf_ids``). Each of the W ranks (``--world-size``, 2) reads its own
+``--batch-size`` samples (2048; ``--quick``: 1024) of a global batch of W x B; four global
+batches are drawn up front and cycled. Every provider starts from the same fp32 tables (one
+seeded init) and trains them with per-element Adagrad (lr 0.05, eps 1e-10).
+
+Step: forward, backward of ``sum(pooled * upstream)`` for a fixed random upstream gradient
+(each rank's rows of one [W x B, 26 x D] tensor), the Adagrad update (fused into backward).
+
+Providers, on the same tables and batches:
+
+- ``recsys_sharded``: ``ShardedEmbeddingBagCollection`` over W ranks (``torch.multiprocessing``
+  processes with ``os.cpu_count() // W`` torch threads each; gloo on CPU, or ``--device cuda
+  --backend nccl`` with rank r on cuda:r), the fused Adagrad. Shardings (``--shardings``):
+  ``data_parallel`` (every table replicated: no pooled vectors travel, only the gradient
+  all-reduce, so it runs at fp32 only), ``table_wise`` (table t on rank t mod W), ``row_wise``
+  (every table over all ranks), ``column_wise`` (every table in W column pieces, one per rank)
+  and ``planner`` (``plan_sharding``'s choice for this batch, precision and Adagrad's state; the
+  mix is in the notes). Precisions (``--precisions``) ``fp32`` / ``fp16`` / ``bf16`` / ``int8``,
+  the same for the pooled vectors (forward) and their gradients (backward).
+- ``torchrec_dmp``: ``torchrec.EmbeddingBagCollection`` under ``DistributedModelParallel`` on
+  the same ranks with the same placements, built by ``torchrec.distributed.sharding_plan``
+  (``planner``: TorchRec's ``EmbeddingShardingPlanner`` chooses instead), Adagrad by
+  ``torchrec.optim.apply_optimizer_in_backward`` (the FUSED kernel: FBGEMM's EXACT_ADAGRAD);
+  data-parallel tables (DENSE kernel, which the in-backward optimizer does not reach) get DDP's
+  averaged gradient and ``torch.optim.Adagrad``. Quantized comms by ``QCommsConfig``. On CPU
+  TorchRec's sharder offers no ROW_WISE (CUDA only), so the row-wise plan is forced; on gloo
+  TorchRec sends bf16 as fp16 (its own fallback), so that case is skipped. A case that raises
+  is reported with its exception (printed and in ``notes``; no timing). No byte counts.
+- ``single_process``: the unsharded recsys ``EmbeddingBagCollection`` stepping the whole global
+  batch (W x B) in the parent process with all of its torch threads, in a phase of its own
+  before the ranks start (so it is not timed in alternation with them; its ``notes`` carry the
+  load average). What a user without sharding runs; ``vs single`` is its p50 over a provider's
+  p50 (> 1: the sharded step is faster).
+
+Checks: before timing, each provider's forward matches the unsharded collection on the same
+batch (tolerance by precision); after timing, its output has moved (the update ran, else the
+case is reported as failed), and a TorchRec fp32 provider's output is compared with recsys's
+fp32 one after the same steps (the relative difference is in ``notes``).
+
+Timing: within one sharding type, the providers (every precision, recsys and TorchRec) are
+built, warmed up (``--warmup``), then timed in alternation for ``--steps`` rounds. A timed step
+is ``barrier; step; barrier`` on every rank (after a CUDA synchronize), and its time is the
+slowest rank's. We report p20 / p50 / p80 over the steps; samples/s is the global batch over
+the p50. Bytes: the rank's ``comm_stats`` per timed step (``input``: counts, bag lengths and
+ids sent in the input dist; ``forward``: pooled vectors; ``backward``: their gradients and the
+data-parallel tables' gradient all-reduce), averaged over ranks; ``notes`` also give the
+busiest rank's total.
+
+Run: ``python scripts/bench_sharding.py [--quick | --full] [--world-size W] [--shardings ...]
+[--precisions ...] [--batch-size B] [--dim D] [--rows-scale X] [--steps N] [--no-torchrec]
+[--no-write]``; on GPUs add ``--device cuda`` (nccl). Rows go to
+``benchmarks/results/sharding.csv`` (see ``scripts/_harness.py``): one per provider, sharding
+and precision, with the bytes in ``notes`` as ``bytes/step/rank input=... forward=...
+backward=... total=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import gc
+import itertools
+import json
+import logging
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+import tomllib
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _harness import (
+    REPO_ROOT,
+    Row,
+    Timing,
+    add_common_args,
+    environment,
+    format_table,
+    is_quick,
+    load_note,
+    resolve_device,
+    time_fn,
+    write_rows,
+    zipf_ids,
+)
+
+from recsys import EmbeddingBagConfig, KeyedJaggedTensor  # recsys quiets torchrec's import
+from recsys.distributed.comm import CommStats
+from recsys.distributed.plan import (
+    ShardingType,
+    TableSharding,
+    column_wise,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from recsys.distributed.planner import plan_sharding
+from recsys.distributed.sharded import ShardedEmbeddingBagCollection
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.optim import Adagrad
+
+TOPIC = "sharding"
+OP = "sharded_ebc_step"
+PASS = "fwd_bwd_adagrad"
+RECIPE = REPO_ROOT / "configs" / "dlrm_synthetic.toml"
+SHARDINGS = ("data_parallel", "table_wise", "row_wise", "column_wise", "planner")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+COMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}  # per value, for plan_sharding
+RECSYS, TORCHREC, SINGLE = "recsys_sharded", "torchrec_dmp", "single_process"
+# Largest forward difference from the unsharded collection before training, relative to the
+# sample's largest |pooled| value (int8: per-row codecs, recsys' symmetric, TorchRec's with a
+# bias).
+CHECK_TOLERANCE = {"fp32": 1e-5, "fp16": 1e-3, "bf16": 8e-3, "int8": 1e-2}
+# After warmup + timed steps the output must have moved by more than this (same measure).
+MIN_TRAINED = 0.1
+LR, EPS = 0.05, 1e-10
+NUM_BATCHES = 4
+
+Batch = list[tuple[torch.Tensor, torch.Tensor]]  # per feature: bag lengths [W*B], ids [L_f]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything the ranks need to rebuild the same tables, batches and cases."""
+
+    cardinalities: tuple[int, ...]
+    bag_sizes: tuple[int, ...]
+    dim: int
+    batch_size: int  # per rank
+    world_size: int
+    backend: str
+    device_type: str
+    shardings: tuple[str, ...]
+    precisions: tuple[str, ...]
+    torchrec: bool
+    warmup: int
+    steps: int
+    seed: int
+
+    @property
+    def threads_per_rank(self) -> int:
+        return max(1, (os.cpu_count() or 1) // self.world_size)
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.batch_size
+
+    def config(self, sharding: str) -> str:
+        """The CSV ``config`` column of a sharded provider (``sharding="none"``: one process)."""
+        bags = [str(m) if m == 1 else f"0..{m}" for m in self.bag_sizes]
+        bags = [f"{bag}x{len(list(group))}" for bag, group in itertools.groupby(bags)]
+        if sharding == "none":
+            where = f"batch={self.global_batch} processes=1"
+        else:
+            where = (
+                f"batch={self.batch_size}/rank world={self.world_size} backend={self.backend} "
+                f"threads/rank={self.threads_per_rank}"
+            )
+        return (
+            f"sharding={sharding} tables={len(self.cardinalities)} "
+            f"rows={min(self.cardinalities)}..{max(self.cardinalities)} "
+            f"(total {sum(self.cardinalities)}) dim={self.dim} pooling=sum "
+            f"bags={','.join(bags)} ids=zipf1 {where} optim=adagrad(lr={LR})"
+        )
+
+
+def table_configs(setup: Setup) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=setup.dim, num_embeddings=rows, feature_names=[f"f{i}"]
+        )
+        for i, rows in enumerate(setup.cardinalities)
+    ]
+
+
+def make_batch(setup: Setup, generator: torch.Generator) -> Batch:
+    """One global batch of W x B samples."""
+    n = setup.global_batch
+    features = []
+    for rows, m in zip(setup.cardinalities, setup.bag_sizes, strict=True):
+        if m == 1:
+            lengths = torch.ones(n, dtype=torch.int64)
+        else:
+            lengths = torch.randint(0, m + 1, (n,), generator=generator)
+        features.append((lengths, zipf_ids(int(lengths.sum()), rows, generator)))
+    return features
+
+
+def kjt_rows(batch: Batch, start: int, stop: int) -> KeyedJaggedTensor:
+    """Samples [start, stop) of a global batch, features f0, f1, ..."""
+    lengths, values = [], []
+    for feature_lengths, ids in batch:
+        first = int(feature_lengths[:start].sum())
+        last = first + int(feature_lengths[start:stop].sum())
+        lengths.append(feature_lengths[start:stop])
+        values.append(ids[first:last])
+    return KeyedJaggedTensor(
+        keys=[f"f{i}" for i in range(len(batch))],
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
+    )
+
+
+def inputs(setup: Setup) -> tuple[list[Batch], torch.Tensor]:
+    """The global batches and the [W*B, F*D] upstream gradient, the same in every process."""
+    generator = torch.Generator().manual_seed(setup.seed)
+    batches = [make_batch(setup, generator) for _ in range(NUM_BATCHES)]
+    width = len(setup.cardinalities) * setup.dim
+    upstream = torch.randn(setup.global_batch, width, generator=generator)
+    return batches, upstream
+
+
+def unsharded_collection(setup: Setup) -> EmbeddingBagCollection:
+    """The tables every provider starts from, identical in every process (seeded init)."""
+    torch.manual_seed(setup.seed)
+    return EmbeddingBagCollection(table_configs(setup), optimizer=Adagrad(lr=LR, eps=EPS))
+
+
+def make_step(
+    forward: Callable[[KeyedJaggedTensor], torch.Tensor],
+    kjts: list[KeyedJaggedTensor],
+    upstream: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Callable[[], None]:
+    """Forward on the next batch, backward of sum(pooled * upstream) (the fused update runs in
+    it), then ``optimizer``'s step for tables with dense gradients, if any."""
+    counter = itertools.count()
+
+    def step() -> None:
+        pooled = forward(kjts[next(counter) % len(kjts)])  # [B, F*D]
+        (pooled * upstream).sum().backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def relative_difference(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest |out - expected|, relative to each sample's largest |expected| value."""
+    expected = expected.float().cpu()
+    scale = expected.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [B, 1]
+    return ((out.float().cpu() - expected).abs() / scale).max().item()
+
+
+def timing_of(samples_ms: list[float]) -> Timing:
+    """p20 / p50 / p80 with linear interpolation (numpy's default), as the harness."""
+    if len(samples_ms) == 1:
+        return Timing(samples_ms[0], samples_ms[0], samples_ms[0], repeats=1)
+    deciles = statistics.quantiles(samples_ms, n=10, method="inclusive")
+    return Timing(deciles[1], deciles[4], deciles[7], repeats=len(samples_ms))
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: message's first line (at file:line function < caller < its caller)``."""
+    text = (str(error).strip().splitlines() or [""])[0][:200]
+    frames = traceback.extract_tb(error.__traceback__)[-3:]
+    where = " < ".join(
+        f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in reversed(frames)
+    )
+    return f"{type(error).__name__}: {text} (at {where})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 1: the unsharded collection on the global batch, in this process
+
+
+def time_single_process(setup: Setup, device: torch.device) -> dict:
+    batches, upstream = inputs(setup)
+    ebc = unsharded_collection(setup).to(device)
+    kjts = [kjt_rows(batch, 0, setup.global_batch).to(device) for batch in batches]
+    step = make_step(lambda kjt: ebc(kjt).values(), kjts, upstream.to(device))
+    note = f"{load_note()}; unsharded EmbeddingBagCollection, {torch.get_num_threads()} threads"
+    timing = time_fn(
+        step,
+        device,
+        warmup=setup.warmup,
+        repeats=setup.steps,
+        min_time_s=0,
+        max_repeats=setup.steps,
+    )
+    return {"timing": dataclasses.asdict(timing), "note": note + "; no communication"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 2: the ranks
+
+
+@dataclasses.dataclass
+class Provider:
+    """One timed thing on this rank.
+
+    ``forward`` maps a KJT to [B, F*D] pooled vectors whose column j is column ``columns[j]``
+    of the unsharded collection's output (``columns`` None: the same order); ``comm_stats``
+    counts its bytes (recsys only)."""
+
+    forward: Callable[[KeyedJaggedTensor], torch.Tensor]
+    step: Callable[[], None]
+    columns: torch.Tensor | None = None
+    comm_stats: CommStats | None = None
+    note: str = ""
+
+    def ordered(self, unsharded_order: torch.Tensor) -> torch.Tensor:
+        """``unsharded_order``'s columns in this provider's order."""
+        return unsharded_order if self.columns is None else unsharded_order[:, self.columns]
+
+
+def hand_plan(
+    sharding: str, tables: list[EmbeddingBagConfig], world: int
+) -> dict[str, TableSharding]:
+    """Every table sharded the same way (table-wise: table t on rank t mod W)."""
+    ranks = list(range(world))
+    make = {
+        "data_parallel": lambda i, rows, dim: data_parallel(rows, dim, world),
+        "table_wise": lambda i, rows, dim: table_wise(rows, dim, i % world),
+        "row_wise": lambda i, rows, dim: row_wise(rows, dim, world),
+        "column_wise": lambda i, rows, dim: column_wise(rows, dim, ranks),
+    }[sharding]
+    return {t.name: make(i, t.num_embeddings, t.embedding_dim) for i, t in enumerate(tables)}
+
+
+def count_kinds(kinds: list[str]) -> str:
+    """``DATA_PARALLEL x20, TABLE_WISE x6``."""
+    return ", ".join(f"{kind} x{n}" for kind, n in sorted(collections.Counter(kinds).items()))
+
+
+def recsys_plan(
+    setup: Setup,
+    sharding: str,
+    precision: str,
+    tables: list[EmbeddingBagConfig],
+    batches: list[Batch],
+) -> tuple[dict[str, TableSharding], str]:
+    """The hand plan of ``sharding``, or plan_sharding's choice; and a note."""
+    if sharding == "data_parallel":
+        note = "replicated: no pooled vectors travel, so fp32 only"
+        return hand_plan(sharding, tables, setup.world_size), note
+    if sharding != "planner":
+        return hand_plan(sharding, tables, setup.world_size), ""
+    pooling = {
+        f"f{i}": torch.cat([batch[i][0] for batch in batches]).float().mean().item()
+        for i in range(len(tables))
+    }
+    plan = plan_sharding(
+        {"": tables},
+        setup.world_size,
+        optimizer_states=Adagrad.states,
+        batch_size=setup.batch_size,
+        pooling_factors=pooling,
+        forward_comm_bytes=COMM_BYTES[precision],
+        backward_comm_bytes=COMM_BYTES[precision],
+    )
+    kinds = [ShardingType(s.sharding_type).name for s in plan[""].values()]
+    return plan[""], f"plan_sharding: {count_kinds(kinds)}"
+
+
+def torchrec_dmp(
+    setup: Setup,
+    sharding: str,
+    precision: str,
+    unsharded: EmbeddingBagCollection,
+    device: torch.device,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer | None, str]:
+    """TorchRec's EmbeddingBagCollection under DMP holding the unsharded tables' values: the
+    model (KJT -> KeyedTensor), the torch optimizer of its DENSE tables (or None), a note."""
+    import torchrec
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed import sharding_plan as tp
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.fbgemm_qcomm_codec import (
+        CommType,
+        QCommsConfig,
+        get_qcomm_codecs_registry,
+    )
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim import apply_optimizer_in_backward
+
+    tables = unsharded.embedding_bag_configs()
+    world = setup.world_size
+    ebc = torchrec.EmbeddingBagCollection(tables, device=torch.device("meta"))
+    apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": LR, "eps": EPS})
+    comm = CommType(precision)
+    registry = get_qcomm_codecs_registry(QCommsConfig(comm, comm), device=device)
+    sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=registry)
+    notes = []
+    if sharding == "planner":
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world, compute_device=device.type),
+            batch_size=setup.batch_size,
+        )
+        plan = planner.collective_plan(ebc, [sharder], dist.GroupMember.WORLD)
+        notes.append("EmbeddingShardingPlanner")
+    else:
+        fused = EmbeddingComputeKernel.FUSED.value
+        make = {
+            "data_parallel": lambda i: tp.data_parallel(),
+            "table_wise": lambda i: tp.table_wise(rank=i % world, compute_kernel=fused),
+            "row_wise": lambda i: tp.row_wise(compute_kernel=fused),
+            "column_wise": lambda i: tp.column_wise(ranks=list(range(world)), compute_kernel=fused),
+        }[sharding]
+        module_plan = tp.construct_module_sharding_plan(
+            ebc,
+            {t.name: make(i) for i, t in enumerate(tables)},
+            sharder=sharder,
+            local_size=world,
+            world_size=world,
+            device_type=device.type,
+        )
+        plan = ShardingPlan({"": module_plan})
+        if sharding == "row_wise" and device.type == "cpu":
+            notes.append("ROW_WISE forced by the plan (TorchRec's sharder offers it on CUDA only)")
+    kinds = [
+        f"{p.sharding_type.upper()}/{p.compute_kernel.upper()}" for p in plan.plan[""].values()
+    ]
+    notes.append(count_kinds(kinds))
+    dmp = DistributedModelParallel(ebc, device=device, sharders=[sharder], plan=plan)
+    load_tables(dmp, unsharded)
+    # The in-backward optimizer reaches the FUSED tables only; the DENSE (data-parallel) ones
+    # get DDP's averaged gradient, for a torch optimizer.
+    dense = [
+        p
+        for p in dmp.parameters()
+        if p.requires_grad and not getattr(p, "_in_backward_optimizers", None)
+    ]
+    optimizer = None
+    if dense:
+        optimizer = torch.optim.Adagrad(dense, lr=LR, eps=EPS)
+        notes.append("torch.optim.Adagrad on the DENSE tables")
+    return dmp, optimizer, "; ".join(notes)
+
+
+def load_tables(dmp: torch.nn.Module, unsharded: EmbeddingBagCollection) -> None:
+    """Copy the unsharded tables into DMP's (the local shards of its state_dict are views)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    source = unsharded.state_dict()
+    with torch.no_grad():
+        for key, value in dmp.state_dict().items():
+            if not key.endswith(".weight"):
+                continue
+            full = source[key[key.index("embedding_bags.") :]]
+            if not isinstance(value, ShardedTensor):
+                value.copy_(full)
+                continue
+            for shard in value.local_shards():
+                offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                where = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+                shard.tensor.copy_(full[where])
+
+
+def output_columns(pooled, tables: list[EmbeddingBagConfig]) -> torch.Tensor:
+    """Column j of the KeyedTensor ``pooled`` is column ``index[j]`` of the unsharded output
+    (sharded TorchRec orders its output keys by sharding type and rank, not by table)."""
+    start, width = {}, {}
+    for t in tables:
+        for f in t.feature_names:
+            start[f] = sum(width.values())
+            width[f] = t.embedding_dim
+    index = []
+    for key, length in zip(pooled.keys(), pooled.length_per_key(), strict=True):
+        assert width[key] == length, (key, length, width[key])
+        index += range(start[key], start[key] + length)
+    return torch.tensor(index, dtype=torch.int64)
+
+
+def check_forward(
+    provider: Provider, kjt: KeyedJaggedTensor, expected: torch.Tensor, precision: str
+) -> None:
+    with torch.no_grad():
+        difference = relative_difference(provider.forward(kjt), provider.ordered(expected))
+    if difference > CHECK_TOLERANCE[precision]:
+        raise AssertionError(
+            f"{precision}: the forward differs from the unsharded collection by {difference:.2e} "
+            f"of a sample's largest value (tolerance {CHECK_TOLERANCE[precision]:.0e})"
+        )
+
+
+def build_group(
+    setup: Setup,
+    sharding: str,
+    unsharded: EmbeddingBagCollection,
+    batches: list[Batch],
+    kjts: list[KeyedJaggedTensor],
+    upstream: torch.Tensor,
+    expected: torch.Tensor,
+    device: torch.device,
+) -> tuple[dict[tuple[str, str], Provider], dict[tuple[str, str], str]]:
+    """The providers of one sharding type on this rank, their forward checked; and the
+    (provider, precision) pairs that did not build, with the reason (the same on every rank)."""
+    tables = unsharded.embedding_bag_configs()
+    precisions = ("fp32",) if sharding == "data_parallel" else setup.precisions
+    providers: dict[tuple[str, str], Provider] = {}
+    failed: dict[tuple[str, str], str] = {}
+    for precision in precisions:
+        plan, note = recsys_plan(setup, sharding, precision, tables, batches)
+        sharded = ShardedEmbeddingBagCollection(
+            unsharded,
+            plan,
+            forward_precision=precision,
+            backward_precision=precision,
+            device=device,
+        )
+        forward = lambda kjt, sharded=sharded: sharded(kjt).values()  # noqa: E731
+        step = make_step(forward, kjts, upstream)
+        provider = Provider(forward, step, comm_stats=sharded.comm_stats, note=note)
+        check_forward(provider, kjts[0], expected, precision)
+        providers[(RECSYS, precision)] = provider
+    for precision in precisions if setup.torchrec else ():
+        if precision == "bf16" and device.type == "cpu":
+            failed[(TORCHREC, precision)] = (
+                "skipped: on gloo TorchRec sends bf16 as fp16 (its own fallback)"
+            )
+            continue
+        provider, error = None, None
+        try:
+            dmp, optimizer, note = torchrec_dmp(setup, sharding, precision, unsharded, device)
+            forward = lambda kjt, dmp=dmp: dmp(kjt).values()  # noqa: E731
+            with torch.no_grad():
+                columns = output_columns(dmp(kjts[0]), tables)
+            # The same upstream gradient, in TorchRec's column order.
+            step = make_step(forward, kjts, upstream[:, columns.to(device)], optimizer)
+            provider = Provider(forward, step, columns=columns, note=note)
+            check_forward(provider, kjts[0], expected, precision)
+        except Exception as e:  # any TorchRec failure is reported instead of timed
+            error = describe_error(e)
+            if dist.get_rank() == 0:
+                traceback.print_exc()
+        errors = [None] * setup.world_size
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+        if error:
+            failed[(TORCHREC, precision)] = error
+        else:
+            providers[(TORCHREC, precision)] = provider
+    return providers, failed
+
+
+def time_group(
+    providers: dict[tuple[str, str], Provider], setup: Setup, device: torch.device
+) -> dict[tuple[str, str], list[float]]:
+    """Each timed step's slowest-rank time in ms, per provider; providers in alternation."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+
+    for _ in range(setup.warmup):
+        for provider in providers.values():
+            provider.step()
+    for provider in providers.values():
+        if provider.comm_stats is not None:
+            provider.comm_stats.reset()
+    times = torch.zeros(len(providers), setup.steps, dtype=torch.float64)
+    for s in range(setup.steps):
+        for p, provider in enumerate(providers.values()):
+            sync()
+            start = time.perf_counter()
+            provider.step()
+            sync()
+            times[p, s] = (time.perf_counter() - start) * 1e3
+    times = times.to(device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return {key: times[p].tolist() for p, key in enumerate(providers)}
+
+
+def summarize_group(
+    setup: Setup,
+    sharding: str,
+    providers: dict[tuple[str, str], Provider],
+    times: dict[tuple[str, str], list[float]],
+    kjt: KeyedJaggedTensor,
+    expected: torch.Tensor,
+) -> list[dict]:
+    """One result per provider: timing, bytes per step (mean over ranks) and the checks after
+    training (did the output move; TorchRec fp32 against recsys fp32)."""
+    counted_bytes = {
+        key: {k: v / setup.steps for k, v in p.comm_stats.bytes.items()}
+        for key, p in providers.items()
+        if p.comm_stats is not None
+    }  # before the forward below adds to them
+    with torch.no_grad():
+        trained = {key: p.forward(kjt).float().cpu() for key, p in providers.items()}
+    recsys_fp32 = trained.get((RECSYS, "fp32"))
+    results = []
+    for key, provider in providers.items():
+        counted = counted_bytes.get(key)
+        moved = relative_difference(trained[key], provider.ordered(expected))
+        agreement = None
+        if key[0] != RECSYS and key[1] == "fp32" and recsys_fp32 is not None:
+            agreement = relative_difference(trained[key], provider.ordered(recsys_fp32))
+        per_rank = [None] * setup.world_size
+        dist.all_gather_object(per_rank, (counted, moved, agreement))
+        result = {"provider": key[0], "sharding": sharding, "precision": key[1]}
+        notes = [provider.note]
+        moved = min(m for _, m, _ in per_rank)
+        if moved < MIN_TRAINED:
+            result["error"] = (
+                f"the output moved only {moved:.1e} (relative) in {setup.warmup + setup.steps} "
+                "steps: the tables were not trained, so the step is not a training step"
+            )
+        else:
+            result["timing"] = dataclasses.asdict(timing_of(times[key]))
+        if agreement is not None:
+            agreement = max(a for _, _, a in per_rank)
+            notes.append(f"after training {agreement:.1e} from {RECSYS} fp32")
+        if counted is not None:
+            result["bytes"] = {
+                k: sum(c[k] for c, _, _ in per_rank) / len(per_rank) for k in counted
+            }
+            result["busiest_rank_bytes"] = max(sum(c.values()) for c, _, _ in per_rank)
+        result["note"] = "; ".join(n for n in notes if n)
+        results.append(result)
+    return results
+
+
+def run_rank(rank: int, setup: Setup, device: torch.device) -> list[dict]:
+    batches, upstream = inputs(setup)
+    mine = slice(rank * setup.batch_size, (rank + 1) * setup.batch_size)
+    kjts = [kjt_rows(batch, mine.start, mine.stop).to(device) for batch in batches]
+    upstream = upstream[mine].to(device)
+    unsharded = unsharded_collection(setup)
+    with torch.no_grad():
+        expected = unsharded(kjt_rows(batches[0], 0, setup.global_batch)).values()[mine]
+    results = []
+    for sharding in setup.shardings:
+        if rank == 0:
+            print(f"running {sharding}", flush=True)
+        providers, failed = build_group(
+            setup, sharding, unsharded, batches, kjts, upstream, expected, device
+        )
+        times = time_group(providers, setup, device)
+        results += summarize_group(setup, sharding, providers, times, kjts[0], expected)
+        for (name, precision), error in failed.items():
+            results.append(
+                {"provider": name, "sharding": sharding, "precision": precision, "error": error}
+            )
+            if rank == 0:
+                print(f"  {name} {precision}: {error}", flush=True)
+        del providers
+        gc.collect()
+    order = {
+        **{s: i for i, s in enumerate(SHARDINGS)},
+        **{p: i for i, p in enumerate(PRECISIONS)},
+    }
+    return sorted(
+        results, key=lambda r: (order[r["sharding"]], r["provider"], order[r["precision"]])
+    )
+
+
+def rank_main(rank: int, setup: Setup, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # TorchRec's planner and DMP log and warn about their own defaults on every build, and
+    # FBGEMM's dense (data-parallel) lookup has no registered autograd kernel; its gradients
+    # are right (the data_parallel rows compare TorchRec with recsys after training).
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"torchrec\..*|torch\.distributed\..*|fbgemm_gpu.*")
+    warnings.filterwarnings("ignore", message=r"fbgemm::dense_embedding_codegen_lookup_function")
+    torch.set_num_threads(setup.threads_per_rank)
+    device = torch.device("cpu")
+    if setup.device_type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        setup.backend,
+        rank=rank,
+        world_size=setup.world_size,
+        timeout=datetime.timedelta(minutes=5),
+    )
+    try:
+        results = run_rank(rank, setup, device)
+        if rank == 0:
+            Path(out, "results.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(setup: Setup) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(rank_main, args=(setup, port, out), nprocs=setup.world_size, join=True)
+        return json.loads(Path(out, "results.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def to_rows(setup: Setup, single: dict, results: list[dict], load: str) -> list[Row]:
+    samples = setup.global_batch
+    single_p50 = single["timing"]["p50_ms"]
+    rows = []
+    for r in [{"provider": SINGLE, "sharding": "none", "precision": "fp32", **single}, *results]:
+        notes = [r["note"]] if r.get("note") else []
+        if "error" in r:
+            nan = float("nan")
+            timing, throughput = Timing(nan, nan, nan, repeats=0), None
+            notes.append(r["error"])
+        else:
+            timing = Timing(**r["timing"])
+            throughput = samples / (timing.p50_ms * 1e-3)
+            if "bytes" in r:
+                counted = " ".join(f"{k}={v:.0f}" for k, v in r["bytes"].items())
+                total = sum(r["bytes"].values())
+                notes.append(
+                    f"bytes/step/rank {counted} total={total:.0f} "
+                    f"(busiest rank {r['busiest_rank_bytes']:.0f})"
+                )
+            if r["provider"] != SINGLE:
+                notes += [f"{single_p50 / timing.p50_ms:.2f}x {SINGLE}", load]
+        rows.append(
+            Row(
+                op=OP,
+                pass_=PASS,
+                provider=r["provider"],
+                config=setup.config(r["sharding"]),
+                dtype=r["precision"],
+                timing=timing,
+                throughput=throughput,
+                throughput_unit="samples/s" if throughput is not None else "",
+                notes="; ".join(notes),
+            )
+        )
+    return rows
+
+
+def print_rows(setup: Setup, single: dict, results: list[dict]) -> None:
+    """One line per result; the bytes in MB (1e6) per step per rank, mean over ranks."""
+    single_p50 = single["timing"]["p50_ms"]
+    header = ["sharding", "provider", "precision", "p50 ms", "p20-p80 ms", "samples/s"]
+    header += ["in MB", "fwd MB", "bwd MB", "total MB", "vs single", "notes"]
+    lines = []
+    for r in [{"provider": SINGLE, "sharding": "none", "precision": "fp32", **single}, *results]:
+        line = [r["sharding"], r["provider"], r["precision"]]
+        if "error" in r:
+            lines.append([*line, *["-"] * 8, r["error"]])
+            continue
+        t = r["timing"]
+        line += [f"{t['p50_ms']:.2f}", f"{t['p20_ms']:.2f}-{t['p80_ms']:.2f}"]
+        line.append(f"{setup.global_batch / t['p50_ms'] * 1e3:,.0f}")
+        if "bytes" in r:
+            mb = [r["bytes"][k] / 1e6 for k in ("input", "forward", "backward")]
+            line += [f"{x:.3f}" for x in (*mb, sum(mb))]
+        else:
+            line += ["-"] * 4
+        line += [f"{single_p50 / t['p50_ms']:.2f}x", r.get("note", "")]
+        lines.append(line)
+    print(f"\n{setup.config('<sharding>')}")
+    print(f"vs single: {SINGLE} p50 / p50 (> 1: the sharded step is faster)")
+    print(format_table(header, lines), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(parser)
+    parser.add_argument(
+        "--steps", dest="repeats", type=int, metavar="N", help="timed steps (= --repeats)"
+    )
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--backend", help="gloo (default on cpu) or nccl (default on cuda)")
+    parser.add_argument("--shardings", nargs="+", choices=SHARDINGS, default=list(SHARDINGS))
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    parser.add_argument("--batch-size", type=int, help="samples per rank (2048; quick: 1024)")
+    parser.add_argument("--dim", type=int, default=64, help="embedding dim (default 64)")
+    parser.add_argument(
+        "--rows-scale", type=float, default=1.0, help="factor on the recipe's cardinalities"
+    )
+    parser.add_argument("--no-torchrec", action="store_true", help="leave out torchrec_dmp")
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    quick = is_quick(args)
+    if args.world_size < 1 or args.dim < args.world_size or args.rows_scale <= 0:
+        raise SystemExit(
+            f"--world-size {args.world_size} must be >= 1, --dim {args.dim} >= --world-size, "
+            f"--rows-scale {args.rows_scale} > 0"
+        )
+    if device.type == "cuda" and args.world_size > torch.cuda.device_count():
+        raise SystemExit(
+            f"--world-size {args.world_size}: this machine has {torch.cuda.device_count()} "
+            "CUDA devices (rank r runs on cuda:r)"
+        )
+    recipe = tomllib.loads(RECIPE.read_text())["data"]["synthetic"]
+    setup = Setup(
+        cardinalities=tuple(
+            max(1, math.ceil(n * args.rows_scale)) for n in recipe["cardinalities"]
+        ),
+        bag_sizes=tuple(recipe["bag_sizes"]),
+        dim=args.dim,
+        batch_size=args.batch_size or (1024 if quick else 2048),
+        world_size=args.world_size,
+        backend=args.backend or ("nccl" if device.type == "cuda" else "gloo"),
+        device_type=device.type,
+        shardings=tuple(args.shardings),
+        precisions=tuple(args.precisions),
+        torchrec=not args.no_torchrec,
+        warmup=args.warmup if args.warmup is not None else (3 if quick else 5),
+        steps=args.repeats if args.repeats is not None else (30 if quick else 50),
+        seed=args.seed,
+    )
+    env = environment(device)
+    print(f"device: {env['device']}\nversions: {env['versions']}\ncommit: {env['commit']}")
+    started = time.perf_counter()
+    print(f"running {SINGLE} (batch {setup.global_batch})", flush=True)
+    single = time_single_process(setup, device)
+    results = run_ranks(setup)
+    load = load_note()
+    print_rows(setup, single, results)
+    print(f"\n{time.perf_counter() - started:.0f} s")
+    if args.no_write:
+        return
+    rows = to_rows(setup, single, results, load)
+    path = write_rows(TOPIC, rows, env, args.out_dir)
+    print(f"{len(rows)} rows appended to {path}")
+
+
+if __name__ == "__main__":
+    main()
