@@ -62,7 +62,7 @@ from recsys.distributed.plan import (
     check_table_sharding,
     row_block,
 )
-from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.collection import _DTYPE, EmbeddingBagCollection
 from recsys.ops.embedding_bag import stochastic_round, validate_inputs
 from recsys.ops.embedding_bag_layout import rounding_seed
 
@@ -131,6 +131,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         kind = {c.name: ShardingType(self.plan[c.name].sharding_type) for c in configs}
         self._dp_configs = [c for c in configs if kind[c.name] == ShardingType.DATA_PARALLEL]
+        self._dp_names = {c.name for c in self._dp_configs}
+        self._table_rows = [c.num_embeddings for c in configs]
+        self._table_pooling = [c.pooling.value.lower() for c in configs]
         # Every rank's (table, shard) pairs, in table order: rank d's local lookup.
         self._placements: list[list[tuple[EmbeddingBagConfig, Shard]]] = [
             [] for _ in range(self.world_size)
@@ -218,7 +221,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         zero = sum(self._widths)
         dp_col = zero + 1
         direct, rw_cols, rw_parts = [], [], []
-        rw_mean_features, rw_dims = [], []
+        rw_features, rw_is_mean, rw_dims = [], [], []
         out_col = 0
         for f, name in enumerate(self._features):
             config = self._configs[self._feature_table[f]]
@@ -232,7 +235,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 rw_cols += range(out_col, out_col + dim)
                 parts = [piece[(s.rank, name)] for s in sharding.shards]
                 rw_parts.append([range(p, p + dim) for p in parts])
-                rw_mean_features.append(f if config.pooling == PoolingType.MEAN else -1)
+                rw_features.append(f)
+                rw_is_mean.append(config.pooling == PoolingType.MEAN)
                 rw_dims.append(dim)
             else:
                 for shard in sharding.shards:
@@ -250,8 +254,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ]
         self._rw_index = torch.tensor(rw_index, dtype=torch.int64, device=device)
         self._rw_cols = torch.tensor(rw_cols, dtype=torch.int64, device=device)
-        self._rw_mean = [f for f in rw_mean_features if f >= 0]
-        self._rw_mean_slots = rw_mean_features
+        # Row-wise features (in output order) and which of them pool by mean.
+        self._rw_features = torch.tensor(rw_features, dtype=torch.int64, device=device)
+        self._rw_is_mean = torch.tensor(rw_is_mean, dtype=torch.bool, device=device)
+        self._any_rw_mean = any(rw_is_mean)
         self._rw_dims = torch.tensor(rw_dims, dtype=torch.int64, device=device)
 
     def _copy_shards(
@@ -342,12 +348,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 )
         if self.validate:
             validate_inputs(
-                [c.num_embeddings for c in self._configs],
+                self._table_rows,
                 values,
                 features.offsets(),
                 list(range(num_features)),
                 self._feature_table,
-                [c.pooling.value.lower() for c in self._configs],
+                self._table_pooling,
                 batch_size,
                 weights,
                 self._features,
@@ -481,12 +487,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if self._num_parts:
             rw = combined.index_select(1, self._rw_index)
             rw = rw.view(batch_size, self._num_parts, self._rw_cols.numel()).sum(dim=1)
-            if self._rw_mean:
-                scale = torch.ones(len(self._rw_mean_slots), batch_size, device=device)
-                for slot, f in enumerate(self._rw_mean_slots):
-                    if f >= 0:
-                        scale[slot] = 1.0 / lengths[f].clamp(min=1).float()
-                rw = rw * torch.repeat_interleave(scale.t(), self._rw_dims, dim=1)
+            if self._any_rw_mean:
+                bag_sizes = lengths.index_select(0, self._rw_features).clamp(min=1).float()
+                scale = torch.where(self._rw_is_mean.unsqueeze(1), 1.0 / bag_sizes, 1.0)
+                rw = rw * torch.repeat_interleave(scale.t(), self._rw_dims, dim=1)  # [B, D_rw]
             out = out.index_add(1, self._rw_cols, rw)
         return out
 
@@ -576,7 +580,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         out = {} if destination is None else destination
         for c in self._configs:
             base = f"{prefix}embedding_bags.{c.name}."
-            if c in self._dp_configs:
+            if c.name in self._dp_names:
                 table = self.replicated.embedding_bags[c.name]
                 out[base + "weight"] = table.weight if keep_vars else table.weight.detach()
                 if c.name in self.replicated_states:
@@ -630,8 +634,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 self.replicated_step.copy_(value)
             return
         _, table, name = key.split(".")
-        config = next(c for c in self._configs if c.name == table)
-        if config in self._dp_configs:
+        if table in self._dp_names:
             target = (
                 self.replicated.embedding_bags[table].weight
                 if name == "weight"
@@ -699,8 +702,6 @@ def _full(value) -> torch.Tensor:
 
 
 def _config_dtype(config: EmbeddingBagConfig) -> torch.dtype:
-    from recsys.embedding.collection import _DTYPE
-
     return _DTYPE[config.data_type]
 
 
