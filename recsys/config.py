@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import itertools
 import textwrap
@@ -249,14 +250,20 @@ class TrainConfig:
     state float per row)."""
     embedding_lr: float = 0.05
     """Learning rate of the embedding optimizer."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate multiplier after warmup, for both optimizers: constant 1, or decaying
+    linearly / along a half cosine from 1 to min_lr_ratio at the last step."""
+    warmup_steps: int = 0
+    """Steps over which the learning rates ramp up linearly from lr / warmup_steps to lr."""
+    min_lr_ratio: float = 0.0
+    """Multiplier reached at the last step by the linear and cosine schedules."""
     embedding_stochastic_rounding: bool = True
     """fp16 / bf16 tables: write fused updates back with stochastic rounding (else round to
     nearest, which drops updates smaller than half a unit in the last place)."""
     fused_embedding_update: bool = True
     """Apply the embedding optimizer inside backward, to the touched rows only, building no
-    table-sized gradient. Single process only for now: under torchrun the tables are
-    replicated and take dense gradients all-reduced by DDP and the torch optimizer of the
-    same name (rowwise_adagrad needs the fused update)."""
+    table-sized gradient (on sharded tables too). Off: tables take dense gradients and the
+    torch optimizer of the same name (rowwise_adagrad needs the fused update)."""
     log_every_steps: int = 100
     """Write a train event (loss, samples/s) every this many steps."""
     eval_every_steps: int = 0
@@ -295,6 +302,30 @@ class CheckpointConfig:
     """Keep the newest this many checkpoints; older ones are deleted (0: keep all)."""
     save_final: bool = True
     """Save a checkpoint when training ends."""
+    resume: str = ""
+    """Continue a run exactly where a checkpoint left it (model, optimizers, LR schedule, step,
+    data position, RNG): "latest" (the newest checkpoint of run.dir; a fresh start when there
+    is none, so an elastic job's first attempt and its restarts share one command), or a
+    checkpoint / run directory. Empty: start fresh."""
+    init_from: str = ""
+    """Fine-tune: start from a checkpoint's (or run directory's newest) model weights, with
+    fresh optimizers, step 0 and this config's learning rates. Ignored when resume finds a
+    checkpoint of this run."""
+    freeze: list[str] = field(default_factory=list)
+    """Modules that do not train: "embeddings" (every table), or module paths of the model such
+    as "dense_arch" (DLRM's bottom MLP) or "sparse_arch" (one embedding collection)."""
+    new_modules: list[str] = field(default_factory=list)
+    """init_from: module or parameter paths the checkpoint does not have and that start from
+    their fresh initialization, e.g. ["tower_arch.1"] for a task head added to an MMoE."""
+    grow: list[str] = field(default_factory=list)
+    """init_from: parameters whose first dimension grew since the checkpoint; its rows are
+    loaded and the new rows keep their fresh initialization. "embeddings" covers every table
+    (row counts grown with new ids); else paths such as "moe_arch.gates" (a task added to an
+    MMoE appends its gate rows)."""
+    strict: bool = True
+    """init_from: every model parameter must come from the checkpoint with the same shape, bar
+    new_modules and grow; anything else is an error listing the differences. false: load
+    what matches, keep the rest freshly initialized, and print what was skipped."""
 
 
 @dataclass
@@ -381,6 +412,17 @@ def _apply_table(obj: Any, table: dict[str, Any], prefix: str, source: str) -> N
             _apply_table(child, value, prefix=f"{key}.", source=source)
         else:
             _set_key(obj, name, value, source, prefix=prefix)
+
+
+def config_differences(old: Config, new: Config) -> list[str]:
+    """``"section.key: old -> new"`` for every key whose value differs between two configs."""
+    lines = []
+    for key in _all_keys(old):
+        path = key.split(".")
+        before, after = functools.reduce(getattr, path, old), functools.reduce(getattr, path, new)
+        if before != after:
+            lines.append(f"{key}: {_toml_value(before)} -> {_toml_value(after)}")
+    return lines
 
 
 def _set_key(root: Any, key: str, value: Any, source: str, prefix: str = "") -> None:

@@ -161,6 +161,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.replicated: EmbeddingBagCollection | None = None
         if self._dp_configs:
             self._build_replicated(module, copy_from, device)
+        if module.optimizer is None and not any(p.requires_grad for p in module.parameters()):
+            for parameter in self.parameters():  # frozen tables stay frozen once sharded
+                parameter.requires_grad_(False)
 
     # -----------------------------------------------------------------------------------------
     # Construction

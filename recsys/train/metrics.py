@@ -85,15 +85,25 @@ class MetricsLogger:
     """Appends one JSON object per event to ``<run dir>/metrics.jsonl`` (rank 0 only).
 
     Every event carries ``split``, ``step`` and ``time`` (seconds since the logger started).
+
+    Args:
+        path: the file.
+        enabled: write (rank 0) or only build the events.
+        resume_step: a run resumed from the checkpoint of this step keeps the file's events up
+            to that step and drops later ones (logged by the attempt that crashed, and about to
+            be redone), so the file reads as one uninterrupted run. None: start a new file.
     """
 
-    def __init__(self, path: Path, enabled: bool = True) -> None:
+    def __init__(self, path: Path, enabled: bool = True, resume_step: int | None = None) -> None:
         self.path = path
         self.enabled = enabled
         self.start = time.perf_counter()
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("")
+            kept = []
+            if resume_step is not None and path.is_file():
+                kept = [e for e in read_metrics(path) if e["step"] <= resume_step]
+            path.write_text("".join(json.dumps(e) + "\n" for e in kept))
 
     def log(self, split: str, step: int, **values: Any) -> dict[str, Any]:
         event = {

@@ -12,20 +12,25 @@ Events go to ``<run dir>/metrics.jsonl``:
 from __future__ import annotations
 
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from recsys.config import CheckpointConfig, Config, TrainConfig, to_toml
+from recsys.config import CheckpointConfig, Config, TrainConfig, config_differences, to_toml
 from recsys.data import build_dataset, resolve_source
 from recsys.data.batch import Batch
 from recsys.data.loader import BatchLoader
@@ -41,8 +46,16 @@ from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import OPTIMIZERS as FUSED_OPTIMIZERS
 from recsys.models import build_model
-from recsys.train.checkpoint import save_checkpoint
+from recsys.train.checkpoint import (
+    checkpoint_shapes,
+    load_checkpoint,
+    read_config,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from recsys.train.finetune import freeze, init_from_checkpoint
 from recsys.train.metrics import BinaryMetrics, MetricsLogger
+from recsys.train.schedule import LRSchedule
 
 _OPTIMIZERS = {
     "adam": torch.optim.Adam,
@@ -80,12 +93,13 @@ def collections(model: nn.Module) -> list[nn.Module]:
 
 def configure_embedding_optimizer(config: TrainConfig, model: nn.Module) -> None:
     """With ``train.fused_embedding_update``, fuse the embedding optimizer into the backward of
-    every (unsharded) EmbeddingBagCollection; call it before :func:`parallelize`, which hands
-    the optimizer to the shards. Otherwise check a torch optimizer of that name exists."""
+    every (unsharded) EmbeddingBagCollection that is not frozen; call it before
+    :func:`parallelize`, which hands the optimizer to the shards. Otherwise check a torch
+    optimizer of that name exists."""
     if config.fused_embedding_update:
         fused = FUSED_OPTIMIZERS[config.embedding_optimizer]
         for collection in collections(model):
-            if isinstance(collection, EmbeddingBagCollection):
+            if isinstance(collection, EmbeddingBagCollection) and not _frozen(collection):
                 collection.set_optimizer(
                     fused(
                         lr=config.embedding_lr,
@@ -169,20 +183,51 @@ class _Run:
         self.device = device
         self.info = info
         self.run_dir = Path(config.run.dir)
+        ckpt = config.checkpoint
+        # Resolved before anything is written: every rank must find the same checkpoint.
+        resume = resolve_checkpoint(ckpt.resume, self.run_dir) if ckpt.resume else None
+        _barrier()
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(to_toml(config))
-        self.logger = MetricsLogger(self.run_dir / "metrics.jsonl", enabled=info.is_main)
         torch.manual_seed(config.run.seed)
         self.dataset = build_dataset(config.data, config.run.seed)
         model = build_model(config.model, self.dataset.spec, device)
+        if ckpt.init_from and resume is None:
+            self._print(init_from_checkpoint(model, resolve_checkpoint(ckpt.init_from), ckpt))
         configure_embedding_optimizer(config.train, model)
+        if ckpt.freeze:
+            self._print(f"frozen: {', '.join(freeze(model, ckpt.freeze))}")
         self.model = self._parallelize(model)
         self.optimizers = build_optimizers(config.train, self.model)
         self.task_weights = task_loss_weights(config.train, self.dataset.spec.num_tasks, device)
+        self.steps_per_epoch = len(self._loader("train", epoch=0))
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"train.batch_size = {config.train.batch_size} x {info.world_size} rank(s) "
+                f"is larger than the train split"
+            )
+        self.total_steps = self.steps_per_epoch * config.train.epochs
+        if config.train.max_steps > 0:
+            self.total_steps = min(self.total_steps, config.train.max_steps)
+        self.schedule = LRSchedule(
+            config.train,
+            self.total_steps,
+            list(self.optimizers.values()),
+            [c.optimizer for c in collections(self.model) if c.optimizer is not None],
+        )
         self.step = 0
         self.data_position = {"epoch": 0, "batch": 0}  # batches of that epoch already trained on
         self.last_checkpoint: Path | None = None
+        if resume is not None:
+            self._restore(resume)
+        self.logger = MetricsLogger(
+            self.run_dir / "metrics.jsonl",
+            enabled=info.is_main,
+            resume_step=self.step if resume is not None else None,
+        )
+        if resume is not None:
+            self.logger.log("resume", self.step, checkpoint=str(resume))
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         """Shard the tables and DDP the rest when there are several ranks (see
@@ -208,15 +253,7 @@ class _Run:
 
     def fit(self) -> TrainResult:
         cfg, train_cfg = self.config, self.config.train
-        steps_per_epoch = len(self._loader("train", epoch=0))
-        if steps_per_epoch == 0:
-            raise ValueError(
-                f"train.batch_size = {train_cfg.batch_size} x {self.info.world_size} rank(s) "
-                f"is larger than the train split"
-            )
-        total_steps = steps_per_epoch * train_cfg.epochs
-        if train_cfg.max_steps > 0:
-            total_steps = min(total_steps, train_cfg.max_steps)
+        total_steps = self.total_steps
         self._print(
             f"recsys: training {cfg.model.name} on {resolve_source(cfg.data)} data for "
             f"{total_steps} steps "
@@ -225,15 +262,19 @@ class _Run:
         )
         progress = tqdm(
             total=total_steps,
+            initial=self.step,
             disable=not (self.info.is_main and train_cfg.progress_bar and sys.stderr.isatty()),
             dynamic_ncols=True,
         )
         window = _Window(self.device)
         self.model.train()
-        for epoch in range(train_cfg.epochs):
-            for index, batch in enumerate(self._loader("train", epoch=epoch)):
+        first_epoch, first_batch = self.data_position["epoch"], self.data_position["batch"]
+        for epoch in range(first_epoch, train_cfg.epochs):
+            start = first_batch if epoch == first_epoch else 0
+            for index, batch in enumerate(self._loader("train", epoch, start), start=start):
                 if self.step == total_steps:
                     break
+                self.schedule.apply(self.step)  # before forward: fused updates run in backward
                 window.add(self._train_step(batch))
                 self.step += 1
                 self.data_position = {"epoch": epoch, "batch": index + 1}
@@ -267,7 +308,7 @@ class _Run:
         self._print(_summary_line(cfg.run.name, result))
         return result
 
-    def _loader(self, split: str, epoch: int = 0) -> BatchLoader:
+    def _loader(self, split: str, epoch: int = 0, start_batch: int = 0) -> BatchLoader:
         training = split == "train"
         return BatchLoader(
             self.dataset,
@@ -282,6 +323,7 @@ class _Run:
             prefetch=self._prefetch(),
             device=self.device,
             shuffle_buffer_chunks=self.config.data.shuffle_buffer_chunks,
+            start_batch=start_batch,
         )
 
     def _prefetch(self) -> int:
@@ -347,26 +389,79 @@ class _Run:
         return config.every_steps > 0 and self.step % config.every_steps == 0
 
     def save(self) -> Path:
-        """Checkpoint the model, both optimizers, the step and the data position (epoch, batches
-        done: ``BatchLoader(..., epoch=e, start_batch=b)`` continues from it) under
-        <run dir>/checkpoints."""
-        # The model's own state_dict: sharded tables appear as ShardedTensors of their full
-        # shape, so the checkpoint does not depend on the plan.
-        model_state = _unwrap(self.model).state_dict()
-        optimizer_state = get_optimizer_state_dict(self.model, list(self.optimizers.values()))
-        state = {
-            "model": model_state,
-            "optimizers": optimizer_state,
-            "step": self.step,
-            "data": dict(self.data_position),
-            "config": to_toml(self.config),
-        }
+        """Checkpoint everything a resumed run needs to continue exactly (see
+        :meth:`_training_state`) under <run dir>/checkpoints."""
         path = save_checkpoint(
-            self.run_dir / "checkpoints", self.step, state, keep=self.config.checkpoint.keep
+            self.run_dir / "checkpoints",
+            self.step,
+            self._training_state(),
+            keep=self.config.checkpoint.keep,
+            config=self.config,
+            spec=self.dataset.spec,
         )
         self._print(f"saved checkpoint {path}")
         self.last_checkpoint = path
         return path
+
+    def _training_state(self) -> dict[str, Any]:
+        """The model (sharded tables as ShardedTensors of their full shape, with their fused
+        optimizer states: the layout does not depend on the plan), the torch optimizers (by
+        parameter name), the LR schedule, the step, the data position (epoch, batches done:
+        ``BatchLoader(..., epoch=e, start_batch=b)`` continues from it) and this rank's RNG
+        states."""
+        optimizers = list(self.optimizers.values())
+        return {
+            "model": _unwrap(self.model).state_dict(),
+            "optimizers": get_optimizer_state_dict(self.model, optimizers) if optimizers else {},
+            "schedule": self.schedule.state_dict(),
+            "step": self.step,
+            "data": {
+                **self.data_position,
+                "batch_size": self.config.train.batch_size,
+                "world_size": self.info.world_size,
+            },
+            "rng": {f"rank_{self.info.rank}": _rng_state(self.device)},
+            "config": to_toml(self.config),
+        }
+
+    def _restore(self, path: Path) -> None:
+        """Resume from checkpoint ``path``: what :meth:`_training_state` saved, read back into
+        this run's model, optimizers and plan (any world size and sharding)."""
+        state = self._training_state()
+        rng_key = f"rank_{self.info.rank}"
+        if not any(k.startswith(f"rng.{rng_key}.") for k in checkpoint_shapes(path)):
+            del state["rng"]  # a rank the saving run did not have: keeps its seeded RNG
+        load_checkpoint(path, state)
+        _unwrap(self.model).load_state_dict(state["model"])
+        if self.optimizers:
+            set_optimizer_state_dict(
+                self.model, list(self.optimizers.values()), state["optimizers"]
+            )
+        if "rng" in state:
+            _set_rng_state(state["rng"][rng_key], self.device)
+        self.step = state["step"]
+        self.data_position = self._data_position(state["data"])
+        self._print(f"resumed from {path} at step {self.step}")
+        differences = config_differences(read_config(path), self.config)
+        differences = [d for d in differences if not d.startswith("checkpoint.resume:")]
+        if differences:
+            self._print("config changed since the checkpoint: " + "; ".join(differences))
+
+    def _data_position(self, saved: dict[str, int]) -> dict[str, int]:
+        """Where this run continues in the data. Exact with the batch size and world size the
+        checkpoint was saved with; else the same number of samples into the epoch (the ranks'
+        shares of the data differ, so the samples are not exactly the rest of the epoch)."""
+        epoch, done = saved["epoch"], saved["batch"]
+        old = (saved["batch_size"], saved["world_size"])
+        new = (self.config.train.batch_size, self.info.world_size)
+        if old != new:
+            done = min(done * old[0] * old[1] // (new[0] * new[1]), self.steps_per_epoch)
+            self._print(
+                f"batch x ranks changed from {old[0]} x {old[1]} to {new[0]} x {new[1]}: "
+                f"continuing epoch {epoch} after {done} batches (same samples seen, not the "
+                "same order as an uninterrupted run)"
+            )
+        return {"epoch": epoch, "batch": done}
 
     def _print(self, message: str) -> None:
         if self.info.is_main:
@@ -403,6 +498,37 @@ class _Window:
         paused = time.perf_counter()
         work()
         self.start += time.perf_counter() - paused
+
+
+def _frozen(collection: nn.Module) -> bool:
+    """A collection that trains neither by a fused update nor by gradients."""
+    return getattr(collection, "optimizer", None) is None and not any(
+        p.requires_grad for p in collection.parameters()
+    )
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -119,7 +119,9 @@ def test_periodic_checkpoints_keep_the_newest(tmp_path):
     )
     result = train(config)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert names == ["step_00000018", "step_00000020"]  # 9 was pruned, no temp dirs left
+    # 9 was pruned, no temp dirs left, `latest` points at the newest
+    assert names == ["latest", "step_00000018", "step_00000020"]
+    assert (tmp_path / "checkpoints" / "latest").resolve().name == "step_00000020"
     assert result.checkpoint.name == "step_00000020"
 
 
