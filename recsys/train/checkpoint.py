@@ -162,7 +162,7 @@ def resolve_checkpoint(spec: str | Path, run_dir: str | Path | None = None) -> P
         run_dir: the run directory ``"latest"`` refers to.
 
     Returns:
-        The checkpoint directory; None for ``"latest"`` when the run has no checkpoint yet
+        The checkpoint directory (absolute, links resolved); None for ``"latest"`` when the run has no checkpoint yet
         (a fresh start, e.g. the first attempt of an elastic job).
 
     Raises:
@@ -171,13 +171,14 @@ def resolve_checkpoint(spec: str | Path, run_dir: str | Path | None = None) -> P
     if str(spec) == LATEST:
         if run_dir is None:
             raise ValueError("'latest' needs the run directory it refers to")
-        return latest_checkpoint(Path(run_dir) / "checkpoints")
+        found = latest_checkpoint(Path(run_dir) / "checkpoints")
+        return found.resolve() if found is not None else None
     path = Path(spec)
     if (path / ".metadata").is_file():
-        return path.resolve()
+        return path.resolve()  # a `latest` link is followed now, not when it may have moved
     for directory in (path / "checkpoints", path):
         if (found := latest_checkpoint(directory)) is not None:
-            return found
+            return found.resolve()
     raise FileNotFoundError(
         f"checkpoint not found: '{path}' is neither a checkpoint directory (step_<N>/ with a "
         "DCP .metadata file) nor a run or checkpoints directory holding one"

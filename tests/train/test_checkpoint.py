@@ -1,6 +1,11 @@
 import pytest
 import torch
+import torchrec
+from torch.distributed.checkpoint.api import CheckpointException
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.optim import Adam
 from recsys.train import checkpoint as ckpt
 
 
@@ -35,10 +40,97 @@ def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="killed"):
         ckpt.save_checkpoint(tmp_path, 2, state(2.0, 2))
     assert ckpt.latest_checkpoint(tmp_path) == good
-    assert ckpt.load_checkpoint(good, state(0.0, 0))["step"] == 1
+    assert (tmp_path / "latest").resolve() == good.resolve()
+    assert ckpt.resolve_checkpoint("latest", tmp_path.parent / "x") is None
+    assert ckpt.load_checkpoint(tmp_path / "latest", state(0.0, 0))["step"] == 1
+    monkeypatch.undo()
+    # the next save clears the half-written directory
+    ckpt.save_checkpoint(tmp_path, 3, state(3.0, 3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "step_00000001",
+        "step_00000003",
+    ]
+    assert (tmp_path / "latest").resolve().name == "step_00000003"
+
+
+def test_crash_while_writing_tensor_files(tmp_path, monkeypatch):
+    """A failure inside DCP's writer, after some bytes hit the disk."""
+    good = ckpt.save_checkpoint(tmp_path, 1, state(1.0, 1))
+    original = ckpt.dcp.FileSystemWriter.write_data
+
+    def write_then_fail(self, plan, planner):
+        original(self, plan, planner).wait()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.dcp.FileSystemWriter, "write_data", write_then_fail)
+    with pytest.raises(CheckpointException) as error:
+        ckpt.save_checkpoint(tmp_path, 2, state(2.0, 2))
+    assert "disk full" in repr(error.value.failures)
+    assert any(p.name.startswith(".tmp-step_00000002") for p in tmp_path.iterdir())
+    assert ckpt.list_checkpoints(tmp_path) == [good]
+    assert ckpt.resolve_checkpoint(tmp_path) == good.resolve()
+    assert torch.equal(
+        ckpt.load_checkpoint(tmp_path / "latest", state(0.0, 0))["model"]["w"],
+        torch.full((3, 2), 1.0),
+    )
+
+
+def test_resolve_checkpoint_accepts_checkpoint_checkpoints_and_run_directories(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path / "run" / "checkpoints", 4, state(1.0, 4))
+    run = tmp_path / "run"
+    for spec in [path, run, run / "checkpoints", run / "checkpoints" / "latest", str(run)]:
+        assert ckpt.resolve_checkpoint(spec) == path.resolve()
+    assert ckpt.resolve_checkpoint("latest", tmp_path / "run") == path.resolve()
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory"):
+        ckpt.resolve_checkpoint(tmp_path / "empty")
+
+
+def test_loading_keys_or_shapes_the_checkpoint_lacks_lists_them(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, 1, state(1.0, 1))
+    wanted = {"model": {"w": torch.zeros(4, 2), "v": torch.zeros(1)}, "step": 0}
+    with pytest.raises(ValueError) as error:
+        ckpt.load_checkpoint(path, wanted)
+    assert "not in the checkpoint (1): model.v" in str(error.value)
+    assert "shape differs: model.w: checkpoint [3, 2], here [4, 2]" in str(error.value)
 
 
 def test_missing_checkpoint(tmp_path):
     assert ckpt.latest_checkpoint(tmp_path / "none") is None
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):
         ckpt.load_checkpoint(tmp_path / "none", {})
+
+
+def table_configs() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name="users", embedding_dim=8, num_embeddings=37, feature_names=["u"]),
+        EmbeddingBagConfig(name="movies", embedding_dim=4, num_embeddings=5, feature_names=["i"]),
+    ]
+
+
+def test_torchrec_collection_checkpoint_loads_into_recsys_and_back(tmp_path):
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["u", "i"],
+        values=torch.tensor([3, 36, 0, 4, 4, 1, 2]),
+        lengths=torch.tensor([2, 0, 1, 1, 2, 1]),
+    )
+    theirs = torchrec.EmbeddingBagCollection(table_configs())
+    saved = ckpt.save_checkpoint(tmp_path / "a", 1, {"model": theirs.state_dict()})
+
+    # into a recsys collection training with a fused optimizer: its extra state is not read
+    ours = EmbeddingBagCollection(table_configs(), optimizer=Adam(lr=0.1))
+    wanted = {"model": {k: v for k, v in ours.state_dict().items() if k.endswith(".weight")}}
+    ours.load_state_dict(ckpt.load_checkpoint(saved, wanted)["model"], strict=False)
+    torch.testing.assert_close(ours(kjt).values(), theirs(kjt).values(), rtol=0, atol=1e-6)
+
+    ours(kjt).values().sum().backward()  # one fused Adam step changes the tables
+    back = ckpt.save_checkpoint(tmp_path / "b", 2, {"model": ours.state_dict()})
+    again = torchrec.EmbeddingBagCollection(table_configs())
+    state = ckpt.load_checkpoint(back, {"model": again.state_dict()})
+    again.load_state_dict(state["model"])
+    for key, value in again.state_dict().items():
+        assert torch.equal(value, ours.state_dict()[key]), key
+    assert not torch.equal(
+        again.state_dict()["embedding_bags.users.weight"],
+        theirs.state_dict()["embedding_bags.users.weight"],
+    )
