@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from recsys.config import Config, load_config, to_toml
@@ -117,9 +118,14 @@ def load_checkpoint(path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"checkpoint not found: '{path}' (no DCP .metadata in it)")
     _check_against(path, state)
+    # Flattened here, as the save did: DCP's own flattening differs on load when the state
+    # holds ShardedTensors (containers of plain values, e.g. param_groups, stay one key).
+    flat, mapping = flatten_state_dict(state)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed.*", category=UserWarning)
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(flat, checkpoint_id=path)
+    for key, value in flat.items():
+        set_element(state, mapping[key], value)  # plain values are replaced, not filled
     return state
 
 
@@ -162,8 +168,8 @@ def resolve_checkpoint(spec: str | Path, run_dir: str | Path | None = None) -> P
         run_dir: the run directory ``"latest"`` refers to.
 
     Returns:
-        The checkpoint directory (absolute, links resolved); None for ``"latest"`` when the run has no checkpoint yet
-        (a fresh start, e.g. the first attempt of an elastic job).
+        The checkpoint directory (absolute, links resolved); None for ``"latest"`` when the
+        run has no checkpoint yet (a fresh start, e.g. the first attempt of an elastic job).
 
     Raises:
         FileNotFoundError: a path that is not a checkpoint and holds none.

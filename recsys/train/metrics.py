@@ -37,12 +37,15 @@ class BinaryMetrics:
         self.auc = [BinaryAUROC().to(device) for _ in label_names]
         self.oracle = [BinaryAUROC().to(device) for _ in label_names] if with_oracle else []
         self.logloss = MeanMetric().to(device)
+        self.device = device
+        self.updated = False
 
     @torch.no_grad()
     def update(
         self, logits: torch.Tensor, labels: torch.Tensor, probability: torch.Tensor | None = None
     ) -> None:
         """logits, labels (and the oracle probability): [B, T]."""
+        self.updated = True
         losses = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")
         self.logloss.update(losses.flatten())
         targets = labels.long()
@@ -55,7 +58,12 @@ class BinaryMetrics:
 
     def compute(self) -> dict[str, Any]:
         """``auc`` (mean over tasks), ``logloss``, per-task ``auc_<task>`` when T > 1, and
-        ``oracle_auc`` when tracked."""
+        ``oracle_auc`` when tracked; over every rank's samples (collective when distributed)."""
+        if not self.updated:
+            # A rank without samples still joins the metrics' gathers (torchmetrics skips the
+            # sync of a metric never updated, and the other ranks would wait for it).
+            empty = torch.empty(0, len(self.label_names), device=self.device)
+            self.update(empty, empty, empty if self.oracle else None)
         with warnings.catch_warnings():
             # torchmetrics' cross-rank gather indexes with a list, which torch deprecates.
             warnings.filterwarnings("ignore", message="Using a non-tuple sequence")

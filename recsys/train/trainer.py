@@ -203,6 +203,13 @@ class _Run:
         self.task_weights = task_loss_weights(config.train, self.dataset.spec.num_tasks, device)
         self.steps_per_epoch = len(self._loader("train", epoch=0))
         if self.steps_per_epoch == 0:
+            num_chunks = self.dataset.num_chunks("train")
+            if num_chunks < info.world_size:
+                raise ValueError(
+                    f"the train split has {num_chunks} chunk(s) (row groups) for "
+                    f"{info.world_size} ranks, and each rank reads whole chunks: some rank "
+                    "would get no data; use fewer ranks or write the data in more chunks"
+                )
             raise ValueError(
                 f"train.batch_size = {config.train.batch_size} x {info.world_size} rank(s) "
                 f"is larger than the train split"
@@ -415,11 +422,10 @@ class _Run:
             "optimizers": get_optimizer_state_dict(self.model, optimizers) if optimizers else {},
             "schedule": self.schedule.state_dict(),
             "step": self.step,
-            "data": {
-                **self.data_position,
-                "batch_size": self.config.train.batch_size,
-                "world_size": self.info.world_size,
-            },
+            "data_epoch": self.data_position["epoch"],
+            "data_batch": self.data_position["batch"],
+            "batch_size": self.config.train.batch_size,
+            "world_size": self.info.world_size,
             "rng": {f"rank_{self.info.rank}": _rng_state(self.device)},
             "config": to_toml(self.config),
         }
@@ -440,18 +446,18 @@ class _Run:
         if "rng" in state:
             _set_rng_state(state["rng"][rng_key], self.device)
         self.step = state["step"]
-        self.data_position = self._data_position(state["data"])
+        self.data_position = self._data_position(state)
         self._print(f"resumed from {path} at step {self.step}")
         differences = config_differences(read_config(path), self.config)
         differences = [d for d in differences if not d.startswith("checkpoint.resume:")]
         if differences:
             self._print("config changed since the checkpoint: " + "; ".join(differences))
 
-    def _data_position(self, saved: dict[str, int]) -> dict[str, int]:
+    def _data_position(self, saved: dict[str, Any]) -> dict[str, int]:
         """Where this run continues in the data. Exact with the batch size and world size the
         checkpoint was saved with; else the same number of samples into the epoch (the ranks'
         shares of the data differ, so the samples are not exactly the rest of the epoch)."""
-        epoch, done = saved["epoch"], saved["batch"]
+        epoch, done = saved["data_epoch"], saved["data_batch"]
         old = (saved["batch_size"], saved["world_size"])
         new = (self.config.train.batch_size, self.info.world_size)
         if old != new:

@@ -1,0 +1,139 @@
+"""A checkpoint saved by 2 ranks under one sharding plan, read back by 1 process and by 4 ranks
+under another plan: same scores, every shard of every table and optimizer state equal to the
+saved logical tensor."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+from recsys.config import load_config
+from recsys.distributed.parallel import DistributedInfo
+from recsys.train.checkpoint import load_checkpoint, load_model
+from recsys.train.trainer import _Run, _unwrap
+from tests.distributed.spawn import run_ranks
+
+TINY = [
+    "--data.synthetic.cardinalities=[40,300,7,1000]",
+    "--data.synthetic.bag_sizes=[1,2,1,3]",
+    "--data.synthetic.num_train_samples=32768",  # 4 chunks: one per rank on 4 ranks
+    "--data.synthetic.num_valid_samples=512",
+    "--data.synthetic.num_test_samples=1024",
+    "--train.batch_size=256",
+    "--train.eval_batch_size=512",
+    "--train.progress_bar=false",
+    "--train.embedding_optimizer=rowwise_adagrad",
+    "--model.embedding_dim=8",
+    "--model.dense_arch_layer_sizes=[16,8]",
+    "--run.device=cpu",
+    "--data.prefetch_batches=0",
+    "--distributed.print_plan=false",
+]
+SAVE_PLAN = [
+    "t_cat_0=table_wise@1",
+    "t_cat_1=row_wise",
+    "t_cat_2=data_parallel",
+    "t_cat_3=table_wise@0",
+]
+LOAD_PLAN = [
+    "t_cat_0=row_wise",
+    "t_cat_1=table_wise@3",
+    "t_cat_2=table_wise@2",
+    "t_cat_3=row_wise",
+]
+
+
+def toml_list(items: list[str]) -> str:
+    return "[" + ",".join(f'"{item}"' for item in items) + "]"
+
+
+def scores(run: _Run) -> torch.Tensor:
+    """The model's logits on the first 100 test samples (the same batch on every rank)."""
+    batch = run.dataset.chunk("test", 0).slice(0, 100)
+    model = _unwrap(run.model)
+    model.eval()
+    with torch.no_grad():
+        return model(batch.dense, batch.sparse)
+
+
+def start(rank: int, world: int, args: list[str]) -> _Run:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
+    info = DistributedInfo(rank=rank, world_size=world, local_rank=0)
+    return _Run(load_config(None, args), torch.device("cpu"), info)
+
+
+def _save_on_two(rank: int, world: int, run_dir: str) -> None:
+    plan = f"--distributed.constraints={toml_list(SAVE_PLAN)}"
+    run = start(rank, world, [f"--run.dir={run_dir}", *TINY, plan, "--train.max_steps=6"])
+    assert run.fit().checkpoint.name == "step_00000006"
+    if rank == 0:
+        torch.save(scores(run), Path(run_dir) / "scores.pt")
+    else:
+        scores(run)  # a collective: every rank runs the forward
+
+
+def _resume_on_four(rank: int, world: int, run_dir: str, checkpoint: str) -> None:
+    plan = f"--distributed.constraints={toml_list(LOAD_PLAN)}"
+    args = [f"--run.dir={run_dir}", *TINY, plan, "--train.max_steps=8"]
+    run = start(rank, world, [*args, f"--checkpoint.resume={checkpoint}"])
+    assert run.step == 6
+    torch.testing.assert_close(
+        scores(run), torch.load(Path(checkpoint).parent.parent / "scores.pt")
+    )
+
+    # every local shard of every table and row-wise Adagrad state is its rows / columns of
+    # the logical tensor the 2-rank run saved
+    model_state = _unwrap(run.model).state_dict()
+    full = {
+        k: torch.empty(v.shape) if isinstance(v, ShardedTensor) else v.clone()
+        for k, v in model_state.items()
+    }
+    load_checkpoint(checkpoint, {"model": full})
+    num_shards = 0
+    for key, value in model_state.items():
+        if isinstance(value, ShardedTensor):
+            for shard in value.local_shards():
+                (r0, *c0), (rows, *cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                expected = full[key][r0 : r0 + rows]
+                if c0:
+                    expected = expected[:, c0[0] : c0[0] + cols[0]]
+                assert torch.equal(shard.tensor, expected), key
+                num_shards += 1
+        else:
+            assert torch.equal(value, full[key]), key
+    assert num_shards > 0
+    dense = run.optimizers["dense"]
+    live = get_optimizer_state_dict(run.model, [dense])
+    saved = load_checkpoint(
+        checkpoint, {"optimizers": get_optimizer_state_dict(run.model, [dense])}
+    )
+    for name, state in live["state"].items():
+        for field, value in state.items():
+            assert torch.equal(value, saved["optimizers"]["state"][name][field]), (name, field)
+    result = run.fit()  # and it trains on
+    assert result.steps == 8 and torch.isfinite(torch.tensor(result.test["logloss"]))
+
+
+def test_two_rank_checkpoint_loads_on_one_process_and_on_four_ranks_with_another_plan(tmp_path):
+    run_ranks(2, _save_on_two, str(tmp_path / "two"))
+    checkpoint = tmp_path / "two" / "checkpoints" / "step_00000006"
+    saved_scores = torch.load(tmp_path / "two" / "scores.pt")
+
+    one = load_model(checkpoint)
+    batch = one_batch(checkpoint)
+    with torch.no_grad():
+        torch.testing.assert_close(one(batch.dense, batch.sparse), saved_scores)
+
+    run_ranks(4, _resume_on_four, str(tmp_path / "four"), str(checkpoint))
+
+
+def one_batch(checkpoint: Path):
+    from recsys.data import build_dataset
+    from recsys.train.checkpoint import read_config
+
+    config = read_config(checkpoint)
+    return build_dataset(config.data, config.run.seed).chunk("test", 0).slice(0, 100)
