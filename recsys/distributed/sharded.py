@@ -31,6 +31,7 @@ likewise, and ``optimizer_step``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -600,6 +601,38 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 out[base + name] = self._sharded(c, state, per_row=kind == "row")
         if self.optimizer is not None:
             out[prefix + "optimizer_step"] = self._step()
+        return out
+
+    def logical_optimizer_state(
+        self, prefix: str, state: dict[str, dict[str, Any]]
+    ) -> dict[str, dict[str, Any]]:
+        """A torch optimizer's per-parameter state for this collection's tables (no fused
+        optimizer), re-keyed from the internal parameters (``<prefix>shards.embedding_bags.<t>
+        .weight``, ``<prefix>replicated...``) to the logical table (``<prefix>embedding_bags.<t>
+        .weight``). A state the shape of a shard becomes a ShardedTensor of the table's full
+        shape over its live tensor, so a checkpoint of it does not depend on the plan and
+        loading it in place updates the optimizer's own tensors. Scalars (``step``) are
+        shared by every shard. Tables this rank holds no shard of are left out."""
+        out = {}
+        for c in self._configs:
+            logical = f"{prefix}embedding_bags.{c.name}.weight"
+            if c.name in self._dp_names:
+                key = f"{prefix}replicated.embedding_bags.{c.name}.weight"
+                if key in state:
+                    out[logical] = state[key]
+                continue
+            local = state.get(f"{prefix}shards.embedding_bags.{c.name}.weight")
+            if local is None:
+                continue
+            shape = self.shards.embedding_bags[c.name].weight.shape
+            out[logical] = {
+                name: (
+                    self._sharded(c, value, per_row=False)
+                    if torch.is_tensor(value) and value.shape == shape
+                    else value
+                )
+                for name, value in local.items()
+            }
         return out
 
     def _load_from_state_dict(

@@ -416,10 +416,9 @@ class _Run:
         parameter name), the LR schedule, the step, the data position (epoch, batches done:
         ``BatchLoader(..., epoch=e, start_batch=b)`` continues from it) and this rank's RNG
         states."""
-        optimizers = list(self.optimizers.values())
         return {
             "model": _unwrap(self.model).state_dict(),
-            "optimizers": get_optimizer_state_dict(self.model, optimizers) if optimizers else {},
+            "optimizers": self._optimizer_states()[0],
             "schedule": self.schedule.state_dict(),
             "step": self.step,
             "data_epoch": self.data_position["epoch"],
@@ -430,6 +429,30 @@ class _Run:
             "config": to_toml(self.config),
         }
 
+    def _optimizer_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(what a checkpoint holds, each optimizer's own state dict). Both keyed by parameter
+        name; the torch embedding optimizer's (``train.fused_embedding_update = false``) in the
+        tables' logical layout, ShardedTensors over the live state of sharded tables, and
+        without its param_groups (their parameter names differ by rank and plan; the rates
+        come from the config)."""
+        saved, live = {}, {}
+        for name, optimizer in self.optimizers.items():
+            live[name] = get_optimizer_state_dict(self.model, [optimizer])
+            saved[name] = live[name]
+            if name == "embedding":
+                logical = dict(live[name]["state"])
+                for path, module in _unwrap(self.model).named_modules():
+                    if isinstance(module, ShardedEmbeddingBagCollection):
+                        prefix = f"{path}." if path else ""
+                        inner = {
+                            k: logical.pop(k)
+                            for k in list(logical)
+                            if k.startswith((f"{prefix}shards.", f"{prefix}replicated."))
+                        }
+                        logical.update(module.logical_optimizer_state(prefix, inner))
+                saved[name] = {"state": logical}
+        return saved, live
+
     def _restore(self, path: Path) -> None:
         """Resume from checkpoint ``path``: what :meth:`_training_state` saved, read back into
         this run's model, optimizers and plan (any world size and sharding)."""
@@ -437,12 +460,13 @@ class _Run:
         rng_key = f"rank_{self.info.rank}"
         if not any(k.startswith(f"rng.{rng_key}.") for k in checkpoint_shapes(path)):
             del state["rng"]  # a rank the saving run did not have: keeps its seeded RNG
+        state["optimizers"], live = self._optimizer_states()
         load_checkpoint(path, state)
         _unwrap(self.model).load_state_dict(state["model"])
-        if self.optimizers:
-            set_optimizer_state_dict(
-                self.model, list(self.optimizers.values()), state["optimizers"]
-            )
+        for name, optimizer in self.optimizers.items():
+            # the embedding optimizer's tensors were filled in place (see _optimizer_states)
+            loaded = live[name] if name == "embedding" else state["optimizers"][name]
+            set_optimizer_state_dict(self.model, [optimizer], loaded)
         if "rng" in state:
             _set_rng_state(state["rng"][rng_key], self.device)
         self.step = state["step"]

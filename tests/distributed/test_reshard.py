@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from recsys.config import load_config
@@ -26,7 +28,6 @@ TINY = [
     "--train.batch_size=256",
     "--train.eval_batch_size=512",
     "--train.progress_bar=false",
-    "--train.embedding_optimizer=rowwise_adagrad",
     "--model.embedding_dim=8",
     "--model.dense_arch_layer_sizes=[16,8]",
     "--run.device=cpu",
@@ -66,9 +67,18 @@ def start(rank: int, world: int, args: list[str]) -> _Run:
     return _Run(load_config(None, args), torch.device("cpu"), info)
 
 
-def _save_on_two(rank: int, world: int, run_dir: str) -> None:
+# Fused row-wise Adagrad (its state lives in the model's state_dict), or dense table gradients
+# and torch's Adagrad (its state in the embedding optimizer's, re-keyed to the logical tables).
+OPTIMIZERS = {
+    "fused": ["--train.embedding_optimizer=rowwise_adagrad"],
+    "torch": ["--train.embedding_optimizer=adagrad", "--train.fused_embedding_update=false"],
+}
+
+
+def _save_on_two(rank: int, world: int, run_dir: str, optimizer: list[str]) -> None:
     plan = f"--distributed.constraints={toml_list(SAVE_PLAN)}"
-    run = start(rank, world, [f"--run.dir={run_dir}", *TINY, plan, "--train.max_steps=6"])
+    args = [f"--run.dir={run_dir}", *TINY, *optimizer, plan, "--train.max_steps=6"]
+    run = start(rank, world, args)
     assert run.fit().checkpoint.name == "step_00000006"
     if rank == 0:
         torch.save(scores(run), Path(run_dir) / "scores.pt")
@@ -76,25 +86,29 @@ def _save_on_two(rank: int, world: int, run_dir: str) -> None:
         scores(run)  # a collective: every rank runs the forward
 
 
-def _resume_on_four(rank: int, world: int, run_dir: str, checkpoint: str) -> None:
+def _resume_on_four(
+    rank: int, world: int, run_dir: str, checkpoint: str, optimizer: list[str]
+) -> None:
     plan = f"--distributed.constraints={toml_list(LOAD_PLAN)}"
-    args = [f"--run.dir={run_dir}", *TINY, plan, "--train.max_steps=8"]
+    args = [f"--run.dir={run_dir}", *TINY, *optimizer, plan, "--train.max_steps=8"]
     run = start(rank, world, [*args, f"--checkpoint.resume={checkpoint}"])
     assert run.step == 6
     torch.testing.assert_close(
         scores(run), torch.load(Path(checkpoint).parent.parent / "scores.pt")
     )
 
-    # every local shard of every table and row-wise Adagrad state is its rows / columns of
-    # the logical tensor the 2-rank run saved
-    model_state = _unwrap(run.model).state_dict()
+    # every local shard of every table and optimizer state is its rows / columns of the
+    # logical tensor the 2-rank run saved
+    saved_state = {"model": _unwrap(run.model).state_dict(), "optimizers": {}}
+    if "embedding" in run.optimizers:
+        saved_state["optimizers"]["embedding"] = run._optimizer_states()[0]["embedding"]
     full = {
         k: torch.empty(v.shape) if isinstance(v, ShardedTensor) else v.clone()
-        for k, v in model_state.items()
+        for k, v in flatten_state_dict(saved_state)[0].items()
     }
-    load_checkpoint(checkpoint, {"model": full})
+    load_checkpoint(checkpoint, full)
     num_shards = 0
-    for key, value in model_state.items():
+    for key, value in flatten_state_dict(saved_state)[0].items():
         if isinstance(value, ShardedTensor):
             for shard in value.local_shards():
                 (r0, *c0), (rows, *cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
@@ -104,22 +118,24 @@ def _resume_on_four(rank: int, world: int, run_dir: str, checkpoint: str) -> Non
                 assert torch.equal(shard.tensor, expected), key
                 num_shards += 1
         else:
-            assert torch.equal(value, full[key]), key
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(full[key])), key
     assert num_shards > 0
     dense = run.optimizers["dense"]
     live = get_optimizer_state_dict(run.model, [dense])
-    saved = load_checkpoint(
-        checkpoint, {"optimizers": get_optimizer_state_dict(run.model, [dense])}
-    )
+    wanted = {"optimizers": {"dense": get_optimizer_state_dict(run.model, [dense])}}
+    saved = load_checkpoint(checkpoint, wanted)["optimizers"]["dense"]
     for name, state in live["state"].items():
         for field, value in state.items():
-            assert torch.equal(value, saved["optimizers"]["state"][name][field]), (name, field)
+            assert torch.equal(value, saved["state"][name][field]), (name, field)
     result = run.fit()  # and it trains on
     assert result.steps == 8 and torch.isfinite(torch.tensor(result.test["logloss"]))
 
 
-def test_two_rank_checkpoint_loads_on_one_process_and_on_four_ranks_with_another_plan(tmp_path):
-    run_ranks(2, _save_on_two, str(tmp_path / "two"))
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_two_rank_checkpoint_loads_on_one_process_and_on_four_ranks_with_another_plan(
+    tmp_path, optimizer
+):
+    run_ranks(2, _save_on_two, str(tmp_path / "two"), OPTIMIZERS[optimizer])
     checkpoint = tmp_path / "two" / "checkpoints" / "step_00000006"
     saved_scores = torch.load(tmp_path / "two" / "scores.pt")
 
@@ -128,7 +144,7 @@ def test_two_rank_checkpoint_loads_on_one_process_and_on_four_ranks_with_another
     with torch.no_grad():
         torch.testing.assert_close(one(batch.dense, batch.sparse), saved_scores)
 
-    run_ranks(4, _resume_on_four, str(tmp_path / "four"), str(checkpoint))
+    run_ranks(4, _resume_on_four, str(tmp_path / "four"), str(checkpoint), OPTIMIZERS[optimizer])
 
 
 def one_batch(checkpoint: Path):
