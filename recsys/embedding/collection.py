@@ -25,6 +25,7 @@ from recsys.ops.embedding_bag import (
     choose_backend,
     table_batched_embedding_bag,
 )
+from recsys.ops.embedding_bag_cpu import pool_torch
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 _DTYPE = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
@@ -157,6 +158,13 @@ class EmbeddingBagCollection(nn.Module):
                     "this collection is weighted (is_weighted=True) but the input "
                     "KeyedJaggedTensor has no weights"
                 )
+        if torch.compiler.is_exporting():
+            pooled = self._pool_for_export(features, weights)
+            return KeyedTensor(
+                keys=self._embedding_names,
+                length_per_key=self._lengths_per_embedding,
+                values=pooled,
+            )
         if not self._views_intact():
             self._repack()
         fused = None
@@ -182,6 +190,24 @@ class EmbeddingBagCollection(nn.Module):
         )
         return KeyedTensor(
             keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=pooled
+        )
+
+    def _pool_for_export(
+        self, features: KeyedJaggedTensor, weights: torch.Tensor | None
+    ) -> torch.Tensor:
+        """What ``torch.export`` traces: the torch backend's forward over the tables' own
+        parameters. The training path's autograd.Function, backend choice, id validation and
+        packed-buffer checks are Python that reads tensor data, which export cannot trace;
+        an exported (inference) program needs none of them. Ids are not validated here:
+        ``F.embedding_bag`` raises on an id outside its table."""
+        return pool_torch(
+            self._plan,
+            [bag.weight for bag in self.embedding_bags.values()],
+            features.values(),
+            features.offsets(),
+            weights,
+            self._feature_to_key(features.keys()),
+            features.stride(),
         )
 
     def _feature_to_key(self, keys: Sequence[str]) -> list[int]:

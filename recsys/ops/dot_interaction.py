@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -70,13 +71,15 @@ def output_width(
 @functools.lru_cache(maxsize=64)
 def _pair_indices_cpu(
     num_vectors: int, self_interaction: bool, pair_order: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[np.ndarray, np.ndarray]:
+    # numpy, not torch: a tensor first built while torch.export traces would be a fake one,
+    # and the cache would hand it to every later eager call.
     offset = 0 if self_interaction else -1
     if pair_order == "mlperf":
-        rows, cols = torch.tril_indices(num_vectors, num_vectors, offset)
+        rows, cols = np.tril_indices(num_vectors, offset)
     else:
         # Upper triangle row-major, i.e. the lower triangle column-major.
-        cols, rows = torch.triu_indices(num_vectors, num_vectors, -offset)
+        cols, rows = np.triu_indices(num_vectors, -offset)
     return rows, cols
 
 
@@ -94,7 +97,7 @@ def pair_indices(
         pair_indices(4)  # torchrec: ([1, 2, 3, 2, 3, 3], [0, 0, 0, 1, 1, 2])
     """
     rows, cols = _pair_indices_cpu(num_vectors, self_interaction, pair_order)
-    return rows.to(device), cols.to(device)
+    return torch.as_tensor(rows, device=device), torch.as_tensor(cols, device=device)
 
 
 def dot_interaction_reference(

@@ -236,6 +236,7 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.plan, ctx.flat, ctx.fused, ctx.backend = plan, flat, fused, backend
         ctx.feature_to_key, ctx.batch_size = feature_to_key, batch_size
+        tables = plan.layout.table_views(flat)
         if backend == "triton":
             from recsys.ops import embedding_bag_triton
 
@@ -262,11 +263,11 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
                 out = pool_fbgemm(plan, flat, ctx.fbgemm_inputs)
             else:
                 out = pool_torch(
-                    plan, flat, values, offsets, per_sample_weights, feature_to_key, batch_size
+                    plan, tables, values, offsets, per_sample_weights, feature_to_key, batch_size
                 )
         else:
             out = pool_torch(
-                plan, flat, values, offsets, per_sample_weights, feature_to_key, batch_size
+                plan, tables, values, offsets, per_sample_weights, feature_to_key, batch_size
             )
         if backend != "fbgemm":
             psw = () if per_sample_weights is None else (per_sample_weights,)

@@ -57,20 +57,21 @@ def _group_lookups(
 
 def pool_torch(
     plan: LookupPlan,
-    flat: torch.Tensor,
+    tables: Sequence[torch.Tensor],
     values: torch.Tensor,
     offsets: torch.Tensor,
     per_sample_weights: torch.Tensor | None,
     feature_to_key: Sequence[int],
     batch_size: int,
 ) -> torch.Tensor:
-    """One ``F.embedding_bag`` per feature over its table's view of the packed buffer, reading
-    the feature's KJT slice in place (ATen's CPU kernel; measured faster than one call over
-    the whole buffer, whose bags would first have to be reordered sample-major)."""
-    B, out_dtype = batch_size, accumulate_dtype(flat.dtype)
-    tables = plan.layout.table_views(flat)
+    """One ``F.embedding_bag`` per feature over its table (``tables``: each table's [N_t, D_t]
+    weight, e.g. its view of the packed buffer), reading the feature's KJT slice in place
+    (ATen's CPU kernel; measured faster than one call over the whole buffer, whose bags would
+    first have to be reordered sample-major). Traceable by torch.export: B may be symbolic."""
+    B, out_dtype = batch_size, accumulate_dtype(tables[0].dtype)
     num_keys = max(feature_to_key, default=-1) + 1
-    bounds = offsets[[k * B for k in range(num_keys + 1)]].tolist()
+    # A tensor index, not a list of k * B: torch.export would fix B to the traced value.
+    bounds = offsets[torch.arange(num_keys + 1, device=offsets.device) * B].tolist()
     pooled = []
     for k, t in zip(feature_to_key, plan.feature_to_table, strict=True):
         start, stop = bounds[k], bounds[k + 1]
@@ -95,7 +96,7 @@ def pool_torch(
             out = out / bag_offsets.diff().clamp(min=1).to(out_dtype).unsqueeze(1)
         pooled.append(out)
     if not pooled:
-        return torch.zeros(B, 0, dtype=out_dtype, device=flat.device)
+        return torch.zeros(B, 0, dtype=out_dtype, device=values.device)
     return torch.cat(pooled, dim=1)  # [B, total_D]
 
 

@@ -1,9 +1,11 @@
-"""Command line: ``recsys train`` and ``recsys config``.
+"""Command line: ``recsys train``, ``config``, ``preprocess``, ``export`` and ``predict``.
 
     recsys train --config configs/dlrm_synthetic.toml [--section.key=value ...]
     recsys config --config configs/dlrm_synthetic.toml [--section.key=value ...]   # resolved TOML
     recsys config --reference                                                   # all keys
     recsys preprocess --format criteo --input train.txt.gz --output data/criteo     # ETL
+    recsys export --checkpoint runs/dlrm --output model.pt2              # torch.export program
+    recsys predict --model model.pt2 --input test.parquet --output scores.parquet
 
 User errors (a missing file, a config typo, bad input data) print one ``recsys: error: ...`` line
 and exit with status 2 instead of a traceback.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 
 from recsys.config import config_reference, load_config, to_toml
@@ -39,6 +42,33 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--config", help="TOML file with a [preprocess] section")
     for flag, help_text in _PREPROCESS_FLAGS.items():
         prep.add_argument(f"--{flag}", help=help_text)
+    export = commands.add_parser(
+        "export",
+        help="checkpoint -> one torch.export program (.pt2) that scores batches",
+        description="Writes a torch.export ExportedProgram (torch.export.save); load it with "
+        "torch.export.load(PATH).module() or recsys.train.export.load_exported(PATH). Its "
+        "forward takes dense f32[B, N_dense], ids int64[L] and bag lengths int64[F*B] "
+        "(key-major, as a KeyedJaggedTensor) and returns click probabilities f32[B, T].",
+    )
+    export.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint directory, or a run directory (its newest checkpoint)",
+    )
+    export.add_argument("--output", required=True, help="file to write, e.g. model.pt2")
+    score = commands.add_parser(
+        "predict",
+        help="score parquet files with an exported model",
+        description="Reads the columns the model was trained on (multi-hot features as list "
+        "columns) and writes one float column score_<label> per task, in input order, plus "
+        "the label columns when the input has them.",
+    )
+    score.add_argument("--model", required=True, help="a .pt2 file from recsys export")
+    score.add_argument("--input", required=True, help="parquet file, directory or glob")
+    score.add_argument("--output", required=True, help="parquet file to write")
+    score.add_argument(
+        "--batch-size", type=int, default=8192, help="rows per forward call (default 8192)"
+    )
     return parser
 
 
@@ -76,9 +106,42 @@ def _preprocess(args: argparse.Namespace, overrides: list[str]) -> None:
     print(f"train on it: recsys train --config {recipe} --data.path={report.output}")
 
 
+def _export(args: argparse.Namespace) -> None:
+    from recsys.train.checkpoint import resolve_checkpoint
+    from recsys.train.export import export_model
+
+    start = time.perf_counter()
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    output = export_model(checkpoint, args.output)
+    megabytes = output.stat().st_size / 2**20
+    print(
+        f"recsys: exported {checkpoint} to {output} ({megabytes:.1f} MiB torch.export program) "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
+    print(f"score with it: recsys predict --model {output} --input DATA.parquet --output OUT")
+
+
+def _predict(args: argparse.Namespace) -> None:
+    from recsys.train.export import predict
+
+    report = predict(args.model, args.input, args.output, args.batch_size)
+    print(
+        f"recsys: scored {report.rows:,} rows of {report.files} file(s) into {report.output} "
+        f"({', '.join(report.columns)}) in {report.seconds:.1f} s"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = _parser().parse_known_args(argv)
     try:
+        if args.command in ("export", "predict"):
+            if overrides:
+                raise ValueError(f"unrecognized arguments: {' '.join(overrides)}")
+            if args.command == "export":
+                _export(args)
+            else:
+                _predict(args)
+            return 0
         if args.command == "config" and args.reference:
             print(config_reference(), end="")
             return 0

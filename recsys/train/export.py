@@ -1,0 +1,310 @@
+"""Inference: ``recsys export`` (checkpoint -> one ``.pt2`` file) and ``recsys predict`` (score
+parquet files with it).
+
+The export is a ``torch.export`` ExportedProgram written by ``torch.export.save``: the model's
+forward traced into ATen ops, with the trained weights inside, runnable in one CPU process with
+nothing but torch (no recsys, TorchRec or checkpoint directory). Load it with
+``torch.export.load(path).module()``, or with :func:`load_exported`, which also returns the
+dataset spec saved beside the program. Its forward, with B samples (any B >= 1), F categorical
+features and L ids in all (any L >= 0)::
+
+    dense    f32[B, N_dense]   dense features, in spec.dense_names order
+    values   int64[L]          every bag's ids, key-major: all of feature 0's bags, then
+                               feature 1's, ... (spec.sparse_names order), as a TorchRec
+                               KeyedJaggedTensor holds them
+    lengths  int64[F * B]      bag lengths in the same order (lengths[f*B + b]: sample b,
+                               feature f; 0 is an empty bag)
+    ->       f32[B, T]         click probabilities sigmoid(logits), tasks in spec.label_names
+                               order
+
+The archive also carries the checkpoint's ``spec.json`` (feature names, table sizes, labels)
+and ``config.toml`` (the training config) as extra files. Ids are not checked inside the
+program (an id outside its table is an error from ``F.embedding_bag``); :func:`predict` checks
+them first and names the column.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from glob import glob
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch import nn
+from torchrec import KeyedJaggedTensor
+
+from recsys._suggest import quoted_with_hints
+from recsys.data.batch import Batch, DatasetSpec
+from recsys.data.parquet import table_to_batch
+from recsys.train.checkpoint import (
+    CONFIG_FILE,
+    SPEC_FILE,
+    load_model,
+    read_spec,
+    resolve_checkpoint,
+)
+
+__all__ = ["InferenceModule", "PredictReport", "export_model", "load_exported", "predict"]
+
+
+class InferenceModule(nn.Module):
+    """A recsys model behind plain-tensor inputs, returning probabilities: what is exported.
+
+    Args:
+        model: ``forward(dense, KeyedJaggedTensor) -> logits [B, T]``, in eval mode.
+        spec: the dataset spec the model was trained on (its sparse names are the KJT keys).
+    """
+
+    def __init__(self, model: nn.Module, spec: DatasetSpec) -> None:
+        super().__init__()
+        self.model = model
+        self.keys = list(spec.sparse_names)
+
+    def forward(
+        self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        # Offsets computed here keep the graph ATen-only (the KJT would call an FBGEMM op);
+        # stride = B ties the bags to the dense rows (lengths holds F*B entries).
+        offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])  # [F*B + 1]
+        sparse = KeyedJaggedTensor(
+            keys=self.keys, values=values, lengths=lengths, offsets=offsets, stride=dense.shape[0]
+        )
+        return torch.sigmoid(self.model(dense, sparse))  # [B, T]
+
+
+def export_model(checkpoint: str | Path, output: str | Path) -> Path:
+    """Export a checkpoint's model as a ``torch.export`` ExportedProgram file (``.pt2``).
+
+    Args:
+        checkpoint: a checkpoint directory, or a run directory / its ``checkpoints/`` (its
+            newest checkpoint).
+        output: the file to write (replaced atomically if it exists).
+
+    Returns:
+        ``output``.
+
+    Example::
+
+        export_model("runs/dlrm", "model.pt2")
+        scores = torch.export.load("model.pt2").module()(dense, values, lengths)  # [B, T]
+    """
+    checkpoint = resolve_checkpoint(checkpoint)
+    output = Path(output)
+    spec = read_spec(checkpoint)
+    model = load_model(checkpoint, device="cpu").requires_grad_(False)
+    batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
+    num_sparse = len(spec.sparse_names)
+    program = torch.export.export(
+        InferenceModule(model, spec),
+        _example_inputs(spec),
+        dynamic_shapes={
+            "dense": {0: batch},
+            "values": {0: ids},
+            "lengths": {0: num_sparse * batch},
+        },
+    )
+    extra_files = {name: (checkpoint / name).read_text() for name in (SPEC_FILE, CONFIG_FILE)}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # Written under its final name (the archive's top folder is named after the file) in a
+    # temporary directory beside it, then moved into place.
+    tmp_dir = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=output.parent))
+    try:
+        with warnings.catch_warnings():
+            # The tables are views of one packed buffer per collection; the archive stores
+            # that buffer once and warns that no single parameter covers all of it.
+            warnings.filterwarnings("ignore", message="No complete tensor found")
+            torch.export.save(program, tmp_dir / output.name, extra_files=extra_files)
+        os.replace(tmp_dir / output.name, output)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return output
+
+
+def _example_inputs(spec: DatasetSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs to trace with: 2 samples (export specializes sizes 0 and 1), one id per bag."""
+    batch_size, num_sparse = 2, len(spec.sparse_names)
+    return (
+        torch.randn(batch_size, spec.num_dense),
+        torch.zeros(num_sparse * batch_size, dtype=torch.int64),
+        torch.ones(num_sparse * batch_size, dtype=torch.int64),
+    )
+
+
+def load_exported(path: str | Path) -> tuple[nn.Module, DatasetSpec]:
+    """Load a file written by :func:`export_model`.
+
+    Returns:
+        The program as a module, ``(dense, values, lengths) -> probabilities [B, T]`` (see the
+        module docstring), and the dataset spec it was trained with.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: a file that :func:`export_model` did not write.
+
+    Example::
+
+        model, spec = load_exported("model.pt2")
+        with torch.no_grad():
+            scores = model(dense, values, lengths)  # [B, len(spec.label_names)]
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"exported model not found: '{path}' (`recsys export` writes one)")
+    # Checked first: torch.export.load logs a long traceback before raising on other files.
+    if not _archive_has(path, f"extra/{SPEC_FILE}"):
+        raise ValueError(
+            f"'{path}' was not written by recsys export (a torch.export .pt2 archive with "
+            f"{SPEC_FILE} inside)"
+        )
+    extra_files = {SPEC_FILE: "", CONFIG_FILE: ""}
+    program = torch.export.load(path, extra_files=extra_files)
+    fields = json.loads(extra_files[SPEC_FILE])
+    spec = DatasetSpec(**{key: tuple(value) for key, value in fields.items()})
+    return program.module(), spec
+
+
+def _archive_has(path: Path, member: str) -> bool:
+    """Whether zip archive ``path`` holds ``member`` under its top folder (False: not a zip)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith(f"/{member}") for name in archive.namelist())
+
+
+@dataclass
+class PredictReport:
+    """What :func:`predict` did."""
+
+    output: Path
+    rows: int
+    files: int
+    columns: list[str]
+    seconds: float
+
+
+def predict(
+    model_path: str | Path, input: str | Path, output: str | Path, batch_size: int = 8192
+) -> PredictReport:
+    """Score parquet files with an exported model and write the scores as parquet.
+
+    The input is read one row group at a time and scored ``batch_size`` rows at a time, so
+    memory stays bounded by a row group. Its columns are named as in training: the spec's
+    dense and categorical names (a multi-hot feature as a list column); ids are checked
+    against the table sizes.
+
+    Args:
+        model_path: a ``.pt2`` file from :func:`export_model`.
+        input: a parquet file, a directory of them (``*.parquet``, in name order) or a glob.
+        output: the parquet file to write: one float32 column ``score_<label>`` per task, rows
+            in input order, plus the label columns when the input has them. Written to a
+            temporary file and renamed, so it appears only complete.
+        batch_size: rows per forward call.
+
+    Raises:
+        FileNotFoundError: no model file, or no input file.
+        ValueError: input lacking a column the model reads, or holding an id outside its table.
+
+    Example::
+
+        predict("model.pt2", "data/test.parquet", "scores.parquet")
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    start = time.perf_counter()
+    model, spec = load_exported(model_path)
+    files = _input_files(str(input))
+    output = Path(output)
+    # Labels pass through when the first file has them (then every file must).
+    first = _open_input(files[0], spec, []).schema_arrow
+    labels = [name for name in spec.label_names if name in first.names]
+    scores = [f"score_{name}" for name in spec.label_names]
+    schema = pa.schema(
+        [pa.field(name, pa.float32()) for name in scores] + [first.field(n) for n in labels]
+    )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".tmp-{os.getpid()}-{output.name}")
+    rows = 0
+    try:
+        with pq.ParquetWriter(tmp, schema) as writer, torch.no_grad():
+            for piece, batch in _pieces(files, spec, labels, batch_size):
+                values, lengths = batch.sparse.values(), batch.sparse.lengths().long()
+                probabilities = model(batch.dense, values, lengths)  # [b, T]
+                out = {name: probabilities[:, t].numpy() for t, name in enumerate(scores)}
+                out |= {name: piece.column(name) for name in labels}
+                writer.write_table(pa.table(out, schema=schema))
+                rows += len(batch)
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return PredictReport(output, rows, len(files), scores, time.perf_counter() - start)
+
+
+def _pieces(
+    files: list[Path], spec: DatasetSpec, labels: list[str], batch_size: int
+) -> Iterator[tuple[pa.Table, Batch]]:
+    """Every file's row groups in order, cut into pieces of at most ``batch_size`` rows: each
+    piece (with its ``labels`` columns) and its features as a Batch."""
+    features = replace(spec, label_names=())  # labels pass through, unread
+    columns = [*spec.dense_names, *spec.sparse_names, *labels]
+    for path in files:
+        file = _open_input(path, spec, labels)
+        schema = file.schema_arrow
+        multi_hot = {name for name in spec.sparse_names if _is_list(schema.field(name).type)}
+        for group in range(file.num_row_groups):
+            table = file.read_row_group(group, columns=columns)
+            for first_row in range(0, table.num_rows, batch_size):
+                piece = table.slice(first_row, batch_size)
+                where = f"{path} row group {group} from row {first_row}"
+                yield piece, table_to_batch(piece, features, multi_hot, where)
+
+
+def _input_files(pattern: str) -> list[Path]:
+    """A parquet file, a directory's ``*.parquet`` files, or a glob's matches, sorted."""
+    path = Path(pattern)
+    if path.is_dir():
+        files = sorted(path.glob("*.parquet"))
+    elif any(ch in pattern for ch in "*?["):
+        files = sorted(Path(p) for p in glob(pattern) if Path(p).is_file())
+    else:
+        files = [path] if path.is_file() else []
+    if not files:
+        raise FileNotFoundError(f"no parquet input found at '{pattern}'")
+    return files
+
+
+def _open_input(path: Path, spec: DatasetSpec, labels: list[str]) -> pq.ParquetFile:
+    """``path`` opened, after checking it has every column the model reads and ``labels``."""
+    try:
+        file = pq.ParquetFile(path)
+    except pa.ArrowInvalid as error:
+        raise ValueError(f"'{path}' is not a readable parquet file: {error}") from None
+    names = file.schema_arrow.names
+    missing = [name for name in (*spec.dense_names, *spec.sparse_names) if name not in names]
+    if missing:
+        raise ValueError(
+            f"'{path}' has no column(s) {quoted_with_hints(missing, names)}; the model reads "
+            f"dense columns {list(spec.dense_names)} and categorical columns "
+            f"{list(spec.sparse_names)}"
+        )
+    missing = [name for name in labels if name not in names]
+    if missing:
+        raise ValueError(
+            f"'{path}' has no label column(s) {missing}, which the first input file has; "
+            "give files that all have the labels, or none"
+        )
+    return file
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    """A list column is a multi-hot feature: its lists are the bags."""
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind)

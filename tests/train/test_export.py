@@ -1,0 +1,225 @@
+"""recsys export / predict: the exported program scores exactly as the trained model, at any
+batch size, and predict writes those scores for parquet input."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torchmetrics.functional.classification import binary_auroc
+from torchrec import KeyedJaggedTensor
+
+from recsys.config import load_config
+from recsys.data import build_dataset
+from recsys.data.batch import Batch
+from recsys.data.loader import BatchLoader
+from recsys.train.checkpoint import load_model
+from recsys.train.cli import main
+from recsys.train.export import export_model, load_exported, predict
+from recsys.train.trainer import train
+
+TINY = [
+    "--data.synthetic.cardinalities=[50,300,20,1000]",
+    "--data.synthetic.bag_sizes=[1,3,1,2]",  # cat_1 and cat_3 multi-hot, with empty bags
+    "--data.synthetic.num_dense=5",
+    "--data.synthetic.num_train_samples=20000",
+    "--data.synthetic.num_valid_samples=1024",
+    "--data.synthetic.num_test_samples=2048",
+    "--train.batch_size=512",
+    "--train.progress_bar=false",
+    "--model.embedding_dim=8",
+    "--run.device=cpu",
+]
+MODELS = {
+    "dlrm": ["--model.dense_arch_layer_sizes=[16,8]", "--model.over_arch_layer_sizes=[16,1]"],
+    "deepfm": ["--model.dense_arch_layer_sizes=[16,8]", "--model.over_arch_layer_sizes=[16,1]"],
+    "mmoe": [
+        "--data.synthetic.num_tasks=2",
+        "--model.mmoe.num_experts=2",
+        "--model.mmoe.expert_layer_sizes=[16]",
+        "--model.mmoe.tower_layer_sizes=[8]",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(name)``: a short run of model ``name`` (trained once per module) as
+    (config, TrainResult, its exported .pt2)."""
+    runs = {}
+
+    def get(name: str):
+        if name not in runs:
+            run_dir = tmp_path_factory.mktemp(name)
+            overrides = [*TINY, *MODELS[name], f"--model.name={name}", f"--run.dir={run_dir}"]
+            config = load_config(None, overrides)
+            result = train(config)
+            runs[name] = config, result, export_model(run_dir, run_dir / "model.pt2")
+        return runs[name]
+
+    return get
+
+
+def _test_split(config) -> Batch:
+    return Batch.concat(
+        list(BatchLoader(build_dataset(config.data, config.run.seed), "test", 8192))
+    )
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_exported_scores_equal_the_trained_model(trained, name):
+    config, result, exported = trained(name)
+    model, spec = load_exported(exported)
+    reference = load_model(result.checkpoint)
+    test = _test_split(config)
+    for size in (1, 2, 37, 512):
+        batch = test.slice(100, 100 + size)
+        got = model(batch.dense, batch.sparse.values(), batch.sparse.lengths().long())
+        with torch.no_grad():
+            expected = torch.sigmoid(reference(batch.dense, batch.sparse))
+        assert got.shape == (size, spec.num_tasks)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # The whole test split through the program reproduces the run's own test AUC.
+    scores = model(test.dense, test.sparse.values(), test.sparse.lengths().long())
+    aucs = [binary_auroc(scores[:, t], test.labels[:, t].long()) for t in range(spec.num_tasks)]
+    assert float(torch.stack(aucs).mean()) == pytest.approx(result.test["auc"], abs=1e-6)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_empty_bags_and_a_batch_without_ids(trained, name):
+    _, result, exported = trained(name)
+    model, spec = load_exported(exported)
+    reference = load_model(result.checkpoint)
+    num_sparse, size = len(spec.sparse_names), 3
+    dense = torch.randn(size, spec.num_dense)
+    # Sample 1 has no ids at all; the others have bags of 0..2 ids.
+    some = torch.tensor([[1, 0, 2]] * num_sparse).reshape(-1)
+    ids = torch.cat([torch.randint(n, (3,)) for n in spec.cardinalities])
+    for values, lengths in ((ids, some), (ids[:0], torch.zeros_like(some))):
+        sparse = KeyedJaggedTensor(list(spec.sparse_names), values, lengths=lengths)
+        with torch.no_grad():
+            expected = torch.sigmoid(reference(dense, sparse))
+        torch.testing.assert_close(model(dense, values, lengths), expected, rtol=0, atol=0)
+
+
+def test_the_program_runs_with_torch_alone(trained, tmp_path):
+    config, result, exported = trained("dlrm")
+    batch = _test_split(config).slice(0, 64)
+    inputs = (batch.dense, batch.sparse.values(), batch.sparse.lengths().long())
+    torch.save(inputs, tmp_path / "inputs.pt")
+    code = (
+        "import sys, torch\n"
+        "program = torch.export.load(sys.argv[1]).module()\n"
+        "torch.save(program(*torch.load(sys.argv[2])), sys.argv[3])\n"
+        "assert not any(m.startswith(('recsys', 'torchrec', 'fbgemm')) for m in sys.modules)\n"
+    )
+    command = [sys.executable, "-c", code, str(exported), str(tmp_path / "inputs.pt")]
+    subprocess.run([*command, str(tmp_path / "scores.pt")], check=True)
+    with torch.no_grad():
+        expected = torch.sigmoid(load_model(result.checkpoint)(batch.dense, batch.sparse))
+    torch.testing.assert_close(torch.load(tmp_path / "scores.pt"), expected, rtol=0, atol=0)
+
+
+def _write_parquet(
+    batch: Batch, config, path, row_group_size: int, labels: bool = True, **replace
+) -> None:
+    """``batch`` as training columns: multi-hot features (bag size > 1) as list columns."""
+    spec = build_dataset(config.data, config.run.seed).spec
+    num_sparse = len(spec.sparse_names)
+    lengths = batch.sparse.lengths().view(num_sparse, -1).numpy()
+    values = batch.sparse.values().split(batch.sparse.length_per_key())
+    columns = {name: batch.dense[:, j].numpy() for j, name in enumerate(spec.dense_names)}
+    for f, name in enumerate(spec.sparse_names):
+        ids = values[f].numpy()
+        if config.data.synthetic.bag_sizes[f] > 1:
+            offsets = np.concatenate([[0], np.cumsum(lengths[f])]).astype(np.int32)
+            columns[name] = pa.ListArray.from_arrays(offsets, ids)
+        else:
+            columns[name] = ids
+    if labels:
+        columns |= {name: batch.labels[:, t].numpy() for t, name in enumerate(spec.label_names)}
+    columns |= replace
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_predict_end_to_end(trained, name, tmp_path, capsys):
+    config, result, _ = trained(name)
+    test = _test_split(config).slice(0, 1500)
+    # Two files with row groups of 450 rows, scored 300 rows at a time (150 at a group's end).
+    _write_parquet(test.slice(0, 1000), config, tmp_path / "in" / "a.parquet", 450)
+    _write_parquet(test.slice(1000, 1500), config, tmp_path / "in" / "b.parquet", 450)
+    model = tmp_path / "model.pt2"
+    assert main(["export", "--checkpoint", str(result.run_dir), "--output", str(model)]) == 0
+    output = tmp_path / "out" / "scores.parquet"
+    argv = ["predict", "--model", str(model), "--input", str(tmp_path / "in")]
+    assert main([*argv, "--output", str(output), "--batch-size", "300"]) == 0
+    assert "scored 1,500 rows of 2 file(s)" in capsys.readouterr().out
+    scored = pq.read_table(output)
+    spec = load_exported(model)[1]
+    names = [f"score_{n}" for n in spec.label_names]
+    assert scored.column_names == names + list(spec.label_names)
+    with torch.no_grad():
+        expected = torch.sigmoid(load_model(result.checkpoint)(test.dense, test.sparse))
+    got = torch.from_numpy(np.stack([scored.column(n).to_numpy() for n in names], axis=1))
+    # The program scored batches of 300 rows, the reference all 1500 at once: BLAS may block
+    # the matmuls differently, so allow rounding.
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    labels = np.stack([scored.column(n).to_numpy() for n in spec.label_names], axis=1)
+    assert np.array_equal(labels, test.labels.numpy())
+    assert sorted(p.name for p in output.parent.iterdir()) == ["scores.parquet"]
+
+
+def test_predict_without_labels_writes_scores_only(trained, tmp_path):
+    config, _, exported = trained("mmoe")
+    test = _test_split(config).slice(0, 100)
+    _write_parquet(test.slice(0, 60), config, tmp_path / "in_0.parquet", 64, labels=False)
+    _write_parquet(test.slice(60, 100), config, tmp_path / "in_1.parquet", 64, labels=False)
+    report = predict(exported, tmp_path / "in_*.parquet", tmp_path / "scores.parquet")
+    scored = pq.read_table(report.output)
+    assert scored.column_names == ["score_task_0", "score_task_1"] and scored.num_rows == 100
+    model, _ = load_exported(exported)
+    expected = model(test.dense, test.sparse.values(), test.sparse.lengths().long())
+    got = np.stack([scored.column(n).to_numpy() for n in scored.column_names], axis=1)
+    torch.testing.assert_close(torch.from_numpy(got), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_user_errors_exit_2_with_one_line(trained, tmp_path, capsys):
+    config, _, exported = trained("dlrm")
+    test = _test_split(config).slice(0, 50)
+    output = tmp_path / "scores.parquet"
+
+    def predict_error(data) -> str:
+        argv = ["predict", "--model", str(exported), "--input", str(data)]
+        assert main([*argv, "--output", str(output)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("recsys: error: ") and err.count("\n") == 1
+        assert not output.exists() and list(tmp_path.glob(".tmp-*")) == []
+        return err
+
+    _write_parquet(test, config, tmp_path / "full.parquet", 64)
+    without = pq.read_table(tmp_path / "full.parquet").drop(["cat_2"])
+    pq.write_table(without, tmp_path / "no_cat_2.parquet")
+    err = predict_error(tmp_path / "no_cat_2.parquet")
+    assert "no column(s) 'cat_2'" in err and "categorical columns ['cat_0', 'cat_1'" in err
+
+    too_big = pa.array(np.full(len(test), 50, dtype=np.int64))  # cat_0 has 50 rows
+    _write_parquet(test, config, tmp_path / "ids.parquet", 64, cat_0=too_big)
+    assert "cat_0 id 50 is outside its table of 50 rows" in predict_error(tmp_path / "ids.parquet")
+
+    assert "no parquet input found" in predict_error(tmp_path / "nothing-*.parquet")
+
+    argv = ["predict", "--model", str(tmp_path / "none.pt2"), "--input", str(tmp_path)]
+    assert main([*argv, "--output", str(output)]) == 2
+    assert "exported model not found" in capsys.readouterr().err
+    (tmp_path / "bad.pt2").write_text("not a model")
+    argv = ["predict", "--model", str(tmp_path / "bad.pt2"), "--input", str(tmp_path)]
+    assert main([*argv, "--output", str(output)]) == 2
+    assert "bad.pt2' was not written by recsys export" in capsys.readouterr().err
+
+    assert main(["export", "--checkpoint", str(tmp_path), "--output", str(output)]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err
