@@ -49,8 +49,29 @@ def init_distributed(device: torch.device) -> DistributedInfo:
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            store=_attempt_store(world_size),
+            rank=info.rank,
+            world_size=world_size,
+        )
     return info
+
+
+def _attempt_store(world_size: int) -> dist.Store | None:
+    """Under torchrun, the store its agent hosts, with keys scoped to this attempt; None (the
+    env:// default) elsewhere. The agent keeps one store for every attempt of an elastic job
+    (--max-restarts): without the scope, the ranks of a restarted attempt can read the addresses
+    the ranks of the killed one published there, and fail to connect. The scope is the
+    agent's restart count, which every agent of a one-node job shares; across nodes an agent
+    that joined late counts differently, and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in
+    torchrun's environment (a fresh store per attempt) is the safer setting."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False
+    )
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:

@@ -470,6 +470,7 @@ class _Run:
         if "rng" in state:
             _set_rng_state(state["rng"][rng_key], self.device)
         self.step = state["step"]
+        self.last_checkpoint = path  # a run resumed at its last step has nothing left to save
         self.data_position = self._data_position(state)
         self._print(f"resumed from {path} at step {self.step}")
         differences = config_differences(read_config(path), self.config)
