@@ -415,7 +415,7 @@ class _Run:
         optimizer states: the layout does not depend on the plan), the torch optimizers (by
         parameter name), the LR schedule, the step, the data position (epoch, batches done:
         ``BatchLoader(..., epoch=e, start_batch=b)`` continues from it) and this rank's RNG
-        states."""
+        states. The config is the checkpoint's ``config.toml`` (written by save_checkpoint)."""
         return {
             "model": _unwrap(self.model).state_dict(),
             "optimizers": self._optimizer_states()[0],
@@ -426,7 +426,6 @@ class _Run:
             "batch_size": self.config.train.batch_size,
             "world_size": self.info.world_size,
             "rng": {f"rank_{self.info.rank}": _rng_state(self.device)},
-            "config": to_toml(self.config),
         }
 
     def _optimizer_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
