@@ -17,14 +17,64 @@ import ast
 import dataclasses
 import difflib
 import functools
+import importlib
 import inspect
 import itertools
+import math
 import textwrap
 import tomllib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of a numeric config key, checked when the config is loaded: written as
+    ``Annotated[int, Range(min=1)]`` on the field. Floats must also be finite."""
+
+    min: float | None = None
+    max: float | None = None
+    max_open: bool = False
+    """``max`` itself is excluded (``[min, max)``)."""
+
+    def problem(self, value: Any) -> str | None:
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number {self}"
+        if (self.min is not None and value < self.min) or (
+            self.max is not None and (value >= self.max if self.max_open else value > self.max)
+        ):
+            return f"must be {self}"
+        return None
+
+    def __str__(self) -> str:
+        if self.max is None:
+            return f">= {self.min:g}"
+        return f"in [{self.min:g}, {self.max:g}{')' if self.max_open else ']'}"
+
+
+@dataclass(frozen=True)
+class Check:
+    """A config key whose values are judged by the module that uses them: ``target`` is
+    ``"module:function"``, a function of the value returning what is wrong, or None."""
+
+    target: str
+    description: str
+
+    def problem(self, value: Any) -> str | None:
+        module, name = self.target.split(":")
+        check: Callable[[Any], str | None] = getattr(importlib.import_module(module), name)
+        return check(value)
+
+    def __str__(self) -> str:
+        return f"({self.description})"
+
+
+AtLeast0 = Range(min=0)
+AtLeast1 = Range(min=1)
+Fraction = Range(min=0, max=1, max_open=True)
 
 
 @dataclass
@@ -35,10 +85,16 @@ class RunConfig:
     """Run name. Empty means the recipe file's stem (``dlrm_synthetic``), or ``recsys``."""
     dir: str = ""
     """Run directory holding config.toml, metrics.jsonl and checkpoints/. Empty means
-    ``runs/<name>``."""
+    ``runs/<name>``. A new run refuses a directory holding another run's checkpoints or
+    events: continue that run (checkpoint.resume = "latest"), or set overwrite."""
+    overwrite: bool = False
+    """Start this run in a run.dir that holds another run, deleting that run's config.toml,
+    metrics.jsonl and checkpoints/ (other files are kept) once this run has started."""
     seed: int = 0
     """Seed for parameter initialization, data order and the synthetic data generator."""
-    device: str = "auto"
+    device: Annotated[
+        str, Check("recsys.distributed.parallel:check_device_name", "auto, cpu, cuda or cuda:N")
+    ] = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
 
 
@@ -77,11 +133,11 @@ class SyntheticConfig:
 class CriteoConfig:
     """Reading a raw Criteo TSV directly (small files; large ones go through preprocess)."""
 
-    hash_buckets: int = 100_000
+    hash_buckets: Annotated[int, AtLeast1] = 100_000
     """Rows of every categorical table: ids are int(hex) mod hash_buckets."""
-    valid_fraction: float = 0.05
+    valid_fraction: Annotated[float, Fraction] = 0.05
     """Share of the lines drawn (seeded by run.seed) into the validation split."""
-    test_fraction: float = 0.05
+    test_fraction: Annotated[float, Fraction] = 0.05
     """Share of the lines drawn into the test split."""
     strict: bool = False
     """Stop at the first malformed line instead of counting and skipping it."""
@@ -100,14 +156,14 @@ class DataConfig:
     """Settings of the synthetic source."""
     criteo: CriteoConfig = field(default_factory=CriteoConfig)
     """Settings of the direct Criteo TSV reader."""
-    prefetch_batches: int = -1
+    prefetch_batches: Annotated[int, Range(min=-1)] = -1
     """Batches built ahead by a background thread while the current one trains. -1: 4 on CUDA,
     0 on CPU (there the thread competes with training for the same cores; measured in
     scripts/bench_data.py); 0: build batches in the training thread."""
     shuffle: bool = True
     """Shuffle the train split every epoch: the order of its chunks and the rows within each
     shuffle buffer."""
-    shuffle_buffer_chunks: int = 4
+    shuffle_buffer_chunks: Annotated[int, AtLeast1] = 4
     """Chunks (row groups) whose rows are mixed together when shuffling; more mixes better and
     holds more rows in memory."""
     validate: bool = True
@@ -170,9 +226,9 @@ class PreprocessConfig:
 class CrossConfig:
     """Cross network of dcn and dlrm_dcn."""
 
-    num_layers: int = 3
+    num_layers: Annotated[int, AtLeast1] = 3
     """Number of cross layers."""
-    low_rank: int = 0
+    low_rank: Annotated[int, AtLeast0] = 0
     """0: full-rank layers (W is [D, D]); r > 0: low-rank W = U V of rank r (DCN-v2; MLPerf's
     DLRM-DCNv2 uses 512)."""
     version: Literal["v2", "v1"] = "v2"
@@ -186,11 +242,11 @@ class CrossConfig:
 class MMoEConfig:
     """Multi-gate mixture of experts (mmoe)."""
 
-    num_experts: int = 4
+    num_experts: Annotated[int, AtLeast1] = 4
     """Experts shared by all tasks."""
-    expert_layer_sizes: list[int] = field(default_factory=lambda: [64, 32])
+    expert_layer_sizes: list[Annotated[int, AtLeast1]] = field(default_factory=lambda: [64, 32])
     """MLP sizes of each expert."""
-    tower_layer_sizes: list[int] = field(default_factory=lambda: [32])
+    tower_layer_sizes: list[Annotated[int, AtLeast1]] = field(default_factory=lambda: [32])
     """Hidden sizes of each task's tower; a final layer to one logit is added."""
 
 
@@ -203,23 +259,25 @@ class ModelConfig:
         "dlrm"
     )
     """Model to build; see recsys.models.MODELS."""
-    embedding_dim: int = 16
+    embedding_dim: Annotated[int, AtLeast1] = 16
     """Embedding dimension of every table."""
     pooling: Literal["sum", "mean"] = "sum"
     """How a bag of ids is reduced to one vector."""
     embedding_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     """Storage dtype of the tables (pooled in fp32 either way); fp16 / bf16 halve their memory."""
-    dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 16])
+    dense_arch_layer_sizes: list[Annotated[int, AtLeast1]] = field(default_factory=lambda: [64, 16])
     """Bottom MLP over the dense features; the last size must equal embedding_dim (DLRM)."""
-    over_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 32, 1])
+    over_arch_layer_sizes: list[Annotated[int, AtLeast1]] = field(
+        default_factory=lambda: [64, 32, 1]
+    )
     """Top (deep) MLP; its last size is the number of tasks (every model but mmoe)."""
     activation: Literal["relu", "gelu", "silu"] = "relu"
     """Activation of the hidden MLP layers."""
-    dropout: float = 0.0
+    dropout: Annotated[float, Fraction] = 0.0
     """Dropout after each hidden MLP layer, in training only."""
     cross: CrossConfig = field(default_factory=CrossConfig)
     """[model.cross]"""
-    cin_layer_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    cin_layer_sizes: list[Annotated[int, AtLeast1]] = field(default_factory=lambda: [64, 64])
     """xdeepfm: feature maps of each compressed interaction network (CIN) layer."""
     pnn_product: Literal["inner", "outer", "both"] = "inner"
     """pnn: the product layer: inner products of embedding pairs (IPNN), outer products
@@ -232,30 +290,31 @@ class ModelConfig:
 class TrainConfig:
     """The optimization loop."""
 
-    batch_size: int = 1024
+    batch_size: Annotated[int, AtLeast1] = 1024
     """Samples per step on each rank."""
-    epochs: int = 1
-    """Passes over the train split. Training stops at whichever of epochs / max_steps is first."""
-    max_steps: int = 0
+    epochs: Annotated[int, AtLeast0] = 1
+    """Passes over the train split. Training stops at whichever of epochs / max_steps is first
+    (0: no training, only the test evaluation and the checkpoint of the initial model)."""
+    max_steps: Annotated[int, AtLeast0] = 0
     """Stop after this many steps (0: no limit beyond epochs)."""
     dense_optimizer: Literal["adam", "adamw", "adagrad", "sgd"] = "adam"
     """torch optimizer for the dense (MLP) parameters."""
-    dense_lr: float = 1e-3
+    dense_lr: Annotated[float, AtLeast0] = 1e-3
     """Learning rate of the dense optimizer."""
-    task_loss_weights: list[float] = field(default_factory=list)
+    task_loss_weights: list[Annotated[float, AtLeast0]] = field(default_factory=list)
     """Weight of each task's BCE loss in the total (multi-task models); empty: 1 for every
     task. The loss is sum_t w_t * BCE_t / sum_t w_t."""
     embedding_optimizer: Literal["adagrad", "rowwise_adagrad", "adam", "sgd"] = "adagrad"
     """Optimizer of the embedding tables (recsys.embedding.optim; rowwise_adagrad keeps one
     state float per row)."""
-    embedding_lr: float = 0.05
+    embedding_lr: Annotated[float, AtLeast0] = 0.05
     """Learning rate of the embedding optimizer."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate multiplier after warmup, for both optimizers: constant 1, or decaying
     linearly / along a half cosine from 1 to min_lr_ratio at the last step."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, AtLeast0] = 0
     """Steps over which the learning rates ramp up linearly from lr / warmup_steps to lr."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Annotated[float, Range(min=0, max=1)] = 0.0
     """Multiplier reached at the last step by the linear and cosine schedules."""
     embedding_stochastic_rounding: bool = True
     """fp16 / bf16 tables: write fused updates back with stochastic rounding (else round to
@@ -264,11 +323,11 @@ class TrainConfig:
     """Apply the embedding optimizer inside backward, to the touched rows only, building no
     table-sized gradient (on sharded tables too). Off: tables take dense gradients and the
     torch optimizer of the same name (rowwise_adagrad needs the fused update)."""
-    log_every_steps: int = 100
+    log_every_steps: Annotated[int, AtLeast1] = 100
     """Write a train event (loss, samples/s) every this many steps."""
-    eval_every_steps: int = 0
+    eval_every_steps: Annotated[int, AtLeast0] = 0
     """Evaluate on the validation split every this many steps (0: only at the end)."""
-    eval_batch_size: int = 8192
+    eval_batch_size: Annotated[int, AtLeast1] = 8192
     """Samples per evaluation batch."""
     progress_bar: bool = True
     """Show a progress bar on rank 0 when the output is a terminal."""
@@ -282,7 +341,7 @@ class DistributedConfig:
     """Per-table placements that override the planner, "<table>=<type>[@<rank>,...]" with type
     data_parallel, table_wise, row_wise or column_wise; e.g. ["t_C1=row_wise",
     "t_C2=table_wise@1"]."""
-    memory_per_rank_gb: float = 0.0
+    memory_per_rank_gb: Annotated[float, AtLeast0] = 0.0
     """GiB each rank may use for tables and their optimizer state (0: no limit)."""
     forward_precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
     """How pooled embeddings travel between ranks (int8: per-row scale)."""
@@ -296,9 +355,9 @@ class DistributedConfig:
 class CheckpointConfig:
     """Checkpoints written under <run dir>/checkpoints."""
 
-    every_steps: int = 0
+    every_steps: Annotated[int, AtLeast0] = 0
     """Also save every this many steps (0: only at the end)."""
-    keep: int = 3
+    keep: Annotated[int, AtLeast0] = 3
     """Keep the newest this many checkpoints; older ones are deleted (0: keep all)."""
     save_final: bool = True
     """Save a checkpoint when training ends."""
@@ -438,7 +497,7 @@ def _set_key(root: Any, key: str, value: Any, source: str, prefix: str = "") -> 
     current = _resolve(obj, name, full_key, source)
     if dataclasses.is_dataclass(current):
         raise ValueError(f"{source}: '{full_key}' is a section; set one of its keys instead")
-    hint = typing.get_type_hints(type(obj))[name]
+    hint = typing.get_type_hints(type(obj), include_extras=True)[name]
     setattr(obj, name, _coerce(value, hint, full_key, source))
 
 
@@ -473,6 +532,13 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         )
 
     origin = typing.get_origin(hint)
+    if origin is Annotated:
+        base, *rules = typing.get_args(hint)
+        value = _coerce(value, base, key, source)
+        for rule in rules:
+            if (problem := rule.problem(value)) is not None:
+                raise ValueError(f"{source}: config key '{key}' {problem}, got {value!r}")
+        return value
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:
@@ -518,6 +584,9 @@ def _parse_scalar(text: str) -> Any:
 
 
 def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is Annotated:
+        base, *rules = typing.get_args(hint)
+        return " ".join([_type_name(base), *(str(rule) for rule in rules)])
     if typing.get_origin(hint) is list:
         return f"a list of {_type_name(typing.get_args(hint)[0])}"
     if typing.get_origin(hint) is Literal:
@@ -605,7 +674,7 @@ def config_reference() -> str:
 def _reference_section(obj: Any, path: list[str], out: list[str]) -> None:
     cls = type(obj)
     docs = field_docs(cls)
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     values, sections = _split_fields(obj)
     rows = []
     for name, value in values:

@@ -6,6 +6,7 @@ TRITON_INTERPRET=0 (scripts/gpu_check.sh on a GPU machine) gets compiled kernels
 """
 
 import os
+import subprocess
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -17,6 +18,18 @@ import torch
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory in which no file can be created or removed, root included (the immutable
+    attribute: tests run as root on CI, where a chmod would not stop a write)."""
+    directory = tmp_path / "read_only"
+    directory.mkdir()
+    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not supported on this file system")
+    yield directory
+    subprocess.run(["chattr", "-i", str(directory)], check=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -74,8 +74,24 @@ def _attempt_store(world_size: int) -> dist.Store | None:
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def check_device_name(name: str) -> str | None:
+    """What is wrong with ``run.device = name`` (None: :func:`resolve_device` takes it): one of
+    ``auto``, ``cpu``, ``cuda``, ``cuda:N``. Whether CUDA is there is checked at run time."""
+    if name == "auto":
+        return None
+    try:
+        device_type = torch.device(name).type
+    except RuntimeError:
+        device_type = None
+    if device_type not in ("cpu", "cuda"):
+        return "must be 'auto', 'cpu', 'cuda' or 'cuda:N'"
+    return None
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """``auto`` -> this rank's GPU when CUDA is available, else CPU; otherwise ``name``."""
+    if (problem := check_device_name(name)) is not None:
+        raise ValueError(f"run.device = {name!r} {problem}")
     if name == "auto":
         name = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)

@@ -11,6 +11,12 @@ per rank), the first rank writes plain-text sidecars: ``config.toml`` (the resol
 the run) and ``spec.json`` (the dataset's columns and table sizes), so a checkpoint alone is
 enough to rebuild its model (:func:`load_model`) without the data it was trained on.
 
+Last before the commit, ``checksums.json`` records the size and CRC-32 of every file (each rank
+checksums a share of them). Loading verifies them first (:func:`verify_checkpoint`): a flipped
+byte or a truncated file is a :class:`CheckpointError` naming the file, never weights read into
+a model. ``resume = "latest"`` goes back to the newest checkpoint that verifies
+(:func:`find_resumable`).
+
 The tensors are saved in a layout that does not depend on how the run was sharded: every
 table (and its optimizer state) under its logical name and full ``[num_embeddings, dim]``
 shape, each rank writing the rows it owns. Any world size and sharding plan reads them back.
@@ -23,6 +29,7 @@ import os
 import re
 import shutil
 import warnings
+import zlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -33,8 +40,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from recsys._files import write_failure
 from recsys.config import Config, load_config, to_toml
 from recsys.data.batch import DatasetSpec
 
@@ -42,6 +51,13 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
 CONFIG_FILE = "config.toml"
 SPEC_FILE = "spec.json"
+CHECKSUMS_FILE = "checksums.json"
+_BLOCK = 16 << 20  # bytes read at a time when checksumming
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted: a file missing, truncated or changed since it was
+    saved, or metadata that does not read back."""
 
 
 def save_checkpoint(
@@ -76,47 +92,73 @@ def save_checkpoint(
     is_main = not _distributed() or dist.get_rank() == 0
     if is_main:
         directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.glob(".tmp-step_*"):  # left by a save that crashed
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in [*directory.glob(".tmp-step_*"), *directory.glob(".old-step_*")]:
+            shutil.rmtree(stale, ignore_errors=True)  # left by a save that crashed
     _barrier()
     with warnings.catch_warnings():
         # Single-process saves are intended; DCP warns that no process group exists.
         warnings.filterwarnings("ignore", message=".*torch.distributed.*", category=UserWarning)
-        dcp.save(state, checkpoint_id=tmp)
+        try:
+            dcp.save(state, checkpoint_id=tmp)
+        except (Exception, CheckpointException) as error:
+            failure = write_failure(error, tmp)
+            if failure is error:
+                raise
+            raise failure from error
     if is_main:
         if config is not None:
             _write_synced(tmp / CONFIG_FILE, to_toml(config))
         if spec is not None:
             _write_synced(tmp / SPEC_FILE, json.dumps(asdict(spec), indent=1) + "\n")
     _barrier()
+    names = _from_first_rank(sorted(p.name for p in tmp.iterdir() if p.is_file()))
+    sums = _gather({name: _checksum(tmp / name) for name in _my_share(names)})
     if is_main:
-        if final.exists():
-            shutil.rmtree(final)
+        manifest = {"algorithm": "crc32", "files": dict(sorted(sums.items()))}
+        _write_synced(tmp / CHECKSUMS_FILE, json.dumps(manifest, indent=1) + "\n")
+        replaced = directory / f".old-{final.name}"
+        if final.exists():  # e.g. a damaged checkpoint of this step, skipped by the resume
+            final.rename(replaced)
         tmp.rename(final)
         _point_latest(directory, final)
+        shutil.rmtree(replaced, ignore_errors=True)
         if keep > 0:
-            for old in list_checkpoints(directory)[:-keep]:
+            # Only older steps: a later checkpoint left by a run this one forked from (a resume
+            # of an older checkpoint) is not this run's to delete.
+            older = [p for p in list_checkpoints(directory) if _step_of(p) < step]
+            for old in older[: max(len(older) - (keep - 1), 0)]:
                 shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(directory)
     _barrier()
     return final
 
 
-def load_checkpoint(path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path, state: dict[str, Any], *, verify: bool = True
+) -> dict[str, Any]:
     """Load a checkpoint into ``state`` in place (tensors are filled, plain values replaced).
 
     ``state`` gives the structure to read: keys the save wrote, with tensors of the right
     (logical) shapes, plain or sharded under any plan. Keys the save wrote but ``state`` lacks
-    are not read. Returns ``state``.
+    are not read. Collective under torch.distributed (every rank calls it). Returns ``state``.
+
+    Args:
+        path: the checkpoint directory.
+        state: what to read, filled in place.
+        verify: check every file against ``checksums.json`` first (:func:`verify_checkpoint`);
+            False when the caller has just verified it.
 
     Raises:
         FileNotFoundError: ``path`` is not a checkpoint directory.
+        CheckpointError: a file is missing, truncated or corrupt (named in the message).
         ValueError: ``state`` asks for keys the checkpoint does not hold, or a tensor of another
             shape (every difference is listed).
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"checkpoint not found: '{path}' (no DCP .metadata in it)")
+    if verify:
+        verify_checkpoint(path)
     _check_against(path, state)
     # Flattened here, as the save did: DCP's own flattening differs on load when the state
     # holds ShardedTensors (containers of plain values, e.g. param_groups, stay one key).
@@ -129,11 +171,92 @@ def load_checkpoint(path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def verify_checkpoint(path: str | Path) -> None:
+    """Check every file of a checkpoint against the sizes and CRC-32s its ``checksums.json``
+    recorded when it was saved. Collective under torch.distributed: each rank reads a share of
+    the files, and every rank raises the same error.
+
+    A checkpoint saved before checksums existed (no ``checksums.json``) is not verified; a
+    warning says so.
+
+    Raises:
+        CheckpointError: a file missing, of another size (truncated) or with another checksum
+            (corrupt), or an unreadable ``checksums.json``; the message names the file.
+    """
+    path = Path(path)
+    manifest_file = path / CHECKSUMS_FILE
+    problem = None
+    expected: dict[str, dict[str, int]] = {}
+    if not manifest_file.is_file():
+        warnings.warn(
+            f"checkpoint '{path}' has no {CHECKSUMS_FILE} (saved by an older recsys): its files "
+            "are not verified",
+            stacklevel=2,
+        )
+    else:
+        try:
+            expected = json.loads(manifest_file.read_text())["files"]
+        except (ValueError, KeyError, TypeError, OSError) as error:
+            problem = f"'{manifest_file}' is unreadable ({error})"
+    problems = _gather_list(
+        [problem]
+        if problem
+        else [_verify_file(path, n, expected[n]) for n in _my_share(sorted(expected))]
+    )
+    problems = [p for p in problems if p]
+    if problems:
+        more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
+        raise CheckpointError(f"checkpoint '{path}' is damaged: {problems[0]}{more}")
+
+
+def find_resumable(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint ``resume = "latest"`` continues from: the one ``checkpoints/latest``
+    points to (else the newest), or, when it does not verify, the newest older one that does.
+
+    Collective under torch.distributed (verification reads the files on every rank).
+
+    Returns:
+        (the checkpoint, absolute, or None when the run has none; one line per checkpoint
+        skipped, saying why).
+
+    Raises:
+        CheckpointError: the run has checkpoints and none of them verifies.
+    """
+    directory = Path(run_dir) / "checkpoints"
+    newest = latest_checkpoint(directory)
+    if newest is None:
+        return None, []
+    candidates = [newest] + [p for p in reversed(list_checkpoints(directory)) if p != newest]
+    candidates = [p for p in candidates if _step_of(p) <= _step_of(newest)]
+    skipped = []
+    for candidate in candidates:
+        try:
+            verify_checkpoint(candidate)
+            checkpoint_shapes(candidate)  # the metadata reads back
+        except CheckpointError as error:
+            skipped.append(f"skipped {candidate.name}: {error}")
+            continue
+        return candidate.resolve(), skipped
+    raise CheckpointError(f"no checkpoint of '{run_dir}' verifies:\n  " + "\n  ".join(skipped))
+
+
 def checkpoint_shapes(path: str | Path) -> dict[str, torch.Size | None]:
     """Every key the checkpoint holds (flattened, ``"model.dense_arch.0.weight"``) with its
-    logical shape, or None for a plain (non-tensor) value."""
+    logical shape, or None for a plain (non-tensor) value.
+
+    Raises:
+        CheckpointError: the DCP ``.metadata`` file does not read back (truncated or corrupt).
+    """
     reader = dcp.FileSystemReader(str(path))
-    metadata = reader.read_metadata().state_dict_metadata
+    try:
+        metadata = reader.read_metadata().state_dict_metadata
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # pickle raises many kinds on a damaged file
+        raise CheckpointError(
+            f"checkpoint '{path}': its .metadata does not read back "
+            f"({type(error).__name__}: {error})"
+        ) from None
     return {
         key: (meta.size if isinstance(meta, TensorStorageMetadata) else None)
         for key, meta in metadata.items()
@@ -150,11 +273,16 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest committed checkpoint in ``directory``, or None.
+    """The checkpoint ``directory/latest`` points to (the last one committed), or, without
+    that link, the newest committed one by step; None when there is none.
 
     Committed directories are complete by construction (a crash mid-save leaves only a
-    ``.tmp-`` directory), so the newest one is found by name; ``directory/latest`` points at
-    the same one."""
+    ``.tmp-`` directory). The link, not the highest step, is followed: a run that resumed an
+    older checkpoint commits lower steps than ones it left behind."""
+    directory = Path(directory)
+    link = directory / LATEST
+    if link.is_symlink() and _STEP_DIR.match(os.readlink(link)) and link.resolve().is_dir():
+        return directory / os.readlink(link)
     found = list_checkpoints(directory)
     return found[-1] if found else None
 
@@ -211,8 +339,10 @@ def read_spec(path: str | Path) -> DatasetSpec:
 def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
     """Rebuild a checkpoint's model in this process, with its trained weights, in eval mode.
 
-    Works whatever world size and sharding plan the checkpoint was saved with: tables are
-    read back whole. No optimizer is attached (the tables' optimizer states are not read).
+    ``path`` is a checkpoint directory, or a run directory / its ``checkpoints/`` (their
+    latest checkpoint). Works whatever world size and sharding plan the checkpoint was saved
+    with: tables are read back whole. No optimizer is attached (the tables' optimizer states
+    are not read).
 
     Example::
 
@@ -221,11 +351,12 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Modul
     """
     from recsys.models import build_model
 
-    path = Path(path)
+    path = resolve_checkpoint(path)
+    verify_checkpoint(path)  # before its sidecars are trusted
     config, spec = read_config(path), read_spec(path)
     model = build_model(config.model, spec, torch.device(device))
     state = {"model": model.state_dict()}
-    load_checkpoint(path, state)
+    load_checkpoint(path, state, verify=False)
     model.load_state_dict(state["model"])
     return model.eval()
 
@@ -257,6 +388,65 @@ def _flatten(state: dict[str, Any]) -> list[tuple[str, Any]]:
     """``state`` under the flattened keys DCP stores it with."""
     flat, _ = flatten_state_dict(state)
     return list(flat.items())
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(_STEP_DIR.match(checkpoint.name).group(1))
+
+
+def _checksum(path: Path) -> dict[str, int]:
+    crc, size = 0, 0
+    with path.open("rb") as f:
+        while block := f.read(_BLOCK):
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+    return {"bytes": size, "crc32": crc}
+
+
+def _verify_file(directory: Path, name: str, expected: dict[str, int]) -> str | None:
+    """What is wrong with file ``name`` of a checkpoint, or None."""
+    path = directory / name
+    if not path.is_file():
+        return f"'{name}' is missing"
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        return f"'{name}' is {size:,} bytes, {expected['bytes']:,} when saved (truncated?)"
+    if _checksum(path)["crc32"] != expected["crc32"]:
+        return f"'{name}' does not match the checksum recorded when it was saved (corrupt)"
+    return None
+
+
+def _my_share(names: Any) -> list[str]:
+    """This rank's share of a list of file names (all of them in one process)."""
+    if not _distributed():
+        return list(names)
+    return list(names)[dist.get_rank() :: dist.get_world_size()]
+
+
+def _from_first_rank(value: Any) -> Any:
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(part: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's dict merged (on every rank)."""
+    if not _distributed():
+        return part
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    return {key: value for p in parts for key, value in p.items()}
+
+
+def _gather_list(part: list[Any]) -> list[Any]:
+    """Every rank's list concatenated in rank order (on every rank)."""
+    if not _distributed():
+        return part
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    return [item for p in parts for item in p]
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from recsys._files import describe_os_error
 from recsys.config import config_reference, load_config, to_toml
 
 
@@ -56,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         help="checkpoint directory, or a run directory (its newest checkpoint)",
     )
     export.add_argument("--output", required=True, help="file to write, e.g. model.pt2")
+    export.add_argument("--overwrite", action="store_true", help="replace --output when it exists")
     score = commands.add_parser(
         "predict",
         help="score parquet files with an exported model",
@@ -65,7 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     score.add_argument("--model", required=True, help="a .pt2 file from recsys export")
     score.add_argument("--input", required=True, help="parquet file, directory or glob")
-    score.add_argument("--output", required=True, help="parquet file to write")
+    score.add_argument(
+        "--output", required=True, help="parquet file to write (not one of the inputs)"
+    )
+    score.add_argument("--overwrite", action="store_true", help="replace --output when it exists")
     score.add_argument(
         "--batch-size", type=int, default=8192, help="rows per forward call (default 8192)"
     )
@@ -82,6 +87,8 @@ _PREPROCESS_FLAGS = {
     "multi-hot": "parquet/csv: comma-separated list columns (CSV bags are a|b|c)",
     "dense": "parquet/csv: comma-separated numeric columns",
     "label": "parquet/csv: comma-separated 0/1 label column(s)",
+    "apply": "DATA_DIR written by preprocess: transform the input with its fitted workflow "
+    "(same ids, table sizes and fingerprint; roles come from there)",
 }
 
 
@@ -102,6 +109,8 @@ def _preprocess(args: argparse.Namespace, overrides: list[str]) -> None:
     print(report.malformed.summary())
     for example in report.malformed.examples[1:]:
         print(f"  {example}")
+    for note in report.notes():
+        print(note)
     recipe = "configs/dlrm_synthetic.toml"
     print(f"train on it: recsys train --config {recipe} --data.path={report.output}")
 
@@ -112,7 +121,7 @@ def _export(args: argparse.Namespace) -> None:
 
     start = time.perf_counter()
     checkpoint = resolve_checkpoint(args.checkpoint)
-    output = export_model(checkpoint, args.output)
+    output = export_model(checkpoint, args.output, overwrite=args.overwrite)
     megabytes = output.stat().st_size / 2**20
     print(
         f"recsys: exported {checkpoint} to {output} ({megabytes:.1f} MiB torch.export program) "
@@ -124,7 +133,7 @@ def _export(args: argparse.Namespace) -> None:
 def _predict(args: argparse.Namespace) -> None:
     from recsys.train.export import predict
 
-    report = predict(args.model, args.input, args.output, args.batch_size)
+    report = predict(args.model, args.input, args.output, args.batch_size, overwrite=args.overwrite)
     print(
         f"recsys: scored {report.rows:,} rows of {report.files} file(s) into {report.output} "
         f"({', '.join(report.columns)}) in {report.seconds:.1f} s"
@@ -152,10 +161,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "config":
             print(to_toml(config), end="")
             return 0
+        from recsys.train.stop import TrainingStopped
         from recsys.train.trainer import train
 
-        train(config)
+        try:
+            train(config)
+        except TrainingStopped as stopped:
+            print(f"recsys: {stopped}", file=sys.stderr)
+            return stopped.exit_code
         return 0
     except (ValueError, FileNotFoundError) as error:
         print(f"recsys: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a full disk, a read-only directory, ...
+        print(f"recsys: error: {describe_os_error(error)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("recsys: interrupted", file=sys.stderr)
+        return 130

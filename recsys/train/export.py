@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
+from recsys._files import is_inside, remove_quietly, write_failure
 from recsys._suggest import quoted_with_hints
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.parquet import table_to_batch
@@ -82,16 +83,20 @@ class InferenceModule(nn.Module):
         return torch.sigmoid(self.model(dense, sparse))  # [B, T]
 
 
-def export_model(checkpoint: str | Path, output: str | Path) -> Path:
+def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool = False) -> Path:
     """Export a checkpoint's model as a ``torch.export`` ExportedProgram file (``.pt2``).
 
     Args:
         checkpoint: a checkpoint directory, or a run directory / its ``checkpoints/`` (its
             newest checkpoint).
-        output: the file to write (replaced atomically if it exists).
+        output: the file to write; it appears only once complete.
+        overwrite: replace ``output`` when it exists (else that is an error).
 
     Returns:
         ``output``.
+
+    Raises:
+        ValueError: ``output`` exists and ``overwrite`` is False, or is a directory.
 
     Example::
 
@@ -100,6 +105,7 @@ def export_model(checkpoint: str | Path, output: str | Path) -> Path:
     """
     checkpoint = resolve_checkpoint(checkpoint)
     output = Path(output)
+    _check_output(output, overwrite)
     spec = read_spec(checkpoint)
     model = load_model(checkpoint, device="cpu").requires_grad_(False)
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
@@ -125,9 +131,22 @@ def export_model(checkpoint: str | Path, output: str | Path) -> Path:
             warnings.filterwarnings("ignore", message="No complete tensor found")
             torch.export.save(program, tmp_dir / output.name, extra_files=extra_files)
         os.replace(tmp_dir / output.name, output)
+    except Exception as error:
+        failure = write_failure(error, output)
+        if failure is error:
+            raise
+        raise failure from error
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return output
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    """Refuse to replace an existing file unless asked, and never a directory."""
+    if output.is_dir():
+        raise ValueError(f"output '{output}' is a directory; give the file to write")
+    if output.exists() and not overwrite:
+        raise ValueError(f"output '{output}' exists; pass --overwrite to replace it")
 
 
 def _example_inputs(spec: DatasetSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -193,7 +212,12 @@ class PredictReport:
 
 
 def predict(
-    model_path: str | Path, input: str | Path, output: str | Path, batch_size: int = 8192
+    model_path: str | Path,
+    input: str | Path,
+    output: str | Path,
+    batch_size: int = 8192,
+    *,
+    overwrite: bool = False,
 ) -> PredictReport:
     """Score parquet files with an exported model and write the scores as parquet.
 
@@ -207,12 +231,15 @@ def predict(
         input: a parquet file, a directory of them (``*.parquet``, in name order) or a glob.
         output: the parquet file to write: one float32 column ``score_<label>`` per task, rows
             in input order, plus the label columns when the input has them. Written to a
-            temporary file and renamed, so it appears only complete.
+            temporary file and renamed, so it appears only complete. Never one of the inputs,
+            nor a file inside an input directory.
         batch_size: rows per forward call.
+        overwrite: replace ``output`` when it exists (else that is an error).
 
     Raises:
         FileNotFoundError: no model file, or no input file.
-        ValueError: input lacking a column the model reads, or holding an id outside its table.
+        ValueError: input lacking a column the model reads, or holding an id outside its table;
+            ``output`` among the inputs, or existing without ``overwrite``.
 
     Example::
 
@@ -222,8 +249,20 @@ def predict(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     start = time.perf_counter()
     model, spec = load_exported(model_path)
-    files = _input_files(str(input))
     output = Path(output)
+    files = _input_files(str(input))
+    for file in files:
+        if output.resolve() == file.resolve():
+            raise ValueError(
+                f"output '{output}' is also an input: scoring it would overwrite it; give "
+                "another --output"
+            )
+    if Path(input).is_dir() and is_inside(output, input):
+        raise ValueError(
+            f"output '{output}' is inside the input directory '{input}', where a later run "
+            "would read it as input; write it elsewhere"
+        )
+    _check_output(output, overwrite)
     # Labels pass through when the first file has them (then every file must).
     first = _open_input(files[0], spec, []).schema_arrow
     labels = [name for name in spec.label_names if name in first.names]
@@ -244,8 +283,13 @@ def predict(
                 writer.write_table(pa.table(out, schema=schema))
                 rows += len(batch)
         os.replace(tmp, output)
+    except Exception as error:
+        failure = write_failure(error, output)
+        if failure is error:
+            raise
+        raise failure from error
     finally:
-        tmp.unlink(missing_ok=True)
+        remove_quietly(tmp)  # a failure to clean up must not hide the error
     return PredictReport(output, rows, len(files), scores, time.perf_counter() - start)
 
 

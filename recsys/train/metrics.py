@@ -92,7 +92,8 @@ class BinaryMetrics:
 class MetricsLogger:
     """Appends one JSON object per event to ``<run dir>/metrics.jsonl`` (rank 0 only).
 
-    Every event carries ``split``, ``step`` and ``time`` (seconds since the logger started).
+    Every event carries ``split``, ``step`` and ``time`` (seconds since the run started, a
+    resumed run continuing the clock of the events it keeps).
 
     Args:
         path: the file.
@@ -111,6 +112,8 @@ class MetricsLogger:
             kept = []
             if resume_step is not None and path.is_file():
                 kept = [e for e in read_metrics(path) if e["step"] <= resume_step]
+            # A resumed run's clock continues from its last kept event.
+            self.start -= max((float(e.get("time", 0.0)) for e in kept), default=0.0)
             path.write_text("".join(json.dumps(e) + "\n" for e in kept))
 
     def log(self, split: str, step: int, **values: Any) -> dict[str, Any]:

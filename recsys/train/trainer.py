@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from recsys._files import is_inside, write_text_atomic
 from recsys.config import CheckpointConfig, Config, TrainConfig, config_differences, to_toml
 from recsys.data import build_dataset, resolve_source
 from recsys.data.batch import Batch
@@ -47,15 +48,20 @@ from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import OPTIMIZERS as FUSED_OPTIMIZERS
 from recsys.models import build_model
 from recsys.train.checkpoint import (
+    LATEST,
     checkpoint_shapes,
+    find_resumable,
     load_checkpoint,
     read_config,
     resolve_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
 from recsys.train.finetune import freeze, init_from_checkpoint
 from recsys.train.metrics import BinaryMetrics, MetricsLogger
+from recsys.train.run_dir import check_run_dir, clear_previous_run
 from recsys.train.schedule import LRSchedule
+from recsys.train.stop import StopSignals, TrainingStopped
 
 _OPTIMIZERS = {
     "adam": torch.optim.Adam,
@@ -67,11 +73,12 @@ _OPTIMIZERS = {
 
 @dataclass
 class TrainResult:
-    """What a finished run reports (also printed as the summary line)."""
+    """What a finished run reports (also printed as the summary line). ``samples_per_s`` is
+    over the steps this process trained (None when it resumed at the last step)."""
 
     run_dir: Path
     steps: int
-    samples_per_s: float
+    samples_per_s: float | None
     test: dict[str, Any]
     checkpoint: Path | None
 
@@ -184,14 +191,18 @@ class _Run:
         self.info = info
         self.run_dir = Path(config.run.dir)
         ckpt = config.checkpoint
-        # Resolved before anything is written: every rank must find the same checkpoint.
-        resume = resolve_checkpoint(ckpt.resume, self.run_dir) if ckpt.resume else None
-        _barrier()
-        if info.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(to_toml(config))
+        # Decided before anything is written, the same on every rank.
+        _on_first_rank(
+            lambda: check_run_dir(
+                self.run_dir, continuing=self._continuing(), overwrite=config.run.overwrite
+            )
+        )
+        resume = self._find_resume() if ckpt.resume else None
         torch.manual_seed(config.run.seed)
         self.dataset = build_dataset(config.data, config.run.seed)
+        malformed = getattr(self.dataset, "malformed", None)
+        if malformed is not None and malformed.count:
+            self._print(f"{config.data.path}: {malformed.summary()}")
         model = build_model(config.model, self.dataset.spec, device)
         if ckpt.init_from and resume is None:
             self._print(init_from_checkpoint(model, resolve_checkpoint(ckpt.init_from), ckpt))
@@ -228,6 +239,15 @@ class _Run:
         self.last_checkpoint: Path | None = None
         if resume is not None:
             self._restore(resume)
+        self.start_step = self.step  # steps before it were trained by an earlier process
+        # Everything above can fail on a bad config or data: only now is the run dir written.
+        if info.is_main:
+            if config.run.overwrite and not self._continuing():
+                removed = clear_previous_run(self.run_dir)
+                if removed:
+                    self._print(f"--run.overwrite: replaced {'; '.join(removed)}")
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.run_dir / "config.toml", to_toml(config))
         self.logger = MetricsLogger(
             self.run_dir / "metrics.jsonl",
             enabled=info.is_main,
@@ -235,6 +255,25 @@ class _Run:
         )
         if resume is not None:
             self.logger.log("resume", self.step, checkpoint=str(resume))
+
+    def _continuing(self) -> bool:
+        """Whether this run continues a run of its own directory: resume = "latest", or a
+        checkpoint inside run.dir."""
+        resume = self.config.checkpoint.resume
+        return resume == LATEST or (bool(resume) and is_inside(resume, self.run_dir))
+
+    def _find_resume(self) -> Path | None:
+        """The checkpoint to resume (None: a fresh start). ``latest`` goes back to the newest
+        checkpoint that verifies and says which ones it skipped; an explicit path must verify.
+        Collective: every rank reads a share of the files."""
+        if self.config.checkpoint.resume != LATEST:
+            path = resolve_checkpoint(self.config.checkpoint.resume)
+            verify_checkpoint(path)
+            return path
+        path, skipped = find_resumable(self.run_dir)
+        for line in skipped:
+            self._print(f"resume=latest: {line}")
+        return path
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         """Shard the tables and DDP the rest when there are several ranks (see
@@ -259,11 +298,22 @@ class _Run:
         return model
 
     def fit(self) -> TrainResult:
+        """Train to ``total_steps``, evaluate on the test split, save the final checkpoint.
+
+        Raises:
+            TrainingStopped: SIGINT or SIGTERM arrived; a checkpoint of the step reached was
+                saved first (every rank stops at the same step).
+        """
+        with StopSignals(self.info.world_size) as signals:
+            return self._fit(signals)
+
+    def _fit(self, signals: StopSignals) -> TrainResult:
         cfg, train_cfg = self.config, self.config.train
         total_steps = self.total_steps
+        resumed = f", from step {self.step}" if self.step else ""
         self._print(
-            f"recsys: training {cfg.model.name} on {resolve_source(cfg.data)} data for "
-            f"{total_steps} steps "
+            f"recsys: training {cfg.model.name} on {_data_name(cfg)} for "
+            f"{total_steps} steps{resumed} "
             f"(batch {train_cfg.batch_size} x {self.info.world_size} rank(s), {self.device}); "
             f"run dir {self.run_dir}"
         )
@@ -299,21 +349,36 @@ class _Run:
                     window.pause(lambda: self.evaluate("valid"))
                 if self._checkpoint_due(cfg.checkpoint):
                     window.pause(self.save)
+                if signals.requested():
+                    progress.close()
+                    self._stop(signals.name)
             if self.step == total_steps:
                 break
         progress.close()
         test = self.evaluate("test")
         checkpoint = None
         if cfg.checkpoint.save_final:
-            checkpoint = (
-                self.last_checkpoint if self._checkpoint_due(cfg.checkpoint) else self.save()
-            )
+            checkpoint = self._saved_now() or self.save()
+        trained = self.step - self.start_step  # this process's steps, not the resumed ones
         samples_per_s = (
-            self.step * train_cfg.batch_size * self.info.world_size / max(window.train_time, 1e-9)
+            trained * train_cfg.batch_size * self.info.world_size / window.train_time
+            if trained and window.train_time > 0
+            else None
         )
         result = TrainResult(self.run_dir, self.step, samples_per_s, test, checkpoint)
-        self._print(_summary_line(cfg.run.name, result))
+        self._print(_summary_line(f"{cfg.model.name} on {_data_name(cfg)}", result, trained))
         return result
+
+    def _stop(self, signal_name: str) -> None:
+        """Save the step reached (unless just saved) and raise :class:`TrainingStopped`."""
+        checkpoint = self._saved_now() or self.save()
+        self.logger.log("stop", self.step, signal=signal_name, checkpoint=str(checkpoint))
+        raise TrainingStopped(signal_name, self.step, checkpoint)
+
+    def _saved_now(self) -> Path | None:
+        """The checkpoint of the current step, when there is one already."""
+        last = self.last_checkpoint
+        return last if last is not None and last.name == f"step_{self.step:08d}" else None
 
     def _loader(self, split: str, epoch: int = 0, start_batch: int = 0) -> BatchLoader:
         training = split == "train"
@@ -460,7 +525,7 @@ class _Run:
         if not any(k.startswith(f"rng.{rng_key}.") for k in checkpoint_shapes(path)):
             del state["rng"]  # a rank the saving run did not have: keeps its seeded RNG
         state["optimizers"], live = self._optimizer_states()
-        load_checkpoint(path, state)
+        load_checkpoint(path, state, verify=False)  # verified by _find_resume
         _unwrap(self.model).load_state_dict(state["model"])
         for name, optimizer in self.optimizers.items():
             # the embedding optimizer's tensors were filled in place (see _optimizer_states)
@@ -472,6 +537,19 @@ class _Run:
         self.last_checkpoint = path  # a run resumed at its last step has nothing left to save
         self.data_position = self._data_position(state)
         self._print(f"resumed from {path} at step {self.step}")
+        epoch, done = self.data_position["epoch"], self.data_position["batch"]
+        epochs, max_steps = self.config.train.epochs, self.config.train.max_steps
+        left = self.steps_per_epoch * (epochs - epoch) - done  # batches of this run's size
+        total = self.step + left if max_steps == 0 else min(self.step + left, max_steps)
+        if total != self.total_steps:
+            # Steps before the resume were counted in the saving run's batches: with other
+            # batch sizes or ranks, the data left, not epochs x steps per epoch, sets the end.
+            self._print(
+                f"with batches of {self.config.train.batch_size} x {self.info.world_size} "
+                f"rank(s), the data left for train.epochs = {epochs} is {total - self.step} "
+                f"batch(es): this run ends at step {total}"
+            )
+            self.total_steps = self.schedule.total_steps = total
         differences = config_differences(read_config(path), self.config)
         differences = [d for d in differences if not d.startswith("checkpoint.resume:")]
         if differences:
@@ -581,10 +659,39 @@ def _sum_over_ranks(value: int, device: torch.device) -> int:
     return int(total)
 
 
-def _summary_line(name: str, result: TrainResult) -> str:
+def _summary_line(what: str, result: TrainResult, trained: int) -> str:
     test = result.test
-    line = f"recsys: {name} done | {result.steps} steps | test auc {test['auc']:.4f}"
+    line = f"recsys: {what} done | {result.steps} steps | test auc {test['auc']:.4f}"
     if "oracle_auc" in test:
         line += f" (oracle {test['oracle_auc']:.4f}, gap {test['oracle_auc'] - test['auc']:.4f})"
-    line += f" | test logloss {test['logloss']:.4f} | {result.samples_per_s:,.0f} samples/s"
+    line += f" | test logloss {test['logloss']:.4f} | "
+    if result.samples_per_s is None:
+        line += "no step trained in this process"
+    else:
+        line += f"{result.samples_per_s:,.0f} samples/s"
+        if trained != result.steps:
+            line += f" over its {trained} step(s)"
     return line + f" | {result.run_dir}"
+
+
+def _data_name(config: Config) -> str:
+    """The data a run trains on, as the summary names it."""
+    source = resolve_source(config.data)
+    return "synthetic data" if source == "synthetic" else f"{source} data '{config.data.path}'"
+
+
+def _on_first_rank(check: Any) -> None:
+    """Run ``check`` on the first rank; a ValueError it raises is raised on every rank (so no
+    rank waits in a collective for one that stopped)."""
+    error = None
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        try:
+            check()
+        except ValueError as raised:
+            error = str(raised)
+    if torch.distributed.is_initialized():
+        box = [error]
+        torch.distributed.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ValueError(error)

@@ -223,3 +223,59 @@ def test_user_errors_exit_2_with_one_line(trained, tmp_path, capsys):
 
     assert main(["export", "--checkpoint", str(tmp_path), "--output", str(output)]) == 2
     assert "checkpoint not found" in capsys.readouterr().err
+
+
+def test_predict_never_overwrites_its_input_or_an_existing_output(trained, tmp_path, capsys):
+    config, _, exported = trained("dlrm")
+    data = tmp_path / "in" / "test.parquet"
+    _write_parquet(_test_split(config).slice(0, 50), config, data, 64)
+    original = data.read_bytes()
+
+    def predict_error(input, output, *extra) -> str:
+        argv = ["predict", "--model", str(exported), "--input", str(input)]
+        assert main([*argv, "--output", str(output), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("recsys: error: ") and err.count("\n") == 1
+        return err
+
+    assert f"output '{data}' is also an input" in predict_error(data, data)
+    assert "is also an input" in predict_error(data, data, "--overwrite")
+    assert "is also an input" in predict_error(tmp_path / "in" / "*.parquet", data)
+    assert "inside the input directory" in predict_error(
+        tmp_path / "in", data.with_name("s.parquet")
+    )
+    assert data.read_bytes() == original
+
+    existing = tmp_path / "scores.parquet"
+    existing.write_text("yesterday's scores")
+    assert "exists; pass --overwrite to replace it" in predict_error(data, existing)
+    assert existing.read_text() == "yesterday's scores"
+    argv = ["predict", "--model", str(exported), "--input", str(data), "--output", str(existing)]
+    assert main([*argv, "--overwrite"]) == 0
+    assert pq.read_table(existing).num_rows == 50
+
+    model = tmp_path / "model.pt2"
+    model.write_text("another model")
+    argv = ["export", "--checkpoint", str(config.run.dir), "--output", str(model)]
+    assert main(argv) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert model.read_text() == "another model"
+    assert main([*argv, "--overwrite"]) == 0
+    load_exported(model)
+
+
+def test_a_read_only_output_is_one_line(trained, read_only_dir, tmp_path, capsys):
+    config, result, exported = trained("dlrm")
+    data = tmp_path / "test.parquet"
+    _write_parquet(_test_split(config).slice(0, 50), config, data, 64)
+    commands = [
+        ["export", "--checkpoint", str(result.run_dir), "--output", f"{read_only_dir}/m.pt2"],
+        ["predict", "--model", str(exported), "--input", str(data), "--output",
+         f"{read_only_dir}/scores.parquet"],
+    ]  # fmt: skip
+    for argv in commands:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"recsys: error: cannot write '{read_only_dir}/"), err
+        assert "Operation not permitted (a read-only directory or file?)" in err
+        assert err.count("\n") == 1

@@ -1,0 +1,99 @@
+"""Writing files safely, and saying in one line why a write failed.
+
+Every command that writes (train, preprocess, export, predict) goes through these, so a full
+disk or a read-only directory is reported the same way everywhere: ``no space left on the
+device of '<path>'``, not a C++ assertion from deep inside ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from pathlib import Path
+
+# Below this many free bytes, a failed write is taken to be the disk filling up: torch's zip
+# writer reports ENOSPC as "unexpected pos" without the errno.
+_NEARLY_FULL = 64 << 20
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path`` replaced in one rename by a complete, synced file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        remove_quietly(tmp)
+
+
+def remove_quietly(path: Path) -> None:
+    """Delete the file ``path`` if it is there; a failure to do so is not raised (cleanup must
+    not hide the error that made it necessary)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
+def is_inside(path: str | Path, directory: str | Path) -> bool:
+    """Whether ``path`` is ``directory`` or lies under it (links resolved)."""
+    path, directory = Path(path).resolve(), Path(directory).resolve()
+    return path == directory or directory in path.parents
+
+
+def write_failure(error: BaseException, path: str | Path) -> BaseException:
+    """The error to raise for a write of ``path`` that failed with ``error``: the OSError at
+    its root when there is one (torch.distributed.checkpoint wraps them), an ENOSPC OSError
+    when the disk of ``path`` is (nearly) full, else ``error`` itself."""
+    for cause in _causes(error):
+        if isinstance(cause, OSError):
+            if cause.filename is None:
+                return OSError(cause.errno, cause.strerror or str(cause), str(path))
+            return cause
+    if _free_bytes(Path(path)) < _NEARLY_FULL:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return error
+
+
+def describe_os_error(error: OSError) -> str:
+    """One line for a user: what failed and on which path."""
+    where = f"'{error.filename}'" if error.filename else "a file"
+    if error.errno == errno.ENOSPC:
+        return f"no space left on the device of {where}; free some space and run again"
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {where}: {error.strerror} (a read-only directory or file?)"
+    if error.errno == errno.EFBIG:
+        return f"cannot write {where}: file too large for its file system or a size limit"
+    return f"{error.strerror or error}: {where}"
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error``, what it was raised from, and the per-rank failures of a DCP
+    CheckpointException."""
+    found, todo = [], [error]
+    while todo:
+        current = todo.pop(0)
+        if current is None or any(current is f for f in found):
+            continue
+        found.append(current)
+        todo += [current.__cause__, current.__context__]
+        failures = getattr(current, "failures", None)  # CheckpointException
+        if isinstance(failures, dict):  # {rank: (error, traceback)}
+            for failure in failures.values():
+                failure = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(failure, BaseException):
+                    todo.append(failure)
+    return found
+
+
+def _free_bytes(path: Path) -> int:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return _NEARLY_FULL
+    return _NEARLY_FULL

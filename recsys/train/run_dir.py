@@ -1,0 +1,98 @@
+"""The run directory: what ``recsys train`` writes, and the rule that keeps one run from
+overwriting another.
+
+``runs/<name>/`` holds ``config.toml``, ``metrics.jsonl`` and ``checkpoints/``. Two recipes (or
+one recipe on two datasets, or a ``make train`` and a torchrun launch) default to the same
+directory, so a new run that finds another run's checkpoints or logged events there is refused
+with the ways out: another ``--run.dir``, ``--checkpoint.resume=latest`` to continue that run,
+or ``--run.overwrite=true`` to replace it. A directory left by a run that failed before it
+logged anything (only ``config.toml``) is reused silently: there is nothing in it to lose.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from recsys.train.checkpoint import list_checkpoints
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.toml"
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def previous_run(run_dir: str | Path) -> list[str]:
+    """What an earlier run left in ``run_dir`` that a new run would destroy: committed
+    checkpoints and logged events, one phrase each (empty when there is nothing)."""
+    run_dir = Path(run_dir)
+    found = []
+    checkpoints = list_checkpoints(run_dir / CHECKPOINTS_DIR)
+    if checkpoints:
+        found.append(
+            f"{len(checkpoints)} checkpoint(s) up to {CHECKPOINTS_DIR}/{checkpoints[-1].name}"
+        )
+    steps = _logged_steps(run_dir / METRICS_FILE)
+    if steps is not None:
+        found.append(f"{METRICS_FILE} with events up to step {steps}")
+    return found
+
+
+def check_run_dir(run_dir: str | Path, *, continuing: bool, overwrite: bool) -> None:
+    """Refuse to start a new run in a directory that holds another one.
+
+    Args:
+        run_dir: ``run.dir``.
+        continuing: this run resumes a checkpoint of ``run_dir`` (``resume = "latest"`` or a
+            path inside it): its files are this run's own.
+        overwrite: ``run.overwrite``: the previous run's files are to be replaced (by
+            :func:`clear_previous_run`, once this run has started successfully).
+
+    Raises:
+        ValueError: ``run_dir`` holds another run; the message lists what it holds and the
+            options that resolve it.
+    """
+    if continuing or overwrite:
+        return
+    found = previous_run(run_dir)
+    if not found:
+        return
+    raise ValueError(
+        f"run directory '{run_dir}' holds another run ({'; '.join(found)}). Keep it and write "
+        f"this run elsewhere: --run.dir={_free_name(Path(run_dir))}; continue it: "
+        "--checkpoint.resume=latest; or replace it: --run.overwrite=true"
+    )
+
+
+def clear_previous_run(run_dir: str | Path) -> list[str]:
+    """Delete what recsys wrote in ``run_dir`` (config.toml, metrics.jsonl, checkpoints/), and
+    nothing else; returns what was deleted."""
+    run_dir = Path(run_dir)
+    removed = previous_run(run_dir)
+    (run_dir / METRICS_FILE).unlink(missing_ok=True)
+    (run_dir / CONFIG_FILE).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / CHECKPOINTS_DIR, ignore_errors=True)
+    return removed
+
+
+def _logged_steps(metrics: Path) -> int | None:
+    """The last step a train or eval event of ``metrics`` logged; None without one."""
+    if not metrics.is_file():
+        return None
+    last = None
+    for line in metrics.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("split") in ("train", "valid", "test"):
+            last = event.get("step", last)
+    return last
+
+
+def _free_name(run_dir: Path) -> Path:
+    """``run_dir`` with the first suffix ``_2``, ``_3``, ... that is not taken."""
+    index = 2
+    while (candidate := run_dir.with_name(f"{run_dir.name}_{index}")).exists():
+        index += 1
+    return candidate

@@ -1,0 +1,92 @@
+"""Stopping a run cleanly on Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption, torchrun
+shutting its workers down).
+
+The handler only records the signal; the training loop asks :meth:`StopSignals.requested` after
+each step, saves a checkpoint at that step and raises :class:`TrainingStopped`, which the
+command line reports in one line. Under torchrun every rank must stop at the same step (the
+save is collective), so the ranks agree on it with one tiny all-reduce per step on a CPU (gloo)
+group. A second signal gets the default behaviour back: the run dies at once, and the atomic
+checkpoint commit still leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class TrainingStopped(Exception):
+    """Training stopped on a signal, after saving a checkpoint at ``step``."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: Path | None) -> None:
+        self.signal_name = signal_name
+        self.step = step
+        self.checkpoint = checkpoint
+        saved = f"; checkpoint {checkpoint}" if checkpoint else ""
+        super().__init__(
+            f"stopped by {signal_name} at step {step}{saved}; continue with "
+            "--checkpoint.resume=latest"
+        )
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention: 128 + the signal number."""
+        return 128 + signal.Signals[self.signal_name].value
+
+
+class StopSignals:
+    """Context manager: while active, SIGINT and SIGTERM request a stop instead of killing.
+
+    Installed only from the main thread (Python delivers signals there); elsewhere it does
+    nothing and signals keep their handlers.
+
+    Args:
+        world_size: ranks that must agree on the step to stop at.
+    """
+
+    def __init__(self, world_size: int = 1) -> None:
+        self.received: signal.Signals | None = None
+        self._previous: dict[int, object] = {}
+        self._group = None
+        if world_size > 1 and dist.is_initialized():
+            # A CPU group: agreeing costs no device synchronization on CUDA runs.
+            gloo = dist.get_backend() == "gloo"
+            self._group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for number in _SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def requested(self) -> bool:
+        """Whether any rank received a signal (collective when there are several ranks)."""
+        if self._group is None:
+            return self.received is not None
+        flag = torch.tensor([int(self.received is not None)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+    @property
+    def name(self) -> str:
+        """The signal received here (``SIGTERM`` when another rank got one)."""
+        return (self.received or signal.SIGTERM).name
+
+    def _handle(self, number: int, frame: FrameType | None) -> None:
+        self.received = signal.Signals(number)
+        self._restore()  # a second signal acts at once
+
+    def _restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
