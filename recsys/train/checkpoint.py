@@ -24,12 +24,14 @@ shape, each rank writing the rows it owns. Any world size and sharding plan read
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import warnings
 import zlib
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -95,9 +97,7 @@ def save_checkpoint(
         for stale in [*directory.glob(".tmp-step_*"), *directory.glob(".old-step_*")]:
             shutil.rmtree(stale, ignore_errors=True)  # left by a save that crashed
     _barrier()
-    with warnings.catch_warnings():
-        # Single-process saves are intended; DCP warns that no process group exists.
-        warnings.filterwarnings("ignore", message=".*torch.distributed.*", category=UserWarning)
+    with _quiet_dcp():
         try:
             dcp.save(state, checkpoint_id=tmp)
         except (Exception, CheckpointException) as error:
@@ -159,12 +159,11 @@ def load_checkpoint(
         raise FileNotFoundError(f"checkpoint not found: '{path}' (no DCP .metadata in it)")
     if verify:
         verify_checkpoint(path)
-    _check_against(path, state)
-    # Flattened here, as the save did: DCP's own flattening differs on load when the state
-    # holds ShardedTensors (containers of plain values, e.g. param_groups, stay one key).
-    flat, mapping = flatten_state_dict(state)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed.*", category=UserWarning)
+    with _quiet_dcp():
+        _check_against(path, state)
+        # Flattened here, as the save did: DCP's own flattening differs on load when the state
+        # holds ShardedTensors (containers of plain values, e.g. param_groups, stay one key).
+        flat, mapping = flatten_state_dict(state)
         dcp.load(flat, checkpoint_id=path)
     for key, value in flat.items():
         set_element(state, mapping[key], value)  # plain values are replaced, not filled
@@ -388,6 +387,17 @@ def _flatten(state: dict[str, Any]) -> list[tuple[str, Any]]:
     """``state`` under the flattened keys DCP stores it with."""
     flat, _ = flatten_state_dict(state)
     return list(flat.items())
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP's warnings that say nothing to a user: a single-process save or load is intended
+    (no process group), and sharded tables are ShardedTensors until torchrec moves to DTensor
+    (every access warns that ShardedTensor is deprecated)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*", category=UserWarning)
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        yield
 
 
 def _step_of(checkpoint: Path) -> int:

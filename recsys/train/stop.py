@@ -5,8 +5,8 @@ The handler only records the signal; the training loop asks :meth:`StopSignals.r
 each step, saves a checkpoint at that step and raises :class:`TrainingStopped`, which the
 command line reports in one line. Under torchrun every rank must stop at the same step (the
 save is collective), so the ranks agree on it with one tiny all-reduce per step on a CPU (gloo)
-group. A second signal gets the default behaviour back: the run dies at once, and the atomic
-checkpoint commit still leaves the previous checkpoint intact.
+group. A second Ctrl-C interrupts at once (the atomic checkpoint commit still leaves the
+previous checkpoint intact); repeated SIGTERMs are ignored until the run has stopped.
 """
 
 from __future__ import annotations
@@ -83,8 +83,11 @@ class StopSignals:
         return (self.received or signal.SIGTERM).name
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
-        self.received = signal.Signals(number)
-        self._restore()  # a second signal acts at once
+        self.received = self.received or signal.Signals(number)
+        # A second Ctrl-C interrupts at once; a repeated SIGTERM (torchrun's agent may send two)
+        # is ignored: the supervisor's SIGKILL after its grace period is the hard stop.
+        if signal.SIGINT in self._previous:
+            signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
 
     def _restore(self) -> None:
         for number, handler in self._previous.items():
