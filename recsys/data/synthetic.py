@@ -1,23 +1,30 @@
 """Synthetic Criteo-shaped click logs with labels from a hidden teacher model.
 
 Every sample has N_dense dense features (log(1 + count) of log-normal counts, like preprocessed
-Criteo), F categorical features with Zipf-skewed ids (bags of 0..m ids for multi-hot features)
-and T labels drawn as Bernoulli(p). The click probability p comes from a random *teacher*:
+Criteo; N_dense may be 0, a categorical-only log), F categorical features with Zipf-skewed ids
+(bags of 0..m ids for multi-hot features) and T labels drawn as Bernoulli(p). The click
+probability p comes from a random *teacher*:
 
     z_f   = mean of E_f[id] over the bag of feature f          (E_f: [cardinality_f, K])
     z_0   = tanh(W_0 (x - mu))                                 (x: dense features)
     s     = sum_{0 <= i < j <= F} <z_i, z_j>                   (pairwise interactions)
     l_t   = sum_f mean of b_{t,f}[id] + w_t . (x - mu) + a_t * s
-    p_t   = sigmoid(c_t + g * l_t)
+    p_t   = sigmoid(c_t + g_t * l_t)
 
-with the gain g set so std(c_t + g * l_t) = ``teacher_logit_std`` and c_t so mean(p_t) =
-``click_rate`` (both fitted once on a calibration sample). A model that recovers the teacher
-reaches the *oracle AUC*, the AUC of p itself against the labels, which
+with the gain g_t set so std(c_t + g_t * l_t) = ``teacher_logit_std`` and c_t so mean(p_t) =
+``click_rate`` (both fitted once per task on a calibration sample). With no dense features
+there is no dense term: no z_0 and no w_t. A model that recovers the teacher reaches the
+*oracle AUC*, the AUC of p itself against the labels, which
 :meth:`SyntheticDataset.click_probability` lets the trainer report beside the model's AUC.
 
 Data is generated in chunks of ``CHUNK_SIZE`` rows; chunk i of a split is a pure function of
 (seed, split, i), so any chunk can be regenerated in any order, on any rank, and the train,
 valid and test splits are independent draws. The teacher depends on the seed only.
+
+Tasks do not depend on how many there are: task t's teacher, probabilities and labels are the
+same for every ``num_tasks`` > t. The features and task 0 come from the seed's main stream
+(task 0 is the one-task dataset), task t >= 1 from a stream of its own, each task's logit is
+computed and calibrated on its own, and a chunk draws its labels task by task, B uniforms each.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from recsys.data.batch import Batch, DatasetSpec
 CHUNK_SIZE = 8192
 SPLITS = ("train", "valid", "test")
 _CALIBRATION_STREAM = 1_000_003  # seed stream of the teacher's calibration sample
+_TASK_STREAM = 1_000_033  # seed streams of the teacher's tasks t >= 1: [seed, _TASK_STREAM, t]
 
 
 class SyntheticDataset:
@@ -76,7 +84,7 @@ class SyntheticDataset:
         # so frequent ids are spread over the table instead of sitting at 0, 1, 2, ...
         self._id_mult = [_coprime_multiplier(n, rng) for n in config.cardinalities]
         self._id_shift = [int(rng.integers(n)) for n in config.cardinalities]
-        self._teacher = _Teacher(config, rng)
+        self._teacher = _Teacher(config, rng, seed)
         self._teacher.calibrate(self._generate_features(_calibration_rng(seed), 4 * CHUNK_SIZE))
 
     def num_samples(self, split: str) -> int:
@@ -101,7 +109,9 @@ class SyntheticDataset:
         )
         dense, sparse = self._generate_features(rng, self.chunk_rows(split, index))
         probability = self._teacher.probability(dense, sparse)  # [B, T]
-        labels = (torch.from_numpy(rng.random(probability.shape)) < probability).float()
+        # Task-major: task t's labels are uniforms t*B .. (t+1)*B - 1, whatever T is.
+        uniforms = rng.random((probability.shape[1], probability.shape[0])).T  # [B, T]
+        labels = (torch.from_numpy(uniforms) < probability).float()
         return Batch(dense=dense, sparse=sparse, labels=labels)
 
     def click_probability(self, batch: Batch) -> torch.Tensor:
@@ -166,70 +176,113 @@ class SyntheticDataset:
 
 
 class _Teacher:
-    """The hidden model that defines each sample's click probability (see module docstring)."""
+    """The hidden model that defines each sample's click probability (see module docstring).
 
-    def __init__(self, config: SyntheticConfig, rng: np.random.Generator) -> None:
-        dim, tasks = config.teacher_dim, config.num_tasks
+    Per-task parameters are kept task by task ([n_f, 1] bias tables, an [N_dense, 1] dense
+    weight, a [1] interaction weight) and every task's logit is computed and calibrated as a
+    [B, 1] column on its own: a task's numbers are then bitwise the same for any number of
+    tasks (a [B, N] @ [N, T] matmul or a reduction over [B, T] may round differently per T).
+    """
+
+    def __init__(self, config: SyntheticConfig, rng: np.random.Generator, seed: int) -> None:
+        dim = config.teacher_dim
         self.embeddings = [
             torch.from_numpy(rng.normal(0.0, 1.0 / math.sqrt(dim), (n, dim))).float()
             for n in config.cardinalities
         ]
         # Features differ in how much they matter, as real ones do.
         importance = rng.uniform(0.0, 1.0, len(config.cardinalities))
-        self.biases = [
-            torch.from_numpy(rng.normal(0.0, importance[f], (n, tasks))).float()
-            for f, n in enumerate(config.cardinalities)
+        # The main stream draws task 0 in the order the one-task teacher always has.
+        biases = [
+            rng.normal(0.0, importance[f], (n, 1)) for f, n in enumerate(config.cardinalities)
         ]
         self.dense_mu = torch.zeros(config.num_dense)  # set by calibrate()
-        self.dense_proj = torch.from_numpy(
-            rng.normal(0.0, 1.0 / math.sqrt(config.num_dense), (config.num_dense, dim))
-        ).float()
-        self.dense_weight = torch.from_numpy(
-            rng.normal(0.0, 0.5, (config.num_dense, tasks))
-        ).float()
-        self.interaction_weight = torch.from_numpy(rng.uniform(0.5, 1.5, tasks)).float()
+        self.dense_proj = None
+        dense_weight = None
+        if config.num_dense > 0:
+            self.dense_proj = torch.from_numpy(
+                rng.normal(0.0, 1.0 / math.sqrt(config.num_dense), (config.num_dense, dim))
+            ).float()
+            dense_weight = rng.normal(0.0, 0.5, (config.num_dense, 1))
+        self.tasks = [_TaskTerms(biases, dense_weight, rng.uniform(0.5, 1.5, 1))]
+        for t in range(1, config.num_tasks):
+            task_rng = np.random.default_rng(np.random.SeedSequence([seed, _TASK_STREAM, t]))
+            biases = [
+                task_rng.normal(0.0, importance[f], (n, 1))
+                for f, n in enumerate(config.cardinalities)
+            ]
+            if config.num_dense > 0:
+                dense_weight = task_rng.normal(0.0, 0.5, (config.num_dense, 1))
+            self.tasks.append(_TaskTerms(biases, dense_weight, task_rng.uniform(0.5, 1.5, 1)))
         self.click_rate = config.click_rate
         self.logit_std = config.teacher_logit_std
-        self.gain = torch.ones(tasks)
-        self.intercept = torch.zeros(tasks)
+        self.gain = torch.ones(config.num_tasks)
+        self.intercept = torch.zeros(config.num_tasks)
 
-    def raw_logit(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+    def raw_logits(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> list[torch.Tensor]:
+        """Each task's uncalibrated logit l_t, [B, 1] each."""
         batch_size = dense.shape[0]
         x = dense - self.dense_mu  # [B, N_dense]
-        pooled, bias = [torch.tanh(x @ self.dense_proj)], x @ self.dense_weight  # [B, K], [B, T]
+        pooled = [] if self.dense_proj is None else [torch.tanh(x @ self.dense_proj)]  # [B, K]
+        bags = []
         for f, jt in enumerate(sparse.split([1] * len(sparse.keys()))):
             ids, offsets = jt.values().long(), jt.offsets().long()
+            bags.append((ids, offsets))
             pooled.append(
                 F.embedding_bag(
                     ids, self.embeddings[f], offsets, mode="mean", include_last_offset=True
                 )
             )
-            bias = bias + F.embedding_bag(
-                ids, self.biases[f], offsets, mode="mean", include_last_offset=True
-            )
-        z = torch.stack(pooled, dim=1)  # [B, F+1, K]
+        z = torch.stack(pooled, dim=1)  # [B, F+1, K] (F without dense features)
         total = z.sum(1)
         pairwise = 0.5 * ((total * total).sum(1) - (z * z).sum((1, 2)))  # [B]
         num_pairs = z.shape[1] * (z.shape[1] - 1) / 2
-        interaction = pairwise / math.sqrt(num_pairs)
-        return bias + self.interaction_weight * interaction.view(batch_size, 1)  # [B, T]
+        interaction = pairwise / math.sqrt(max(num_pairs, 1))
+        logits = []
+        for task in self.tasks:
+            bias = None if task.dense_weight is None else x @ task.dense_weight  # [B, 1]
+            for (ids, offsets), table in zip(bags, task.biases, strict=True):
+                pooled_bias = F.embedding_bag(
+                    ids, table, offsets, mode="mean", include_last_offset=True
+                )
+                bias = pooled_bias if bias is None else bias + pooled_bias
+            logits.append(bias + task.interaction_weight * interaction.view(batch_size, 1))
+        return logits
 
     def calibrate(self, features: tuple[torch.Tensor, KeyedJaggedTensor]) -> None:
         self.dense_mu = features[0].mean(0)
-        raw = self.raw_logit(*features)  # [B, T]
-        self.gain = self.logit_std / raw.std(0).clamp(min=1e-6)
-        centered = (raw - raw.mean(0)) * self.gain
-        # Bisection for the intercept giving the requested mean click probability.
-        lo, hi = torch.full_like(self.gain, -20.0), torch.full_like(self.gain, 20.0)
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            too_high = torch.sigmoid(centered + mid).mean(0) > self.click_rate
-            hi = torch.where(too_high, mid, hi)
-            lo = torch.where(too_high, lo, mid)
-        self.intercept = (lo + hi) / 2 - raw.mean(0) * self.gain
+        gains, intercepts = [], []
+        for raw in self.raw_logits(*features):  # [B, 1] per task
+            gain = self.logit_std / raw.std(0).clamp(min=1e-6)
+            centered = (raw - raw.mean(0)) * gain
+            # Bisection for the intercept giving the requested mean click probability.
+            lo, hi = torch.full_like(gain, -20.0), torch.full_like(gain, 20.0)
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                too_high = torch.sigmoid(centered + mid).mean(0) > self.click_rate
+                hi = torch.where(too_high, mid, hi)
+                lo = torch.where(too_high, lo, mid)
+            gains.append(gain)
+            intercepts.append((lo + hi) / 2 - raw.mean(0) * gain)
+        self.gain, self.intercept = torch.cat(gains), torch.cat(intercepts)  # [T] each
 
     def probability(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        return torch.sigmoid(self.raw_logit(dense, sparse) * self.gain + self.intercept)
+        columns = [
+            torch.sigmoid(raw * self.gain[t : t + 1] + self.intercept[t : t + 1])
+            for t, raw in enumerate(self.raw_logits(dense, sparse))
+        ]
+        return torch.cat(columns, dim=1)  # [B, T]
+
+
+class _TaskTerms:
+    """One task's first-order weights and interaction weight (float32 tensors)."""
+
+    def __init__(
+        self, biases: list[np.ndarray], dense_weight: np.ndarray | None, interaction: np.ndarray
+    ) -> None:
+        self.biases = [torch.from_numpy(b).float() for b in biases]  # [n_f, 1] each
+        self.dense_weight = None if dense_weight is None else torch.from_numpy(dense_weight).float()
+        self.interaction_weight = torch.from_numpy(interaction).float()  # [1]
 
 
 def _zipf_ranks(rng: np.random.Generator, n: int, alpha: float, size: int) -> np.ndarray:
@@ -279,8 +332,10 @@ def _validate(config: SyntheticConfig) -> None:
     for i, m in enumerate(config.bag_sizes):
         if m < 1:
             raise ValueError(f"data.synthetic.bag_sizes[{i}] = {m}; every bag size must be >= 1")
-    if config.num_dense < 1:
-        raise ValueError(f"data.synthetic.num_dense = {config.num_dense}; expected >= 1")
+    if config.num_dense < 0:
+        raise ValueError(
+            f"data.synthetic.num_dense = {config.num_dense}; expected >= 0 (0: categorical only)"
+        )
     if config.num_tasks < 1:
         raise ValueError(f"data.synthetic.num_tasks = {config.num_tasks}; expected >= 1")
     if not 0.0 < config.click_rate < 1.0:

@@ -14,7 +14,9 @@ Dense features: the paper's data has them bucketized into categories, so every f
 embedding. Here the bottom MLP projects them to one more D-dim field (as DLRM and TorchRec's
 DeepFM do), so the FM models dense x sparse pairs as it does sparse x sparse ones, which it
 could not if the dense features only fed the first-order and deep parts; they also enter the
-first-order term as they are.
+first-order term as they are. Without dense features (``dense_in_features=0``; forward
+still takes dense [B, 0]) there is no bottom MLP (``dense_arch_layer_sizes`` is unused), the
+fields are the F embeddings alone and the first-order term has no dense part.
 
 Multi-task: the first-order dense term, the bias and the deep MLP have T outputs; the FM term
 has no weights of its own and is added to every task (so are the sparse first-order weights
@@ -28,12 +30,13 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.layers import (
-    FactorizationMachine,
-    FusedMLP,
-    LinearArch,
+from recsys.models.fields import (
+    bottom_mlp,
+    num_sparse_features,
     shared_embedding_dim,
+    stack_fields,
 )
+from recsys.models.layers import FactorizationMachine, FusedMLP, LinearArch
 
 
 class DeepFM(nn.Module):
@@ -45,8 +48,10 @@ class DeepFM(nn.Module):
         linear_embedding_bag_collection: dimension-1 twins of its tables (see
             ``recsys.models.linear_table_configs``), the first-order weights; dimension-T
             tables give each task its own.
-        dense_in_features: number of dense features N_dense.
-        dense_arch_layer_sizes: bottom MLP sizes; the last must equal D.
+        dense_in_features: number of dense features N_dense; 0 for none (see the module
+            docstring).
+        dense_arch_layer_sizes: bottom MLP sizes; the last must equal D (unused without dense
+            features).
         over_arch_layer_sizes: deep MLP sizes; the last is the number of tasks T.
         activation: activation of the MLPs' hidden layers (``"relu"``, ``"gelu"``, ``"silu"``).
         dropout: dropout after each hidden MLP layer, in training only.
@@ -73,23 +78,22 @@ class DeepFM(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        configs = embedding_bag_collection.embedding_bag_configs()
         embedding_dim = shared_embedding_dim(embedding_bag_collection, "DeepFM")
-        if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
-            raise ValueError(
-                f"dense_arch_layer_sizes = {dense_arch_layer_sizes} must end with the "
-                f"embedding_dim {embedding_dim} (the dense vector is one more FM field)"
-            )
         if not over_arch_layer_sizes:
             raise ValueError("over_arch_layer_sizes must end with the number of tasks, got []")
-        num_fields = sum(len(c.feature_names) for c in configs) + 1
         num_tasks = over_arch_layer_sizes[-1]
         self.embedding_dim = embedding_dim
         self.sparse_arch = embedding_bag_collection
         self.linear_arch = LinearArch(linear_embedding_bag_collection, dense_in_features, num_tasks)
-        self.dense_arch = FusedMLP(
-            dense_in_features, dense_arch_layer_sizes, activation=activation, dropout=dropout
+        self.dense_arch = bottom_mlp(
+            dense_in_features,
+            dense_arch_layer_sizes,
+            embedding_dim,
+            "the dense vector is one more FM field",
+            activation=activation,
+            dropout=dropout,
         )
+        num_fields = num_sparse_features(embedding_bag_collection) + (self.dense_arch is not None)
         self.inter_arch = FactorizationMachine(reduce_sum=True)
         self.over_arch = FusedMLP(
             num_fields * embedding_dim,
@@ -102,12 +106,9 @@ class DeepFM(nn.Module):
     def forward(
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
     ) -> torch.Tensor:
-        B = dense_features.shape[0]
-        embedded_dense = self.dense_arch(dense_features)  # [B, D]
+        embedded_dense = None if self.dense_arch is None else self.dense_arch(dense_features)
         pooled = self.sparse_arch(sparse_features).values()  # [B, F*D]
-        fields = torch.cat(
-            [embedded_dense.unsqueeze(1), pooled.view(B, -1, self.embedding_dim)], dim=1
-        )  # [B, F+1, D]
+        fields = stack_fields(embedded_dense, pooled, self.embedding_dim)  # [B, F(+1), D]
         first_order = self.linear_arch(dense_features, sparse_features)  # [B, T]
         second_order = self.inter_arch(fields)  # [B, 1]
         deep = self.over_arch(fields.flatten(1))  # [B, T]

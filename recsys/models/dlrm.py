@@ -10,6 +10,11 @@ Data flow, F sparse features of dim D, T tasks::
                -> [B, D + F(F+1)/2] -> over_arch -> logits [B, T]
     DLRM_DCN   dense_arch [B, D] | sparse_arch [B, F*D] -> concat [B, (F+1)*D]
                -> inter_arch (cross network) -> [B, (F+1)*D] -> over_arch -> logits [B, T]
+
+Without dense features (``dense_in_features=0``; forward still takes dense [B, 0]) there is
+no bottom MLP and ``dense_arch_layer_sizes`` is unused: DLRM's dot interaction runs over the F
+embeddings alone, the first taking the dense vector's place ([e_1 | <e_i, e_j> for i < j],
+[B, D + F(F-1)/2]), and DLRM_DCN's cross network over [e_1, ..., e_F] ([B, F*D]).
 """
 
 from __future__ import annotations
@@ -19,14 +24,8 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.layers import (
-    CrossNet,
-    DotInteraction,
-    FusedMLP,
-    LowRankCrossNet,
-    check_dense_arch,
-    shared_embedding_dim,
-)
+from recsys.models.fields import bottom_mlp, num_sparse_features, shared_embedding_dim
+from recsys.models.layers import CrossNet, DotInteraction, FusedMLP, LowRankCrossNet
 
 
 class DLRM(nn.Module):
@@ -34,8 +33,10 @@ class DLRM(nn.Module):
 
     Args:
         embedding_bag_collection: the sparse arch; F features of dim D.
-        dense_in_features: number of dense features N_dense.
-        dense_arch_layer_sizes: bottom MLP sizes; the last must equal D.
+        dense_in_features: number of dense features N_dense; 0 for none (no bottom MLP, see
+            the module docstring).
+        dense_arch_layer_sizes: bottom MLP sizes; the last must equal D (unused without dense
+            features).
         over_arch_layer_sizes: top MLP sizes; the last is the number of tasks T (1 for CTR).
         activation: activation of the MLPs' hidden layers (``"relu"``, ``"gelu"``, ``"silu"``).
         dropout: dropout after each activated MLP layer, in training only.
@@ -59,17 +60,19 @@ class DLRM(nn.Module):
     ) -> None:
         super().__init__()
         embedding_dim = shared_embedding_dim(embedding_bag_collection, "DLRM")
-        check_dense_arch(
-            dense_arch_layer_sizes, embedding_dim, "the dense vector joins the dot products"
-        )
-        configs = embedding_bag_collection.embedding_bag_configs()
-        num_sparse = sum(len(c.feature_names) for c in configs)
+        num_sparse = num_sparse_features(embedding_bag_collection)
         self.embedding_dim = embedding_dim
         self.sparse_arch = embedding_bag_collection
-        self.dense_arch = FusedMLP(
-            dense_in_features, dense_arch_layer_sizes, activation=activation, dropout=dropout
+        self.dense_arch = bottom_mlp(
+            dense_in_features,
+            dense_arch_layer_sizes,
+            embedding_dim,
+            "the dense vector joins the dot products",
+            activation=activation,
+            dropout=dropout,
         )
-        self.inter_arch = DotInteraction(num_sparse)
+        # Without a dense vector the first embedding takes its place.
+        self.inter_arch = DotInteraction(num_sparse - (self.dense_arch is None))
         self.over_arch = FusedMLP(
             self.inter_arch.output_size(embedding_dim),
             over_arch_layer_sizes,
@@ -82,10 +85,14 @@ class DLRM(nn.Module):
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
     ) -> torch.Tensor:
         B = dense_features.shape[0]
-        embedded_dense = self.dense_arch(dense_features)  # [B, D]
         pooled = self.sparse_arch(sparse_features).values()  # [B, F*D]
         embedded_sparse = pooled.view(B, -1, self.embedding_dim)  # [B, F, D]
-        interaction = self.inter_arch(embedded_dense, embedded_sparse)  # [B, D + (F+1)F/2]
+        if self.dense_arch is None:
+            first, others = embedded_sparse[:, 0], embedded_sparse[:, 1:]  # [B, D], [B, F-1, D]
+            interaction = self.inter_arch(first, others)  # [B, D + F(F-1)/2]
+        else:
+            embedded_dense = self.dense_arch(dense_features)  # [B, D]
+            interaction = self.inter_arch(embedded_dense, embedded_sparse)  # [B, D + (F+1)F/2]
         return self.over_arch(interaction)  # [B, T]
 
 
@@ -101,12 +108,14 @@ class DLRM_DCN(nn.Module):
 
     Args:
         embedding_bag_collection: the sparse arch; F features of dim D.
-        dense_in_features: number of dense features N_dense.
-        dense_arch_layer_sizes: bottom MLP sizes; the last must equal D.
+        dense_in_features: number of dense features N_dense; 0 for none (no bottom MLP: the
+            cross network runs on the F embeddings, [B, F*D]).
+        dense_arch_layer_sizes: bottom MLP sizes; the last must equal D (unused without dense
+            features).
         over_arch_layer_sizes: top MLP sizes; the last is the number of tasks T.
         dcn_num_layers: number of cross layers (>= 0).
-        dcn_low_rank_dim: rank r of each cross layer's weight U V [(F+1)D, r] [r, (F+1)D]; 0 for
-            a full-rank W [(F+1)D, (F+1)D].
+        dcn_low_rank_dim: rank r of each cross layer's weight U V [W, r] [r, W] (W = (F+1)*D,
+            F*D without dense features); 0 for a full-rank W [W, W].
         activation: activation of the MLPs' hidden layers.
         dropout: dropout after each activated MLP layer, in training only.
 
@@ -131,23 +140,24 @@ class DLRM_DCN(nn.Module):
     ) -> None:
         super().__init__()
         embedding_dim = shared_embedding_dim(embedding_bag_collection, "DLRM_DCN")
-        check_dense_arch(
-            dense_arch_layer_sizes, embedding_dim, "the dense vector joins the cross network"
-        )
         if dcn_num_layers < 0:
             raise ValueError(f"dcn_num_layers must be >= 0, got {dcn_num_layers}")
         if dcn_low_rank_dim < 0:
             raise ValueError(
                 f"dcn_low_rank_dim must be >= 0 (0: full rank), got {dcn_low_rank_dim}"
             )
-        configs = embedding_bag_collection.embedding_bag_configs()
-        num_sparse = sum(len(c.feature_names) for c in configs)
-        cross_width = (num_sparse + 1) * embedding_dim
         self.embedding_dim = embedding_dim
         self.sparse_arch = embedding_bag_collection
-        self.dense_arch = FusedMLP(
-            dense_in_features, dense_arch_layer_sizes, activation=activation, dropout=dropout
+        self.dense_arch = bottom_mlp(
+            dense_in_features,
+            dense_arch_layer_sizes,
+            embedding_dim,
+            "the dense vector joins the cross network",
+            activation=activation,
+            dropout=dropout,
         )
+        num_fields = num_sparse_features(embedding_bag_collection) + (self.dense_arch is not None)
+        cross_width = num_fields * embedding_dim
         self.inter_arch: nn.Module
         if dcn_low_rank_dim > 0:
             self.inter_arch = LowRankCrossNet(cross_width, dcn_num_layers, dcn_low_rank_dim)
@@ -164,8 +174,11 @@ class DLRM_DCN(nn.Module):
     def forward(
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
     ) -> torch.Tensor:
-        embedded_dense = self.dense_arch(dense_features)  # [B, D]
         pooled = self.sparse_arch(sparse_features).values()  # [B, F*D]
-        combined = torch.cat([embedded_dense, pooled], dim=1)  # [B, (F+1)*D]
-        crossed = self.inter_arch(combined)  # [B, (F+1)*D]
+        if self.dense_arch is None:
+            combined = pooled  # [B, F*D]
+        else:
+            embedded_dense = self.dense_arch(dense_features)  # [B, D]
+            combined = torch.cat([embedded_dense, pooled], dim=1)  # [B, (F+1)*D]
+        crossed = self.inter_arch(combined)  # [B, W]
         return self.over_arch(crossed)  # [B, T]

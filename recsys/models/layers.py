@@ -19,27 +19,6 @@ from recsys.ops.dot_interaction import PAIR_ORDERS, PairOrder, dot_interaction, 
 from recsys.ops.fused_mlp import ACTIVATIONS, fused_linear
 
 
-def shared_embedding_dim(embedding_bag_collection: EmbeddingBagCollection, model: str) -> int:
-    """The one embedding_dim of every table of the collection, for models that stack the
-    pooled embeddings into [B, F, D]; ``ValueError`` naming ``model`` otherwise."""
-    dims = {c.embedding_dim for c in embedding_bag_collection.embedding_bag_configs()}
-    if len(dims) != 1:
-        raise ValueError(f"{model} needs all tables to have one embedding_dim, got {sorted(dims)}")
-    (embedding_dim,) = dims
-    return embedding_dim
-
-
-def check_dense_arch(dense_arch_layer_sizes: list[int], embedding_dim: int, why: str) -> None:
-    """``ValueError`` unless the bottom MLP ends with the embedding_dim (``why`` says what
-    the dense vector joins)."""
-    if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
-        last = dense_arch_layer_sizes[-1] if dense_arch_layer_sizes else None
-        raise ValueError(
-            f"dense_arch_layer_sizes[-1] = {last} must equal the embedding_dim {embedding_dim} "
-            f"({why})"
-        )
-
-
 class FusedMLP(nn.Module):
     """Stack of Linear + activation (+ dropout) layers, each one fused kernel on CUDA
     (``recsys.ops.fused_mlp.fused_linear``); plain torch ops on CPU.
@@ -358,10 +337,14 @@ class LinearArch(nn.Module):
     the fused optimizers exactly like every other table. Dimension-1 tables give every task
     the same sparse weights; tables of dimension T give each task its own.
 
+    With dense features, ``dense_arch`` = ``nn.Linear(N_dense, T)`` holds u and b; with none
+    (N_dense = 0) ``dense_arch`` is None and b is ``bias`` [T], initialized to zero (as
+    ``nn.Linear`` initializes a bias without inputs).
+
     Args:
         embedding_bag_collection: the weight tables, all of dimension 1 or all of dimension T.
             They may cover any of the input's features (the input KJT may hold more).
-        dense_in_features: N_dense.
+        dense_in_features: N_dense (0: none).
         num_tasks: T.
 
     Example::
@@ -379,6 +362,8 @@ class LinearArch(nn.Module):
         super().__init__()
         if num_tasks < 1:
             raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+        if dense_in_features < 0:
+            raise ValueError(f"dense_in_features must be >= 0 (0: none), got {dense_in_features}")
         dims = sorted({c.embedding_dim for c in embedding_bag_collection.embedding_bag_configs()})
         if dims not in ([1], [num_tasks]):
             raise ValueError(
@@ -387,7 +372,8 @@ class LinearArch(nn.Module):
             )
         self.weights_per_id = dims[0]
         self.sparse_arch = embedding_bag_collection
-        self.dense_arch = nn.Linear(dense_in_features, num_tasks)
+        self.dense_arch = nn.Linear(dense_in_features, num_tasks) if dense_in_features else None
+        self.bias = None if dense_in_features else nn.Parameter(torch.zeros(num_tasks))
 
     def forward(
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
@@ -395,6 +381,8 @@ class LinearArch(nn.Module):
         B = dense_features.shape[0]
         weights = self.sparse_arch(sparse_features).values()  # [B, F * (1 or T)]
         sparse_logits = weights.view(B, -1, self.weights_per_id).sum(dim=1)  # [B, 1 or T]
+        if self.dense_arch is None:
+            return self.bias + sparse_logits  # [B, T]
         return self.dense_arch(dense_features) + sparse_logits  # [B, T]
 
 

@@ -27,7 +27,8 @@ class MMoE(nn.Module):
 
     Args:
         embedding_bag_collection: the sparse arch.
-        dense_in_features: number of dense features N_dense (fed to the experts as they are).
+        dense_in_features: number of dense features N_dense (fed to the experts as they are);
+            0 for none.
         expert_layer_sizes: each expert's MLP sizes; the last is E.
         tower_layer_sizes: hidden sizes of each task's tower (may be empty); a last layer to
             one logit is added.

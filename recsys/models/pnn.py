@@ -5,7 +5,9 @@ The dense features join the products as one more field: the bottom MLP maps them
 vector e_0 (as in DLRM), so the product layer sees F+1 fields. Its output is the linear signal
 z (the F+1 embeddings, flattened) and the quadratic signal p, concatenated (see
 :class:`~recsys.models.layers.ProductLayer`); the top MLP's first layer is the paper's
-relu(W_z z + W_p p + b).
+relu(W_z z + W_p p + b). Without dense features (``dense_in_features=0``; forward still takes
+dense [B, 0]) there is no bottom MLP (``dense_arch_layer_sizes`` is unused) and the product
+layer sees the F embeddings alone (F for F+1 below).
 
 Data flow, F sparse features of dim D, T tasks::
 
@@ -24,12 +26,13 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.layers import (
-    FusedMLP,
-    ProductLayer,
-    check_dense_arch,
+from recsys.models.fields import (
+    bottom_mlp,
+    num_sparse_features,
     shared_embedding_dim,
+    stack_fields,
 )
+from recsys.models.layers import FusedMLP, ProductLayer
 
 
 class PNN(nn.Module):
@@ -37,9 +40,10 @@ class PNN(nn.Module):
 
     Args:
         embedding_bag_collection: the sparse arch; F features of dim D.
-        dense_in_features: number of dense features N_dense.
+        dense_in_features: number of dense features N_dense; 0 for none (see the module
+            docstring).
         dense_arch_layer_sizes: bottom MLP sizes; the last must equal D (the dense vector is
-            one more field of the products).
+            one more field of the products); unused without dense features.
         over_arch_layer_sizes: top MLP sizes; the last is the number of tasks T.
         activation: activation of the MLPs' hidden layers (``"relu"``, ``"gelu"``, ``"silu"``).
         dropout: dropout after each activated MLP layer, in training only.
@@ -64,19 +68,21 @@ class PNN(nn.Module):
         product: str = "inner",
     ) -> None:
         super().__init__()
-        configs = embedding_bag_collection.embedding_bag_configs()
         embedding_dim = shared_embedding_dim(embedding_bag_collection, "PNN")
-        why = "the dense vector is one more field of the products"
-        check_dense_arch(dense_arch_layer_sizes, embedding_dim, why)
         if not over_arch_layer_sizes:
             raise ValueError("over_arch_layer_sizes must end with the number of tasks, got []")
-        num_sparse = sum(len(c.feature_names) for c in configs)
         self.embedding_dim = embedding_dim
         self.sparse_arch = embedding_bag_collection
-        self.dense_arch = FusedMLP(
-            dense_in_features, dense_arch_layer_sizes, activation=activation, dropout=dropout
+        self.dense_arch = bottom_mlp(
+            dense_in_features,
+            dense_arch_layer_sizes,
+            embedding_dim,
+            "the dense vector is one more field of the products",
+            activation=activation,
+            dropout=dropout,
         )
-        self.inter_arch = ProductLayer(num_sparse + 1, embedding_dim, product=product)
+        num_fields = num_sparse_features(embedding_bag_collection) + (self.dense_arch is not None)
+        self.inter_arch = ProductLayer(num_fields, embedding_dim, product=product)
         self.over_arch = FusedMLP(
             self.inter_arch.out_features,
             over_arch_layer_sizes,
@@ -88,9 +94,8 @@ class PNN(nn.Module):
     def forward(
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
     ) -> torch.Tensor:
-        B = dense_features.shape[0]
-        embedded_dense = self.dense_arch(dense_features)  # [B, D]
+        embedded_dense = None if self.dense_arch is None else self.dense_arch(dense_features)
         pooled = self.sparse_arch(sparse_features).values()  # [B, F*D]
-        fields = torch.cat([embedded_dense, pooled], dim=1).view(B, -1, self.embedding_dim)
-        products = self.inter_arch(fields)  # [B, F+1, D] -> [B, W]
+        fields = stack_fields(embedded_dense, pooled, self.embedding_dim)  # [B, F(+1), D]
+        products = self.inter_arch(fields)  # [B, W]
         return self.over_arch(products)  # [B, T]

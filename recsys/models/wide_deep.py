@@ -40,7 +40,8 @@ class WideDeep(nn.Module):
         linear_embedding_bag_collection: the wide part's per-id weights: dimension-1 tables
             (see ``recsys.models.linear_table_configs``), or dimension-T ones for weights of
             each task's own (see :class:`~recsys.models.layers.LinearArch`).
-        dense_in_features: number of dense features N_dense.
+        dense_in_features: number of dense features N_dense; 0 for none (the wide part has no
+            dense term then, and the deep MLP reads the embeddings alone).
         over_arch_layer_sizes: deep MLP sizes; the last is the number of tasks T.
         activation: activation of the MLP's hidden layers (``"relu"``, ``"gelu"``, ``"silu"``).
         dropout: dropout after each hidden MLP layer, in training only.

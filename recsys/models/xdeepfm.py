@@ -14,7 +14,10 @@ Data flow, F sparse features of dim D, N_dense dense features, T tasks, CIN size
 
 Dense features become one more D-dim field through the bottom MLP, as in
 :mod:`recsys.models.deepfm` (the paper bucketizes them into categories instead), so the CIN
-crosses them with the sparse fields; they also enter the linear term as they are.
+crosses them with the sparse fields; they also enter the linear term as they are. Without
+dense features (``dense_in_features=0``; forward still takes dense [B, 0]) there is no bottom
+MLP (``dense_arch_layer_sizes`` is unused), the fields are the F embeddings alone and the
+linear term has no dense part.
 
 CIN split-half (``cin_split_half``, default True as in the authors' released code): every
 CIN layer but the last sends half of its maps to the output and half to the next layer; see
@@ -33,7 +36,13 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.layers import CIN, FusedMLP, LinearArch, shared_embedding_dim
+from recsys.models.fields import (
+    bottom_mlp,
+    num_sparse_features,
+    shared_embedding_dim,
+    stack_fields,
+)
+from recsys.models.layers import CIN, FusedMLP, LinearArch
 
 
 class XDeepFM(nn.Module):
@@ -45,8 +54,10 @@ class XDeepFM(nn.Module):
         linear_embedding_bag_collection: dimension-1 twins of its tables (see
             ``recsys.models.linear_table_configs``), the linear term's weights; dimension-T
             tables give each task its own.
-        dense_in_features: number of dense features N_dense.
-        dense_arch_layer_sizes: bottom MLP sizes; the last must equal D.
+        dense_in_features: number of dense features N_dense; 0 for none (see the module
+            docstring).
+        dense_arch_layer_sizes: bottom MLP sizes; the last must equal D (unused without dense
+            features).
         cin_layer_sizes: feature maps H_k of each CIN layer (even but the last with
             ``cin_split_half``).
         over_arch_layer_sizes: deep MLP sizes; the last is the number of tasks T.
@@ -78,23 +89,22 @@ class XDeepFM(nn.Module):
         cin_split_half: bool = True,
     ) -> None:
         super().__init__()
-        configs = embedding_bag_collection.embedding_bag_configs()
         embedding_dim = shared_embedding_dim(embedding_bag_collection, "XDeepFM")
-        if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
-            raise ValueError(
-                f"dense_arch_layer_sizes = {dense_arch_layer_sizes} must end with the "
-                f"embedding_dim {embedding_dim} (the dense vector is one more CIN field)"
-            )
         if not over_arch_layer_sizes:
             raise ValueError("over_arch_layer_sizes must end with the number of tasks, got []")
-        num_fields = sum(len(c.feature_names) for c in configs) + 1
         num_tasks = over_arch_layer_sizes[-1]
         self.embedding_dim = embedding_dim
         self.sparse_arch = embedding_bag_collection
         self.linear_arch = LinearArch(linear_embedding_bag_collection, dense_in_features, num_tasks)
-        self.dense_arch = FusedMLP(
-            dense_in_features, dense_arch_layer_sizes, activation=activation, dropout=dropout
+        self.dense_arch = bottom_mlp(
+            dense_in_features,
+            dense_arch_layer_sizes,
+            embedding_dim,
+            "the dense vector is one more CIN field",
+            activation=activation,
+            dropout=dropout,
         )
+        num_fields = num_sparse_features(embedding_bag_collection) + (self.dense_arch is not None)
         self.inter_arch = CIN(num_fields, cin_layer_sizes, split_half=cin_split_half)
         self.inter_head = FusedMLP(self.inter_arch.output_size, [num_tasks], final_activation=False)
         self.over_arch = FusedMLP(
@@ -108,12 +118,9 @@ class XDeepFM(nn.Module):
     def forward(
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
     ) -> torch.Tensor:
-        B = dense_features.shape[0]
-        embedded_dense = self.dense_arch(dense_features)  # [B, D]
+        embedded_dense = None if self.dense_arch is None else self.dense_arch(dense_features)
         pooled = self.sparse_arch(sparse_features).values()  # [B, F*D]
-        fields = torch.cat(
-            [embedded_dense.unsqueeze(1), pooled.view(B, -1, self.embedding_dim)], dim=1
-        )  # [B, F+1, D]
+        fields = stack_fields(embedded_dense, pooled, self.embedding_dim)  # [B, F(+1), D]
         linear = self.linear_arch(dense_features, sparse_features)  # [B, T]
         cin = self.inter_head(self.inter_arch(fields))  # [B, T]
         deep = self.over_arch(fields.flatten(1))  # [B, T]

@@ -100,6 +100,65 @@ def test_teacher_logit_std_controls_difficulty():
     assert oracle(0.5) + 0.1 < oracle(3.0)
 
 
+# Recorded from the generator before tasks got streams of their own: one-task data must not
+# move (every single-task recipe, test and README number depends on it). Ids and labels are
+# exact; float sums to 1e-9 and probabilities to 1e-6, as libm / BLAS may round the last bit
+# differently on another CPU (a change of draws or formula moves them far more).
+SINGLE_TASK_REFERENCE = [
+    # seed, split, chunk, label sum, index sum of the clicks, dense sum, id sum, length sum, p[:4]
+    (
+        0, "train", 3, 21, 1114, 2349.0298429727554, 1239736, 592,
+        [0.11713927984237671, 0.07166267186403275, 0.05015488341450691, 0.2692714035511017],
+    ),
+    (
+        3, "test", 1, 2077, 8504198, 149612.54206442833, 86089081, 49346,
+        [0.05583349987864494, 0.010979044251143932, 0.08622758835554123, 0.005151012446731329],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("reference", SINGLE_TASK_REFERENCE, ids=lambda r: f"{r[1]}{r[2]}")
+def test_single_task_chunks_are_the_recorded_ones(reference):
+    seed, split, index, clicks, click_rows, dense_sum, id_sum, length_sum, first = reference
+    data = SyntheticDataset(small_config(), seed=seed)
+    chunk = data.chunk(split, index)
+    labels = chunk.labels[:, 0]
+    assert int(labels.sum()) == clicks
+    assert int(labels.nonzero().sum()) == click_rows
+    assert float(chunk.dense.double().sum()) == pytest.approx(dense_sum, rel=1e-9, abs=0)
+    assert int(chunk.sparse.values().sum()) == id_sum
+    assert int(chunk.sparse.lengths().sum()) == length_sum
+    probability = data.click_probability(chunk)[:4, 0].tolist()
+    assert probability == pytest.approx(first, rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize("num_dense", [13, 0])
+def test_a_task_does_not_depend_on_how_many_tasks_there_are(num_dense):
+    datasets = {
+        num_tasks: SyntheticDataset(small_config(num_tasks=num_tasks, num_dense=num_dense), seed=5)
+        for num_tasks in (1, 2, 3)
+    }
+    chunks = {num_tasks: data.chunk("train", 3) for num_tasks, data in datasets.items()}
+    probability = {n: datasets[n].click_probability(chunk) for n, chunk in chunks.items()}
+    assert torch.equal(probability[2][:, :1], probability[1])
+    assert torch.equal(chunks[2].labels[:, :1], chunks[1].labels)
+    assert torch.equal(probability[3][:, :2], probability[2])
+    assert torch.equal(chunks[3].labels[:, :2], chunks[2].labels)
+    assert torch.equal(chunks[3].dense, chunks[1].dense)
+    assert not torch.equal(probability[3][:, 1], probability[3][:, 2])  # tasks differ
+
+
+def test_categorical_only_data_has_a_learnable_teacher():
+    data = SyntheticDataset(small_config(num_dense=0, num_tasks=2), seed=0)
+    assert data.spec.dense_names == () and data.spec.num_dense == 0
+    chunk = data.chunk("test", 0)
+    assert chunk.dense.shape == (CHUNK_SIZE, 0) and chunk.dense.dtype == torch.float32
+    probability = data.click_probability(chunk)
+    for t in range(2):
+        assert abs(float(probability[:, t].mean()) - 0.25) < 0.03
+        assert float(binary_auroc(probability[:, t], chunk.labels[:, t].long())) > 0.75
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -107,6 +166,7 @@ def test_teacher_logit_std_controls_difficulty():
         (dict(cardinalities=[5, 0]), r"cardinalities\[1\] = 0"),
         (dict(bag_sizes=[1, 2]), "bag_sizes has 2 entries but there are 5"),
         (dict(click_rate=1.5), "click_rate = 1.5"),
+        (dict(num_dense=-1), r"num_dense = -1; expected >= 0 \(0: categorical only\)"),
         (dict(num_test_samples=0), "num_test_samples = 0"),
     ],
 )

@@ -103,7 +103,9 @@ def test_recsys_collection_inside_torchrec_dlrm_trains_like_torchrecs(fused):
 
 
 def test_bad_sizes():
-    with pytest.raises(ValueError, match=r"dense_arch_layer_sizes\[-1\] = 16 must equal"):
+    with pytest.raises(
+        ValueError, match=r"dense_arch_layer_sizes = \[32, 16\] must end with the embedding_dim 8"
+    ):
         DLRM(EmbeddingBagCollection(make_tables()), 13, [32, 16], [16, 1])
     mixed = [*make_tables(), EmbeddingBagConfig(name="x", embedding_dim=4, num_embeddings=3)]
     with pytest.raises(ValueError, match="one embedding_dim"):

@@ -62,7 +62,9 @@ def test_matches_torchrec_dlrm_dcn_with_same_weights(low_rank):
 
 def test_bad_sizes():
     ebc = EmbeddingBagCollection(make_tables())
-    with pytest.raises(ValueError, match=r"dense_arch_layer_sizes\[-1\] = 16 must equal"):
+    with pytest.raises(
+        ValueError, match=r"dense_arch_layer_sizes = \[32, 16\] must end with the embedding_dim 8"
+    ):
         DLRM_DCN(ebc, 13, [32, 16], [16, 1], 2, 4)
     mixed = [*make_tables(), EmbeddingBagConfig(name="x", embedding_dim=4, num_embeddings=3)]
     with pytest.raises(ValueError, match="DLRM_DCN needs all tables to have one embedding_dim"):

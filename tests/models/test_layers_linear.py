@@ -35,8 +35,11 @@ def make_sparse(batch_size):
 
 def reference(arch, dense, sparse):
     """sum_f sum over the bag of w_f[id] (mean for MEAN pooling) + dense linear + bias."""
-    weight, bias = arch.dense_arch.weight, arch.dense_arch.bias
-    out = dense.double() @ weight.double().T + bias.double()  # [B, T]
+    if arch.dense_arch is None:
+        out = arch.bias.double().expand(dense.shape[0], -1).clone()  # [B, T]
+    else:
+        weight, bias = arch.dense_arch.weight, arch.dense_arch.bias
+        out = dense.double() @ weight.double().T + bias.double()  # [B, T]
     features = sparse.to_dict()
     for config in arch.sparse_arch.embedding_bag_configs():
         table = arch.sparse_arch.embedding_bags[config.name].weight.double()
@@ -53,6 +56,23 @@ def reference(arch, dense, sparse):
 def test_matches_the_sum_of_per_id_weights(dim, num_tasks, pooling):
     arch = LinearArch(EmbeddingBagCollection(make_tables(dim, pooling)), 5, num_tasks)
     dense, sparse = torch.randn(7, 5), make_sparse(7)
+    out = arch(dense, sparse)
+    assert out.shape == (7, num_tasks)
+    torch.testing.assert_close(out.double(), reference(arch, dense, sparse), rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    for name, p in arch.named_parameters():
+        assert p.grad is not None and torch.count_nonzero(p.grad) > 0, name
+
+
+@pytest.mark.parametrize("num_tasks", [1, 3])
+def test_without_dense_features_only_a_bias_remains(num_tasks):
+    arch = LinearArch(EmbeddingBagCollection(make_tables()), 0, num_tasks)
+    assert arch.dense_arch is None
+    assert [name for name, _ in arch.named_parameters() if "embedding_bags" not in name] == ["bias"]
+    assert torch.equal(arch.bias, torch.zeros(num_tasks))  # as nn.Linear(0, T) would start
+    with torch.no_grad():
+        arch.bias.copy_(torch.randn(num_tasks))
+    dense, sparse = torch.randn(7, 0), make_sparse(7)
     out = arch(dense, sparse)
     assert out.shape == (7, num_tasks)
     torch.testing.assert_close(out.double(), reference(arch, dense, sparse), rtol=1e-5, atol=1e-5)
@@ -78,3 +98,5 @@ def test_bad_table_dims():
     mixed = [*make_tables(dim=1), EmbeddingBagConfig(name="x", embedding_dim=2, num_embeddings=3)]
     with pytest.raises(ValueError, match=r"got \[1, 2\]"):
         LinearArch(EmbeddingBagCollection(mixed), 5, 2)
+    with pytest.raises(ValueError, match=r"dense_in_features must be >= 0 \(0: none\), got -1"):
+        LinearArch(EmbeddingBagCollection(make_tables()), -1, 1)

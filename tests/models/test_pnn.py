@@ -71,7 +71,9 @@ def test_dense_features_are_a_field_of_the_products():
 
 
 def test_bad_sizes():
-    with pytest.raises(ValueError, match=r"dense_arch_layer_sizes\[-1\] = 16 must equal"):
+    with pytest.raises(
+        ValueError, match=r"dense_arch_layer_sizes = \[32, 16\] must end with the embedding_dim 8"
+    ):
         PNN(EmbeddingBagCollection(make_tables()), 13, [32, 16], [16, 1])
     mixed = [*make_tables(), EmbeddingBagConfig(name="x", embedding_dim=4, num_embeddings=3)]
     with pytest.raises(ValueError, match="PNN needs all tables to have one embedding_dim"):
