@@ -103,7 +103,8 @@ class SyntheticConfig:
     """The built-in synthetic click log: Criteo-shaped features, labels from a hidden teacher."""
 
     num_dense: int = 13
-    """Number of dense (float) features; Criteo has 13."""
+    """Number of dense (float) features; Criteo has 13. 0: a categorical-only log (Avazu-like);
+    the teacher then has no dense term."""
     cardinalities: list[int] = field(default_factory=lambda: [1000] * 26)
     """Number of distinct ids of each categorical feature; its length is the number of
     categorical features (Criteo has 26)."""
@@ -114,7 +115,8 @@ class SyntheticConfig:
     zipf_alpha: float = 1.1
     """Skew of the id distribution: id rank r is drawn with probability ~ 1 / (r + 1)^alpha."""
     num_tasks: int = 1
-    """Number of labels per sample (tasks of a multi-task model)."""
+    """Number of labels per sample (tasks of a multi-task model). Task t's teacher and labels
+    are the same for any num_tasks > t (task 0 is the one-task data)."""
     num_train_samples: int = 1_000_000
     """Rows in the train split."""
     num_valid_samples: int = 65_536
@@ -185,41 +187,53 @@ class PreprocessConfig:
     test: str = ""
     """Test data; empty: carve test_fraction out of input."""
     output: str = ""
-    """Directory to write: train/, valid/, test/ parquet, metadata.json, categories/."""
+    """Directory to write: train/, valid/, test/ parquet, metadata.json, workflow/. It may be new,
+    empty, or (with overwrite) one written by preprocess; anything else is refused, as is an input
+    inside it."""
     overwrite: bool = False
-    """Replace an existing output directory."""
+    """Replace an output directory written by an earlier preprocess run (the old one is deleted
+    only after the new one is in place)."""
+    apply: str = ""
+    """A directory written by preprocess: transform the input with its fitted workflow instead of
+    fitting a new one (same ids, table sizes and fingerprint; unseen values get the rare id).
+    Column roles, encoding and dense transform come from there; label columns may be absent
+    (scoring), and valid_fraction = test_fraction = 0 puts every row in train/, in input order."""
     categorical: list[str] = field(default_factory=list)
-    """parquet/csv: one-id-per-row categorical columns."""
+    """parquet/csv: one-id-per-row categorical columns (null or an empty CSV field: missing)."""
     multi_hot: list[str] = field(default_factory=list)
-    """parquet/csv: list columns, each row a bag of ids."""
+    """parquet/csv: list columns, each row a bag of ids. A null list is an empty bag; null items
+    (CSV: an empty item between two separators) are dropped; both are counted in the report."""
     dense: list[str] = field(default_factory=list)
-    """parquet/csv: numeric feature columns."""
+    """parquet/csv: numeric feature columns (null or an empty CSV field: missing)."""
     label: list[str] = field(default_factory=list)
     """parquet/csv: 0/1 label columns (several for multi-task models)."""
     encoding: Literal["categorify", "hash"] = "categorify"
     """``categorify``: contiguous ids fitted on train (0 padding, 1 missing, 2 rare or unseen,
     frequent values from 3); ``hash``: id = hash(value) mod hash_buckets."""
-    freq_threshold: int = 1
+    freq_threshold: Annotated[int, AtLeast0] = 1
     """categorify: values seen fewer times than this in train share the rare id."""
-    hash_buckets: int = 1_000_000
+    hash_buckets: Annotated[int, AtLeast1] = 1_000_000
     """hash: table size of every categorical feature."""
     log_dense: bool = True
-    """Dense values become log(1 + max(x, 0)) (for counts, as Criteo's); missing ones are 0."""
+    """Dense values become sign(x) * log(1 + abs(x)): log(1 + x) for counts (Criteo's), and
+    negative values keep their sign; missing ones are 0. The report counts negative values per
+    column."""
     normalize_dense: bool = False
     """Standardize dense values with the train split's mean and std (after the log)."""
-    valid_fraction: float = 0.05
-    """Share of input rows carved into valid when no valid data is given."""
-    test_fraction: float = 0.05
-    """Share of input rows carved into test when no test data is given."""
+    valid_fraction: Annotated[float, Fraction] = 0.05
+    """Share of input rows carved into valid when no valid data is given (0: none, apply only)."""
+    test_fraction: Annotated[float, Fraction] = 0.05
+    """Share of input rows carved into test when no test data is given (0: none, apply only)."""
     seed: int = 0
     """Seed of the carve-out draw."""
-    chunk_mb: int = 64
+    chunk_mb: Annotated[int, AtLeast1] = 64
     """Input is read and transformed in pieces of about this many MB: memory stays bounded."""
-    row_group_rows: int = 65_536
+    row_group_rows: Annotated[int, AtLeast1] = 65_536
     """Rows per parquet row group in the output; a row group is the unit training reads and
     shards across ranks."""
     strict: bool = False
-    """Stop at the first malformed line / row instead of counting and skipping it."""
+    """Stop at the first malformed line / row (wrong field count, label not 0/1, dense value not a
+    finite number, ...) instead of counting and skipping it."""
 
 
 @dataclass

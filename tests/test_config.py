@@ -94,7 +94,7 @@ def test_toml_round_trip(tmp_path):
 
 def test_every_field_is_documented_and_reference_is_current():
     reference = config_reference()
-    assert "| `batch_size` | int | `1024` |" in reference
+    assert "| `batch_size` | int >= 1 | `1024` |" in reference
     for line in reference.splitlines():
         if line.startswith("| `"):
             assert not line.rstrip().endswith("|  |"), f"undocumented field: {line}"

@@ -6,32 +6,38 @@ the label may be empty (missing). Files may be gzip-compressed (``.gz``).
 
 :func:`read_criteo` streams a file in chunks (bounded memory) and checks every line: a wrong
 column count, a label other than 0/1, a non-integer count or a non-hex category makes the line
-*malformed*. Malformed lines are counted and skipped, with file and line number reported
-(:class:`MalformedLines`), or stop the read in strict mode. Nothing is silently turned into a
-zero: a missing field stays null until a transform fills it on purpose.
+*malformed*; so does an empty line. Malformed lines are counted and skipped, with file and line
+number reported (:class:`MalformedLines`), or stop the read in strict mode. Nothing is silently
+turned into a zero: a missing field stays null until a transform fills it on purpose. A
+truncated ``.gz`` is an error naming the file. (The line-tracking reader is shared with the CSV
+input of ``recsys preprocess``: ``recsys.data.readers``.)
 
 :class:`CriteoDataset` reads a small file whole (hashing ids into a fixed number of buckets,
-log(1 + x) on counts) for quick experiments without a preprocessing step; large logs go through
-``recsys preprocess`` (``recsys.data.etl``).
+sign(x) log(1 + |x|) on counts) for quick experiments without a preprocessing step; large logs
+go through ``recsys preprocess`` (``recsys.data.etl``).
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.csv as pcsv
 import torch
 from torchrec import KeyedJaggedTensor
 
 from recsys.data.batch import Batch, DatasetSpec
+from recsys.data.readers import (
+    MalformedLines,
+    empty_to_null,
+    field_failures,
+    matching,
+    read_delimited,
+    signed_log1p,
+)
 
 NUM_INT = 13
 NUM_CAT = 26
@@ -41,29 +47,6 @@ CAT_COLUMNS = [f"cat_{i}" for i in range(NUM_CAT)]
 COLUMNS = [LABEL, *INT_COLUMNS, *CAT_COLUMNS]
 _INTEGER = r"^-?[0-9]{1,18}$"  # fits int64
 _HEX = r"^[0-9a-fA-F]{1,16}$"
-_EXAMPLES = 10
-
-
-@dataclass
-class MalformedLines:
-    """Malformed lines met while reading: counts per reason and the first few examples."""
-
-    count: int = 0
-    reasons: Counter = field(default_factory=Counter)
-    examples: list[str] = field(default_factory=list)
-
-    def add(self, path: Path, line: int, kind: str, detail: str) -> None:
-        """Record line ``line`` of ``path``, malformed because of ``kind`` (``detail`` says how)."""
-        self.count += 1
-        self.reasons[kind] += 1
-        if len(self.examples) < _EXAMPLES:
-            self.examples.append(f"{path}:{line}: {detail}")
-
-    def summary(self) -> str:
-        if not self.count:
-            return "no malformed lines"
-        kinds = ", ".join(f"{n} x {r}" for r, n in self.reasons.most_common())
-        return f"skipped {self.count} malformed line(s) ({kinds}); first: {self.examples[0]}"
 
 
 def read_criteo(
@@ -83,121 +66,46 @@ def read_criteo(
     Yields:
         Tables with ``label`` int8, ``int_*`` float64 (null when missing) and ``cat_*`` strings
         (null when missing), one row per valid line, in file order.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a malformed line in strict mode, or a file that cannot be read (a
+            truncated ``.gz``), naming the file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Criteo file not found: '{path}'")
-    malformed = malformed if malformed is not None else MalformedLines()
-    wrong_width: dict[int, str] = {}  # line number -> detail, for lines the parser dropped
-    strict_error: list[str] = []
-
-    def on_invalid_row(row: pcsv.InvalidRow) -> str:
-        detail = f"expected {len(COLUMNS)} tab-separated fields, found {row.actual_columns}"
-        if strict:
-            strict_error.append(f"{path}:{row.number}: malformed line: {detail}")
-            return "error"
-        wrong_width[row.number] = detail
-        return "skip"
-
-    def open_reader() -> pcsv.CSVStreamingReader:
-        return pcsv.open_csv(
-            pa.input_stream(str(path), compression="detect"),
-            read_options=pcsv.ReadOptions(
-                column_names=COLUMNS, block_size=chunk_bytes, use_threads=False
-            ),
-            parse_options=pcsv.ParseOptions(
-                delimiter="\t",
-                quote_char=False,
-                ignore_empty_lines=False,
-                invalid_row_handler=on_invalid_row,
-            ),
-            convert_options=pcsv.ConvertOptions(
-                column_types={c: pa.string() for c in COLUMNS}, strings_can_be_null=False
-            ),
-        )
-
-    @contextmanager
-    def parse_errors() -> Iterator[None]:
-        # The parser reports a strict-mode stop as its own ArrowInvalid: say which line it was.
-        try:
-            yield
-        except pa.ArrowInvalid as error:
-            raise ValueError(strict_error[0] if strict_error else f"{path}: {error}") from None
-
-    with parse_errors():
-        reader = open_reader()
-    next_line = 1
-    while True:
-        try:
-            with parse_errors():
-                record_batch = reader.read_next_batch()
-        except StopIteration:
-            break
-        table = pa.Table.from_batches([record_batch])
-        lines = _line_numbers(next_line, table.num_rows, wrong_width)
-        last = int(lines[-1]) if len(lines) else next_line
-        problems = [(n, "field count", wrong_width.pop(n)) for n in list(wrong_width) if n < last]
-        next_line = last + 1 if len(lines) else next_line
-        bad = _check_fields(table)
-        if bad is not None:
-            mask, kinds, details = bad
-            rows = np.flatnonzero(mask)
-            if strict:
-                raise ValueError(f"{path}:{lines[rows[0]]}: malformed line: {details[rows[0]]}")
-            problems += [(int(lines[r]), kinds[r], details[r]) for r in rows]
-            table = table.filter(pa.array(~mask))
-        for line, kind, detail in sorted(problems):
-            malformed.add(path, line, kind, detail)
+    pieces = read_delimited(
+        path,
+        column_names=COLUMNS,
+        columns=COLUMNS,
+        delimiter="\t",
+        quote_char=False,
+        chunk_bytes=chunk_bytes,
+        strict=strict,
+        malformed=malformed if malformed is not None else MalformedLines(),
+        check=lambda table: field_failures(table, _CHECKS),
+    )
+    for table in pieces:
         yield _convert(table)
-    for line in sorted(wrong_width):
-        malformed.add(path, line, "field count", wrong_width.pop(line))
 
 
-def _line_numbers(first: int, num_rows: int, skipped: dict[int, str]) -> np.ndarray:
-    """Line numbers of the ``num_rows`` rows read from line ``first`` on, skipping the lines
-    the parser dropped."""
-    later = sum(1 for n in skipped if n >= first)
-    candidates = np.arange(first, first + num_rows + later)
-    if later:
-        candidates = candidates[~np.isin(candidates, list(skipped))]
-    return candidates[:num_rows]
-
-
-def _check_fields(table: pa.Table) -> tuple[np.ndarray, list[str], list[str]] | None:
-    """(malformed mask, kind and detail per row) for rows with a bad field; None if all fine."""
-    checks = [(LABEL, r"^[01]$", "label {!r} is not 0 or 1")]
-    checks += [(c, _INTEGER, c + " {!r} is not an integer of up to 18 digits") for c in INT_COLUMNS]
-    checks += [(c, _HEX, c + " {!r} is not hexadecimal") for c in CAT_COLUMNS]
-    mask = np.zeros(table.num_rows, dtype=bool)
-    failures = []
-    for column, pattern, message in checks:
-        values = table.column(column)
-        ok = pc.match_substring_regex(values, pattern)
-        if column != LABEL:
-            ok = pc.or_(ok, pc.equal(values, ""))
-        column_bad = ~ok.to_numpy(zero_copy_only=False)
-        if column_bad.any():
-            failures.append((column, column_bad, values, message))
-            mask |= column_bad
-    if not mask.any():
-        return None
-    kinds = [""] * table.num_rows
-    details = [""] * table.num_rows
-    for column, column_bad, values, message in reversed(failures):  # keep the first bad field
-        for row in np.flatnonzero(column_bad):
-            kinds[row] = column
-            details[row] = message.format(values[int(row)].as_py())
-    return mask, kinds, details
+_CHECKS = [
+    (LABEL, matching(r"^[01]$", False), "label {!r} is not 0 or 1"),
+    *[
+        (c, matching(_INTEGER, True), c + " {!r} is not an integer of up to 18 digits")
+        for c in INT_COLUMNS
+    ],
+    *[(c, matching(_HEX, True), c + " {!r} is not hexadecimal") for c in CAT_COLUMNS],
+]
 
 
 def _convert(table: pa.Table) -> pa.Table:
     columns = {LABEL: pc.cast(table.column(LABEL), pa.int8())}
     for c in INT_COLUMNS:
-        values = pc.if_else(pc.equal(table.column(c), ""), None, table.column(c))
-        columns[c] = pc.cast(pc.cast(values, pa.int64()), pa.float64())
+        columns[c] = pc.cast(pc.cast(empty_to_null(table.column(c)), pa.int64()), pa.float64())
     for c in CAT_COLUMNS:
-        values = table.column(c)
-        columns[c] = pc.utf8_lower(pc.if_else(pc.equal(values, ""), None, values))
+        columns[c] = pc.utf8_lower(empty_to_null(table.column(c)))
     return pa.table(columns)
 
 
@@ -221,7 +129,8 @@ class CriteoDataset:
     """A small Criteo TSV read whole into memory, with the same interface as the others.
 
     Categories are hashed: id = int(hex) mod ``hash_buckets`` (a missing one is id 0, shared
-    with the ids that hash there); counts become log(1 + max(x, 0)) with missing as 0. Rows are
+    with the ids that hash there); counts become sign(x) log(1 + |x|) (log(1 + x) for counts >= 0,
+    as ``recsys preprocess`` does) with missing as 0. Rows are
     split into train / valid / test by a seeded draw.
 
     Args:
@@ -263,7 +172,7 @@ class CriteoDataset:
         counts = np.column_stack(
             [table.column(c).fill_null(0).to_numpy() for c in INT_COLUMNS]
         ).astype(np.float32)
-        dense = torch.from_numpy(np.log1p(np.maximum(counts, 0)))  # [N, 13]
+        dense = torch.from_numpy(signed_log1p(counts))  # [N, 13]
         ids = np.stack([hash_hex(table.column(c), hash_buckets) for c in CAT_COLUMNS])  # [26, N]
         labels = torch.from_numpy(table.column(LABEL).to_numpy().astype(np.float32))[:, None]
         draw = np.random.default_rng(seed).random(table.num_rows)

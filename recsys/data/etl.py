@@ -2,30 +2,41 @@
 
 Three stages, each streaming in pieces of about ``chunk_mb`` MB so memory stays bounded:
 
-1. **Stage**: read the input (Criteo TSV, parquet or CSV), drop malformed rows (counted and
-   reported with file and line / row number, or fatal in strict mode), carve seeded valid /
-   test splits out of the input when none are given, and write each split as plain parquet.
+1. **Stage**: read the input (Criteo TSV, parquet or CSV; ``recsys.data.readers``), drop
+   malformed rows (counted and reported with file, line / row number and column, or fatal in
+   strict mode), carve seeded valid / test splits out of the input when none are given, and
+   write each split as plain parquet. A null bag is an empty bag and null items inside a bag
+   are dropped; both are counted, as are negative and missing dense values.
 2. **Fit** an NVTabular workflow on the train split only: categorical and multi-hot columns
    -> ``Categorify`` (contiguous ids; 0 padding, 1 missing, 2 rare or unseen, frequent values
-   from 3) or ``HashBucket``; dense columns -> fill missing with 0, log(1 + max(x, 0)),
-   optionally ``Normalize``.
+   from 3) or ``HashBucket``; dense columns -> fill missing with 0, sign(x) log(1 + |x|)
+   (log(1 + x) for counts), optionally ``Normalize``. With ``apply`` the workflow fitted by an
+   earlier run is loaded instead, so new data gets the same ids and table sizes.
 3. **Transform** every split and write ``<output>/<split>/part_*.parquet`` with row groups of
    ``row_group_rows`` (the unit training reads and shards across ranks), then
-   ``metadata.json`` (column roles, cardinalities, row counts) that ``ParquetDataset`` and the
-   trainer read, so table sizes are never typed by hand.
+   ``metadata.json`` (column roles, cardinalities, row counts, fingerprint) that
+   ``ParquetDataset`` and the trainer read, so table sizes are never typed by hand.
 
-The output directory appears only when everything succeeded: work happens in
-``<output>.partial`` and is renamed at the end.
+Provenance: the fingerprint (a sha256 over the fitted categories, the normalization statistics
+and the options that change ids or dense values) is in ``metadata.json`` and in the schema
+metadata (key ``recsys.preprocess``) of every split file, so :func:`file_fingerprint` tells
+preprocessed parquet from raw parquet, and data from another vocabulary.
+
+Nothing is lost: the work happens in a fresh ``.<output>.*.partial`` directory beside the
+output; only an empty directory or one written by preprocess (with ``overwrite``) is replaced,
+by renaming it aside, renaming the new one in, then deleting the old one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import shutil
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,35 +45,63 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from recsys._suggest import quoted_with_hints
 from recsys.config import PreprocessConfig
-from recsys.data import criteo
-from recsys.data.criteo import MalformedLines
+from recsys.data import criteo, readers
+from recsys.data.prepared import (
+    FINGERPRINT_KEY,
+    FORMAT_VERSION,
+    METADATA,
+    SPLITS,
+    check_output,
+    dense_transform,
+    file_fingerprint,
+    new_directory_beside,
+    read_metadata,
+    replace_output,
+)
+from recsys.data.readers import MalformedLines, Roles
 
-METADATA = "metadata.json"
-SPLITS = ("train", "valid", "test")
-FORMAT_VERSION = 1
+__all__ = [
+    "FORMAT_VERSION",
+    "METADATA",
+    "SPLITS",
+    "InputStats",
+    "PreprocessReport",
+    "file_fingerprint",
+    "preprocess",
+    "read_metadata",
+]
+
+_FITTED_OPTIONS = ("encoding", "freq_threshold", "hash_buckets", "log_dense", "normalize_dense")
 
 
 @dataclass
-class Roles:
-    """Which input column plays which part."""
+class InputStats:
+    """What the input held that the transform changes: reported, and kept in metadata.json."""
 
-    categorical: list[str]
-    multi_hot: list[str]
-    dense: list[str]
-    labels: list[str]
+    negative_dense: Counter = field(default_factory=Counter)
+    missing_dense: Counter = field(default_factory=Counter)
+    null_bags: Counter = field(default_factory=Counter)
+    null_bag_items: Counter = field(default_factory=Counter)
 
-    @property
-    def sparse(self) -> list[str]:
-        return self.categorical + self.multi_hot
+    def summary(self, dense: list[str], transform: str) -> list[str]:
+        def counts(counter: Counter, names: list[str]) -> str:
+            return ", ".join(f"{c} {counter[c]:,}" for c in names if counter[c]) or "none"
 
-    @property
-    def all(self) -> list[str]:
-        return self.labels + self.dense + self.sparse
+        lines = []
+        if dense:
+            lines.append(
+                f"dense: {transform}; negative values: {counts(self.negative_dense, dense)}; "
+                f"missing: {counts(self.missing_dense, dense)}"
+            )
+        for name in sorted(self.null_bags.keys() | self.null_bag_items.keys()):
+            lines.append(
+                f"bags: {name}: {self.null_bags[name]:,} null list(s) read as empty bags, "
+                f"{self.null_bag_items[name]:,} null item(s) dropped"
+            )
+        return lines
 
 
 @dataclass
@@ -74,44 +113,75 @@ class PreprocessReport:
     malformed: MalformedLines
     metadata: dict[str, Any] = field(repr=False)
     seconds: float = 0.0
+    stats: InputStats = field(default_factory=InputStats)
+
+    def notes(self) -> list[str]:
+        """Lines on what the transform did to the values (dense transform, bags)."""
+        return self.stats.summary(self.metadata["dense"], self.metadata["dense_transform"])
 
 
 def preprocess(config: PreprocessConfig) -> PreprocessReport:
     """Run the three stages (see module docstring) and return a report.
 
+    With ``config.apply`` set to a directory written by preprocess, its fitted workflow
+    transforms the input instead of a new one being fitted: column roles, encoding and dense
+    transform come from there, the output has the same cardinalities and fingerprint,
+    ``valid_fraction = test_fraction = 0`` is allowed (every row goes to train/, in input order)
+    and label columns may be absent from parquet / CSV input (the output then has none). This
+    transforms raw input for scoring, one output row per input row in input order (strict: a
+    malformed row is an error instead of being skipped) in ``<tmp>/train/`` (files in the order
+    of ``metadata["splits"]["train"]["files"]``); ``tmp`` may be an existing empty directory::
+
+        preprocess(PreprocessConfig(apply="data/day_0", format="parquet", input="new.parquet",
+                                    output=tmp, valid_fraction=0, test_fraction=0, strict=True))
+
     Raises:
-        ValueError: bad options, a missing column, an empty split, or (strict mode) a
-            malformed line.
-        FileNotFoundError: an input does not exist.
+        ValueError: bad options, a missing column, an empty split, an output directory that
+            preprocess may not replace, an unreadable file, or (strict mode) a malformed line.
+        FileNotFoundError: an input, or the ``apply`` directory, does not exist.
     """
     start = time.perf_counter()
-    roles = _roles(config)
-    output = Path(config.output)
     if not config.output:
         raise ValueError("preprocess.output is empty; give the directory to write (--output DIR)")
-    if output.exists() and not config.overwrite:
-        raise ValueError(f"output '{output}' already exists; pass --preprocess.overwrite=true")
+    output = Path(config.output)
+    fitted = read_metadata(config.apply) if config.apply else None
     sources = {"train": _files(config.input, "input")}
     for split in ("valid", "test"):
         if getattr(config, split):
             sources[split] = _files(getattr(config, split), split)
+    if fitted is None:
+        roles, placeholders = _roles(config), []
+    else:
+        config, roles, placeholders = _applied(config, fitted, sources["train"][0])
+    if config.hash_buckets < 1:
+        raise ValueError(f"preprocess.hash_buckets = {config.hash_buckets}; expected >= 1")
+    if config.encoding == "hash" and roles.multi_hot:
+        raise ValueError(
+            "preprocess.encoding = 'hash' does not support multi-hot columns "
+            f"{roles.multi_hot} (NVTabular's HashBucket fails on lists); use 'categorify'"
+        )
     carve = [s for s in ("valid", "test") if s not in sources]
-    if carve and config.valid_fraction + config.test_fraction >= 1:
+    if fitted is not None:  # apply mode: a zero fraction means no such split
+        carve = [s for s in carve if getattr(config, f"{s}_fraction") > 0]
+    if min(config.valid_fraction, config.test_fraction) < 0 or (
+        carve and config.valid_fraction + config.test_fraction >= 1
+    ):
         raise ValueError(
             f"valid_fraction {config.valid_fraction} + test_fraction {config.test_fraction} "
-            "must be below 1"
+            "must be in [0, 1)"
         )
-    work = output.with_name(output.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
+    inputs = [path for files in sources.values() for path in files]
+    check_output(output, config.overwrite, inputs + ([Path(config.apply)] if fitted else []))
+    work = new_directory_beside(output, "partial")
     try:
-        rows, metadata, malformed = _run(config, roles, sources, carve, work)
+        rows, metadata, malformed, stats = _run(
+            config, roles, sources, carve, work, fitted, placeholders
+        )
+        replace_output(output, work)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)  # never leave a half-written dataset behind
         raise
-    if output.exists():
-        shutil.rmtree(output)
-    work.rename(output)
-    return PreprocessReport(output, rows, malformed, metadata, time.perf_counter() - start)
+    return PreprocessReport(output, rows, malformed, metadata, time.perf_counter() - start, stats)
 
 
 def _run(
@@ -120,67 +190,73 @@ def _run(
     sources: dict[str, list[Path]],
     carve: list[str],
     work: Path,
-) -> tuple[dict[str, int], dict[str, Any], MalformedLines]:
+    fitted: dict[str, Any] | None,
+    placeholders: list[str],
+) -> tuple[dict[str, int], dict[str, Any], MalformedLines, InputStats]:
     staging = work / "_staging"
     malformed = MalformedLines()
-    staged = _stage(config, roles, sources, carve, staging, malformed)
+    stats = InputStats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # merlin warns about absent GPU / tensorflow packages
+        workflow = _load_workflow(config) if fitted else _build_workflow(config, roles, work)
+    staged = _stage(config, roles, sources, carve, staging, malformed, stats, workflow)
     for split in SPLITS:
-        if staged[split] == 0:
+        if staged[split] == 0 and (split == "train" or fitted is None):
             hint = (
                 f"--{split} FILE or a larger preprocess.{split}_fraction"
                 if split != "train"
                 else "more input"
             )
             raise ValueError(f"split '{split}' has no rows after staging; give {hint}")
-    workflow = _build_workflow(config, roles, work)
+    if placeholders:  # unlabeled input in apply mode: the workflow still reads the labels
+        _add_placeholders(staging, placeholders)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # merlin warns about absent GPU / tensorflow packages
-        workflow.fit(_nvt_dataset(staging / "train", config))
-        rows = {s: _transform(workflow, staging / s, work / s, roles, config) for s in SPLITS}
-        workflow.save(str(work / "workflow"))
+        warnings.simplefilter("ignore")
+        if fitted is None:
+            workflow.fit(_nvt_dataset(staging / "train", config))
+        workflow.save(str(work / "workflow"))  # copies the categories into workflow/
+        if fitted is None:
+            fingerprint = _fingerprint(work / "workflow", config, roles, workflow)
+        else:
+            fingerprint = fitted["fingerprint"]
+        rows = {
+            s: _transform(workflow, staging / s, work / s, roles, config, fingerprint)
+            for s in SPLITS
+        }
     shutil.rmtree(staging)
-    metadata = {
-        "format_version": FORMAT_VERSION,
-        "labels": roles.labels,
-        "dense": roles.dense,
-        "categorical": [
+    if fitted is None:
+        categorical = [
             {
                 "name": name,
                 "cardinality": _cardinality(workflow, name, config),
                 "multi_hot": name in roles.multi_hot,
             }
             for name in roles.sparse
-        ],
+        ]
+        transform = dense_transform(config.log_dense, config.normalize_dense)
+    else:
+        categorical, transform = fitted["categorical"], fitted["dense_transform"]
+    metadata = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "labels": roles.labels,
+        "dense": roles.dense,
+        "categorical": categorical,
+        "dense_transform": transform,
         "splits": {
             s: {"rows": rows[s], "files": sorted(p.name for p in (work / s).glob("*.parquet"))}
             for s in SPLITS
         },
         "malformed_rows": malformed.count,
+        "input": {f.name: dict(getattr(stats, f.name)) for f in dataclasses.fields(stats)},
         "preprocess": dataclasses.asdict(config),
     }
     (work / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
-    return rows, metadata, malformed
-
-
-def read_metadata(path: str | Path) -> dict[str, Any]:
-    """The metadata.json of a preprocessed directory, with a clear error when it is not one."""
-    file = Path(path) / METADATA
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"'{path}' is not a preprocessed dataset (no {METADATA}); create one with "
-            "`recsys preprocess`"
-        )
-    metadata = json.loads(file.read_text())
-    if metadata.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"'{file}' has format_version {metadata.get('format_version')}; this recsys reads "
-            f"{FORMAT_VERSION}: preprocess the data again"
-        )
-    return metadata
+    return rows, metadata, malformed, stats
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 1: read, validate, split
+# Options, inputs and the output directory
 
 
 def _roles(config: PreprocessConfig) -> Roles:
@@ -207,6 +283,57 @@ def _roles(config: PreprocessConfig) -> Roles:
     return roles
 
 
+def _applied(
+    config: PreprocessConfig, fitted: dict[str, Any], first_input: Path
+) -> tuple[PreprocessConfig, Roles, list[str]]:
+    """Apply mode: (config with the fitted roles and options, roles of the columns to read,
+    label columns absent from the input that the workflow reads as null placeholders)."""
+    multi_hot = [c["name"] for c in fitted["categorical"] if c["multi_hot"]]
+    categorical = [c["name"] for c in fitted["categorical"] if not c["multi_hot"]]
+    roles = Roles(categorical, multi_hot, list(fitted["dense"]), list(fitted["labels"]))
+    if config.format == "criteo" and _roles(config) != roles:
+        raise ValueError(
+            f"'{config.apply}' was not preprocessed from the criteo format (its columns: "
+            f"{roles.all}); give --format parquet or csv"
+        )
+    given = {
+        "categorical": config.categorical,
+        "multi_hot": config.multi_hot,
+        "dense": config.dense,
+        "label": config.label,
+    }
+    for key, fitted_names in zip(given, dataclasses.astuple(roles), strict=True):
+        if given[key] and given[key] != fitted_names:
+            raise ValueError(
+                f"preprocess.{key} = {given[key]} conflicts with '{config.apply}', fitted with "
+                f"{key} = {fitted_names}; in apply mode the column roles come from there"
+            )
+    defaults = PreprocessConfig()
+    options = {}
+    for key in _FITTED_OPTIONS:
+        value, used = getattr(config, key), fitted["preprocess"].get(key, getattr(defaults, key))
+        if value != getattr(defaults, key) and value != used:
+            raise ValueError(
+                f"preprocess.{key} = {value!r} conflicts with '{config.apply}', fitted with "
+                f"{used!r}; in apply mode it comes from there"
+            )
+        options[key] = used
+    config = dataclasses.replace(
+        config,
+        categorical=categorical,
+        multi_hot=multi_hot,
+        dense=roles.dense,
+        label=roles.labels,
+        **options,
+    )
+    placeholders = []
+    if config.format != "criteo" and roles.labels:
+        names = readers.column_names(first_input, config.format)
+        if not any(label in names for label in roles.labels):  # unlabeled: for scoring
+            placeholders, roles.labels = roles.labels, []
+    return config, roles, placeholders
+
+
 def _files(spec: str, what: str) -> list[Path]:
     if not spec:
         raise ValueError(f"preprocess.{what} is empty; give the file(s) to read (--{what} PATH)")
@@ -223,6 +350,10 @@ def _files(spec: str, what: str) -> list[Path]:
     return files
 
 
+# ---------------------------------------------------------------------------------------------
+# Stage 1: read, clean, split
+
+
 def _stage(
     config: PreprocessConfig,
     roles: Roles,
@@ -230,25 +361,78 @@ def _stage(
     carve: list[str],
     staging: Path,
     malformed: MalformedLines,
+    stats: InputStats,
+    workflow,
 ) -> dict[str, int]:
     rows = dict.fromkeys(SPLITS, 0)
     parts = dict.fromkeys(SPLITS, 0)
     for split in SPLITS:
         (staging / split).mkdir(parents=True, exist_ok=True)
+    types = _fitted_types(workflow, roles) if config.apply else {}
     first_row = 0  # index of the piece's first row among all input rows read so far
     for source_split, files in sources.items():
         for path in files:
             for table in _read(config, roles, path, malformed):
+                table = _clean(table, roles, stats, types, path, config.apply)
                 routed = {source_split: table}
                 if source_split == "train" and carve:
                     routed = _carve(table, carve, config, first_row)
                 first_row += table.num_rows
                 for split, part in routed.items():
                     if part.num_rows:
-                        pq.write_table(part, staging / split / f"part_{parts[split]:05d}.parquet")
+                        pq.write_table(part, staging / split / f"part_{parts[split]:06d}.parquet")
                         parts[split] += 1
                         rows[split] += part.num_rows
     return rows
+
+
+def _read(
+    config: PreprocessConfig, roles: Roles, path: Path, malformed: MalformedLines
+) -> Iterator[pa.Table]:
+    chunk_bytes = config.chunk_mb << 20
+    if config.format == "criteo":
+        return criteo.read_criteo(path, chunk_bytes, config.strict, malformed)
+    return readers.read_table(config.format, path, roles, chunk_bytes, config.strict, malformed)
+
+
+def _clean(
+    table: pa.Table,
+    roles: Roles,
+    stats: InputStats,
+    types: dict[str, pa.DataType],
+    path: Path,
+    apply: str,
+) -> pa.Table:
+    """Count negative and missing dense values; null bags -> empty, null items dropped;
+    in apply mode, categories in the type the workflow was fitted on."""
+    for name in roles.dense:
+        column = table.column(name)
+        stats.negative_dense[name] += pc.sum(pc.less(column, 0)).as_py() or 0
+        stats.missing_dense[name] += column.null_count
+    for name in roles.multi_hot:
+        bags = table.column(name).combine_chunks()
+        items = pc.list_flatten(bags)
+        if bags.null_count or items.null_count:
+            stats.null_bags[name] += bags.null_count
+            stats.null_bag_items[name] += items.null_count
+            keep = items.is_valid()
+            parents = pc.list_parent_indices(bags).filter(keep).to_numpy()
+            offsets = np.concatenate([[0], np.cumsum(np.bincount(parents, minlength=len(bags)))])
+            offsets = pa.array(offsets, bags.offsets.type)
+            bags = type(bags).from_arrays(offsets, items.filter(keep))
+        table = table.set_column(table.schema.get_field_index(name), name, bags)
+    for name, kind in types.items():
+        if table.schema.field(name).type != kind:
+            try:
+                table = table.set_column(
+                    table.schema.get_field_index(name), name, pc.cast(table.column(name), kind)
+                )
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+                raise ValueError(
+                    f"'{path}': column '{name}' does not convert to {kind}, the type '{apply}' "
+                    f"was fitted on: {error}"
+                ) from None
+    return table
 
 
 def _carve(table: pa.Table, carve: list[str], config: PreprocessConfig, first_row: int) -> dict:
@@ -277,99 +461,14 @@ def _uniform(seed: int, index: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def _read(
-    config: PreprocessConfig, roles: Roles, path: Path, malformed: MalformedLines
-) -> Iterator[pa.Table]:
-    chunk_bytes = config.chunk_mb << 20
-    if config.format == "criteo":
-        yield from criteo.read_criteo(path, chunk_bytes, config.strict, malformed)
-        return
-    first_row = 1
-    for table in _read_table_pieces(config, roles, path, chunk_bytes):
-        yield _check_table(table, roles, path, first_row, config.strict, malformed)
-        first_row += table.num_rows
-
-
-def _read_table_pieces(
-    config: PreprocessConfig, roles: Roles, path: Path, chunk_bytes: int
-) -> Iterator[pa.Table]:
-    if config.format == "parquet":
-        try:
-            file = pq.ParquetFile(path)
-        except pa.ArrowInvalid as error:
-            raise ValueError(f"'{path}' is not a readable parquet file: {error}") from None
-        _require_columns(file.schema_arrow.names, roles, path)
-        num_rows = max(file.metadata.num_rows, 1)
-        size = sum(file.metadata.row_group(i).total_byte_size for i in range(file.num_row_groups))
-        rows_per_piece = max(1024, chunk_bytes * num_rows // max(size, 1))
-        for batch in file.iter_batches(batch_size=rows_per_piece, columns=roles.all):
-            yield pa.Table.from_batches([batch])
-        return
-    try:
-        reader = pcsv.open_csv(
-            str(path),
-            read_options=pcsv.ReadOptions(block_size=chunk_bytes),
-            convert_options=pcsv.ConvertOptions(
-                column_types={c: pa.string() for c in roles.sparse}
-            ),
-        )
-    except pa.ArrowInvalid as error:
-        raise ValueError(f"'{path}' is not a readable CSV file: {error}") from None
-    _require_columns(reader.schema.names, roles, path)
-    for batch in reader:
-        table = pa.Table.from_batches([batch]).select(roles.all)
-        for name in roles.multi_hot:  # a CSV bag is "a|b|c"
-            values = table.column(name)
-            bags = pc.split_pattern(pc.fill_null(values, ""), "|")
-            bags = pc.if_else(
-                pc.equal(pc.fill_null(values, ""), ""), pa.scalar([], bags.type), bags
-            )
-            table = table.set_column(table.schema.get_field_index(name), name, bags)
-        yield table
-
-
-def _require_columns(names: list[str], roles: Roles, path: Path) -> None:
-    missing = [c for c in roles.all if c not in names]
-    if missing:
-        hints = quoted_with_hints(missing, names)
-        raise ValueError(f"'{path}' has no column(s) {hints}; its columns: {names}")
-
-
-def _check_table(
-    table: pa.Table,
-    roles: Roles,
-    path: Path,
-    first_row: int,
-    strict: bool,
-    malformed: MalformedLines,
-) -> pa.Table:
-    """Labels must be 0/1 and dense values finite (null means missing and is allowed)."""
-    checks = []  # (role, column, values, malformed mask, what is wrong)
-    columns = {}
-    for name in roles.labels:
-        values = pc.cast(table.column(name), pa.float32()).to_numpy(zero_copy_only=False)
-        checks.append(("label", name, values, ~np.isin(values, [0.0, 1.0]), "is not 0 or 1"))
-        columns[name] = pa.array(np.nan_to_num(values), pa.float32())
-    for name in roles.dense:
-        column = pc.cast(table.column(name), pa.float32())
-        values = column.to_numpy(zero_copy_only=False)  # null -> nan here
-        missing = column.is_null().to_numpy(zero_copy_only=False)
-        checks.append(("dense", name, values, ~np.isfinite(values) & ~missing, "is not finite"))
-        columns[name] = column
-    for name in roles.sparse:
-        columns[name] = table.column(name)
-    bad = np.zeros(table.num_rows, dtype=bool)
-    problems = []
-    for role, name, values, wrong, what in checks:
-        for row in np.flatnonzero(wrong & ~bad):  # report the first bad field of a row
-            line = first_row + int(row)
-            problems.append((line, name, f"row {line}: {role} {name} {values[row]!r} {what}"))
-        bad |= wrong
-    for line, kind, detail in sorted(problems):
-        if strict:
-            raise ValueError(f"{path}: {detail}")
-        malformed.add(path, line, kind, detail)
-    return pa.table(columns).filter(pa.array(~bad))
+def _add_placeholders(staging: Path, labels: list[str]) -> None:
+    """Null label columns for unlabeled input: the fitted workflow reads them; the output drops
+    them."""
+    for file in staging.rglob("*.parquet"):
+        table = pq.read_table(file)
+        for name in labels:
+            table = table.append_column(name, pa.nulls(table.num_rows, pa.float32()))
+        pq.write_table(table, file)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,44 +478,85 @@ def _check_table(
 def _nvt_dataset(directory: Path, config: PreprocessConfig):
     from merlin.io import Dataset
 
-    files = sorted(str(p) for p in directory.glob("*.parquet"))
+    files = sorted(str(p) for p in directory.glob("*.parquet"))  # part_<index>: input order
     return Dataset(files, engine="parquet", part_size=f"{config.chunk_mb}MB", cpu=True)
 
 
 def _build_workflow(config: PreprocessConfig, roles: Roles, work: Path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import nvtabular as nvt
-        from nvtabular import ops
+    import nvtabular as nvt
+    from merlin.schema import Tags
+    from nvtabular import ops
 
     if config.encoding == "categorify":
         encode = ops.Categorify(freq_threshold=config.freq_threshold, out_path=str(work))
     else:
-        if config.hash_buckets < 1:
-            raise ValueError(f"preprocess.hash_buckets = {config.hash_buckets}; expected >= 1")
         encode = ops.HashBucket(num_buckets=config.hash_buckets)
     graph = roles.sparse >> encode
     if roles.dense:
         dense = roles.dense >> ops.FillMissing(fill_val=0.0)
         if config.log_dense:
-            dense = dense >> ops.Clip(min_value=0) >> ops.LogOp()
+            # pickled by reference with the workflow: loading it imports recsys.data.readers
+            signed_log = ops.LambdaOp(
+                readers.signed_log1p, dtype=np.float32, tags=[Tags.CONTINUOUS]
+            )
+            dense = dense >> signed_log
         if config.normalize_dense:
             dense = dense >> ops.Normalize()
         graph = graph + dense
     return nvt.Workflow(graph + roles.labels)
 
 
-def _transform(workflow, source: Path, target: Path, roles: Roles, config: PreprocessConfig) -> int:
+def _load_workflow(config: PreprocessConfig):
+    import nvtabular as nvt
+
+    directory = Path(config.apply) / "workflow"
+    if not (directory / "workflow.pkl").is_file():
+        raise FileNotFoundError(f"'{config.apply}' has no fitted workflow ({directory} is missing)")
+    return nvt.Workflow.load(str(directory))
+
+
+def _fitted_types(workflow, roles: Roles) -> dict[str, pa.DataType]:
+    """The arrow type each categorical column was fitted with (a value must have the same
+    type to get the same id: 12 and "12" differ)."""
+    from merlin.dtypes import ElementType
+
+    types = {}
+    for name in roles.sparse:
+        column = workflow.input_schema[name]
+        kind = column.dtype.element_type
+        if kind in (ElementType.String, ElementType.Object):
+            value = pa.string()
+        elif kind in (ElementType.Int, ElementType.UInt):
+            value = pa.int64()
+        elif kind is ElementType.Float:
+            value = pa.float64()
+        else:
+            continue
+        types[name] = pa.list_(value) if column.is_list else value
+    return types
+
+
+def _transform(
+    workflow,
+    source: Path,
+    target: Path,
+    roles: Roles,
+    config: PreprocessConfig,
+    fingerprint: str,
+) -> int:
     target.mkdir(parents=True)
+    if not any(source.glob("*.parquet")):
+        return 0  # an empty valid / test split (apply mode)
     types = {name: pa.float32() for name in roles.labels + roles.dense}
     types.update({name: pa.int64() for name in roles.categorical})
     types.update({name: pa.list_(pa.int64()) for name in roles.multi_hot})
     schema = pa.schema([(name, types[name]) for name in roles.all])
+    schema = schema.with_metadata({FINGERPRINT_KEY: fingerprint.encode()})
     rows = 0
     for index, frame in enumerate(workflow.transform(_nvt_dataset(source, config)).to_iter()):
         table = pa.Table.from_pandas(frame[roles.all], preserve_index=False).cast(schema)
         pq.write_table(
-            table, target / f"part_{index:05d}.parquet", row_group_size=config.row_group_rows
+            table, target / f"part_{index:06d}.parquet", row_group_size=config.row_group_rows
         )
         rows += table.num_rows
     return rows
@@ -426,3 +566,25 @@ def _cardinality(workflow, name: str, config: PreprocessConfig) -> int:
     if config.encoding == "hash":
         return config.hash_buckets
     return int(workflow.output_schema[name].int_domain.max) + 1
+
+
+def _fingerprint(directory: Path, config: PreprocessConfig, roles: Roles, workflow) -> str:
+    """sha256 over what decides ids and dense values: the options, the fitted categories and
+    the normalization statistics."""
+    from merlin.dag import Graph
+    from nvtabular import ops
+
+    digest = hashlib.sha256()
+    options = {key: getattr(config, key) for key in _FITTED_OPTIONS}
+    options["roles"] = dataclasses.asdict(roles)
+    options["dense_transform"] = dense_transform(config.log_dense, config.normalize_dense)
+    digest.update(json.dumps(options, sort_keys=True).encode())
+    for file in sorted(p for p in (directory / "categories").rglob("*") if p.is_file()):
+        digest.update(file.relative_to(directory).as_posix().encode())
+        with file.open("rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+    for node in Graph.get_nodes_by_op_type([workflow.output_node], ops.Normalize):
+        statistics = {"means": node.op.means, "stds": node.op.stds}
+        digest.update(json.dumps(statistics, sort_keys=True).encode())
+    return digest.hexdigest()

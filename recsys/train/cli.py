@@ -111,8 +111,9 @@ def _preprocess(args: argparse.Namespace, overrides: list[str]) -> None:
         print(f"  {example}")
     for note in report.notes():
         print(note)
-    recipe = "configs/dlrm_synthetic.toml"
-    print(f"train on it: recsys train --config {recipe} --data.path={report.output}")
+    if report.rows["valid"]:  # an --apply output for scoring has train/ only
+        recipe = "configs/dlrm_synthetic.toml"
+        print(f"train on it: recsys train --config {recipe} --data.path={report.output}")
 
 
 def _export(args: argparse.Namespace) -> None:

@@ -27,7 +27,7 @@ MALFORMED = [
     line(),  # 1 ok
     "bad line",  # 2 wrong field count
     line(ints=["x", *[str(i) for i in range(12)]]),  # 3 int_0 not an integer
-    "",  # 4 empty line: label missing
+    "",  # 4 empty line
     line(label="2"),  # 5 label out of range
     line(cats=["zz", *["00"] * 25]),  # 6 cat_0 not hex
     line(ints=[""] * 13, cats=[""] * 26),  # 7 ok: everything missing
@@ -50,7 +50,9 @@ def test_malformed_lines_are_counted_with_line_numbers(tmp_path, compress):
     ]
     assert "int_0 'x' is not an integer" in malformed.examples[1]
     assert "cat_0 'zz' is not hexadecimal" in malformed.examples[4]
-    assert malformed.reasons["field count"] == 2 and malformed.reasons["label"] == 2
+    assert malformed.examples[2] == f"{path}:4: empty line"
+    assert malformed.reasons["field count"] == 2 and malformed.reasons["label"] == 1
+    assert malformed.reasons["empty line"] == 1
     assert malformed.reasons["int_0"] == 2
     # missing fields stay null: nothing silently becomes zero
     assert table.column("int_0").to_pylist() == [0.0, None, -3.0]
@@ -119,3 +121,20 @@ def test_criteo_dataset_reads_a_small_file_whole(tmp_path):
     assert chunk.sparse.values().max() < 97 and data.spec.cardinalities == (97,) * 26
     with pytest.raises(ValueError, match="no valid Criteo lines"):
         CriteoDataset(write(tmp_path / "junk.txt", ["junk"]))
+
+
+def test_truncated_gzip_is_named(tmp_path):
+    data = gzip.compress(("\n".join(line() for _ in range(3000)) + "\n").encode())
+    path = tmp_path / "day_0.txt.gz"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"^'.*day_0.txt.gz' is truncated or corrupt \(") as error:
+        list(read_criteo(path))
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="day_0.txt.gz' is truncated or corrupt"):
+        CriteoDataset(path)
+
+
+def test_criteo_dataset_keeps_the_sign_of_negative_counts(tmp_path):
+    path = write(tmp_path / "neg.txt", [line(ints=["-3", "", "5", *["0"] * 10]) for _ in range(20)])
+    dense = CriteoDataset(path, valid_fraction=0, test_fraction=0).chunk("train", 0).dense
+    np.testing.assert_allclose(dense[:, :3].numpy(), [[-np.log1p(3), 0, np.log1p(5)]] * 20)
