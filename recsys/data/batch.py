@@ -24,12 +24,16 @@ class DatasetSpec:
         sparse_names: names of the categorical features (the KJT keys), F of them.
         cardinalities: number of distinct ids of each categorical feature.
         label_names: names of the T labels (tasks).
+        fingerprint: the vocabulary the ids come from: ``recsys preprocess``'s fingerprint of
+            its fitted workflow ("" for data with no fitted vocabulary: synthetic, hashed raw
+            Criteo, or preprocessed before fingerprints existed).
     """
 
     dense_names: tuple[str, ...]
     sparse_names: tuple[str, ...]
     cardinalities: tuple[int, ...]
     label_names: tuple[str, ...]
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
         if len(self.sparse_names) != len(self.cardinalities):
@@ -37,6 +41,17 @@ class DatasetSpec:
                 f"{len(self.sparse_names)} sparse feature names but "
                 f"{len(self.cardinalities)} cardinalities"
             )
+
+    @classmethod
+    def from_json(cls, fields: dict) -> DatasetSpec:
+        """The spec ``json.dumps(dataclasses.asdict(spec))`` wrote (a checkpoint's or an
+        export's ``spec.json``; older ones have no fingerprint)."""
+        return cls(
+            **{
+                key: value if isinstance(value, str) else tuple(value)
+                for key, value in fields.items()
+            }
+        )
 
     @property
     def num_dense(self) -> int:

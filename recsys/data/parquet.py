@@ -48,6 +48,7 @@ class ParquetDataset:
             sparse_names=tuple(c["name"] for c in categorical),
             cardinalities=tuple(int(c["cardinality"]) for c in categorical),
             label_names=tuple(self.metadata["labels"]),
+            fingerprint=self.metadata["fingerprint"],
         )
         self._multi_hot = {c["name"] for c in categorical if c["multi_hot"]}
         self._files: dict[Path, pq.ParquetFile] = {}

@@ -332,7 +332,7 @@ def read_spec(path: str | Path) -> DatasetSpec:
     if not file.is_file():
         raise FileNotFoundError(f"'{file}' is missing: was '{path}' saved by recsys train?")
     fields = json.loads(file.read_text())
-    return DatasetSpec(**{key: tuple(value) for key, value in fields.items()})
+    return DatasetSpec.from_json(fields)
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:

@@ -72,6 +72,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     score.add_argument("--overwrite", action="store_true", help="replace --output when it exists")
     score.add_argument(
+        "--transform",
+        action="store_true",
+        help="the input is raw data: transform it first with the workflow fitted on the "
+        "model's training data (recsys preprocess --apply)",
+    )
+    score.add_argument(
+        "--data", help="with --transform: the model's preprocessed training data, if moved"
+    )
+    score.add_argument(
+        "--format", help="with --transform: criteo | parquet | csv, if not the training data's"
+    )
+    score.add_argument(
         "--batch-size", type=int, default=8192, help="rows per forward call (default 8192)"
     )
     return parser
@@ -134,7 +146,16 @@ def _export(args: argparse.Namespace) -> None:
 def _predict(args: argparse.Namespace) -> None:
     from recsys.train.export import predict
 
-    report = predict(args.model, args.input, args.output, args.batch_size, overwrite=args.overwrite)
+    report = predict(
+        args.model,
+        args.input,
+        args.output,
+        args.batch_size,
+        overwrite=args.overwrite,
+        transform=args.transform,
+        data=args.data,
+        format=args.format,
+    )
     print(
         f"recsys: scored {report.rows:,} rows of {report.files} file(s) into {report.output} "
         f"({', '.join(report.columns)}) in {report.seconds:.1f} s"

@@ -25,11 +25,13 @@ them first and names the column.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import time
+import tomllib
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -47,6 +49,7 @@ from recsys._files import is_inside, remove_quietly, write_failure
 from recsys._suggest import quoted_with_hints
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.parquet import table_to_batch
+from recsys.data.prepared import file_fingerprint, new_directory_beside, read_metadata
 from recsys.train.checkpoint import (
     CONFIG_FILE,
     SPEC_FILE,
@@ -188,8 +191,15 @@ def load_exported(path: str | Path) -> tuple[nn.Module, DatasetSpec]:
     extra_files = {SPEC_FILE: "", CONFIG_FILE: ""}
     program = torch.export.load(path, extra_files=extra_files)
     fields = json.loads(extra_files[SPEC_FILE])
-    spec = DatasetSpec(**{key: tuple(value) for key, value in fields.items()})
+    spec = DatasetSpec.from_json(fields)
     return program.module(), spec
+
+
+def _archive_text(path: Path, member: str) -> str:
+    """The text of ``member`` (under the archive's top folder) of a zip archive."""
+    with zipfile.ZipFile(path) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(f"/{member}")]
+        return archive.read(name).decode()
 
 
 def _archive_has(path: Path, member: str) -> bool:
@@ -218,6 +228,9 @@ def predict(
     batch_size: int = 8192,
     *,
     overwrite: bool = False,
+    transform: bool = False,
+    data: str | Path | None = None,
+    format: str | None = None,
 ) -> PredictReport:
     """Score parquet files with an exported model and write the scores as parquet.
 
@@ -226,32 +239,49 @@ def predict(
     dense and categorical names (a multi-hot feature as a list column); ids are checked
     against the table sizes.
 
+    A model trained on ``recsys preprocess`` output only scores files that preprocess wrote
+    with the same vocabulary (their fingerprint, see :mod:`recsys.data.prepared`): raw ids
+    would be read as rows of the tables and scored silently wrong. With ``transform``, raw
+    input (in the format the training data was preprocessed from) is first transformed by the
+    workflow fitted on the model's training data (``recsys preprocess --apply``).
+
     Args:
         model_path: a ``.pt2`` file from :func:`export_model`.
-        input: a parquet file, a directory of them (``*.parquet``, in name order) or a glob.
+        input: a parquet file, a directory of them (``*.parquet``, in name order) or a glob;
+            with ``transform``, raw files (a file, a directory or a glob).
         output: the parquet file to write: one float32 column ``score_<label>`` per task, rows
             in input order, plus the label columns when the input has them. Written to a
             temporary file and renamed, so it appears only complete. Never one of the inputs,
             nor a file inside an input directory.
         batch_size: rows per forward call.
         overwrite: replace ``output`` when it exists (else that is an error).
+        transform: the input is raw; transform it with the training data's fitted workflow
+            (every row must be well formed: a malformed one is an error naming its line).
+        data: with ``transform``, the preprocessed directory the model was trained on, when it
+            is no longer at the ``data.path`` of the model's config.
+        format: with ``transform``, the raw input's format (``criteo``, ``parquet``, ``csv``)
+            when it differs from the one the training data was preprocessed from.
 
     Raises:
         FileNotFoundError: no model file, or no input file.
         ValueError: input lacking a column the model reads, or holding an id outside its table;
-            ``output`` among the inputs, or existing without ``overwrite``.
+            raw or differently preprocessed input; ``output`` among the inputs, or existing
+            without ``overwrite``.
 
     Example::
 
         predict("model.pt2", "data/test.parquet", "scores.parquet")
+        predict("model.pt2", "raw/day_2.txt", "scores.parquet", transform=True)
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not transform and (data is not None or format is not None):
+        raise ValueError("data and format describe raw input: they need transform")
     start = time.perf_counter()
     model, spec = load_exported(model_path)
     output = Path(output)
-    files = _input_files(str(input))
-    for file in files:
+    inputs = _any_files(str(input)) if transform else _input_files(str(input))
+    for file in inputs:
         if output.resolve() == file.resolve():
             raise ValueError(
                 f"output '{output}' is also an input: scoring it would overwrite it; give "
@@ -263,6 +293,21 @@ def predict(
             "would read it as input; write it elsewhere"
         )
     _check_output(output, overwrite)
+    with contextlib.ExitStack() as stack:
+        if transform:
+            dataset = _training_data(model_path, spec, data)
+            files = stack.enter_context(_transformed(dataset, str(input), format, output))
+        else:
+            _check_vocabulary(inputs, spec)
+            files = inputs
+        rows, scores = _score(model, spec, files, output, batch_size)
+    return PredictReport(output, rows, len(inputs), scores, time.perf_counter() - start)
+
+
+def _score(
+    model: nn.Module, spec: DatasetSpec, files: list[Path], output: Path, batch_size: int
+) -> tuple[int, list[str]]:
+    """Score ``files`` into ``output`` (atomically); (rows, score column names)."""
     # Labels pass through when the first file has them (then every file must).
     first = _open_input(files[0], spec, []).schema_arrow
     labels = [name for name in spec.label_names if name in first.names]
@@ -290,7 +335,89 @@ def predict(
         raise failure from error
     finally:
         remove_quietly(tmp)  # a failure to clean up must not hide the error
-    return PredictReport(output, rows, len(files), scores, time.perf_counter() - start)
+    return rows, scores
+
+
+def _check_vocabulary(files: list[Path], spec: DatasetSpec) -> None:
+    """Every file carries the fingerprint of the vocabulary the model was trained with (none
+    when the model's data had none: synthetic, hashed raw Criteo)."""
+    for file in files:
+        found = file_fingerprint(file)
+        if found == spec.fingerprint or (found is None and not spec.fingerprint):
+            continue
+        if found is None:
+            raise ValueError(
+                f"'{file}' was not written by recsys preprocess: its ids are raw values, not "
+                "rows of the model's tables, and would be scored silently wrong. Transform it "
+                "with the training data's vocabulary: add --transform (or run `recsys "
+                "preprocess --apply DATA_DIR` first)"
+            )
+        if not spec.fingerprint:
+            raise ValueError(
+                f"'{file}' was preprocessed with a fitted vocabulary, but the model was trained "
+                "on data without one (synthetic or hashed ids): its ids mean other rows"
+            )
+        raise ValueError(
+            f"'{file}' was preprocessed with another vocabulary (fingerprint "
+            f"{found[:12] or 'none'}, the model's {spec.fingerprint[:12]}): its ids mean other "
+            "rows; transform the raw data with --transform or `recsys preprocess --apply` "
+            "on the model's training data"
+        )
+
+
+def _training_data(model_path: str | Path, spec: DatasetSpec, data: str | Path | None) -> Path:
+    """The preprocessed directory whose fitted workflow made the model's ids: ``data``, else
+    the ``data.path`` of the model's config; it must hold the model's vocabulary."""
+    if not spec.fingerprint:
+        raise ValueError(
+            "the model was not trained on `recsys preprocess` output (no vocabulary to "
+            "transform raw input with); give preprocessed or synthetic-format parquet"
+        )
+    if data is None:
+        config = tomllib.loads(_archive_text(Path(model_path), f"extra/{CONFIG_FILE}"))
+        data = config.get("data", {}).get("path", "")
+    directory = Path(data)
+    if not (directory / "metadata.json").is_file():
+        raise FileNotFoundError(
+            f"the model's training data '{directory}' is not a preprocessed directory (moved?); "
+            "give it with --data DIR"
+        )
+    found = read_metadata(directory)["fingerprint"]
+    if found != spec.fingerprint:
+        raise ValueError(
+            f"'{directory}' holds another vocabulary (fingerprint {found[:12] or 'none'}) than "
+            f"the model's ({spec.fingerprint[:12]}); give the directory it was trained on"
+        )
+    return directory
+
+
+@contextlib.contextmanager
+def _transformed(dataset: Path, input: str, format: str | None, near: Path) -> Iterator[list[Path]]:
+    """Raw ``input`` transformed by ``dataset``'s fitted workflow into a temporary directory
+    beside ``near``, row for row (strict: a malformed row is an error naming its line); yields
+    its parquet files in input order, and deletes them afterwards."""
+    from recsys.config import PreprocessConfig
+    from recsys.data.etl import preprocess
+
+    fitted = read_metadata(dataset)
+    work = new_directory_beside(near, "transform")
+    try:
+        report = preprocess(
+            PreprocessConfig(
+                apply=str(dataset),
+                format=format or fitted["preprocess"]["format"],
+                input=input,
+                output=str(work / "data"),
+                valid_fraction=0.0,
+                test_fraction=0.0,
+                strict=True,
+            )
+        )
+        yield [
+            report.output / "train" / name for name in report.metadata["splits"]["train"]["files"]
+        ]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _pieces(
@@ -310,6 +437,20 @@ def _pieces(
                 piece = table.slice(first_row, batch_size)
                 where = f"{path} row group {group} from row {first_row}"
                 yield piece, table_to_batch(piece, features, multi_hot, where)
+
+
+def _any_files(pattern: str) -> list[Path]:
+    """A file, a directory's files, or a glob's matches (raw input of any format), sorted."""
+    path = Path(pattern)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    elif any(ch in pattern for ch in "*?["):
+        files = sorted(Path(p) for p in glob(pattern) if Path(p).is_file())
+    else:
+        files = [path] if path.is_file() else []
+    if not files:
+        raise FileNotFoundError(f"no input found at '{pattern}'")
+    return files
 
 
 def _input_files(pattern: str) -> list[Path]:
