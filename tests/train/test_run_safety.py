@@ -357,3 +357,18 @@ def test_a_read_only_run_directory_is_one_line(read_only_dir, capsys):
         f"recsys: error: cannot write '{read_only_dir / 'run'}': Operation not permitted "
         "(a read-only directory or file?)\n"
     )
+
+
+def test_training_on_a_raw_criteo_file_reports_its_malformed_lines(tmp_path, capsys):
+    from recsys.config import SyntheticConfig
+    from recsys.data.synthetic import SyntheticDataset
+
+    log = tmp_path / "day.txt"
+    SyntheticDataset(SyntheticConfig(num_train_samples=3000), seed=1).write_criteo(log)
+    with log.open("a") as f:
+        f.write("1\t2\n\n")  # a short line, then an empty one
+    overrides = [f"--data.path={log}", "--data.criteo.hash_buckets=1000", "--train.max_steps=2"]
+    train(load_config(None, [f"--run.dir={tmp_path / 'run'}", *TINY[5:], *overrides]))
+    out = capsys.readouterr().out
+    assert f"{log}: skipped 2 malformed line(s)" in out
+    assert f"first: {log}:3001: expected 40 tab-separated fields, found 2" in out
