@@ -109,3 +109,15 @@ def test_replace_output_puts_the_old_one_back_when_the_new_one_cannot_move_in(
     prepared.replace_output(old, work)
     assert json.loads((old / prepared.METADATA).read_text()) == {"v": "new"}
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_read_only_output_is_one_line(read_only_dir, tmp_path, capsys):
+    from recsys.train.cli import main
+
+    data = criteo_input(tmp_path, rows=1000)
+    for output in (read_only_dir / "out", read_only_dir):  # new inside it, or it (empty)
+        assert main(["preprocess", "--input", str(data), "--output", str(output)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"recsys: error: cannot write '{read_only_dir}"), err
+        assert err.endswith("Operation not permitted (a read-only directory or file?)\n")
+        assert err.count("\n") == 1
