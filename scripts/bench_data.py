@@ -74,7 +74,7 @@ from recsys.data.loader import BatchLoader
 from recsys.data.parquet import ParquetDataset
 from recsys.data.synthetic import SyntheticDataset
 from recsys.models import build_model
-from recsys.train.trainer import build_optimizers
+from recsys.train.optimizers import build_optimizers
 
 TOPIC = "data"
 NUM_CAT, NUM_DENSE = 26, 13

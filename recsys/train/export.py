@@ -280,7 +280,7 @@ def predict(
     start = time.perf_counter()
     model, spec = load_exported(model_path)
     output = Path(output)
-    inputs = _any_files(str(input)) if transform else _input_files(str(input))
+    inputs = _input_files(str(input), parquet=not transform)
     for file in inputs:
         if output.resolve() == file.resolve():
             raise ValueError(
@@ -439,31 +439,25 @@ def _pieces(
                 yield piece, table_to_batch(piece, features, multi_hot, where)
 
 
-def _any_files(pattern: str) -> list[Path]:
-    """A file, a directory's files, or a glob's matches (raw input of any format), sorted."""
+def _input_files(pattern: str, parquet: bool = True) -> list[Path]:
+    """A file, a directory's files (its ``*.parquet`` ones with ``parquet``), or a glob's
+    matches, sorted."""
     path = Path(pattern)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        files = sorted(
+            p
+            for p in path.iterdir()
+            if p.is_file()
+            and not p.name.startswith(".")
+            and (p.suffix == ".parquet" or not parquet)
+        )
     elif any(ch in pattern for ch in "*?["):
         files = sorted(Path(p) for p in glob(pattern) if Path(p).is_file())
     else:
         files = [path] if path.is_file() else []
     if not files:
-        raise FileNotFoundError(f"no input found at '{pattern}'")
-    return files
-
-
-def _input_files(pattern: str) -> list[Path]:
-    """A parquet file, a directory's ``*.parquet`` files, or a glob's matches, sorted."""
-    path = Path(pattern)
-    if path.is_dir():
-        files = sorted(path.glob("*.parquet"))
-    elif any(ch in pattern for ch in "*?["):
-        files = sorted(Path(p) for p in glob(pattern) if Path(p).is_file())
-    else:
-        files = [path] if path.is_file() else []
-    if not files:
-        raise FileNotFoundError(f"no parquet input found at '{pattern}'")
+        kind = "parquet input" if parquet else "input"
+        raise FileNotFoundError(f"no {kind} found at '{pattern}'")
     return files
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from recsys.data.readers import MalformedLines, Roles, read_table, signed_log1p
 
+from .test_criteo import write
+
 ROLES = Roles(categorical=["user"], multi_hot=["tags"], dense=["x"], labels=["click"])
 CSV = [
     "user,tags,x,unused,click",  # 1 header
@@ -24,18 +26,8 @@ CSV = [
 ]
 
 
-def write_csv(path, lines, compress=False):
-    text = "\n".join(lines) + "\n"
-    if compress:
-        with gzip.open(path, "wt") as f:
-            f.write(text)
-    else:
-        path.write_text(text)
-    return path
-
-
 def test_csv_malformed_lines_name_file_line_and_column(tmp_path):
-    path = write_csv(tmp_path / "events.csv", CSV)
+    path = write(tmp_path / "events.csv", CSV)
     malformed = MalformedLines()
     table = pa.concat_tables(read_table("csv", path, ROLES, 1 << 20, False, malformed))
     assert malformed.examples == [
@@ -55,10 +47,10 @@ def test_csv_malformed_lines_name_file_line_and_column(tmp_path):
 
 
 def test_csv_strict_mode_names_the_line(tmp_path):
-    path = write_csv(tmp_path / "events.csv", CSV)
+    path = write(tmp_path / "events.csv", CSV)
     with pytest.raises(ValueError, match=r"events.csv:4: malformed line: dense x 'abc' is not a"):
         list(read_table("csv", path, ROLES, 1 << 20, True, MalformedLines()))
-    path = write_csv(tmp_path / "short.csv", [CSV[0], CSV[1], CSV[4]])
+    path = write(tmp_path / "short.csv", [CSV[0], CSV[1], CSV[4]])
     with pytest.raises(ValueError, match=r"short.csv:3: malformed line: expected 5 comma-sep"):
         list(read_table("csv", path, ROLES, 1 << 20, True, MalformedLines()))
 
@@ -67,7 +59,7 @@ def test_csv_line_numbers_survive_tiny_chunks(tmp_path):
     lines = [CSV[0]] + [f"u{i},a,{i},z,{i % 2}" for i in range(400)]
     for bad in (17, 150, 151, 401):  # line numbers, the header being line 1
         lines[bad - 1] = f"u,a,{'x' if bad % 2 else ''},z"
-    path = write_csv(tmp_path / "events.csv", lines)
+    path = write(tmp_path / "events.csv", lines)
     malformed = MalformedLines()
     pieces = list(read_table("csv", path, ROLES, 1000, False, malformed))
     assert len(pieces) > 5 and sum(p.num_rows for p in pieces) == 396

@@ -15,7 +15,7 @@ from recsys.data.batch import Batch, DatasetSpec
 from recsys.distributed import planner as P
 from recsys.distributed.parallel import collections_of, parallelize
 from recsys.models import build_model
-from recsys.train.trainer import build_optimizers, collections, configure_embedding_optimizer
+from recsys.train.optimizers import build_optimizers, collections, configure_embedding_optimizer
 from tests.distributed.spawn import run_ranks
 from tests.distributed.test_sharded import assert_state_equal
 

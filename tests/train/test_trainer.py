@@ -167,7 +167,7 @@ def test_rowwise_adagrad_trains_and_needs_the_fused_update(tmp_path):
         ],
     )
     assert train(config).test["auc"] > 0.6
-    from recsys.train.trainer import build_optimizers
+    from recsys.train.optimizers import build_optimizers
 
     model = build_model(config.model, build_dataset(config.data, 0).spec, torch.device("cpu"))
     config.train.fused_embedding_update = False
@@ -177,7 +177,7 @@ def test_rowwise_adagrad_trains_and_needs_the_fused_update(tmp_path):
 
 def test_task_loss_weights_are_checked_and_normalized():
     from recsys.config import TrainConfig
-    from recsys.train.trainer import task_loss_weights
+    from recsys.train.optimizers import task_loss_weights
 
     cpu = torch.device("cpu")
     assert task_loss_weights(TrainConfig(), 2, cpu) is None

@@ -1,0 +1,54 @@
+"""Run configuration: nested dataclasses, TOML recipes and ``--section.key=value`` overrides.
+
+Precedence is dataclass defaults < TOML recipe < command line. Every field carries a docstring
+(the string literal under it); :func:`config_reference` renders them as the reference in
+``docs/config.md``. Unknown keys and wrongly typed values raise ``ValueError`` naming the key,
+where it came from, and the closest valid key or the expected type.
+
+Example::
+
+    cfg = load_config("configs/dlrm_synthetic.toml", ["--train.batch_size=2048"])
+    cfg.train.batch_size  # 2048
+"""
+
+from recsys.config.loading import (
+    config_differences,
+    config_reference,
+    field_docs,
+    load_config,
+    to_toml,
+)
+from recsys.config.sections import (
+    CheckpointConfig,
+    Config,
+    CriteoConfig,
+    CrossConfig,
+    DataConfig,
+    DistributedConfig,
+    MMoEConfig,
+    ModelConfig,
+    PreprocessConfig,
+    RunConfig,
+    SyntheticConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "CriteoConfig",
+    "CrossConfig",
+    "DataConfig",
+    "DistributedConfig",
+    "MMoEConfig",
+    "ModelConfig",
+    "PreprocessConfig",
+    "RunConfig",
+    "SyntheticConfig",
+    "TrainConfig",
+    "config_differences",
+    "config_reference",
+    "field_docs",
+    "load_config",
+    "to_toml",
+]

@@ -1,0 +1,116 @@
+"""The two optimizers of a run: the dense one (any torch optimizer over every parameter but
+the tables) and the embedding one, fused into the tables' backward
+(:mod:`recsys.embedding.optim`) or a torch optimizer over their dense gradients; and the
+weights of the task losses."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from recsys.config import TrainConfig
+from recsys.distributed.sharded import ShardedEmbeddingBagCollection
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.optim import OPTIMIZERS as FUSED_OPTIMIZERS
+
+_OPTIMIZERS = {
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "adagrad": torch.optim.Adagrad,
+    "sgd": torch.optim.SGD,
+}
+
+
+def collections(model: nn.Module) -> list[nn.Module]:
+    """The model's embedding collections (plain or sharded), not the ones a sharded collection
+    holds inside."""
+    found, inside = [], []
+    for path, module in model.named_modules():
+        if any(path.startswith(p) for p in inside):
+            continue
+        if isinstance(module, ShardedEmbeddingBagCollection):
+            found.append(module)
+            inside.append(f"{path}.")
+        elif isinstance(module, EmbeddingBagCollection):
+            found.append(module)
+    return found
+
+
+def configure_embedding_optimizer(config: TrainConfig, model: nn.Module) -> None:
+    """With ``train.fused_embedding_update``, fuse the embedding optimizer into the backward of
+    every (unsharded) EmbeddingBagCollection that is not frozen; call it before
+    :func:`parallelize`, which hands the optimizer to the shards. Otherwise check a torch
+    optimizer of that name exists."""
+    if config.fused_embedding_update:
+        fused = FUSED_OPTIMIZERS[config.embedding_optimizer]
+        for collection in collections(model):
+            if isinstance(collection, EmbeddingBagCollection) and not _frozen(collection):
+                collection.set_optimizer(
+                    fused(
+                        lr=config.embedding_lr,
+                        stochastic_rounding=config.embedding_stochastic_rounding,
+                    )
+                )
+    elif config.embedding_optimizer not in _OPTIMIZERS:
+        raise ValueError(
+            f"train.embedding_optimizer = {config.embedding_optimizer!r} only exists as a fused "
+            f"update (train.fused_embedding_update = true); with dense table gradients pick one "
+            f"of {', '.join(_OPTIMIZERS)}"
+        )
+
+
+def build_optimizers(config: TrainConfig, model: nn.Module) -> dict[str, torch.optim.Optimizer]:
+    """``{"dense": ..., "embedding": ...}``: all parameters but the tables go to the dense
+    optimizer. Tables get the embedding optimizer fused into their backward
+    (``train.fused_embedding_update``; set here on collections that have none yet), or else a
+    torch optimizer over their dense gradients."""
+    if not any(getattr(c, "optimizer", None) for c in collections(model)):
+        configure_embedding_optimizer(config, model)
+    table_ids, tables = set(), []
+    for collection in collections(model):
+        table_ids |= {id(p) for p in collection.parameters()}
+        if isinstance(collection, ShardedEmbeddingBagCollection):
+            tables += collection.parameters_for_optimizer()
+        else:
+            tables += [p for p in collection.parameters() if p.requires_grad]
+    dense = [p for p in model.parameters() if id(p) not in table_ids and p.requires_grad]
+    optimizers = {}
+    if dense:
+        optimizers["dense"] = _OPTIMIZERS[config.dense_optimizer](dense, lr=config.dense_lr)
+    if tables:
+        optimizers["embedding"] = _OPTIMIZERS[config.embedding_optimizer](
+            tables, lr=config.embedding_lr
+        )
+    return optimizers
+
+
+def task_loss_weights(
+    config: TrainConfig, num_tasks: int, device: torch.device
+) -> torch.Tensor | None:
+    """``train.task_loss_weights`` normalized to sum to 1, as a [T] tensor; None when empty
+    (every task weighs the same: the plain mean BCE over [B, T]).
+
+    Raises:
+        ValueError: a count other than the data's number of tasks, or a negative or all-zero
+            weight list.
+    """
+    weights = config.task_loss_weights
+    if not weights:
+        return None
+    if len(weights) != num_tasks:
+        raise ValueError(
+            f"train.task_loss_weights has {len(weights)} weights {weights}, but the data has "
+            f"{num_tasks} task(s)"
+        )
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(
+            f"train.task_loss_weights = {weights}; expected weights >= 0 with a positive sum"
+        )
+    return torch.tensor(weights, device=device) / sum(weights)
+
+
+def _frozen(collection: nn.Module) -> bool:
+    """A collection that trains neither by a fused update nor by gradients."""
+    return getattr(collection, "optimizer", None) is None and not any(
+        p.requires_grad for p in collection.parameters()
+    )
