@@ -20,13 +20,21 @@ _NEARLY_FULL = 64 << 20
 
 def write_text_atomic(path: Path, text: str) -> None:
     """``path`` replaced in one rename by a complete, synced file."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    write_bytes_atomic(path, text.encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
+    """``path`` replaced in one rename by a complete, synced file; a failed write (a full
+    disk) is an OSError naming ``path`` and leaves what was there."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with tmp.open("w") as f:
-            f.write(text)
+        with tmp.open("wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as error:
+        raise write_failure(error, path) from error
     finally:
         remove_quietly(tmp)
 
@@ -48,12 +56,16 @@ def write_failure(error: BaseException, path: str | Path) -> BaseException:
     """The error to raise for a write of ``path`` that failed with ``error``: the OSError at
     its root when there is one (torch.distributed.checkpoint wraps them), an ENOSPC OSError
     when the disk of ``path`` is (nearly) full, else ``error`` itself."""
+    nearly_full = _free_bytes(Path(path)) < _NEARLY_FULL
     for cause in _causes(error):
         if isinstance(cause, OSError):
-            if cause.filename is None:
-                return OSError(cause.errno, cause.strerror or str(cause), str(path))
+            code = cause.errno
+            if code is None and nearly_full:  # pyarrow's errors carry no errno
+                code = errno.ENOSPC
+            if cause.filename is None or code != cause.errno:
+                return OSError(code, cause.strerror or str(cause), str(path))
             return cause
-    if _free_bytes(Path(path)) < _NEARLY_FULL:
+    if nearly_full:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
     return error
 

@@ -39,3 +39,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A directory on a file system of 1 MiB (a tmpfs), to fill up for real."""
+    directory = tmp_path / "small_disk"
+    directory.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(directory)]
+    if subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    yield directory
+    subprocess.run(["umount", str(directory)], check=True)

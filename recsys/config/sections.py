@@ -334,8 +334,8 @@ class DistributedConfig:
 
     constraints: list[str] = field(default_factory=list)
     """Per-table placements that override the planner, "<table>=<type>[@<rank>,...]" with type
-    data_parallel, table_wise, row_wise or column_wise; e.g. ["t_C1=row_wise",
-    "t_C2=table_wise@1"]."""
+    data_parallel, table_wise, row_wise or column_wise; e.g. ["t_cat_2=row_wise",
+    "t_cat_9=table_wise@1"]."""
     memory_per_rank_gb: Annotated[float, AtLeast0] = 0.0
     """GiB each rank may use for tables and their optimizer state (0: no limit)."""
     forward_precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"

@@ -47,6 +47,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from recsys._files import write_failure
 from recsys.config import PreprocessConfig
 from recsys.data import criteo, readers
 from recsys.data.prepared import (
@@ -178,8 +179,10 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
             config, roles, sources, carve, work, fitted, placeholders
         )
         replace_output(output, work)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(work, ignore_errors=True)  # never leave a half-written dataset behind
+        if isinstance(error, OSError) and (failure := write_failure(error, output)) is not error:
+            raise failure from error  # pyarrow's write errors name no file
         raise
     return PreprocessReport(output, rows, malformed, metadata, time.perf_counter() - start, stats)
 

@@ -97,6 +97,19 @@ def _linear_collection(
     return EmbeddingBagCollection(linear_table_configs(tables), device=device)
 
 
+def _check_bottom_mlp(config: ModelConfig, spec: DatasetSpec) -> None:
+    """The bottom MLP turns the dense features into one more embedding-sized field: its last
+    size must be model.embedding_dim (no bottom MLP without dense features)."""
+    sizes = config.dense_arch_layer_sizes
+    if spec.num_dense and (not sizes or sizes[-1] != config.embedding_dim):
+        hint = ",".join(str(n) for n in [*sizes[:-1], config.embedding_dim])
+        raise ValueError(
+            f"model.dense_arch_layer_sizes = {sizes} must end with model.embedding_dim = "
+            f"{config.embedding_dim} (the bottom MLP's output is one more embedding); e.g. "
+            f"--model.dense_arch_layer_sizes={hint}"
+        )
+
+
 def _check_num_tasks(sizes: list[int], spec: DatasetSpec, key: str) -> None:
     if not sizes or sizes[-1] != spec.num_tasks:
         raise ValueError(
@@ -106,6 +119,7 @@ def _check_num_tasks(sizes: list[int], spec: DatasetSpec, key: str) -> None:
 
 
 def _build_dlrm(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    _check_bottom_mlp(config, spec)
     _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
     return DLRM(
         _collection(config, spec, device),
@@ -118,6 +132,7 @@ def _build_dlrm(config: ModelConfig, spec: DatasetSpec, device: torch.device) ->
 
 
 def _build_dlrm_dcn(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    _check_bottom_mlp(config, spec)
     _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
     if config.cross.version != "v2" or config.cross.structure != "stacked":
         raise ValueError(
@@ -154,6 +169,7 @@ def _build_dcn(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> 
 
 
 def _build_pnn(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    _check_bottom_mlp(config, spec)
     _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
     return PNN(
         _collection(config, spec, device),
@@ -191,6 +207,7 @@ def _build_mmoe(config: ModelConfig, spec: DatasetSpec, device: torch.device) ->
 
 
 def _build_deepfm(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    _check_bottom_mlp(config, spec)
     _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
     return DeepFM(
         _collection(config, spec, device),
@@ -218,6 +235,7 @@ def _build_wide_deep(config: ModelConfig, spec: DatasetSpec, device: torch.devic
 
 
 def _build_xdeepfm(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+    _check_bottom_mlp(config, spec)
     _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
     return XDeepFM(
         _collection(config, spec, device),

@@ -14,6 +14,7 @@ and exit with status 2 instead of a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -162,6 +163,13 @@ def _predict(args: argparse.Namespace) -> None:
     )
 
 
+def _who() -> str:
+    """``recsys``, or ``recsys (rank N)`` on the other ranks of a torchrun job (where every rank
+    reports its own errors)."""
+    rank = int(os.environ.get("RANK", "0"))
+    return f"recsys (rank {rank})" if rank else "recsys"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = _parser().parse_known_args(argv)
     try:
@@ -193,10 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return stopped.exit_code
         return 0
     except (ValueError, FileNotFoundError) as error:
-        print(f"recsys: error: {error}", file=sys.stderr)
+        print(f"{_who()}: error: {error}", file=sys.stderr)
         return 2
     except OSError as error:  # a full disk, a read-only directory, ...
-        print(f"recsys: error: {describe_os_error(error)}", file=sys.stderr)
+        print(f"{_who()}: error: {describe_os_error(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("recsys: interrupted", file=sys.stderr)

@@ -26,10 +26,10 @@ them first and names the column.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
-import tempfile
 import time
 import tomllib
 import warnings
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from recsys._files import is_inside, remove_quietly, write_failure
+from recsys._files import is_inside, remove_quietly, write_bytes_atomic, write_failure
 from recsys._suggest import quoted_with_hints
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.parquet import table_to_batch
@@ -123,24 +123,16 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
         },
     )
     extra_files = {name: (checkpoint / name).read_text() for name in (SPEC_FILE, CONFIG_FILE)}
+    # Serialized in memory, then written by Python: torch's zip writer, writing to a full disk
+    # itself, raises from its destructor and aborts the process.
+    archive = io.BytesIO()
+    with warnings.catch_warnings():
+        # The tables are views of one packed buffer per collection; the archive stores that
+        # buffer once and warns that no single parameter covers all of it.
+        warnings.filterwarnings("ignore", message="No complete tensor found")
+        torch.export.save(program, archive, extra_files=extra_files)
     output.parent.mkdir(parents=True, exist_ok=True)
-    # Written under its final name (the archive's top folder is named after the file) in a
-    # temporary directory beside it, then moved into place.
-    tmp_dir = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=output.parent))
-    try:
-        with warnings.catch_warnings():
-            # The tables are views of one packed buffer per collection; the archive stores
-            # that buffer once and warns that no single parameter covers all of it.
-            warnings.filterwarnings("ignore", message="No complete tensor found")
-            torch.export.save(program, tmp_dir / output.name, extra_files=extra_files)
-        os.replace(tmp_dir / output.name, output)
-    except Exception as error:
-        failure = write_failure(error, output)
-        if failure is error:
-            raise
-        raise failure from error
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+    write_bytes_atomic(output, archive.getbuffer())
     return output
 
 

@@ -59,8 +59,9 @@ def check_run_dir(run_dir: str | Path, *, continuing: bool, overwrite: bool) -> 
         return
     raise ValueError(
         f"run directory '{run_dir}' holds another run ({'; '.join(found)}). Keep it and write "
-        f"this run elsewhere: --run.dir={_free_name(Path(run_dir))}; continue it: "
-        "--checkpoint.resume=latest; or replace it: --run.overwrite=true"
+        f"this run elsewhere: --run.dir={_free_name(Path(run_dir))}; continue it (with its own "
+        f"config): --config {Path(run_dir) / CONFIG_FILE} --checkpoint.resume=latest; or "
+        "replace it: --run.overwrite=true"
     )
 
 

@@ -121,3 +121,18 @@ def test_a_read_only_output_is_one_line(read_only_dir, tmp_path, capsys):
         assert err.startswith(f"recsys: error: cannot write '{read_only_dir}"), err
         assert err.endswith("Operation not permitted (a read-only directory or file?)\n")
         assert err.count("\n") == 1
+
+
+def test_a_full_disk_is_one_line_naming_the_output(small_disk, tmp_path, capsys):
+    from recsys.train.cli import main
+
+    data = criteo_input(tmp_path, rows=20000)
+    output = small_disk / "out"
+    (small_disk / "ballast").write_bytes(b"x" * (1024 * 1024 - 16 * 1024))  # 16 KiB left
+    assert main(["preprocess", "--input", str(data), "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"recsys: error: no space left on the device of '{output}'; free some space and run "
+        "again\n"
+    )
+    assert [p.name for p in small_disk.iterdir()] == ["ballast"]  # the partial work is gone

@@ -279,3 +279,23 @@ def test_a_read_only_output_is_one_line(trained, read_only_dir, tmp_path, capsys
         assert err.startswith(f"recsys: error: cannot write '{read_only_dir}/"), err
         assert "Operation not permitted (a read-only directory or file?)" in err
         assert err.count("\n") == 1
+
+
+def test_a_full_disk_is_one_line_naming_the_output(trained, small_disk, tmp_path, capsys):
+    config, result, exported = trained("dlrm")
+    data = tmp_path / "test.parquet"
+    _write_parquet(_test_split(config), config, data, 512)  # 2048 rows: 16 KiB of scores
+    commands = {
+        "model.pt2": ["export", "--checkpoint", str(result.run_dir)],
+        "scores.parquet": ["predict", "--model", str(exported), "--input", str(data)],
+    }
+    for name, argv in commands.items():
+        output = small_disk / name
+        (small_disk / "ballast").write_bytes(b"x" * (1024 * 1024 - 8 * 1024))  # 8 KiB left
+        assert main([*argv, "--output", str(output)]) == 2  # no abort from torch's writer
+        err = capsys.readouterr().err
+        assert err == (
+            f"recsys: error: no space left on the device of '{output}'; free some space and "
+            "run again\n"
+        )
+        assert sorted(p.name for p in small_disk.iterdir()) == ["ballast"]  # nothing half-written

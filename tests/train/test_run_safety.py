@@ -83,7 +83,11 @@ def test_a_second_run_in_the_same_directory_is_refused(reference, tmp_path):
     assert "4 checkpoint(s) up to checkpoints/step_00000016" in message
     assert "metrics.jsonl with events up to step 16" in message
     assert f"--run.dir={reference_dir}_2" in message
-    assert "--checkpoint.resume=latest" in message and "--run.overwrite=true" in message
+    assert (
+        f"continue it (with its own config): --config {reference_dir / 'config.toml'} "
+        "--checkpoint.resume=latest" in message
+    )
+    assert "--run.overwrite=true" in message
     assert (reference_dir / "metrics.jsonl").read_bytes() == metrics_before
     assert (reference_dir / "config.toml").read_bytes() == config_before
 
@@ -218,6 +222,17 @@ def test_a_resume_with_bigger_batches_says_where_it_ends(reference, tmp_path, ca
 
 # ------------------------------------------------------------------------------------------
 # 14. Config values checked when the config is loaded
+
+
+def test_a_bottom_mlp_that_does_not_fit_names_the_key_and_a_fix(tmp_path, capsys):
+    argv = ["train", f"--run.dir={tmp_path / 'run'}", *TINY, "--model.embedding_dim=32"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "recsys: error: model.dense_arch_layer_sizes = [64, 16] must end with "
+        "model.embedding_dim = 32 (the bottom MLP's output is one more embedding); e.g. "
+        "--model.dense_arch_layer_sizes=64,32\n"
+    )
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
