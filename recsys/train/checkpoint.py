@@ -112,7 +112,7 @@ def save_checkpoint(
             _write_synced(tmp / SPEC_FILE, json.dumps(asdict(spec), indent=1) + "\n")
     _barrier()
     names = _from_first_rank(sorted(p.name for p in tmp.iterdir() if p.is_file()))
-    sums = _gather({name: _checksum(tmp / name) for name in _my_share(names)})
+    sums = dict(_gather_list([(name, _checksum(tmp / name)) for name in _my_share(names)]))
     if is_main:
         manifest = {"algorithm": "crc32", "files": dict(sorted(sums.items()))}
         _write_synced(tmp / CHECKSUMS_FILE, json.dumps(manifest, indent=1) + "\n")
@@ -439,15 +439,6 @@ def _from_first_rank(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _gather(part: dict[str, Any]) -> dict[str, Any]:
-    """Every rank's dict merged (on every rank)."""
-    if not _distributed():
-        return part
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, part)
-    return {key: value for p in parts for key, value in p.items()}
 
 
 def _gather_list(part: list[Any]) -> list[Any]:

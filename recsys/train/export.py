@@ -357,9 +357,12 @@ def _check_vocabulary(files: list[Path], spec: DatasetSpec) -> None:
         )
 
 
-def _training_data(model_path: str | Path, spec: DatasetSpec, data: str | Path | None) -> Path:
+def _training_data(
+    model_path: str | Path, spec: DatasetSpec, data: str | Path | None
+) -> tuple[Path, dict]:
     """The preprocessed directory whose fitted workflow made the model's ids: ``data``, else
-    the ``data.path`` of the model's config; it must hold the model's vocabulary."""
+    the ``data.path`` of the model's config; it must hold the model's vocabulary. Returns it
+    with its metadata."""
     if not spec.fingerprint:
         raise ValueError(
             "the model was not trained on `recsys preprocess` output (no vocabulary to "
@@ -374,29 +377,33 @@ def _training_data(model_path: str | Path, spec: DatasetSpec, data: str | Path |
             f"the model's training data '{directory}' is not a preprocessed directory (moved?); "
             "give it with --data DIR"
         )
-    found = read_metadata(directory)["fingerprint"]
+    metadata = read_metadata(directory)
+    found = metadata["fingerprint"]
     if found != spec.fingerprint:
         raise ValueError(
             f"'{directory}' holds another vocabulary (fingerprint {found[:12] or 'none'}) than "
             f"the model's ({spec.fingerprint[:12]}); give the directory it was trained on"
         )
-    return directory
+    return directory, metadata
 
 
 @contextlib.contextmanager
-def _transformed(dataset: Path, input: str, format: str | None, near: Path) -> Iterator[list[Path]]:
-    """Raw ``input`` transformed by ``dataset``'s fitted workflow into a temporary directory
-    beside ``near``, row for row (strict: a malformed row is an error naming its line); yields
-    its parquet files in input order, and deletes them afterwards."""
+def _transformed(
+    dataset: tuple[Path, dict], input: str, format: str | None, near: Path
+) -> Iterator[list[Path]]:
+    """Raw ``input`` transformed by the fitted workflow of ``dataset`` (directory, metadata,
+    from :func:`_training_data`) into a temporary directory beside ``near``, row for row
+    (strict: a malformed row is an error naming its line); yields its parquet files in input
+    order, and deletes them afterwards."""
     from recsys.config import PreprocessConfig
     from recsys.data.etl import preprocess
 
-    fitted = read_metadata(dataset)
+    directory, fitted = dataset
     work = new_directory_beside(near, "transform")
     try:
         report = preprocess(
             PreprocessConfig(
-                apply=str(dataset),
+                apply=str(directory),
                 format=format or fitted["preprocess"]["format"],
                 input=input,
                 output=str(work / "data"),

@@ -4,9 +4,11 @@ shutting its workers down).
 The handler only records the signal; the training loop asks :meth:`StopSignals.requested` after
 each step, saves a checkpoint at that step and raises :class:`TrainingStopped`, which the
 command line reports in one line. Under torchrun every rank must stop at the same step (the
-save is collective), so the ranks agree on it with one tiny all-reduce per step on a CPU (gloo)
-group. A second Ctrl-C interrupts at once (the atomic checkpoint commit still leaves the
-previous checkpoint intact); repeated SIGTERMs are ignored until the run has stopped.
+save is collective), so the ranks agree on it with a one-int all-reduce on a CPU (gloo) group of
+its own, started at one step and read at the next: no step waits for it, no device
+synchronizes for it, and the run stops one step after the signal. A second Ctrl-C interrupts
+at once (the atomic checkpoint commit still leaves the previous checkpoint intact); repeated
+SIGTERMs are ignored until the run has stopped.
 """
 
 from __future__ import annotations
@@ -55,10 +57,9 @@ class StopSignals:
         self.received: signal.Signals | None = None
         self._previous: dict[int, object] = {}
         self._group = None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None  # the last call's all-reduce
         if world_size > 1 and dist.is_initialized():
-            # A CPU group: agreeing costs no device synchronization on CUDA runs.
-            gloo = dist.get_backend() == "gloo"
-            self._group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo")
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -67,15 +68,26 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._pending is not None:  # every rank started it: it completes
+            self._pending[0].wait()
+            self._pending = None
         self._restore()
 
     def requested(self) -> bool:
-        """Whether any rank received a signal (collective when there are several ranks)."""
+        """Whether a signal arrived: here, at once, in one process; on any rank as of the
+        previous call when there are several (collective: every rank calls it once per step
+        and all get the same answer at the same call)."""
         if self._group is None:
             return self.received is not None
+        agreed = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            agreed = bool(flag.item())  # a CPU tensor
         flag = torch.tensor([int(self.received is not None)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (work, flag)
+        return agreed
 
     @property
     def name(self) -> str:

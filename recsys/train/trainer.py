@@ -63,7 +63,7 @@ from recsys.train.optimizers import (
     configure_embedding_optimizer,
     task_loss_weights,
 )
-from recsys.train.run_dir import check_run_dir, clear_previous_run
+from recsys.train.run_dir import CONFIG_FILE, METRICS_FILE, check_run_dir, clear_previous_run
 from recsys.train.schedule import LRSchedule
 from recsys.train.stop import StopSignals, TrainingStopped
 
@@ -156,9 +156,9 @@ class _Run:
                 if removed:
                     self._print(f"--run.overwrite: replaced {'; '.join(removed)}")
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.run_dir / "config.toml", to_toml(config))
+            write_text_atomic(self.run_dir / CONFIG_FILE, to_toml(config))
         self.logger = MetricsLogger(
-            self.run_dir / "metrics.jsonl",
+            self.run_dir / METRICS_FILE,
             enabled=info.is_main,
             resume_step=self.step if resume is not None else None,
         )
