@@ -23,21 +23,23 @@ unless ``torch.backends.cuda.matmul.allow_tf32`` is on, as for torch's own fp32 
 
 Triton path.
 
-- Full and low rank share ``_matmul_epilogue_kernel``: a tiled matmul ``acc = inner @
-  weight^T`` (full rank: inner = xl, weight = W; low rank: inner = h = xl V^T [B, r] from a
-  cuBLAS matmul, weight = U) whose epilogue, in registers, writes out = x0 * (acc + b) + xl
-  and u = acc + b. Backward reads u instead of redoing the matmul: ``_grad_u_kernel`` writes
-  gu = g * x0 and dx0 = g * u in one pass and sums gu over its rows for db; the matmuls
-  (dxl via ``torch.addmm``, dW, and the chain through V) run on cuBLAS. Saved for backward:
-  x0, xl, the weights, h [B, r] for low rank, and u [B, D] when x0 needs a gradient.
-- Vector form: ``_vector_forward_kernel`` takes a block of whole rows, computes s and the
-  output in one read of the inputs (no [B, D] intermediate) and saves s [B].
+- Full and low rank (in ``recsys.ops.cross_interaction_matrix``) share
+  ``_matmul_epilogue_kernel``: a tiled matmul ``acc = inner @ weight^T`` (full rank: inner =
+  xl, weight = W; low rank: inner = h = xl V^T [B, r] from a cuBLAS matmul, weight = U) whose
+  epilogue, in registers, writes out = x0 * (acc + b) + xl and u = acc + b. Backward reads u
+  instead of redoing the matmul: ``_grad_u_kernel`` writes gu = g * x0 and dx0 = g * u in one
+  pass and sums gu over its rows for db; the matmuls (dxl via ``torch.addmm``, dW, and the
+  chain through V) run on cuBLAS. Saved for backward: x0, xl, the weights, h [B, r] for low
+  rank, and u [B, D] when x0 needs a gradient.
+- Vector form (this file): ``_vector_forward_kernel`` takes a block of whole rows, computes s
+  and the output in one read of the inputs (no [B, D] intermediate) and saves s [B].
   ``_vector_backward_kernel`` writes dx0 and dxl in one pass and sums dw, db over its rows.
   Rows wider than ``VECTOR_MAX_BLOCK_D`` are walked in tiles (two reads of a row).
 
 Deterministic: no atomics. Each bias / vector-weight gradient is summed over a fixed set of
 rows per program into a [P, D] fp32 buffer, then over P with ``sum(0)``; P depends only on B,
-D and the device's SM count, so two runs on one device are bitwise equal.
+D and the device's SM count (``recsys.ops._triton.split_rows``), so two runs on one device are
+bitwise equal.
 
 Torch path (CPU, or ``backend="torch"``): the plain torch expressions (``F.linear`` for the
 matmuls); autograd does the backward and torch's own autocast applies.
@@ -45,14 +47,19 @@ matmuls); autograd does the backward and torch's own autocast applies.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from recsys.ops._triton import resolve_backend, triton_interpreted
+from recsys.ops._triton import (
+    accumulate_dtype,
+    autocast_inputs,
+    resolve_backend,
+    split_rows,
+    triton_dtype,
+)
+from recsys.ops.cross_interaction_matrix import ELEMENTWISE_TILE, CrossLayerFunction
 
 __all__ = [
     "cross_layer",
@@ -66,9 +73,6 @@ __all__ = [
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Widest row the vector kernels hold in registers in one tile; wider rows are tiled.
 VECTOR_MAX_BLOCK_D = 4096
-# Elements per tile of the elementwise-style kernels, 8 per thread with 8 warps: larger tiles
-# spill registers on sm_90 (checked with ptxas -v; the pointers are 64-bit per element).
-ELEMENTWISE_TILE = 2048
 
 
 # --------------------------------------------------------------------------- references
@@ -100,102 +104,6 @@ def cross_layer_vector_reference(
 
 
 # --------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _matmul_epilogue_kernel(
-    inner_ptr,
-    weight_ptr,
-    bias_ptr,
-    x0_ptr,
-    xl_ptr,
-    out_ptr,
-    u_ptr,
-    B,
-    D,
-    K,
-    stride_inner_b,
-    stride_inner_k,
-    stride_weight_d,
-    stride_weight_k,
-    STORE_U: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
-    ACC: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    # One program per [BLOCK_B, BLOCK_D] output tile; the column tiles of one row block are
-    # neighbours in launch order, so they share the row block's reads through L2.
-    pid = tl.program_id(0)
-    num_col_blocks = tl.cdiv(D, BLOCK_D)
-    rows = (pid // num_col_blocks) * BLOCK_B + tl.arange(0, BLOCK_B)
-    cols = (pid % num_col_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
-    row_mask = rows < B
-    col_mask = cols < D
-    rows = rows.to(tl.int64)
-    k = tl.arange(0, BLOCK_K)
-    inner_ptrs = inner_ptr + rows[:, None] * stride_inner_b + k[None, :] * stride_inner_k
-    weight_ptrs = weight_ptr + cols[None, :].to(tl.int64) * stride_weight_d
-    weight_ptrs += k[:, None] * stride_weight_k  # weight^T tile [BLOCK_K, BLOCK_D]
-    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=ACC)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = k0 + k < K
-        a = tl.load(inner_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(weight_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if DOT_IN_FP32:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
-        inner_ptrs += BLOCK_K * stride_inner_k
-        weight_ptrs += BLOCK_K * stride_weight_k
-    u = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
-    offsets = rows[:, None] * D + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
-    x0 = tl.load(x0_ptr + offsets, mask=mask, other=0.0).to(ACC)
-    xl = tl.load(xl_ptr + offsets, mask=mask, other=0.0).to(ACC)
-    if STORE_U:
-        tl.store(u_ptr + offsets, u.to(u_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + offsets, (x0 * u + xl).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _grad_u_kernel(
-    grad_ptr,
-    x0_ptr,
-    u_ptr,
-    grad_u_ptr,
-    grad_x0_ptr,
-    bias_partial_ptr,
-    B,
-    D,
-    rows_per_program,
-    WRITE_GRAD_X0: tl.constexpr,
-    ACC: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    # Program (p, j) owns rows [p * rows_per_program, (p + 1) * rows_per_program) of column
-    # tile j and writes that slice's bias-gradient sum to bias_partial[p] (fixed order).
-    pid_rows = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_mask = cols < D
-    first = pid_rows.to(tl.int64) * rows_per_program
-    grad_bias = tl.zeros([BLOCK_D], dtype=ACC)
-    for start in range(first, tl.minimum(first + rows_per_program, B), BLOCK_B):
-        rows = start + tl.arange(0, BLOCK_B)
-        mask = (rows < B)[:, None] & col_mask[None, :]
-        offsets = rows[:, None] * D + cols[None, :]
-        g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(ACC)
-        x0 = tl.load(x0_ptr + offsets, mask=mask, other=0.0).to(ACC)
-        grad_u = g * x0
-        tl.store(grad_u_ptr + offsets, grad_u.to(grad_u_ptr.dtype.element_ty), mask=mask)
-        if WRITE_GRAD_X0:
-            u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(ACC)
-            tl.store(grad_x0_ptr + offsets, (g * u).to(grad_x0_ptr.dtype.element_ty), mask=mask)
-        grad_bias += tl.sum(grad_u, axis=0)
-    tl.store(bias_partial_ptr + pid_rows * D + cols, grad_bias, mask=col_mask)
 
 
 @triton.jit
@@ -336,125 +244,6 @@ def _vector_backward_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _accumulate(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:
-    """Accumulation dtype of the kernels, as a torch and a Triton dtype."""
-    if dtype == torch.float64:
-        return torch.float64, tl.float64
-    return torch.float32, tl.float32
-
-
-def _dot_in_fp32(dtype: torch.dtype) -> bool:
-    """Feed ``tl.dot`` fp32 instead of bf16 under the CPU interpreter, whose ``tl.dot``
-    multiplies the raw bits of bf16 operands (triton 3.9). Products of two bf16 values are
-    exact in fp32, so this computes what the GPU's fp32-accumulating bf16 dot does."""
-    return dtype == torch.bfloat16 and triton_interpreted()
-
-
-@functools.lru_cache
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (1 for the CPU interpreter)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _row_split(
-    num_rows: int, block_b: int, num_col_blocks: int, device: torch.device
-) -> tuple[int, int]:
-    """Cut the rows into P programs of a whole number of row blocks, about 4 programs per SM
-    in all: returns (P, rows per program). Depends only on the sizes and the device."""
-    num_row_blocks = max(1, triton.cdiv(num_rows, block_b))
-    target = triton.cdiv(4 * _num_sms(device), num_col_blocks)
-    blocks_per_program = triton.cdiv(num_row_blocks, min(num_row_blocks, target))
-    return triton.cdiv(num_row_blocks, blocks_per_program), blocks_per_program * block_b
-
-
-def matmul_epilogue(
-    inner: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    x0: torch.Tensor,
-    xl: torch.Tensor,
-    store_u: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch ``_matmul_epilogue_kernel``: returns out = x0 * u + xl and u = inner @ weight^T +
-    bias (None unless ``store_u``), both [B, D] in x0's dtype. inner [B, K] and weight [D, K]
-    may be strided views; x0, xl and bias must be contiguous."""
-    B, D = x0.shape
-    K = inner.shape[1]
-    out = torch.empty_like(x0)
-    u = torch.empty_like(x0) if store_u else None
-    if B == 0:
-        return out, u
-    # torch's own fp32 matmul rule: TF32 only when the user allows it.
-    fp32_precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    block_b = 64
-    block_d = max(16, min(128, triton.next_power_of_2(D)))
-    block_k = max(16, min(32, triton.next_power_of_2(K)))
-    grid = (triton.cdiv(B, block_b) * triton.cdiv(D, block_d),)
-    # 64 x 128 with 4 warps spills registers on sm_90; with 8 it does not.
-    _matmul_epilogue_kernel[grid](
-        inner,
-        weight,
-        bias,
-        x0,
-        xl,
-        out,
-        u if u is not None else out,
-        B,
-        D,
-        K,
-        inner.stride(0),
-        inner.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        STORE_U=store_u,
-        INPUT_PRECISION=fp32_precision if x0.dtype == torch.float32 else "ieee",
-        DOT_IN_FP32=_dot_in_fp32(x0.dtype),
-        ACC=_accumulate(x0.dtype)[1],
-        BLOCK_B=block_b,
-        BLOCK_D=block_d,
-        BLOCK_K=block_k,
-        num_warps=8 if block_d == 128 else 4,
-    )
-    return out, u
-
-
-def elementwise_backward(
-    grad: torch.Tensor, x0: torch.Tensor, u: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Launch ``_grad_u_kernel``: returns gu = g * x0, dx0 = g * u (None when ``u`` is None),
-    both [B, D] in x0's dtype, and db = sum_b gu [D] in fp32 (fp64)."""
-    B, D = x0.shape
-    acc_dtype, acc = _accumulate(x0.dtype)
-    grad_u = torch.empty_like(x0)
-    grad_x0 = torch.empty_like(x0) if u is not None else None
-    block_d = max(16, min(128, triton.next_power_of_2(D)))
-    block_b = ELEMENTWISE_TILE // block_d
-    num_col_blocks = triton.cdiv(D, block_d)
-    num_programs, rows_per_program = _row_split(B, block_b, num_col_blocks, x0.device)
-    bias_partial = torch.zeros(num_programs, D, dtype=acc_dtype, device=x0.device)
-    if B == 0:
-        return grad_u, grad_x0, bias_partial.sum(0)
-    _grad_u_kernel[(num_programs, num_col_blocks)](
-        grad,
-        x0,
-        u if u is not None else grad,
-        grad_u,
-        grad_x0 if grad_x0 is not None else grad_u,
-        bias_partial,
-        B,
-        D,
-        rows_per_program,
-        WRITE_GRAD_X0=u is not None,
-        ACC=acc,
-        BLOCK_B=block_b,
-        BLOCK_D=block_d,
-        num_warps=8,
-    )
-    return grad_u, grad_x0, bias_partial.sum(0)
-
-
 def _vector_blocks(D: int) -> tuple[int, int, bool, int]:
     """(BLOCK_B, BLOCK_D, ONE_TILE, num_warps) of the vector kernels: whole rows up to
     ``VECTOR_MAX_BLOCK_D`` wide, ``ELEMENTWISE_TILE`` elements per tile or one row, 8 elements
@@ -470,7 +259,7 @@ def vector_forward(
     """Launch ``_vector_forward_kernel``: returns out [B, D] in x0's dtype and s = xl @ weight
     [B] in fp32 (fp64). All inputs contiguous."""
     B, D = x0.shape
-    acc_dtype, acc = _accumulate(x0.dtype)
+    acc_dtype = accumulate_dtype(x0.dtype)
     out = torch.empty_like(x0)
     s = torch.empty(B, dtype=acc_dtype, device=x0.device)
     if B == 0:
@@ -486,7 +275,7 @@ def vector_forward(
         B,
         D,
         ONE_TILE=one_tile,
-        ACC=acc,
+        ACC=triton_dtype(acc_dtype),
         BLOCK_B=block_b,
         BLOCK_D=block_d,
         num_warps=num_warps,
@@ -500,11 +289,11 @@ def vector_backward(
     """Launch ``_vector_backward_kernel``: returns dx0, dxl [B, D] in x0's dtype and dw, db
     [D] in fp32 (fp64). All inputs contiguous."""
     B, D = x0.shape
-    acc_dtype, acc = _accumulate(x0.dtype)
+    acc_dtype = accumulate_dtype(x0.dtype)
     grad_x0 = torch.empty_like(x0)
     grad_xl = torch.empty_like(x0)
     block_b, block_d, one_tile, num_warps = _vector_blocks(D)
-    num_programs, rows_per_program = _row_split(B, block_b, 1, x0.device)
+    num_programs, rows_per_program = split_rows(B, block_b, 1, x0.device)
     weight_partial = torch.zeros(num_programs, D, dtype=acc_dtype, device=x0.device)
     bias_partial = torch.zeros(num_programs, D, dtype=acc_dtype, device=x0.device)
     if B > 0:
@@ -522,7 +311,7 @@ def vector_backward(
             D,
             rows_per_program,
             ONE_TILE=one_tile,
-            ACC=acc,
+            ACC=triton_dtype(acc_dtype),
             BLOCK_B=block_b,
             BLOCK_D=block_d,
             num_warps=num_warps,
@@ -531,37 +320,6 @@ def vector_backward(
 
 
 # --------------------------------------------------------------------------- autograd
-
-
-class _CrossLayer(torch.autograd.Function):
-    """Full rank (``v_weight`` None: weight = W) or low rank (weight = U, ``v_weight`` = V)."""
-
-    @staticmethod
-    def forward(ctx, x0, xl, weight, bias, v_weight, store_u):
-        inner = xl if v_weight is None else torch.mm(xl, v_weight.t())  # [B, D] or [B, r]
-        out, u = matmul_epilogue(inner, weight, bias, x0, xl, store_u)
-        ctx.save_for_backward(x0, xl, weight, v_weight, inner, u)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x0, xl, weight, v_weight, inner, u = ctx.saved_tensors
-        _, need_xl, need_weight, need_bias, need_v, _ = ctx.needs_input_grad
-        grad_u, grad_x0, grad_bias = elementwise_backward(grad_out.contiguous(), x0, u)
-        grad_xl = grad_weight = grad_v = None
-        if need_weight:
-            grad_weight = torch.mm(grad_u.t(), inner)  # [D, D] or U's [D, r]
-        if v_weight is None:
-            if need_xl:
-                grad_xl = torch.addmm(grad_out, grad_u, weight)
-        elif need_xl or need_v:
-            grad_inner = torch.mm(grad_u, weight)  # [B, r]
-            if need_v:
-                grad_v = torch.mm(grad_inner.t(), xl)  # [r, D]
-            if need_xl:
-                grad_xl = torch.addmm(grad_out, grad_inner, v_weight)
-        grad_bias = grad_bias.to(weight.dtype) if need_bias else None
-        return grad_x0, grad_xl, grad_weight, grad_bias, grad_v, None
 
 
 class _VectorCrossLayer(torch.autograd.Function):
@@ -621,9 +379,7 @@ def _check_inputs(
 def _triton_inputs(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """The Triton path's inputs: cast to the CUDA autocast dtype when autocast is on, checked
     to share one supported dtype, contiguous."""
-    if tensors["x0"].is_cuda and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")
-        tensors = {name: t.to(dtype) for name, t in tensors.items()}
+    tensors = dict(zip(tensors, autocast_inputs(*tensors.values()), strict=True))
     dtype = tensors["x0"].dtype
     if dtype not in TRITON_DTYPES:
         supported = ", ".join(map(str, TRITON_DTYPES))
@@ -669,7 +425,7 @@ def cross_layer(
         return x0 * F.linear(xl, weight, bias) + xl
     args = _triton_inputs({"x0": x0, "xl": xl, "weight": weight, "bias": bias})
     with torch.autocast("cuda", enabled=False):
-        return _CrossLayer.apply(*args, None, _needs_u(x0))
+        return CrossLayerFunction.apply(*args, None, _needs_u(x0))
 
 
 def cross_layer_low_rank(
@@ -711,12 +467,12 @@ def cross_layer_low_rank(
     _check_inputs(x0, xl, params, rank=u_weight.shape[1])
     if resolve_backend(backend, x0.device, op="cross_layer_low_rank", has_triton=True) == "torch":
         return x0 * F.linear(F.linear(xl, v_weight), u_weight, bias) + xl
-    # In _CrossLayer's argument order: U takes the full-rank weight's place, V comes last.
+    # In CrossLayerFunction's argument order: U takes the full-rank weight's place, V comes last.
     args = _triton_inputs(
         {"x0": x0, "xl": xl, "u_weight": u_weight, "bias": bias, "v_weight": v_weight}
     )
     with torch.autocast("cuda", enabled=False):
-        return _CrossLayer.apply(*args, _needs_u(x0))
+        return CrossLayerFunction.apply(*args, _needs_u(x0))
 
 
 def cross_layer_vector(

@@ -46,11 +46,14 @@ import torch
 import triton
 import triton.language as tl
 
-from recsys.ops._triton import resolve_backend, triton_interpreted
+from recsys.ops._triton import autocast_inputs, dot_in_fp32, dot_input_precision, resolve_backend
 
 PairOrder = Literal["torchrec", "mlperf"]
 PAIR_ORDERS = ("torchrec", "mlperf")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Under the interpreter the kernels feed tl.dot fp32 for both 16-bit dtypes (the backward then
+# keeps the pair gradients in fp32 too).
+_DOT_IN_FP32_DTYPES = (torch.bfloat16, torch.float16)
 # Registers hold a BLOCK_N x BLOCK_N Gram tile; past this many vectors the torch path serves.
 TRITON_MAX_VECTORS = 128
 
@@ -177,8 +180,8 @@ def _dot_forward_kernel(
     stride_out_b,
     SELF: tl.constexpr,
     MLPERF: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_PAD: tl.constexpr,
@@ -193,9 +196,9 @@ def _dot_forward_kernel(
             dense_ptr, sparse_ptr, b, d, n, N, D, stride_dense_b, stride_sparse_b, stride_sparse_f
         )
         tl.store(out_row + d, x, mask=d < D)
-        if UPCAST:
+        if DOT_IN_FP32:
             t = t.to(tl.float32)
-        gram = tl.dot(t, tl.trans(t), gram, input_precision=PRECISION)
+        gram = tl.dot(t, tl.trans(t), gram, input_precision=INPUT_PRECISION)
     i = n[:, None]
     j = n[None, :]
     keep = ((j <= i) if SELF else (j < i)) & (i < N)
@@ -224,8 +227,8 @@ def _dot_backward_kernel(
     stride_grad_sparse_f,
     SELF: tl.constexpr,
     MLPERF: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -242,7 +245,7 @@ def _dot_backward_kernel(
     sym = tl.load(grad_row + D + column, mask=kept, other=0.0).to(tl.float32)
     if SELF:
         sym = tl.where(i == j, 2.0 * sym, sym)
-    if not UPCAST:
+    if not DOT_IN_FP32:
         sym = sym.to(dense_ptr.dtype.element_ty)  # exact: a gradient in the output's dtype, or 2x
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
@@ -250,9 +253,9 @@ def _dot_backward_kernel(
         t, _ = _load_vectors(
             dense_ptr, sparse_ptr, b, d, n, N, D, stride_dense_b, stride_sparse_b, stride_sparse_f
         )
-        if UPCAST:
+        if DOT_IN_FP32:
             t = t.to(tl.float32)
-        grad_t = tl.dot(sym, t, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D], fp32
+        grad_t = tl.dot(sym, t, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_D], fp32
         passthrough = tl.load(grad_row + d, mask=dmask, other=0.0).to(tl.float32)
         grad_x = tl.sum(tl.where((n == 0)[:, None], grad_t, 0.0), axis=0) + passthrough
         tl.store(
@@ -277,19 +280,6 @@ def _blocks(num_vectors: int, dim: int) -> tuple[int, int, int]:
     block_d = max(16, min(triton.next_power_of_2(dim), 64 if block_n <= 32 else 32))
     num_warps = 2 if block_n <= 32 else 4
     return block_n, block_d, num_warps
-
-
-def _precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
-def _upcast(dtype: torch.dtype) -> bool:
-    """Feed ``tl.dot`` fp32 instead of bf16 / fp16 under the CPU interpreter, whose ``tl.dot``
-    gives garbage for bf16 operands (triton 3.9). Products of two bf16 / fp16 values are exact
-    in fp32 and a GPU's ``tl.dot`` accumulates them in fp32, so this computes the same sums."""
-    return dtype != torch.float32 and triton_interpreted()
 
 
 def _forward_triton(
@@ -321,8 +311,8 @@ def _forward_triton(
         out.stride(0),
         SELF=self_interaction,
         MLPERF=pair_order == "mlperf",
-        PRECISION=_precision(dense.dtype),
-        UPCAST=_upcast(dense.dtype),
+        INPUT_PRECISION=dot_input_precision(dense.dtype),
+        DOT_IN_FP32=dot_in_fp32(dense.dtype, _DOT_IN_FP32_DTYPES),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         BLOCK_PAD=max(1, triton.next_power_of_2(W - D - P)),
@@ -363,8 +353,8 @@ def _backward_triton(
         grad_sparse.stride(1),
         SELF=self_interaction,
         MLPERF=pair_order == "mlperf",
-        PRECISION=_precision(dense.dtype),
-        UPCAST=_upcast(dense.dtype),
+        INPUT_PRECISION=dot_input_precision(dense.dtype),
+        DOT_IN_FP32=dot_in_fp32(dense.dtype, _DOT_IN_FP32_DTYPES),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=num_warps,
@@ -453,10 +443,8 @@ def dot_interaction(
         out = dot_interaction(torch.randn(4, 16), torch.randn(4, 26, 16))  # [4, 16 + 351]
     """
     _validate(dense, sparse, output_padding, pair_order)
-    if dense.is_cuda and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")
-    else:
-        dtype = torch.promote_types(dense.dtype, sparse.dtype)
+    dense, sparse = autocast_inputs(dense, sparse)
+    dtype = torch.promote_types(dense.dtype, sparse.dtype)  # the autocast dtype under autocast
     dense, sparse = dense.to(dtype), sparse.to(dtype)
     num_vectors = sparse.shape[1] + 1
     unsupported = ""
@@ -464,9 +452,13 @@ def dot_interaction(
         unsupported = f"dtype {dtype} (the Triton path takes fp32, bf16 and fp16)"
     elif num_vectors > TRITON_MAX_VECTORS:
         unsupported = f"{num_vectors} vectors (the Triton path takes at most {TRITON_MAX_VECTORS})"
-    if backend == "auto" and unsupported:
-        backend = "torch"
-    backend = resolve_backend(backend, dense.device, op="dot_interaction", has_triton=True)
+    backend = resolve_backend(
+        backend,
+        dense.device,
+        op="dot_interaction",
+        has_triton=True,
+        triton_unsupported=unsupported,
+    )
     if backend == "torch":
         return _torch_forward(dense, sparse, self_interaction, output_padding, pair_order)
     if unsupported:

@@ -32,16 +32,17 @@ RowWiseAdagrad only) is FBGEMM's C++ fused backward, behind FBGEMM's forward for
 batches and the torch forward for large ones. ``torch`` runs anywhere: one ``F.embedding_bag`` per
 feature over its table's view of the buffer; a backward that sorts the lookups per group of
 equal-dim tables, reduces each row's gradients with ``F.embedding_bag`` over the upstream
-gradient, then updates the touched rows with ``index_select`` / ``index_copy_``.
+gradient, then updates the touched rows with :func:`recsys.ops.row_update.update_rows`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 
 import torch
 
-from recsys.ops._triton import resolve_backend, triton_interpreted
+from recsys.ops._triton import accumulate_dtype, resolve_backend
 from recsys.ops.embedding_bag_cpu import (
     FBGEMM_FORWARD_MAX_IDS,
     backward_fbgemm,
@@ -56,9 +57,10 @@ from recsys.ops.embedding_bag_layout import (
     FusedUpdate,
     LookupPlan,
     TableLayout,
-    accumulate_dtype,
+    rounding_seed,
     stochastic_round,
 )
+from recsys.ops.row_update import update_rows
 
 __all__ = [
     "FusedUpdate",
@@ -67,8 +69,10 @@ __all__ = [
     "choose_backend",
     "embedding_bag",
     "embedding_bag_reference",
+    "rounding_seed",
     "stochastic_round",
     "table_batched_embedding_bag",
+    "update_rows",
     "validate_inputs",
 ]
 
@@ -124,6 +128,21 @@ def validate_inputs(
         if feature_names is not None
         else [f"feature {f}" for f in range(len(feature_to_key))]
     )
+    _check_index_tensors(values, offsets, batch_size, max(feature_to_key, default=-1) + 1)
+    _check_offsets(values, offsets)
+    if per_sample_weights is not None:
+        _check_per_sample_weights(values, per_sample_weights)
+    for t, pooling in enumerate(table_pooling):
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling {pooling!r} of table {t}; expected one of {POOLINGS}")
+    _check_ids(table_rows, values, offsets, feature_to_key, feature_to_table, batch_size, names)
+
+
+def _check_index_tensors(
+    values: torch.Tensor, offsets: torch.Tensor, batch_size: int, num_keys: int
+) -> None:
+    """Ids and offsets are 1-D integer tensors, with an offset for every bag of ``num_keys``
+    keys."""
     if values.dim() != 1 or values.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"ids must be a 1-D int32/int64 tensor, got {values.dtype} {tuple(values.shape)}"
@@ -134,12 +153,15 @@ def validate_inputs(
         )
     if batch_size < 0:
         raise ValueError(f"batch_size must be >= 0, got {batch_size}")
-    num_keys = max(feature_to_key, default=-1) + 1
     if offsets.numel() < num_keys * batch_size + 1:
         raise ValueError(
             f"offsets has {offsets.numel()} entries; {num_keys} keys x batch {batch_size} "
             f"need at least {num_keys * batch_size + 1}"
         )
+
+
+def _check_offsets(values: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Offsets start at 0, never decrease, and end at the number of ids."""
     if int(offsets[0]) != 0:
         raise ValueError(f"offsets must start at 0, got {int(offsets[0])}")
     steps = offsets.diff()
@@ -151,21 +173,33 @@ def validate_inputs(
         )
     if int(offsets[-1]) != values.numel():
         raise ValueError(f"offsets end at {int(offsets[-1])} but there are {values.numel()} ids")
-    if per_sample_weights is not None:
-        if not per_sample_weights.is_floating_point():
-            raise ValueError(
-                f"per-sample weights must be floating point, got {per_sample_weights.dtype}"
-            )
-        if per_sample_weights.shape != values.shape:
-            raise ValueError(
-                f"per-sample weights have shape {tuple(per_sample_weights.shape)}, "
-                f"expected one weight per id: ({values.numel()},)"
-            )
-    for t, pooling in enumerate(table_pooling):
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling {pooling!r} of table {t}; expected one of {POOLINGS}")
-    # One pass over the ids: each id is compared with the row count of the table its key
-    # feeds (keys no feature reads are not checked).
+
+
+def _check_per_sample_weights(values: torch.Tensor, per_sample_weights: torch.Tensor) -> None:
+    """One floating-point weight per id."""
+    if not per_sample_weights.is_floating_point():
+        raise ValueError(
+            f"per-sample weights must be floating point, got {per_sample_weights.dtype}"
+        )
+    if per_sample_weights.shape != values.shape:
+        raise ValueError(
+            f"per-sample weights have shape {tuple(per_sample_weights.shape)}, "
+            f"expected one weight per id: ({values.numel()},)"
+        )
+
+
+def _check_ids(
+    table_rows: Sequence[int],
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    feature_to_key: Sequence[int],
+    feature_to_table: Sequence[int],
+    batch_size: int,
+    names: Sequence[str],
+) -> None:
+    """One pass over the ids: each id is compared with the row count of the table its key
+    feeds (keys no feature reads are not checked)."""
+    num_keys = max(feature_to_key, default=-1) + 1
     if batch_size > 0:  # the KJT may hold more keys than the features read
         num_keys = (offsets.numel() - 1) // batch_size
     key_rows = [torch.iinfo(torch.int64).max] * num_keys
@@ -217,7 +251,8 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
     """Forward pools; backward reduces per row, then fused update or dense table gradients.
 
     ``handles`` are the autograd inputs: the tables' weights (views of ``flat``) when they get
-    gradients, or one placeholder tensor that requires grad when the update is fused.
+    gradients, or one placeholder tensor that requires grad when the update is fused. The
+    backends get everything they need as arguments; only this class touches ``ctx``.
     """
 
     @staticmethod
@@ -236,71 +271,116 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.plan, ctx.flat, ctx.fused, ctx.backend = plan, flat, fused, backend
         ctx.feature_to_key, ctx.batch_size = feature_to_key, batch_size
-        tables = plan.layout.table_views(flat)
-        if backend == "triton":
-            from recsys.ops import embedding_bag_triton
-
-            out = torch.empty(
-                batch_size, plan.total_dim, dtype=accumulate_dtype(flat.dtype), device=flat.device
-            )
-            embedding_bag_triton.pool(
-                values,
-                offsets,
-                per_sample_weights,
-                flat,
-                out,
-                plan.meta(values.device, feature_to_key),
-                batch_size,
-                len(plan.feature_to_table),
-                plan.layout.max_dim,
-                embedding_bag_triton.lookup_block(values, len(plan.feature_to_table) * batch_size),
-            )
-        elif backend == "fbgemm":
-            ctx.fbgemm_inputs = fbgemm_inputs(
+        if backend == "fbgemm":
+            ctx.fbgemm_batch = fbgemm_inputs(
                 plan, values, offsets, per_sample_weights, feature_to_key, batch_size
             )
             if values.numel() < FBGEMM_FORWARD_MAX_IDS:
-                out = pool_fbgemm(plan, flat, ctx.fbgemm_inputs)
-            else:
-                out = pool_torch(
-                    plan, tables, values, offsets, per_sample_weights, feature_to_key, batch_size
-                )
-        else:
-            out = pool_torch(
-                plan, tables, values, offsets, per_sample_weights, feature_to_key, batch_size
+                return pool_fbgemm(plan, flat, ctx.fbgemm_batch)
+            return pool_torch(
+                plan,
+                plan.layout.table_views(flat),
+                values,
+                offsets,
+                per_sample_weights,
+                feature_to_key,
+                batch_size,
             )
-        if backend != "fbgemm":
-            psw = () if per_sample_weights is None else (per_sample_weights,)
-            ctx.save_for_backward(values, offsets, *psw)
-        return out
+        psw = () if per_sample_weights is None else (per_sample_weights,)
+        ctx.save_for_backward(values, offsets, *psw)
+        if backend == "triton":
+            return _pool_triton(
+                plan, flat, values, offsets, per_sample_weights, feature_to_key, batch_size
+            )
+        return pool_torch(
+            plan,
+            plan.layout.table_views(flat),
+            values,
+            offsets,
+            per_sample_weights,
+            feature_to_key,
+            batch_size,
+        )
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        nothing = [None] * len(ctx.needs_input_grad)
-        needs = ctx.needs_input_grad[9:]
+        nothing = (None,) * len(ctx.needs_input_grad)
+        needs = ctx.needs_input_grad[_HANDLES_START:]
         fused: FusedUpdate | None = ctx.fused
         if fused is None and not any(needs):
-            return tuple(nothing)
-        plan, layout, flat = ctx.plan, ctx.plan.layout, ctx.flat
+            return nothing
+        plan, flat = ctx.plan, ctx.flat
         grad_out = grad_out.contiguous()
         step = 0
         if fused is not None:
             fused.step += 1
             step = int(fused.step)
-        meta = plan.meta(grad_out.device, ctx.feature_to_key)
         if ctx.backend == "fbgemm":
-            backward_fbgemm(ctx, grad_out, fused)
-            return tuple(nothing)
+            backward_fbgemm(plan, flat, grad_out, ctx.fbgemm_batch, fused)
+            return nothing
+        backward = backward_torch
         if ctx.backend == "triton":
             from recsys.ops import embedding_bag_triton
 
-            keys, reduced = embedding_bag_triton.backward(ctx, grad_out, meta, fused, step)
-        else:
-            keys, reduced = backward_torch(ctx, grad_out, meta, fused, step)
+            backward = embedding_bag_triton.backward
+        values, offsets, *psw = ctx.saved_tensors
+        keys, reduced = backward(
+            plan,
+            flat,
+            grad_out,
+            plan.tensors(grad_out.device, ctx.feature_to_key),
+            values,
+            offsets,
+            psw[0] if psw else None,
+            ctx.batch_size,
+            fused,
+            step,
+        )
         if fused is not None:
-            return tuple(nothing)
-        grads = _dense_grads(layout, keys, reduced, needs, flat.dtype)
-        return (None,) * 9 + tuple(grads)
+            return nothing
+        grads = _dense_grads(plan.layout, keys, reduced, needs, flat.dtype)
+        return (None,) * _HANDLES_START + tuple(grads)
+
+
+def _handles_start(forward: Callable[..., torch.Tensor]) -> int:
+    """Index of ``*handles`` among the inputs of ``forward`` (``ctx`` excluded): the
+    ``ctx.needs_input_grad`` entries from there on are the handles'."""
+    inputs = list(inspect.signature(forward).parameters.values())[1:]
+    return next(i for i, p in enumerate(inputs) if p.kind is inspect.Parameter.VAR_POSITIONAL)
+
+
+_HANDLES_START = _handles_start(_TableBatchedEmbeddingBag.forward)
+
+
+def _pool_triton(
+    plan: LookupPlan,
+    flat: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    feature_to_key: Sequence[int],
+    batch_size: int,
+) -> torch.Tensor:
+    """Forward of the Triton path: [B, total_D] pooled, in the tables' accumulate dtype."""
+    from recsys.ops import embedding_bag_triton
+
+    num_features = len(plan.feature_to_table)
+    out = torch.empty(
+        batch_size, plan.total_dim, dtype=accumulate_dtype(flat.dtype), device=flat.device
+    )
+    embedding_bag_triton.pool(
+        values,
+        offsets,
+        per_sample_weights,
+        flat,
+        out,
+        plan.tensors(values.device, feature_to_key),
+        batch_size,
+        num_features,
+        plan.layout.max_dim,
+        embedding_bag_triton.lookup_block(values, num_features * batch_size),
+    )
+    return out
 
 
 def choose_backend(
@@ -315,8 +395,6 @@ def choose_backend(
         has_triton=True,
         cpu_paths={"fbgemm": fbgemm_unsupported(plan, flat, fused)},
     )
-    if backend == "triton" and not triton_interpreted() and flat.device.type != "cuda":
-        raise ValueError("backend='triton' needs the tables on a CUDA device")
     return backend
 
 
@@ -425,11 +503,7 @@ def embedding_bag(
         ids, offsets = torch.tensor([1, 2, 7]), torch.tensor([0, 2, 3])
         embedding_bag(W, ids, offsets, [0], [0], ["sum"], batch_size=2)  # [2, 4]
     """
-    dtypes = {w.dtype for w in weights}
-    if len(dtypes) > 1:
-        raise ValueError(f"all tables must share one dtype, got {sorted(map(str, dtypes))}")
-    if any(w.dim() != 2 for w in weights):
-        raise ValueError(f"tables must be 2-D, got shapes {[tuple(w.shape) for w in weights]}")
+    _check_tables(weights)
     layout = TableLayout.build([w.shape[0] for w in weights], [w.shape[1] for w in weights])
     plan = LookupPlan(layout, feature_to_table, table_pooling)
     return table_batched_embedding_bag(
@@ -445,3 +519,12 @@ def embedding_bag(
         validate=validate,
         feature_names=feature_names,
     )
+
+
+def _check_tables(weights: Sequence[torch.Tensor]) -> None:
+    """The tables of one call are 2-D and share one dtype."""
+    dtypes = {w.dtype for w in weights}
+    if len(dtypes) > 1:
+        raise ValueError(f"all tables must share one dtype, got {sorted(map(str, dtypes))}")
+    if any(w.dim() != 2 for w in weights):
+        raise ValueError(f"tables must be 2-D, got shapes {[tuple(w.shape) for w in weights]}")

@@ -3,7 +3,7 @@
 - torch (runs anywhere): one ``F.embedding_bag`` per feature over its table's view of the
   packed buffer; backward sorts the lookups per group of equal-dim tables, reduces each row's
   gradients with ``F.embedding_bag`` over the upstream gradient, then updates the touched rows
-  (``index_select`` / ``index_copy_``) or hands back dense gradients.
+  (:func:`recsys.ops.row_update.update_rows`) or hands back dense gradients.
 - fbgemm (CPU, fused SGD / Adagrad / RowWiseAdagrad on fp32 tables of one dim and one pooling):
   FBGEMM's C++ fused backward (fbgemm-gpu-cpu), behind FBGEMM's forward for small batches and
   the torch forward for large ones.
@@ -13,46 +13,53 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from recsys.ops._triton import accumulate_dtype
 from recsys.ops.embedding_bag_layout import (
     FusedUpdate,
     LookupPlan,
-    accumulate_dtype,
+    PlanTensors,
+    TableLayout,
     bag_lookups,
     lookup_scale,
     rounding_seed,
     sorted_segments,
-    stochastic_round,
 )
+from recsys.ops.row_update import update_rows
+
+
+@dataclass(frozen=True)
+class GroupLookups:
+    """The L_g lookups of one dim group, bags in sample-major order (bag b * F_g + f)."""
+
+    ids: torch.Tensor  # [L_g] int64: the group-local row each lookup reads
+    bag: torch.Tensor  # [L_g] int64: its bag
+    scale: torch.Tensor | None  # [L_g]: per-sample weight x 1/length if mean; None: all 1
 
 
 def _group_lookups(
     plan: LookupPlan,
-    meta: dict[str, torch.Tensor],
+    tensors: PlanTensors,
     group: int,
     values: torch.Tensor,
     offsets: torch.Tensor,
     per_sample_weights: torch.Tensor | None,
     batch_size: int,
     scale_dtype: torch.dtype,
-) -> dict[str, torch.Tensor | None]:
-    """The lookups of one dim group with bags in sample-major order (bag b * F_g + f).
-
-    Returns each lookup's id (group-local row, int64), its bag, and its scale (per-sample
-    weight times 1/length for mean pooling; None when all are 1).
-    """
-    keys = meta[f"group{group}_key"]  # [F_g]
+) -> GroupLookups:
+    """Every lookup of dim group ``group`` in this batch (see :class:`GroupLookups`)."""
+    group_tensors = tensors.groups[group]
+    keys = group_tensors.key  # [F_g]
     lookups = bag_lookups(offsets, keys, batch_size, sample_major=True)
-    bag = lookups["bag"]
-    feature = bag % keys.numel()
-    ids = values[lookups["position"]].long() + meta[f"group{group}_row"][feature]
-    mean = meta[f"group{group}_mean"][feature] if plan.group_any_mean[group] else None
+    feature = lookups.bag % keys.numel()
+    ids = values[lookups.position].long() + group_tensors.row[feature]
+    mean = group_tensors.mean[feature] if plan.group_any_mean[group] else None
     scale = lookup_scale(lookups, per_sample_weights, mean, scale_dtype)
-    return {"ids": ids, "bag": bag, "scale": scale}
+    return GroupLookups(ids=ids, bag=lookups.bag, scale=scale)
 
 
 def pool_torch(
@@ -110,9 +117,9 @@ CHUNK_BYTES = 1 << 20
 
 def _reduced_chunks(
     plan: LookupPlan,
-    meta: dict[str, torch.Tensor],
+    tensors: PlanTensors,
     group: int,
-    lookups: dict,
+    lookups: GroupLookups,
     grad_out: torch.Tensor,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The group's distinct touched rows in increasing order, with their reduced gradients,
@@ -121,11 +128,10 @@ def _reduced_chunks(
     if plan.single_group:
         grad = grad_out.view(-1, dim)  # [B*F, D]
     else:
-        grad = grad_out.index_select(1, meta[f"group{group}_cols"]).view(-1, dim)
-    rows, order, segments = sorted_segments(lookups["ids"])
-    bags = lookups["bag"][order]
-    scale = lookups["scale"]
-    scale = None if scale is None else scale[order].to(grad.dtype)
+        grad = grad_out.index_select(1, tensors.groups[group].cols).view(-1, dim)
+    rows, order, segments = sorted_segments(lookups.ids)
+    bags = lookups.bag[order]
+    scale = None if lookups.scale is None else lookups.scale[order].to(grad.dtype)
     chunk = max(1, CHUNK_BYTES // (dim * grad.element_size()))
     cuts = [*range(0, rows.numel(), chunk), rows.numel()]
     starts = segments[cuts].tolist()
@@ -141,64 +147,77 @@ def _reduced_chunks(
         yield rows[lo:hi], reduced
 
 
-def _update_rows_torch(
+def _update_group(
+    layout: TableLayout,
+    flat: torch.Tensor,
     fused: FusedUpdate,
-    weight: torch.Tensor,
-    states: dict[str, torch.Tensor],
-    rows: torch.Tensor,
-    grad: torch.Tensor,
+    group: int,
+    chunks: Iterator[tuple[torch.Tensor, torch.Tensor]],
     step: int,
     generator: torch.Generator,
 ) -> None:
-    """Apply the fused optimizer to ``rows`` of a [N, D] ``weight`` and its ``states``."""
-    compute = accumulate_dtype(weight.dtype)
-    current = weight.index_select(0, rows).to(compute)
-    state_rows = {name: state.index_select(0, rows) for name, state in states.items()}
-    updated = fused.optimizer.update(current, grad.to(compute), state_rows, step)
-    if fused.optimizer.stochastic_rounding:
-        updated = stochastic_round(updated, weight.dtype, generator)
-    weight.index_copy_(0, rows, updated.to(weight.dtype))
-    for name, state in states.items():
-        state.index_copy_(0, rows, state_rows[name])
+    """Apply ``fused`` to each chunk of dim group ``group``'s touched rows."""
+    states = {
+        name: layout.group_rows(buffer, group)
+        if fused.optimizer.states[name] == "row"
+        else layout.group_view(buffer, group)
+        for name, buffer in fused.states.items()
+    }
+    weight = layout.group_view(flat, group)  # [rows of the group, D]
+    for rows, reduced in chunks:
+        update_rows(fused.optimizer, weight, states, rows, reduced, step, generator)
 
 
-def backward_torch(ctx, grad_out, meta, fused, step):
-    """Backward of the torch path: per dim group, reduce each touched row's gradients, then
-    apply ``fused`` to the rows (returns ``(None, None)``) or return the sorted global row keys
-    and their reduced gradients [U, max_dim] for dense table gradients."""
-    plan, layout, flat = ctx.plan, ctx.plan.layout, ctx.flat
+def backward_torch(
+    plan: LookupPlan,
+    flat: torch.Tensor,
+    grad_out: torch.Tensor,
+    tensors: PlanTensors,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    batch_size: int,
+    fused: FusedUpdate | None,
+    step: int,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """Backward of the torch path: per dim group, reduce each touched row's gradients.
+
+    Args:
+        plan, flat: the forward's plan and packed tables.
+        grad_out: [B, total_D] upstream gradient (contiguous).
+        tensors: ``plan.tensors(...)`` for the forward's KJT key order.
+        values, offsets, per_sample_weights, batch_size: the forward's batch.
+        fused: the optimizer to apply to the touched rows, or None.
+        step: the step being applied (seeds the stochastic rounding).
+
+    Returns:
+        ``(None, None)`` after applying ``fused`` in place; without it, the sorted global row
+        keys [U] and their reduced gradients [U, max_dim] (for dense table gradients).
+    """
+    layout = plan.layout
     generator = torch.Generator(device=flat.device).manual_seed(rounding_seed(step))
-    values, offsets, *psw = ctx.saved_tensors
     all_keys, all_reduced = [], []
     for g, features in enumerate(plan.group_features):
         if not features:
             continue
         lookups = _group_lookups(
             plan,
-            meta,
+            tensors,
             g,
             values,
             offsets,
-            psw[0] if psw else None,
-            ctx.batch_size,
+            per_sample_weights,
+            batch_size,
             accumulate_dtype(grad_out.dtype),
         )
-        chunks = _reduced_chunks(plan, meta, g, lookups, grad_out)
-        if fused is None:
-            group_start = layout.row_offsets[layout.groups[g][0]]
-            for rows, reduced in chunks:
-                all_keys.append(rows + group_start)
-                all_reduced.append(reduced)
+        chunks = _reduced_chunks(plan, tensors, g, lookups, grad_out)
+        if fused is not None:
+            _update_group(layout, flat, fused, g, chunks, step, generator)
             continue
-        states = {
-            name: layout.group_rows(buffer, g)
-            if fused.optimizer.states[name] == "row"
-            else layout.group_view(buffer, g)
-            for name, buffer in fused.states.items()
-        }
-        weight = layout.group_view(flat, g)
+        group_start = layout.row_offsets[layout.groups[g][0]]
         for rows, reduced in chunks:
-            _update_rows_torch(fused, weight, states, rows, reduced, step, generator)
+            all_keys.append(rows + group_start)
+            all_reduced.append(reduced)
     if fused is not None:
         return None, None
     # Groups are in row-space order, so the keys stay sorted; pad dims to the widest.
@@ -246,26 +265,41 @@ def _fbgemm_ops():
         return None
 
 
-def _fbgemm_meta(plan: LookupPlan) -> dict[str, Any]:
+@dataclass(frozen=True)
+class FbgemmPlan:
+    """A :class:`LookupPlan` as FBGEMM's CPU ops take it (built once per plan); features in
+    order, each one FBGEMM "table"."""
+
+    weights_offsets: torch.Tensor  # [F] int64: first element of each feature's table
+    row_offsets: torch.Tensor  # [F] int64: first row of each feature's table
+    D_offsets: torch.Tensor  # [F + 1] int32: first output column of each feature
+    max_D: int
+    hash_size_cumsum: torch.Tensor  # [F + 1] int64: row offsets, then the total row count
+    total_hash_size_bits: int
+    placements: torch.Tensor  # [F] int32: all HOST
+    pooling_mode: int  # PoolingMode.MEAN (1) or SUM (0), one for all tables
+
+
+def _fbgemm_plan(plan: LookupPlan) -> FbgemmPlan:
     if "fbgemm" in plan.backend_meta:
         return plan.backend_meta["fbgemm"]
     layout, tables = plan.layout, plan.feature_to_table
     num_features = len(tables)
     dims = [layout.dims[t] for t in tables]
-    meta = {
-        "weights_offsets": torch.tensor([layout.elem_offsets[t] for t in tables]),
-        "row_offsets": torch.tensor([layout.row_offsets[t] for t in tables]),
-        "D_offsets": torch.tensor([0, *torch.tensor(dims).cumsum(0).tolist()], dtype=torch.int32),
-        "max_D": max(dims),
-        "hash_size_cumsum": torch.tensor(
+    fbgemm_plan = FbgemmPlan(
+        weights_offsets=torch.tensor([layout.elem_offsets[t] for t in tables]),
+        row_offsets=torch.tensor([layout.row_offsets[t] for t in tables]),
+        D_offsets=torch.tensor([0, *torch.tensor(dims).cumsum(0).tolist()], dtype=torch.int32),
+        max_D=max(dims),
+        hash_size_cumsum=torch.tensor(
             [*(layout.row_offsets[t] for t in tables), layout.total_rows]
         ),
-        "total_hash_size_bits": max(1, math.ceil(math.log2(layout.total_rows + 1))),
-        "placements": torch.full((num_features,), 3, dtype=torch.int32),  # HOST
-        "pooling_mode": 1 if plan.table_mean[0] else 0,  # PoolingMode.MEAN / SUM
-    }
-    plan.backend_meta["fbgemm"] = meta
-    return meta
+        total_hash_size_bits=max(1, math.ceil(math.log2(layout.total_rows + 1))),
+        placements=torch.full((num_features,), 3, dtype=torch.int32),  # HOST
+        pooling_mode=1 if plan.table_mean[0] else 0,  # PoolingMode.MEAN / SUM
+    )
+    plan.backend_meta["fbgemm"] = fbgemm_plan
+    return fbgemm_plan
 
 
 # Ids per batch below which FBGEMM's forward beats one ATen embedding_bag per feature: it saves
@@ -276,6 +310,15 @@ def _fbgemm_meta(plan: LookupPlan) -> dict[str, Any]:
 FBGEMM_FORWARD_MAX_IDS = 150_000
 
 
+@dataclass(frozen=True)
+class FbgemmBatch:
+    """The batch as FBGEMM reads it: features in order, bags feature-major (f*B + b)."""
+
+    values: torch.Tensor  # [L] int64 ids
+    offsets: torch.Tensor  # [F*B + 1] int64
+    indice_weights: torch.Tensor | None  # [L] fp32 per-sample weights
+
+
 def fbgemm_inputs(
     plan: LookupPlan,
     values: torch.Tensor,
@@ -283,43 +326,40 @@ def fbgemm_inputs(
     per_sample_weights: torch.Tensor | None,
     feature_to_key: Sequence[int],
     batch_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The batch as FBGEMM reads it: int64 ids and [F*B + 1] offsets, features in order."""
+) -> FbgemmBatch:
+    """The KJT batch as FBGEMM reads it (see :class:`FbgemmBatch`)."""
     B, num_features = batch_size, len(plan.feature_to_table)
     if tuple(feature_to_key) != tuple(range(num_features)):
         # Gather each feature's bags from its KJT key.
         lookups = bag_lookups(offsets, torch.tensor(feature_to_key), B, sample_major=False)
-        values, offsets = values[lookups["position"]], lookups["offsets"]
+        values, offsets = values[lookups.position], lookups.offsets
         if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights[lookups["position"]]
+            per_sample_weights = per_sample_weights[lookups.position]
     else:
         offsets = offsets[: num_features * B + 1]
         values = values[: int(offsets[-1])]
     if per_sample_weights is not None:
         per_sample_weights = per_sample_weights.float().contiguous()
-    return values.long().contiguous(), offsets.long().contiguous(), per_sample_weights
+    return FbgemmBatch(values.long().contiguous(), offsets.long().contiguous(), per_sample_weights)
 
 
-def pool_fbgemm(
-    plan: LookupPlan, flat: torch.Tensor, inputs: tuple[torch.Tensor, ...]
-) -> torch.Tensor:
+def pool_fbgemm(plan: LookupPlan, flat: torch.Tensor, batch: FbgemmBatch) -> torch.Tensor:
     """FBGEMM's CPU forward (through its SGD lookup op, which builds no graph here: forward
     of an autograd.Function runs without grad, and the update only happens in its backward)."""
-    meta = _fbgemm_meta(plan)
-    values, offsets, indice_weights = inputs
+    fbgemm_plan = _fbgemm_plan(plan)
     return _fbgemm_ops().split_embedding_codegen_lookup_sgd_function_cpu(
         flat,
-        meta["placements"],
-        meta["weights_offsets"],
-        meta["D_offsets"],
+        fbgemm_plan.placements,
+        fbgemm_plan.weights_offsets,
+        fbgemm_plan.D_offsets,
         plan.total_dim,
-        meta["max_D"],
-        meta["hash_size_cumsum"],
-        meta["total_hash_size_bits"],
-        values,
-        offsets,
-        meta["pooling_mode"],
-        indice_weights,
+        fbgemm_plan.max_D,
+        fbgemm_plan.hash_size_cumsum,
+        fbgemm_plan.total_hash_size_bits,
+        batch.values,
+        batch.offsets,
+        fbgemm_plan.pooling_mode,
+        batch.indice_weights,
         None,  # feature_requires_grad
         False,  # gradient_clipping
         0.0,  # max_gradient
@@ -329,26 +369,37 @@ def pool_fbgemm(
     )
 
 
-def backward_fbgemm(ctx, grad_out: torch.Tensor, fused: FusedUpdate) -> None:
-    """Apply ``fused`` in place with FBGEMM's C++ backward for its optimizer."""
-    plan = ctx.plan
-    meta = _fbgemm_meta(plan)
-    values, offsets, indice_weights = ctx.fbgemm_inputs
+def backward_fbgemm(
+    plan: LookupPlan,
+    flat: torch.Tensor,
+    grad_out: torch.Tensor,
+    batch: FbgemmBatch,
+    fused: FusedUpdate,
+) -> None:
+    """Apply ``fused`` in place with FBGEMM's C++ backward for its optimizer.
+
+    Args:
+        plan, flat: the forward's plan and packed tables.
+        grad_out: [B, total_D] upstream gradient.
+        batch: the forward's :func:`fbgemm_inputs`.
+        fused: SGD, Adagrad or RowWiseAdagrad (see :func:`fbgemm_unsupported`).
+    """
+    fbgemm_plan = _fbgemm_plan(plan)
     optimizer = fused.optimizer
     name = type(optimizer).__name__
     common = (
         grad_out.float().contiguous(),
-        ctx.flat,
-        meta["placements"],
-        meta["weights_offsets"],
-        meta["D_offsets"],
-        meta["max_D"],
-        meta["hash_size_cumsum"],
-        meta["total_hash_size_bits"],
-        values,
-        offsets,
-        meta["pooling_mode"],
-        torch.empty(0) if indice_weights is None else indice_weights,
+        flat,
+        fbgemm_plan.placements,
+        fbgemm_plan.weights_offsets,
+        fbgemm_plan.D_offsets,
+        fbgemm_plan.max_D,
+        fbgemm_plan.hash_size_cumsum,
+        fbgemm_plan.total_hash_size_bits,
+        batch.values,
+        batch.offsets,
+        fbgemm_plan.pooling_mode,
+        torch.empty(0) if batch.indice_weights is None else batch.indice_weights,
         False,  # stochastic rounding: fp32 tables only
     )
     ops = _fbgemm_ops()
@@ -356,8 +407,9 @@ def backward_fbgemm(ctx, grad_out: torch.Tensor, fused: FusedUpdate) -> None:
         ops.split_embedding_backward_codegen_sgd_cpu(*common, torch.tensor(optimizer.lr))
         return
     state = fused.states["sum"]
-    state_offsets = meta["row_offsets"] if name == "RowWiseAdagrad" else meta["weights_offsets"]
-    state_args = (state, meta["placements"], state_offsets, torch.tensor(optimizer.lr))
+    per_row = name == "RowWiseAdagrad"
+    state_offsets = fbgemm_plan.row_offsets if per_row else fbgemm_plan.weights_offsets
+    state_args = (state, fbgemm_plan.placements, state_offsets, torch.tensor(optimizer.lr))
     if name == "Adagrad":
         ops.split_embedding_backward_codegen_adagrad_cpu(*common, *state_args, optimizer.eps)
     else:  # eps, weight_decay 0 (mode NONE), max_norm 0

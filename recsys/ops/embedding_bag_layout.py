@@ -1,10 +1,11 @@
 """Data layout of the table-batched embedding bag: the packed buffer (:class:`TableLayout`),
-what stays fixed between calls (:class:`LookupPlan`), the fused optimizer's state
-(:class:`FusedUpdate`), and the rounding shared by every backend."""
+what stays fixed between calls (:class:`LookupPlan`, on a device :class:`PlanTensors`), the
+fused optimizer's state (:class:`FusedUpdate`), the batch's lookups (:class:`BagLookups`),
+and the rounding shared by every backend."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,10 +112,38 @@ class FusedUpdate:
     step: torch.Tensor
 
 
+@dataclass(frozen=True)
+class GroupTensors:
+    """One dim group's features (output order) as device tensors; F_g features of dim D."""
+
+    key: torch.Tensor  # [F_g] int64: the KJT key each feature reads
+    row: torch.Tensor  # [F_g] int64: its table's first row, relative to the group's first row
+    mean: torch.Tensor  # [F_g] bool: its table is mean-pooled
+    cols: torch.Tensor  # [F_g * D] int64: its output columns, feature after feature
+
+
+@dataclass(frozen=True)
+class PlanTensors:
+    """A :class:`LookupPlan` for one KJT key order, as the tensors the kernels and the
+    backward's index arithmetic read (all on one device)."""
+
+    feat_key: torch.Tensor  # [F] int64: the KJT key each feature reads
+    feat_table: torch.Tensor  # [F] int32: the table it looks up
+    feat_col: torch.Tensor  # [F] int64: its first output column
+    feat_mean: torch.Tensor  # [F] bool: its table is mean-pooled
+    table_dim: torch.Tensor  # [T] int32
+    table_offset: torch.Tensor  # [T] int64: first element of each table in the flat buffer
+    table_row_offset: torch.Tensor  # [T] int64: first row of each table in the row space
+    table_mean: torch.Tensor  # [T] int32: 1 where mean-pooled
+    row_bounds: torch.Tensor  # [T] int64: first row of each table, in buffer order
+    bound_table: torch.Tensor  # [T] int32: the table of each entry of row_bounds
+    groups: tuple[GroupTensors, ...]  # one per dim group of the layout
+
+
 class LookupPlan:
     """What stays fixed between calls: the layout, which table each feature reads, pooling,
-    and where each feature's columns start in the output. Device-side copies of this metadata
-    are cached per (device, KJT key order)."""
+    and where each feature's columns start in the output. Its :class:`PlanTensors` are cached
+    per (device, KJT key order)."""
 
     def __init__(
         self,
@@ -152,60 +181,76 @@ class LookupPlan:
             any(self.table_mean[self.feature_to_table[f]] for f in features)
             for features in self.group_features
         ]
-        self._meta: dict[tuple, dict[str, torch.Tensor]] = {}
-        # Metadata a backend derives once per plan (e.g. FBGEMM's offsets), by backend name.
-        self.backend_meta: dict[str, dict[str, Any]] = {}
+        self._tensors: dict[tuple, PlanTensors] = {}
+        # What a backend derives once per plan (e.g. FBGEMM's offsets), by backend name.
+        self.backend_meta: dict[str, Any] = {}
 
-    def meta(self, device: torch.device, feature_to_key: Sequence[int]) -> dict[str, torch.Tensor]:
+    def tensors(self, device: torch.device, feature_to_key: Sequence[int]) -> PlanTensors:
+        """This plan as device tensors, for a KJT whose feature f is key ``feature_to_key[f]``
+        (built on first use, then cached)."""
         cache_key = (device, tuple(feature_to_key))
-        if cache_key not in self._meta:
-            layout = self.layout
+        if cache_key not in self._tensors:
+            self._tensors[cache_key] = self._build_tensors(device, feature_to_key)
+        return self._tensors[cache_key]
 
-            def tensor(data: Sequence[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-                return torch.tensor(list(data), dtype=dtype, device=device)
+    def _build_tensors(self, device: torch.device, feature_to_key: Sequence[int]) -> PlanTensors:
+        layout, order = self.layout, self.layout.buffer_order()
 
-            order = layout.buffer_order()
-            meta = {
-                "feat_key": tensor(feature_to_key),
-                "feat_table": tensor(self.feature_to_table, torch.int32),
-                "feat_col": tensor(self.feature_cols),
-                "feat_mean": tensor(
-                    [self.table_mean[t] for t in self.feature_to_table], torch.bool
-                ),
-                "table_dim": tensor(layout.dims, torch.int32),
-                "table_offset": tensor(layout.elem_offsets),
-                "table_row_offset": tensor(layout.row_offsets),
-                "table_mean": tensor(self.table_mean, torch.int32),
-                # first row of each table in buffer order, and that table's index
-                "row_bounds": tensor([layout.row_offsets[t] for t in order]),
-                "bound_table": tensor(order, torch.int32),
-            }
-            for g, features in enumerate(self.group_features):
-                group_start = layout.row_offsets[layout.groups[g][0]]
-                meta[f"group{g}_key"] = tensor([feature_to_key[f] for f in features])
-                meta[f"group{g}_row"] = tensor(
-                    [layout.row_offsets[self.feature_to_table[f]] - group_start for f in features]
-                )
-                meta[f"group{g}_mean"] = tensor(
-                    [self.table_mean[self.feature_to_table[f]] for f in features], torch.bool
-                )
-                dim = layout.dims[layout.groups[g][0]]
-                meta[f"group{g}_cols"] = tensor(
-                    [self.feature_cols[f] + c for f in features for c in range(dim)]
-                )
-            self._meta[cache_key] = meta
-        return self._meta[cache_key]
+        def tensor(data: Sequence[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(list(data), dtype=dtype, device=device)
+
+        return PlanTensors(
+            feat_key=tensor(feature_to_key),
+            feat_table=tensor(self.feature_to_table, torch.int32),
+            feat_col=tensor(self.feature_cols),
+            feat_mean=tensor([self.table_mean[t] for t in self.feature_to_table], torch.bool),
+            table_dim=tensor(layout.dims, torch.int32),
+            table_offset=tensor(layout.elem_offsets),
+            table_row_offset=tensor(layout.row_offsets),
+            table_mean=tensor(self.table_mean, torch.int32),
+            row_bounds=tensor([layout.row_offsets[t] for t in order]),
+            bound_table=tensor(order, torch.int32),
+            groups=tuple(
+                self._group_tensors(g, feature_to_key, tensor)
+                for g in range(len(self.group_features))
+            ),
+        )
+
+    def _group_tensors(
+        self,
+        group: int,
+        feature_to_key: Sequence[int],
+        tensor: Callable[..., torch.Tensor],
+    ) -> GroupTensors:
+        layout, features = self.layout, self.group_features[group]
+        group_start = layout.row_offsets[layout.groups[group][0]]
+        dim = layout.dims[layout.groups[group][0]]
+        return GroupTensors(
+            key=tensor([feature_to_key[f] for f in features]),
+            row=tensor(
+                [layout.row_offsets[self.feature_to_table[f]] - group_start for f in features]
+            ),
+            mean=tensor([self.table_mean[self.feature_to_table[f]] for f in features], torch.bool),
+            cols=tensor([self.feature_cols[f] + c for f in features for c in range(dim)]),
+        )
+
+
+@dataclass(frozen=True)
+class BagLookups:
+    """Every lookup of some features' bags, bags in a chosen order (see :func:`bag_lookups`);
+    X bags, L lookups."""
+
+    lengths: torch.Tensor  # [X] int64: each bag's length
+    offsets: torch.Tensor  # [X + 1] int64: where each bag starts among the L lookups
+    bag: torch.Tensor  # [L] int64: each lookup's bag
+    position: torch.Tensor  # [L] int64: each lookup's index into the KJT values
 
 
 def bag_lookups(
     offsets: torch.Tensor, keys: torch.Tensor, batch_size: int, *, sample_major: bool
-) -> dict[str, torch.Tensor]:
+) -> BagLookups:
     """Every lookup of the features that read KJT ``keys`` [F], bags in feature-major (bag
-    f*B + b) or sample-major (b*F + f) order.
-
-    Returns ``lengths`` [F*B] and ``offsets`` [F*B + 1] of the bags in that order, and per
-    lookup its ``bag`` and its ``position`` in the KJT values.
-    """
+    f*B + b) or sample-major (b*F + f) order."""
     B, device = batch_size, offsets.device
     bag_index = keys[:, None] * B + torch.arange(B, device=device)  # [F, B]
     if sample_major:
@@ -220,7 +265,7 @@ def bag_lookups(
         torch.arange(lengths.numel(), device=device), lengths, output_size=total
     )
     position = torch.arange(total, device=device) + (starts - bag_offsets[:-1])[bag]
-    return {"lengths": lengths, "offsets": bag_offsets, "bag": bag, "position": position}
+    return BagLookups(lengths=lengths, offsets=bag_offsets, bag=bag, position=position)
 
 
 def sorted_segments(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -235,7 +280,7 @@ def sorted_segments(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def lookup_scale(
-    lookups: dict[str, torch.Tensor],
+    lookups: BagLookups,
     per_sample_weights: torch.Tensor | None,
     mean: torch.Tensor | None,
     dtype: torch.dtype,
@@ -244,10 +289,10 @@ def lookup_scale(
     its bag where ``mean`` (a bool per lookup) says the bag is mean-pooled; None when all 1."""
     scale = None
     if per_sample_weights is not None:
-        scale = per_sample_weights[lookups["position"]].to(dtype)
+        scale = per_sample_weights[lookups.position].to(dtype)
     if mean is not None:
-        inverse = 1.0 / lookups["lengths"].clamp(min=1).to(dtype)
-        inverse = torch.where(mean, inverse[lookups["bag"]], torch.ones((), dtype=dtype))
+        inverse = 1.0 / lookups.lengths.clamp(min=1).to(dtype)
+        inverse = torch.where(mean, inverse[lookups.bag], torch.ones((), dtype=dtype))
         scale = inverse if scale is None else scale * inverse
     return scale
 
@@ -271,10 +316,6 @@ def stochastic_round(
     noise = torch.rand(x.shape, generator=generator, device=x.device)
     rounded = (low + (noise < units - low).float()) * ulp
     return torch.where(x < 0, -rounded, rounded).to(dtype)  # representable: exact cast
-
-
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def rounding_seed(step: int) -> int:

@@ -22,13 +22,17 @@ lower one, in units of the gap (computed in fp32 with exact power-of-two arithme
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from recsys.ops._triton import accumulate_dtype, triton_dtype
 from recsys.ops.embedding_bag_layout import (
+    FusedUpdate,
     LookupPlan,
-    accumulate_dtype,
+    PlanTensors,
     bag_lookups,
     lookup_scale,
     rounding_seed,
@@ -188,12 +192,12 @@ def _segment_kernel(
 
 
 def pool(
-    values,
-    offsets,
-    psw,
-    weights,
-    out,
-    meta: dict,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    psw: torch.Tensor | None,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+    tensors: PlanTensors,
     batch_size: int,
     num_features: int,
     max_dim: int,
@@ -210,70 +214,50 @@ def pool(
         psw if psw is not None else weights,
         weights,
         out,
-        meta["feat_key"],
-        meta["feat_table"],
-        meta["feat_col"],
-        meta["table_dim"],
-        meta["table_offset"],
-        meta["table_mean"],
+        tensors.feat_key,
+        tensors.feat_table,
+        tensors.feat_col,
+        tensors.table_dim,
+        tensors.table_offset,
+        tensors.table_mean,
         batch_size,
         out.shape[1],
         HAS_PSW=psw is not None,
-        ACC=tl.float64 if out.dtype == torch.float64 else tl.float32,
+        ACC=triton_dtype(accumulate_dtype(out.dtype)),
         BLOCK_L=block_l,
         BLOCK_D=block_d,
     )
 
 
-def reduce_segments(
-    segments: dict,
-    grad,
-    meta: dict,
-    max_dim: int,
-    weights=None,
-    states: tuple = (),
-    optimizer_code: int = OPT_NONE,
-    scalars: dict | None = None,
-    seed: int = 0,
-    block_l: int = 8,
-    stochastic: bool = True,
-):
-    """Launch ``_segment_kernel`` once per touched row.
+@dataclass(frozen=True)
+class Segments:
+    """The batch's L lookups sorted by global row key (stable), cut into U segments, one per
+    distinct touched row."""
 
-    Without an optimizer returns the reduced gradients [U, next_pow2(max_dim)] (row u holds
-    its table's dim columns, zeros after); with one, updates ``weights`` and ``states`` in
-    place and returns None.
-    """
-    num_segments = segments["row"].numel()
-    block_d = triton.next_power_of_2(max_dim)
-    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    compact = None
-    if optimizer_code == OPT_NONE:
-        compact = torch.zeros(num_segments, block_d, dtype=acc, device=grad.device)
-    if num_segments == 0:
-        return compact
-    mantissa, min_exponent = 0, 0
-    low_precision = weights is not None and weights.dtype in (torch.float16, torch.bfloat16)
-    if low_precision:
-        mantissa, min_exponent = (10, -14) if weights.dtype == torch.float16 else (7, -126)
-    scalars = scalars or {}
-    placeholder = grad
-    state1 = states[0] if len(states) > 0 else placeholder
-    state2 = states[1] if len(states) > 1 else placeholder
-    _segment_kernel[(num_segments,)](
-        segments["start"],
-        segments["table"],
-        segments["row"],
-        segments["grad_off"],
-        segments["scale"] if segments["scale"] is not None else grad,
-        grad,
-        meta["table_dim"],
-        meta["table_offset"],
-        meta["table_row_offset"],
-        weights if weights is not None else grad,
-        state1,
-        state2,
-        compact if compact is not None else grad,
+    start: torch.Tensor  # [U + 1] int64: where each segment starts among the sorted lookups
+    table: torch.Tensor  # [U] int32: the segment's table
+    row: torch.Tensor  # [U] int64: its row within that table
+    key: torch.Tensor  # [U] int64: its row in the row space (sorted)
+    grad_off: torch.Tensor  # [L] int64: each sorted lookup's element offset in grad_out
+    scale: torch.Tensor | None  # [L]: its factor on the gradient; None when all 1
+
+
+@dataclass(frozen=True)
+class SegmentUpdate:
+    """What ``_segment_kernel`` needs to apply a fused optimizer in place."""
+
+    weights: torch.Tensor  # the flat buffer of all tables
+    states: tuple[torch.Tensor, ...]  # the optimizer's flat state buffers, in its state order
+    optimizer_code: int  # recsys.embedding.optim's code of the optimizer
+    scalars: dict[str, float]  # its hyperparameters for this step (``optimizer.scalars``)
+    seed: int  # of the stochastic rounding
+    stochastic: bool  # fp16 / bf16 tables: round stochastically (else to nearest)
+
+
+def _kernel_scalars(update: SegmentUpdate | None) -> tuple[float, ...]:
+    """lr, eps, beta1, beta2, weight_decay, bias_correction1, bias_correction2."""
+    scalars = {} if update is None else update.scalars
+    return (
         float(scalars.get("lr", 0.0)),
         float(scalars.get("eps", 0.0)),
         float(scalars.get("beta1", 0.0)),
@@ -281,12 +265,65 @@ def reduce_segments(
         float(scalars.get("weight_decay", 0.0)),
         float(scalars.get("bias_correction1", 1.0)),
         float(scalars.get("bias_correction2", 1.0)),
-        seed,
-        OPT=optimizer_code,
-        HAS_SCALE=segments["scale"] is not None,
-        ACC=tl.float64 if acc == torch.float64 else tl.float32,
+    )
+
+
+def _rounding_bits(weights: torch.Tensor | None) -> tuple[bool, int, int]:
+    """Whether the tables are fp16 / bf16, and that dtype's mantissa bits and minimum
+    exponent (0, 0 otherwise)."""
+    if weights is None or weights.dtype not in (torch.float16, torch.bfloat16):
+        return False, 0, 0
+    mantissa, min_exponent = (10, -14) if weights.dtype == torch.float16 else (7, -126)
+    return True, mantissa, min_exponent
+
+
+def reduce_segments(
+    segments: Segments,
+    grad: torch.Tensor,
+    tensors: PlanTensors,
+    max_dim: int,
+    update: SegmentUpdate | None = None,
+    block_l: int = 8,
+) -> torch.Tensor | None:
+    """Launch ``_segment_kernel`` once per touched row.
+
+    Without ``update`` returns the reduced gradients [U, next_pow2(max_dim)] (row u holds
+    its table's dim columns, zeros after); with it, updates its weights and states in place
+    and returns None.
+    """
+    num_segments = segments.row.numel()
+    block_d = triton.next_power_of_2(max_dim)
+    acc = accumulate_dtype(grad.dtype)
+    compact = None
+    if update is None:
+        compact = torch.zeros(num_segments, block_d, dtype=acc, device=grad.device)
+    if num_segments == 0:
+        return compact
+    weights = None if update is None else update.weights
+    low_precision, mantissa, min_exponent = _rounding_bits(weights)
+    states = () if update is None else update.states
+    placeholder = grad
+    _segment_kernel[(num_segments,)](
+        segments.start,
+        segments.table,
+        segments.row,
+        segments.grad_off,
+        segments.scale if segments.scale is not None else placeholder,
+        grad,
+        tensors.table_dim,
+        tensors.table_offset,
+        tensors.table_row_offset,
+        weights if weights is not None else placeholder,
+        states[0] if len(states) > 0 else placeholder,
+        states[1] if len(states) > 1 else placeholder,
+        compact if compact is not None else placeholder,
+        *_kernel_scalars(update),
+        0 if update is None else update.seed,
+        OPT=OPT_NONE if update is None else update.optimizer_code,
+        HAS_SCALE=segments.scale is not None,
+        ACC=triton_dtype(acc),
         LOW_PRECISION=low_precision,
-        STOCHASTIC=stochastic,
+        STOCHASTIC=True if update is None else update.stochastic,
         MANTISSA_BITS=mantissa,
         MIN_EXPONENT=min_exponent,
         BLOCK_L=block_l,
@@ -300,36 +337,34 @@ def reduce_segments(
 
 def _segments(
     plan: LookupPlan,
-    meta: dict[str, torch.Tensor],
+    tensors: PlanTensors,
     values: torch.Tensor,
     offsets: torch.Tensor,
     per_sample_weights: torch.Tensor | None,
     batch_size: int,
     scale_dtype: torch.dtype,
-) -> dict[str, torch.Tensor | None]:
+) -> Segments:
     """Every lookup of the batch sorted by row (stable), cut into one segment per distinct
-    row: segment starts, table, table-local row and global row key of each segment, and each
-    sorted lookup's upstream-gradient offset and scale."""
+    row (see :class:`Segments`)."""
     B = batch_size
-    lookups = bag_lookups(offsets, meta["feat_key"], B, sample_major=False)
-    bag, position = lookups["bag"], lookups["position"]
-    feature, sample = bag // B, bag % B
-    table = meta["feat_table"][feature].long()
-    key = meta["table_row_offset"][table] + values[position].long()
-    grad_off = sample * plan.total_dim + meta["feat_col"][feature]
-    mean = meta["feat_mean"][feature] if plan.any_mean else None
+    lookups = bag_lookups(offsets, tensors.feat_key, B, sample_major=False)
+    feature, sample = lookups.bag // B, lookups.bag % B
+    table = tensors.feat_table[feature].long()
+    key = tensors.table_row_offset[table] + values[lookups.position].long()
+    grad_off = sample * plan.total_dim + tensors.feat_col[feature]
+    mean = tensors.feat_mean[feature] if plan.any_mean else None
     scale = lookup_scale(lookups, per_sample_weights, mean, scale_dtype)
     unique, order, start = sorted_segments(key)
-    bound = torch.searchsorted(meta["row_bounds"], unique, right=True) - 1
-    seg_table = meta["bound_table"][bound]
-    return {
-        "start": start,
-        "table": seg_table,
-        "row": unique - meta["table_row_offset"][seg_table.long()],
-        "key": unique,
-        "grad_off": grad_off[order],
-        "scale": None if scale is None else scale[order],
-    }
+    bound = torch.searchsorted(tensors.row_bounds, unique, right=True) - 1
+    seg_table = tensors.bound_table[bound]
+    return Segments(
+        start=start,
+        table=seg_table,
+        row=unique - tensors.table_row_offset[seg_table.long()],
+        key=unique,
+        grad_off=grad_off[order],
+        scale=None if scale is None else scale[order],
+    )
 
 
 def lookup_block(values: torch.Tensor, num_bags: int) -> int:
@@ -341,38 +376,55 @@ def lookup_block(values: torch.Tensor, num_bags: int) -> int:
     return block
 
 
-def backward(ctx, grad_out, meta, fused, step):
+def backward(
+    plan: LookupPlan,
+    flat: torch.Tensor,
+    grad_out: torch.Tensor,
+    tensors: PlanTensors,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    batch_size: int,
+    fused: FusedUpdate | None,
+    step: int,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """Backward of the Triton path: sort the lookups into segments, then one launch of
-    ``_segment_kernel`` that applies ``fused`` in place (returns ``(None, None)``) or returns
-    the segments' row keys and reduced gradients for dense table gradients."""
-    plan, flat = ctx.plan, ctx.flat
-    values, offsets, *psw = ctx.saved_tensors
+    ``_segment_kernel``.
+
+    Args:
+        plan, flat: the forward's plan and packed tables.
+        grad_out: [B, total_D] upstream gradient (contiguous).
+        tensors: ``plan.tensors(...)`` for the forward's KJT key order.
+        values, offsets, per_sample_weights, batch_size: the forward's batch.
+        fused: the optimizer to apply to the touched rows, or None.
+        step: the step being applied (seeds the stochastic rounding).
+
+    Returns:
+        ``(None, None)`` after applying ``fused`` in place; without it, the segments' sorted
+        row keys [U] and reduced gradients [U, next_pow2(max_dim)] for dense table gradients.
+    """
     segments = _segments(
         plan,
-        meta,
+        tensors,
         values,
         offsets,
-        psw[0] if psw else None,
-        ctx.batch_size,
+        per_sample_weights,
+        batch_size,
         accumulate_dtype(grad_out.dtype),
     )
-    num_lookups = segments["grad_off"].numel()
-    block_l = lookup_block(segments["grad_off"], segments["key"].numel()) if num_lookups else 1
+    num_lookups = segments.grad_off.numel()
+    block_l = lookup_block(segments.grad_off, segments.key.numel()) if num_lookups else 1
+    max_dim = plan.layout.max_dim
     if fused is None:
-        reduced = reduce_segments(segments, grad_out, meta, plan.layout.max_dim, block_l=block_l)
-        return segments["key"], reduced
-    names = list(fused.optimizer.states)
-    reduce_segments(
-        segments,
-        grad_out,
-        meta,
-        plan.layout.max_dim,
+        reduced = reduce_segments(segments, grad_out, tensors, max_dim, block_l=block_l)
+        return segments.key, reduced
+    update = SegmentUpdate(
         weights=flat,
-        states=tuple(fused.states[name] for name in names),
+        states=tuple(fused.states[name] for name in fused.optimizer.states),
         optimizer_code=fused.optimizer.code,
         scalars=fused.optimizer.scalars(step),
         seed=rounding_seed(step),
-        block_l=block_l,
         stochastic=fused.optimizer.stochastic_rounding,
     )
+    reduce_segments(segments, grad_out, tensors, max_dim, update, block_l=block_l)
     return None, None

@@ -8,7 +8,8 @@ For an input x [B, N_in], a weight W [N_out, N_in] (as ``nn.Linear``) and a bias
 
 and backward: dz = dy * keep / (1 - p) * act'(z),  db = sum_b dz,  dx = dz @ W,  dW = dz^T @ x.
 
-Shapes: B batch, N_in input features (the matmul's K), N_out output features.
+Shapes: B batch, N_in input features (the matmul's K), N_out output features. The activations
+(torch and Triton forms, and the derivatives) live in ``recsys.ops.fused_mlp_activations``.
 
 Backends (chosen in ``recsys.ops._triton``):
 
@@ -45,7 +46,20 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from recsys.ops._triton import resolve_backend, triton_interpreted
+from recsys.ops._triton import (
+    autocast_inputs,
+    dot_in_fp32,
+    dot_input_precision,
+    resolve_backend,
+    triton_interpreted,
+)
+from recsys.ops.fused_mlp_activations import (
+    ACTIVATIONS,
+    SAVES_PRE_ACTIVATION,
+    activate,
+    activate_torch,
+    activation_grad,
+)
 
 __all__ = [
     "ACTIVATIONS",
@@ -55,25 +69,7 @@ __all__ = [
     "unpack_dropout_mask",
 ]
 
-ACTIVATIONS = ("relu", "gelu", "silu", "sigmoid", "none")
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Activations whose derivative needs the pre-activation z (relu's comes from y, none's is 1).
-_SAVES_PRE = ("gelu", "silu", "sigmoid")
-
-_SQRT1_2 = tl.constexpr(0.7071067811865476)
-_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
-
-
-def _activate_torch(z: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "relu":
-        return F.relu(z)
-    if activation == "gelu":
-        return F.gelu(z)
-    if activation == "silu":
-        return F.silu(z)
-    if activation == "sigmoid":
-        return torch.sigmoid(z)
-    return z
 
 
 def fused_linear_reference(
@@ -92,7 +88,7 @@ def fused_linear_reference(
     z = x @ weight.t()  # [B, N_out]
     if bias is not None:
         z = z + bias
-    a = _activate_torch(z, activation)
+    a = activate_torch(z, activation)
     if keep is not None:
         a = a * keep.to(a.dtype) / (1.0 - dropout)
     return a
@@ -107,36 +103,6 @@ def unpack_dropout_mask(mask: torch.Tensor, num_columns: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ kernels
-
-
-@triton.jit
-def _activate(z, ACTIVATION: tl.constexpr):
-    if ACTIVATION == "relu":
-        a = tl.maximum(z, 0.0)
-    elif ACTIVATION == "gelu":
-        a = 0.5 * z * (1.0 + tl.erf(z * _SQRT1_2))
-    elif ACTIVATION == "silu":
-        a = z * tl.sigmoid(z)
-    elif ACTIVATION == "sigmoid":
-        a = tl.sigmoid(z)
-    else:
-        a = z
-    return a
-
-
-@triton.jit
-def _activation_grad(z, ACTIVATION: tl.constexpr):
-    """act'(z) for the activations that save z."""
-    if ACTIVATION == "gelu":
-        cdf = 0.5 * (1.0 + tl.erf(z * _SQRT1_2))
-        d = cdf + z * tl.exp(-0.5 * z * z) * _INV_SQRT_2PI
-    elif ACTIVATION == "silu":
-        s = tl.sigmoid(z)
-        d = s * (1.0 + z * (1.0 - s))
-    else:  # sigmoid
-        s = tl.sigmoid(z)
-        d = s * (1.0 - s)
-    return d
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -162,7 +128,7 @@ def _forward_kernel(
     DROPOUT: tl.constexpr,
     SAVE_PRE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    WIDEN_DOT: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -190,7 +156,7 @@ def _forward_kernel(
         k_left = ks < K - k
         x = tl.load(x_ptrs, mask=k_left[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptrs, mask=k_left[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
-        if WIDEN_DOT:  # exact: a product of two bf16 values fits in fp32
+        if DOT_IN_FP32:  # exact: a product of two bf16 values fits in fp32
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
@@ -205,7 +171,7 @@ def _forward_kernel(
     element = rows.to(tl.int64)[:, None] * N + cols[None, :]  # [BLOCK_M, BLOCK_N]: b * N_out + n
     if SAVE_PRE:
         tl.store(pre_ptr + element, acc.to(pre_ptr.dtype.element_ty), mask=inside)
-    y = _activate(acc, ACTIVATION)
+    y = activate(acc, ACTIVATION)
     if DROPOUT:
         keep = (tl.rand(seed, element) >= p) & inside
         y = tl.where(keep, y * scale, 0.0)
@@ -265,7 +231,7 @@ def _backward_kernel(
         else:
             if ACTIVATION != "none":
                 z = tl.load(saved_ptr + element, mask=inside, other=0.0).to(tl.float32)
-                g = g * _activation_grad(z, ACTIVATION)
+                g = g * activation_grad(z, ACTIVATION)
             if DROPOUT:
                 byte = tl.load(
                     mask_ptr + rows[:, None] * num_bytes + cols[None, :] // 8, mask=inside, other=0
@@ -343,7 +309,7 @@ def _forward(
     _check_triton_inputs(x, weight, bias)
     (M, K), N = x.shape, weight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    pre = torch.empty_like(out) if activation in _SAVES_PRE else None
+    pre = torch.empty_like(out) if activation in SAVES_PRE_ACTIVATION else None
     mask = (
         torch.empty(M, triton.cdiv(N, 8), dtype=torch.uint8, device=x.device)
         if dropout > 0
@@ -351,7 +317,6 @@ def _forward(
     )
     if M == 0 or N == 0:
         return out, pre, mask
-    fp32_precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     args = (
         x,
         weight,
@@ -375,9 +340,8 @@ def _forward(
         ACTIVATION=activation,
         DROPOUT=dropout > 0,
         SAVE_PRE=pre is not None,
-        INPUT_PRECISION=fp32_precision if x.dtype == torch.float32 else "ieee",
-        # Triton 3.9's interpreter multiplies bf16 tl.dot operands as their raw uint16 bits.
-        WIDEN_DOT=triton_interpreted() and x.dtype == torch.bfloat16,
+        INPUT_PRECISION=dot_input_precision(x.dtype),
+        DOT_IN_FP32=dot_in_fp32(x.dtype),
     )
     if triton_interpreted():
         tile = _INTERPRETER_TILE
@@ -589,19 +553,19 @@ def fused_linear(
     """
     _validate(x, weight, bias, activation, dropout, seed)
     p = dropout if training else 0.0
-    resolved = resolve_backend(backend, x.device, op="fused_linear", has_triton=True)
-    if resolved == "triton" and backend == "auto" and x.dtype not in TRITON_DTYPES:
-        resolved = "torch"
+    resolved = resolve_backend(
+        backend,
+        x.device,
+        op="fused_linear",
+        has_triton=True,
+        triton_unsupported="" if x.dtype in TRITON_DTYPES else f"dtype {x.dtype}",
+    )
     if resolved == "torch":
-        out = _activate_torch(F.linear(x, weight, bias), activation)  # [B, N_out]
+        out = activate_torch(F.linear(x, weight, bias), activation)  # [B, N_out]
         return F.dropout(out, p, training=True) if p > 0 else out
     if p > 0 and seed is None:
         seed = _draw_seed()
     seed = 0 if seed is None else seed
-    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-        with torch.autocast("cuda", enabled=False):
-            return _FusedLinear.apply(x, weight, bias, activation, p, seed)
-    return _FusedLinear.apply(x, weight, bias, activation, p, seed)
+    x, weight, bias = autocast_inputs(x, weight, bias)
+    with torch.autocast("cuda", enabled=False):
+        return _FusedLinear.apply(x, weight, bias, activation, p, seed)

@@ -1,0 +1,70 @@
+"""Apply a fused sparse optimizer to some rows of a table, in place, in plain PyTorch.
+
+For rows ``r`` [U] of a [N, D] ``weight`` and their reduced gradients ``g`` [U, D]:
+
+    w = weight[r] in the compute dtype (fp32; fp64 for fp64 tables)
+    w' = optimizer.update(w, g, state[r], step)        (state rows updated in place)
+    weight[r] = round(w') to the table's dtype: stochastic for fp16 / bf16 when the optimizer's
+                ``stochastic_rounding`` is on (noise from ``generator``), else nearest
+    state[r] = the updated state rows
+
+Rows must be distinct (duplicates are reduced beforehand); the result is deterministic given
+the generator's state. The torch backend of :mod:`recsys.ops.embedding_bag` calls this for each
+chunk of touched rows; replicated tables of a sharded collection call it for their rows too, so
+both apply the same update.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from recsys.ops._triton import accumulate_dtype
+from recsys.ops.embedding_bag_layout import stochastic_round
+
+if TYPE_CHECKING:
+    from recsys.embedding.optim import FusedOptimizer
+
+__all__ = ["update_rows"]
+
+
+@torch.no_grad()
+def update_rows(
+    optimizer: FusedOptimizer,
+    weight: torch.Tensor,
+    states: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    step: int,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Update ``rows`` of ``weight`` and of each optimizer state in ``states``, in place.
+
+    Args:
+        optimizer: a :class:`recsys.embedding.optim.FusedOptimizer`.
+        weight: [N, D] table (fp32 / fp16 / bf16 / fp64).
+        states: the optimizer's state name -> [N] (per-row) or [N, D] (per-element) fp32
+            tensor.
+        rows: [U] int64 distinct row indices into ``weight`` and ``states``.
+        grad: [U, D] gradient of each of ``rows`` (cast to the compute dtype).
+        step: the step being applied (1 for the first).
+        generator: noise of the stochastic rounding (seed it with
+            :func:`recsys.ops.embedding_bag_layout.rounding_seed` of ``step`` for runs that
+            repeat exactly); unused unless the table is fp16 / bf16 and
+            ``optimizer.stochastic_rounding``.
+
+    Example::
+
+        generator = torch.Generator().manual_seed(rounding_seed(step))
+        update_rows(RowWiseAdagrad(lr=0.1), weight, {"sum": row_sums}, rows, grad, step, generator)
+    """
+    compute = accumulate_dtype(weight.dtype)
+    current = weight.index_select(0, rows).to(compute)  # [U, D]
+    state_rows = {name: state.index_select(0, rows) for name, state in states.items()}
+    updated = optimizer.update(current, grad.to(compute), state_rows, step)
+    if optimizer.stochastic_rounding:
+        updated = stochastic_round(updated, weight.dtype, generator)
+    weight.index_copy_(0, rows, updated.to(weight.dtype))
+    for name, state in states.items():
+        state.index_copy_(0, rows, state_rows[name])
