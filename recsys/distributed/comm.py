@@ -13,10 +13,11 @@ Two exchanges serve a sharded lookup (W ranks, rank r holds the samples of its o
   quantization applies.
 
 Quantized communication (:data:`PRECISIONS`): ``fp32`` (exact), ``fp16`` / ``bf16`` (a cast;
-relative error <= 2**-11 / 2**-8 per element), ``int8`` (per row: ``scale = max|x| / 127``,
-``q = round(x / scale)``; the fp32 scale travels in 4 extra bytes of the row; absolute error
-<= ``max|row| / 254`` per element). A row is one sample's pooled vectors for one destination.
-Decoded values are fp32.
+relative error <= 2**-11 / 2**-8 per element; for fp16 only in its normal range
+[2**-14, 65504]: smaller values have absolute error <= 2**-25), ``int8`` (per row:
+``scale = max|x| / 127``, ``q = round(x / scale)``; the fp32 scale travels in 4 extra bytes of
+the row; absolute error <= ``max|row| / 254`` per element). A row is one sample's pooled
+vectors for one destination. Decoded values are fp32.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
         return x
     if precision in _CASTS:
         return x.to(_CASTS[precision])
+    if x.numel() == 0:  # no rows, or no columns (a rank holding no table): nothing to scale
+        return x.new_zeros(x.shape[0], x.shape[1] + 4, dtype=torch.int8)
     scale = x.abs().amax(dim=1, keepdim=True) / 127.0  # [R, 1]
     q = torch.round(x / torch.where(scale > 0, scale, 1.0)).to(torch.int8)
     return torch.cat([q, scale.view(torch.int8)], dim=1)  # the fp32 scale as its 4 bytes
@@ -74,7 +77,8 @@ def decode(y: torch.Tensor, precision: str) -> torch.Tensor:
         return y
     if precision in _CASTS:
         return y.float()
-    scale = y[:, -4:].contiguous().view(torch.float32)  # [R, 1]
+    # A copy: one row's 4 scale bytes may start at an offset not divisible by 4.
+    scale = y[:, -4:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # [R, 1]
     return y[:, :-4].float() * scale
 
 

@@ -1,0 +1,190 @@
+"""Evaluation metrics against brute-force references, and the metrics.jsonl writer.
+
+The gather across ranks (torchmetrics' sync on compute) needs several processes; it is covered
+by the multi-rank trainer tests, not here."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from recsys.train.metrics import BinaryMetrics, MetricsLogger, read_metrics
+
+CPU = torch.device("cpu")
+
+
+def pairwise_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """P(score of a positive > score of a negative), ties counting 1/2: every pair, float64."""
+    scores, labels = scores.double(), labels.bool()
+    pos, neg = scores[labels], scores[~labels]
+    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return float(wins) / (pos.numel() * neg.numel())
+
+
+def float64_logloss(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean over samples and tasks of -(y log p + (1 - y) log(1 - p)), p = sigmoid(x)."""
+    x, y = logits.double(), labels.double()
+    p = 1.0 / (1.0 + torch.exp(-x))
+    return float((-(y * torch.log(p) + (1 - y) * torch.log(1 - p))).mean())
+
+
+def random_eval(seed: int, num_samples: int, num_tasks: int, tied: bool):
+    """Logits (on a coarse grid when ``tied``: many equal logits), labels and oracle
+    probabilities."""
+    g = torch.Generator().manual_seed(seed)
+    if tied:
+        logits = torch.randint(-8, 9, (num_samples, num_tasks), generator=g) / 4.0
+    else:
+        logits = torch.randn(num_samples, num_tasks, generator=g) * 2.0
+    rates = torch.linspace(0.1, 0.6, num_tasks)  # a different positive rate per task
+    labels = (torch.rand(num_samples, num_tasks, generator=g) < rates).float()
+    # The oracle's probabilities on a grid of exact binary fractions: many exact ties.
+    probability = (torch.randint(0, 12, (num_samples, num_tasks), generator=g) + 4 * labels) / 16
+    return logits, labels, probability
+
+
+SIZES = (7, 0, 250, 1)  # uneven batches, an empty one included, then the rest
+
+
+def batches(num_samples: int) -> list[slice]:
+    starts = [0, *torch.tensor(SIZES).cumsum(0).tolist()]
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], num_samples], strict=True)]
+
+
+def update_in_batches(metrics, logits, labels, probability=None):
+    for rows in batches(logits.shape[0]):
+        metrics.update(
+            logits[rows], labels[rows], None if probability is None else probability[rows]
+        )
+
+
+def scores_of(logits: torch.Tensor) -> torch.Tensor:
+    """sigmoid(logits) batch by batch, as the metric computes them: torch's CPU sigmoid may round
+    one logit differently (by an ulp) at different positions of a tensor, so equal logits of
+    different batches are not always tied scores."""
+    return torch.cat([torch.sigmoid(logits[rows].float()) for rows in batches(logits.shape[0])])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_one_task_auc_and_logloss_match_the_references(tied):
+    logits, labels, _ = random_eval(1, 600, 1, tied)
+    metrics = BinaryMetrics(("click",), CPU)
+    update_in_batches(metrics, logits, labels)
+    result = metrics.compute()
+    assert set(result) == {"auc", "logloss"}  # no per-task keys for one task
+    expected_auc = pairwise_auc(scores_of(logits)[:, 0], labels[:, 0])
+    assert result["auc"] == pytest.approx(expected_auc, abs=1e-6)
+    assert result["logloss"] == pytest.approx(float64_logloss(logits, labels), rel=1e-6)
+    if tied:  # the ties matter: counting them as wins or losses moves the AUC
+        scores, positive = scores_of(logits)[:, 0], labels[:, 0].bool()
+        strict = pairwise_auc(scores + 1e-4 * positive, labels[:, 0])
+        assert abs(strict - expected_auc) > 1e-3
+
+
+def test_per_task_keys_mean_auc_and_oracle():
+    names = ("click", "like", "share")
+    logits, labels, probability = random_eval(2, 500, 3, tied=True)
+    metrics = BinaryMetrics(names, CPU, with_oracle=True)
+    update_in_batches(metrics, logits, labels, probability)
+    result = metrics.compute()
+    aucs = [pairwise_auc(scores_of(logits)[:, t], labels[:, t]) for t in range(3)]
+    oracle = [pairwise_auc(probability[:, t], labels[:, t]) for t in range(3)]
+    for t, name in enumerate(names):
+        assert result[f"auc_{name}"] == pytest.approx(aucs[t], abs=1e-6)
+        assert result[f"oracle_auc_{name}"] == pytest.approx(oracle[t], abs=1e-6)
+    assert result["auc"] == pytest.approx(sum(aucs) / 3, abs=1e-6)
+    assert result["oracle_auc"] == pytest.approx(sum(oracle) / 3, abs=1e-6)
+    assert result["logloss"] == pytest.approx(float64_logloss(logits, labels), rel=1e-6)
+    assert set(result) == {"auc", "logloss", "oracle_auc"} | {
+        f"{kind}_{n}" for kind in ("auc", "oracle_auc") for n in names
+    }
+
+
+def test_oracle_of_one_task_has_no_per_task_key():
+    logits, labels, probability = random_eval(3, 200, 1, tied=False)
+    metrics = BinaryMetrics(("click",), CPU, with_oracle=True)
+    metrics.update(logits, labels, probability)
+    result = metrics.compute()
+    assert set(result) == {"auc", "logloss", "oracle_auc"}
+    assert result["oracle_auc"] == pytest.approx(pairwise_auc(probability, labels), abs=1e-6)
+
+
+def test_low_precision_logits_are_scored_in_fp32():
+    logits, labels, _ = random_eval(4, 300, 2, tied=False)
+    half = logits.bfloat16()
+    low, full = BinaryMetrics(("a", "b"), CPU), BinaryMetrics(("a", "b"), CPU)
+    low.update(half, labels)
+    full.update(half.float(), labels)
+    assert low.compute() == full.compute()
+
+
+def test_a_task_with_one_class_scores_auc_0_with_torchmetrics_warning():
+    """Undefined AUC (no positives, or no negatives): torchmetrics warns and returns 0, which
+    then enters the mean over tasks."""
+    logits, labels, _ = random_eval(5, 200, 2, tied=False)
+    labels[:, 1] = 0.0
+    metrics = BinaryMetrics(("a", "b"), CPU)
+    metrics.update(logits, labels)
+    with pytest.warns(UserWarning, match="No positive samples"):
+        result = metrics.compute()
+    assert result["auc_b"] == 0.0
+    assert result["auc"] == pytest.approx(pairwise_auc(logits[:, 0], labels[:, 0]) / 2, abs=1e-6)
+    assert result["logloss"] == pytest.approx(float64_logloss(logits, labels), rel=1e-6)
+    only_positive = BinaryMetrics(("a",), CPU)
+    only_positive.update(logits[:, :1], torch.ones(200, 1))
+    with pytest.warns(UserWarning, match="No negative samples"):
+        assert only_positive.compute()["auc"] == 0.0
+
+
+def test_logger_writes_one_json_object_per_event(tmp_path):
+    path = tmp_path / "deep" / "run" / "metrics.jsonl"  # parents are created
+    logger = MetricsLogger(path)
+    first = logger.log("train", 10, loss=0.5, samples_per_s=1234.5)
+    second = logger.log("valid", 20, auc=0.75, logloss=float("nan"), bad=float("inf"))
+    assert list(first) == ["split", "step", "loss", "samples_per_s", "time"]
+    lines = path.read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [first, second]
+    assert read_metrics(path) == [first, second]
+    # non-finite numbers are written as strings: the file stays strict JSON
+    assert second["logloss"] == "nan" and second["bad"] == "inf"
+    assert "NaN" not in lines[1] and "Infinity" not in lines[1]
+    assert 0.0 <= first["time"] <= second["time"] < 60.0
+
+
+def test_logger_disabled_writes_nothing(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    event = MetricsLogger(path, enabled=False).log("train", 1, loss=1.0)
+    assert event["split"] == "train" and event["loss"] == 1.0
+    assert not path.exists()
+
+
+def test_logger_on_resume_keeps_events_up_to_the_step_and_continues_the_clock(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    old = [{"split": "train", "step": s, "loss": 1.0 / s, "time": 100.0 * s} for s in (1, 2, 3, 4)]
+    path.write_text("".join(json.dumps(e) + "\n" for e in old) + "\n")  # a trailing blank line
+    assert read_metrics(path) == old
+    logger = MetricsLogger(path, resume_step=2)
+    assert read_metrics(path) == old[:2]
+    event = logger.log("train", 3, loss=0.3)
+    assert 200.0 <= event["time"] < 260.0  # continues from the last kept event's time
+    assert read_metrics(path) == [*old[:2], event]
+
+
+def test_logger_without_resume_starts_a_new_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"split": "train", "step": 1, "time": 5.0}) + "\n")
+    logger = MetricsLogger(path)
+    assert path.read_text() == ""
+    assert logger.log("test", 0, auc=0.5)["time"] < 60.0
+    assert [e["split"] for e in read_metrics(path)] == ["test"]
+
+
+def test_logger_values_keep_their_types(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    MetricsLogger(path).log("train", 3, epoch=1, loss=math.pi, note="x", flags=[1, 2])
+    (event,) = read_metrics(path)
+    assert event["epoch"] == 1 and isinstance(event["epoch"], int)
+    assert event["loss"] == math.pi and event["note"] == "x" and event["flags"] == [1, 2]

@@ -1,0 +1,83 @@
+"""The run directory rule (recsys/train/run_dir.py): what counts as another run, the error
+that refuses it, and what overwriting deletes. Through the trainer: test_run_safety.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from recsys.train.run_dir import check_run_dir, clear_previous_run, previous_run
+
+
+def events(*pairs: tuple[str, int]) -> str:
+    return "".join(json.dumps({"split": s, "step": n, "time": 0.0}) + "\n" for s, n in pairs)
+
+
+@pytest.fixture
+def old_run(tmp_path):
+    """A run directory holding another run: two committed checkpoints (plus an uncommitted
+    one and the latest link), logged events, its config, and a file of the user's."""
+    run = tmp_path / "dlrm"
+    checkpoints = run / "checkpoints"
+    for name in ["step_00000010", "step_00000020", ".tmp-step_00000030"]:
+        (checkpoints / name).mkdir(parents=True)
+    (checkpoints / "latest").symlink_to("step_00000020")
+    (run / "config.toml").write_text("[train]\n")
+    metrics = events(("train", 10), ("valid", 20), ("train", 25)) + "not json\n"
+    (run / "metrics.jsonl").write_text(metrics + events(("stop", 30)))
+    (run / "notes.txt").write_text("mine")
+    return run
+
+
+def test_previous_run_lists_committed_checkpoints_and_the_last_logged_step(old_run):
+    assert previous_run(old_run) == [
+        "2 checkpoint(s) up to checkpoints/step_00000020",
+        "metrics.jsonl with events up to step 25",  # train / eval events only
+    ]
+
+
+@pytest.mark.parametrize(
+    "contents",
+    [
+        {},
+        {"config.toml": "[train]\n"},  # a run that failed before it logged anything
+        {"metrics.jsonl": events(("stop", 3)) + "\n{broken\n"},  # nothing trained or evaluated
+    ],
+)
+def test_nothing_to_lose_is_not_another_run(tmp_path, contents):
+    for name, text in contents.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "checkpoints" / ".tmp-step_00000001").mkdir(parents=True)
+    assert previous_run(tmp_path) == []
+    check_run_dir(tmp_path, continuing=False, overwrite=False)
+    assert previous_run(tmp_path / "missing") == []
+
+
+def test_a_new_run_is_refused_with_every_way_out(old_run):
+    (old_run.parent / "dlrm_2").mkdir()  # taken: the suggestion moves on to _3
+    with pytest.raises(ValueError) as refused:
+        check_run_dir(old_run, continuing=False, overwrite=False)
+    message = str(refused.value)
+    assert message.startswith(f"run directory '{old_run}' holds another run (2 checkpoint(s)")
+    assert "metrics.jsonl with events up to step 25" in message
+    assert f"--run.dir={old_run.parent / 'dlrm_3'};" in message
+    assert f"--config {old_run / 'config.toml'} --checkpoint.resume=latest" in message
+    assert message.endswith("--run.overwrite=true")
+
+
+def test_continuing_or_overwriting_is_allowed(old_run):
+    check_run_dir(old_run, continuing=True, overwrite=False)
+    check_run_dir(old_run, continuing=False, overwrite=True)
+    assert (old_run / "checkpoints" / "step_00000020").is_dir()  # checking deletes nothing
+
+
+def test_clear_previous_run_deletes_only_what_recsys_wrote(old_run):
+    removed = clear_previous_run(old_run)
+    assert removed == [
+        "2 checkpoint(s) up to checkpoints/step_00000020",
+        "metrics.jsonl with events up to step 25",
+    ]
+    assert sorted(p.name for p in old_run.iterdir()) == ["notes.txt"]
+    assert previous_run(old_run) == []
+    assert clear_previous_run(old_run) == []  # nothing left: a no-op
