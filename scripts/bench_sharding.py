@@ -67,7 +67,6 @@ backward=... total=...``.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import datetime
 import gc
@@ -90,7 +89,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _harness import (
-    REPO_ROOT,
     Row,
     Timing,
     add_common_args,
@@ -101,31 +99,28 @@ from _harness import (
     resolve_device,
     time_fn,
     write_rows,
-    zipf_ids,
 )
+from _sharding_setup import (
+    PRECISIONS,
+    RECIPE,
+    SHARDINGS,
+    Batch,
+    Setup,
+    inputs,
+    kjt_rows,
+    recsys_plan,
+    unsharded_collection,
+)
+from _sharding_torchrec import output_columns, torchrec_dmp
 
-from recsys import EmbeddingBagConfig, KeyedJaggedTensor  # recsys quiets torchrec's import
+from recsys import KeyedJaggedTensor  # recsys quiets torchrec's import
 from recsys.distributed.comm import CommStats
-from recsys.distributed.plan import (
-    ShardingType,
-    TableSharding,
-    column_wise,
-    data_parallel,
-    row_wise,
-    table_wise,
-)
-from recsys.distributed.planner import plan_sharding
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.embedding.optim import Adagrad
 
 TOPIC = "sharding"
 OP = "sharded_ebc_step"
 PASS = "fwd_bwd_adagrad"
-RECIPE = REPO_ROOT / "configs" / "dlrm_synthetic.toml"
-SHARDINGS = ("data_parallel", "table_wise", "row_wise", "column_wise", "planner")
-PRECISIONS = ("fp32", "fp16", "bf16", "int8")
-COMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}  # per value, for plan_sharding
 RECSYS, TORCHREC, SINGLE = "recsys_sharded", "torchrec_dmp", "single_process"
 # Largest forward difference from the unsharded collection before training, relative to the
 # sample's largest |pooled| value (int8: per-row codecs, recsys' symmetric, TorchRec's with a
@@ -133,107 +128,6 @@ RECSYS, TORCHREC, SINGLE = "recsys_sharded", "torchrec_dmp", "single_process"
 CHECK_TOLERANCE = {"fp32": 1e-5, "fp16": 1e-3, "bf16": 8e-3, "int8": 1e-2}
 # After warmup + timed steps the output must have moved by more than this (same measure).
 MIN_TRAINED = 0.1
-LR, EPS = 0.05, 1e-10
-NUM_BATCHES = 4
-
-Batch = list[tuple[torch.Tensor, torch.Tensor]]  # per feature: bag lengths [W*B], ids [L_f]
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """Everything the ranks need to rebuild the same tables, batches and cases."""
-
-    cardinalities: tuple[int, ...]
-    bag_sizes: tuple[int, ...]
-    dim: int
-    batch_size: int  # per rank
-    world_size: int
-    backend: str
-    device_type: str
-    shardings: tuple[str, ...]
-    precisions: tuple[str, ...]
-    torchrec: bool
-    warmup: int
-    steps: int
-    seed: int
-
-    @property
-    def threads_per_rank(self) -> int:
-        return max(1, (os.cpu_count() or 1) // self.world_size)
-
-    @property
-    def global_batch(self) -> int:
-        return self.world_size * self.batch_size
-
-    def config(self, sharding: str) -> str:
-        """The CSV ``config`` column of a sharded provider (``sharding="none"``: one process)."""
-        bags = [str(m) if m == 1 else f"0..{m}" for m in self.bag_sizes]
-        bags = [f"{bag}x{len(list(group))}" for bag, group in itertools.groupby(bags)]
-        if sharding == "none":
-            where = f"batch={self.global_batch} processes=1"
-        else:
-            where = (
-                f"batch={self.batch_size}/rank world={self.world_size} backend={self.backend} "
-                f"threads/rank={self.threads_per_rank}"
-            )
-        return (
-            f"sharding={sharding} tables={len(self.cardinalities)} "
-            f"rows={min(self.cardinalities)}..{max(self.cardinalities)} "
-            f"(total {sum(self.cardinalities)}) dim={self.dim} pooling=sum "
-            f"bags={','.join(bags)} ids=zipf1 {where} optim=adagrad(lr={LR})"
-        )
-
-
-def table_configs(setup: Setup) -> list[EmbeddingBagConfig]:
-    return [
-        EmbeddingBagConfig(
-            name=f"t{i}", embedding_dim=setup.dim, num_embeddings=rows, feature_names=[f"f{i}"]
-        )
-        for i, rows in enumerate(setup.cardinalities)
-    ]
-
-
-def make_batch(setup: Setup, generator: torch.Generator) -> Batch:
-    """One global batch of W x B samples."""
-    n = setup.global_batch
-    features = []
-    for rows, m in zip(setup.cardinalities, setup.bag_sizes, strict=True):
-        if m == 1:
-            lengths = torch.ones(n, dtype=torch.int64)
-        else:
-            lengths = torch.randint(0, m + 1, (n,), generator=generator)
-        features.append((lengths, zipf_ids(int(lengths.sum()), rows, generator)))
-    return features
-
-
-def kjt_rows(batch: Batch, start: int, stop: int) -> KeyedJaggedTensor:
-    """Samples [start, stop) of a global batch, features f0, f1, ..."""
-    lengths, values = [], []
-    for feature_lengths, ids in batch:
-        first = int(feature_lengths[:start].sum())
-        last = first + int(feature_lengths[start:stop].sum())
-        lengths.append(feature_lengths[start:stop])
-        values.append(ids[first:last])
-    return KeyedJaggedTensor(
-        keys=[f"f{i}" for i in range(len(batch))],
-        values=torch.cat(values),
-        lengths=torch.cat(lengths),
-    )
-
-
-def inputs(setup: Setup) -> tuple[list[Batch], torch.Tensor]:
-    """The global batches and the [W*B, F*D] upstream gradient, the same in every process."""
-    generator = torch.Generator().manual_seed(setup.seed)
-    batches = [make_batch(setup, generator) for _ in range(NUM_BATCHES)]
-    width = len(setup.cardinalities) * setup.dim
-    upstream = torch.randn(setup.global_batch, width, generator=generator)
-    return batches, upstream
-
-
-def unsharded_collection(setup: Setup) -> EmbeddingBagCollection:
-    """The tables every provider starts from, identical in every process (seeded init)."""
-    torch.manual_seed(setup.seed)
-    return EmbeddingBagCollection(table_configs(setup), optimizer=Adagrad(lr=LR, eps=EPS))
 
 
 def make_step(
@@ -323,166 +217,6 @@ class Provider:
     def ordered(self, unsharded_order: torch.Tensor) -> torch.Tensor:
         """``unsharded_order``'s columns in this provider's order."""
         return unsharded_order if self.columns is None else unsharded_order[:, self.columns]
-
-
-def hand_plan(
-    sharding: str, tables: list[EmbeddingBagConfig], world: int
-) -> dict[str, TableSharding]:
-    """Every table sharded the same way (table-wise: table t on rank t mod W)."""
-    ranks = list(range(world))
-    make = {
-        "data_parallel": lambda i, rows, dim: data_parallel(rows, dim, world),
-        "table_wise": lambda i, rows, dim: table_wise(rows, dim, i % world),
-        "row_wise": lambda i, rows, dim: row_wise(rows, dim, world),
-        "column_wise": lambda i, rows, dim: column_wise(rows, dim, ranks),
-    }[sharding]
-    return {t.name: make(i, t.num_embeddings, t.embedding_dim) for i, t in enumerate(tables)}
-
-
-def count_kinds(kinds: list[str]) -> str:
-    """``DATA_PARALLEL x20, TABLE_WISE x6``."""
-    return ", ".join(f"{kind} x{n}" for kind, n in sorted(collections.Counter(kinds).items()))
-
-
-def recsys_plan(
-    setup: Setup,
-    sharding: str,
-    precision: str,
-    tables: list[EmbeddingBagConfig],
-    batches: list[Batch],
-) -> tuple[dict[str, TableSharding], str]:
-    """The hand plan of ``sharding``, or plan_sharding's choice; and a note."""
-    if sharding == "data_parallel":
-        note = "replicated: no pooled vectors travel, so fp32 only"
-        return hand_plan(sharding, tables, setup.world_size), note
-    if sharding != "planner":
-        return hand_plan(sharding, tables, setup.world_size), ""
-    pooling = {
-        f"f{i}": torch.cat([batch[i][0] for batch in batches]).float().mean().item()
-        for i in range(len(tables))
-    }
-    plan = plan_sharding(
-        {"": tables},
-        setup.world_size,
-        optimizer_states=Adagrad.states,
-        batch_size=setup.batch_size,
-        pooling_factors=pooling,
-        forward_comm_bytes=COMM_BYTES[precision],
-        backward_comm_bytes=COMM_BYTES[precision],
-    )
-    kinds = [ShardingType(s.sharding_type).name for s in plan[""].values()]
-    return plan[""], f"plan_sharding: {count_kinds(kinds)}"
-
-
-def torchrec_dmp(
-    setup: Setup,
-    sharding: str,
-    precision: str,
-    unsharded: EmbeddingBagCollection,
-    device: torch.device,
-) -> tuple[torch.nn.Module, torch.optim.Optimizer | None, str]:
-    """TorchRec's EmbeddingBagCollection under DMP holding the unsharded tables' values: the
-    model (KJT -> KeyedTensor), the torch optimizer of its DENSE tables (or None), a note."""
-    import torchrec
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed import sharding_plan as tp
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.fbgemm_qcomm_codec import (
-        CommType,
-        QCommsConfig,
-        get_qcomm_codecs_registry,
-    )
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.distributed.types import ShardingPlan
-    from torchrec.optim import apply_optimizer_in_backward
-
-    tables = unsharded.embedding_bag_configs()
-    world = setup.world_size
-    ebc = torchrec.EmbeddingBagCollection(tables, device=torch.device("meta"))
-    apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": LR, "eps": EPS})
-    comm = CommType(precision)
-    registry = get_qcomm_codecs_registry(QCommsConfig(comm, comm), device=device)
-    sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=registry)
-    notes = []
-    if sharding == "planner":
-        planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=world, compute_device=device.type),
-            batch_size=setup.batch_size,
-        )
-        plan = planner.collective_plan(ebc, [sharder], dist.GroupMember.WORLD)
-        notes.append("EmbeddingShardingPlanner")
-    else:
-        fused = EmbeddingComputeKernel.FUSED.value
-        make = {
-            "data_parallel": lambda i: tp.data_parallel(),
-            "table_wise": lambda i: tp.table_wise(rank=i % world, compute_kernel=fused),
-            "row_wise": lambda i: tp.row_wise(compute_kernel=fused),
-            "column_wise": lambda i: tp.column_wise(ranks=list(range(world)), compute_kernel=fused),
-        }[sharding]
-        module_plan = tp.construct_module_sharding_plan(
-            ebc,
-            {t.name: make(i) for i, t in enumerate(tables)},
-            sharder=sharder,
-            local_size=world,
-            world_size=world,
-            device_type=device.type,
-        )
-        plan = ShardingPlan({"": module_plan})
-        if sharding == "row_wise" and device.type == "cpu":
-            notes.append("ROW_WISE forced by the plan (TorchRec's sharder offers it on CUDA only)")
-    kinds = [
-        f"{p.sharding_type.upper()}/{p.compute_kernel.upper()}" for p in plan.plan[""].values()
-    ]
-    notes.append(count_kinds(kinds))
-    dmp = DistributedModelParallel(ebc, device=device, sharders=[sharder], plan=plan)
-    load_tables(dmp, unsharded)
-    # The in-backward optimizer reaches the FUSED tables only; the DENSE (data-parallel) ones
-    # get DDP's averaged gradient, for a torch optimizer.
-    dense = [
-        p
-        for p in dmp.parameters()
-        if p.requires_grad and not getattr(p, "_in_backward_optimizers", None)
-    ]
-    optimizer = None
-    if dense:
-        optimizer = torch.optim.Adagrad(dense, lr=LR, eps=EPS)
-        notes.append("torch.optim.Adagrad on the DENSE tables")
-    return dmp, optimizer, "; ".join(notes)
-
-
-def load_tables(dmp: torch.nn.Module, unsharded: EmbeddingBagCollection) -> None:
-    """Copy the unsharded tables into DMP's (the local shards of its state_dict are views)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    source = unsharded.state_dict()
-    with torch.no_grad():
-        for key, value in dmp.state_dict().items():
-            if not key.endswith(".weight"):
-                continue
-            full = source[key[key.index("embedding_bags.") :]]
-            if not isinstance(value, ShardedTensor):
-                value.copy_(full)
-                continue
-            for shard in value.local_shards():
-                offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                where = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
-                shard.tensor.copy_(full[where])
-
-
-def output_columns(pooled, tables: list[EmbeddingBagConfig]) -> torch.Tensor:
-    """Column j of the KeyedTensor ``pooled`` is column ``index[j]`` of the unsharded output
-    (sharded TorchRec orders its output keys by sharding type and rank, not by table)."""
-    start, width = {}, {}
-    for t in tables:
-        for f in t.feature_names:
-            start[f] = sum(width.values())
-            width[f] = t.embedding_dim
-    index = []
-    for key, length in zip(pooled.keys(), pooled.length_per_key(), strict=True):
-        assert width[key] == length, (key, length, width[key])
-        index += range(start[key], start[key] + length)
-    return torch.tensor(index, dtype=torch.int64)
 
 
 def check_forward(
@@ -774,7 +508,7 @@ def print_rows(setup: Setup, single: dict, results: list[dict]) -> None:
     print(format_table(header, lines), flush=True)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser)
     parser.add_argument(
@@ -792,8 +526,12 @@ def main() -> None:
     parser.add_argument("--no-torchrec", action="store_true", help="leave out torchrec_dmp")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    device = resolve_device(args.device)
+    return parser.parse_args()
+
+
+def setup_from_args(args: argparse.Namespace, device: torch.device) -> Setup:
+    """The run's Setup: the recipe's tables and bags, and the command line's sizes (a bad value
+    exits with a message)."""
     quick = is_quick(args)
     if args.world_size < 1 or args.dim < args.world_size or args.rows_scale <= 0:
         raise SystemExit(
@@ -806,7 +544,7 @@ def main() -> None:
             "CUDA devices (rank r runs on cuda:r)"
         )
     recipe = tomllib.loads(RECIPE.read_text())["data"]["synthetic"]
-    setup = Setup(
+    return Setup(
         cardinalities=tuple(
             max(1, math.ceil(n * args.rows_scale)) for n in recipe["cardinalities"]
         ),
@@ -823,6 +561,12 @@ def main() -> None:
         steps=args.repeats if args.repeats is not None else (30 if quick else 50),
         seed=args.seed,
     )
+
+
+def main() -> None:
+    args = parse_args()
+    device = resolve_device(args.device)
+    setup = setup_from_args(args, device)
     env = environment(device)
     print(f"device: {env['device']}\nversions: {env['versions']}\ncommit: {env['commit']}")
     started = time.perf_counter()

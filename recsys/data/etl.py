@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import json
 import shutil
 import time
@@ -50,13 +49,19 @@ import pyarrow.parquet as pq
 from recsys._files import write_failure
 from recsys.config import PreprocessConfig
 from recsys.data import criteo, readers
+from recsys.data.etl_workflow import (
+    FITTED_OPTIONS,
+    build_workflow,
+    fit_and_transform,
+    fitted_metadata,
+    fitted_types,
+    load_workflow,
+)
 from recsys.data.prepared import (
-    FINGERPRINT_KEY,
     FORMAT_VERSION,
     METADATA,
     SPLITS,
     check_output,
-    dense_transform,
     file_fingerprint,
     new_directory_beside,
     read_metadata,
@@ -74,8 +79,6 @@ __all__ = [
     "preprocess",
     "read_metadata",
 ]
-
-_FITTED_OPTIONS = ("encoding", "freq_threshold", "hash_buckets", "log_dense", "normalize_dense")
 
 
 @dataclass
@@ -146,31 +149,13 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
         raise ValueError("preprocess.output is empty; give the directory to write (--output DIR)")
     output = Path(config.output)
     fitted = read_metadata(config.apply) if config.apply else None
-    sources = {"train": _files(config.input, "input")}
-    for split in ("valid", "test"):
-        if getattr(config, split):
-            sources[split] = _files(getattr(config, split), split)
+    sources = _sources(config)
     if fitted is None:
         roles, placeholders = _roles(config), []
     else:
         config, roles, placeholders = _applied(config, fitted, sources["train"][0])
-    if config.hash_buckets < 1:
-        raise ValueError(f"preprocess.hash_buckets = {config.hash_buckets}; expected >= 1")
-    if config.encoding == "hash" and roles.multi_hot:
-        raise ValueError(
-            "preprocess.encoding = 'hash' does not support multi-hot columns "
-            f"{roles.multi_hot} (NVTabular's HashBucket fails on lists); use 'categorify'"
-        )
-    carve = [s for s in ("valid", "test") if s not in sources]
-    if fitted is not None:  # apply mode: a zero fraction means no such split
-        carve = [s for s in carve if getattr(config, f"{s}_fraction") > 0]
-    if min(config.valid_fraction, config.test_fraction) < 0 or (
-        carve and config.valid_fraction + config.test_fraction >= 1
-    ):
-        raise ValueError(
-            f"valid_fraction {config.valid_fraction} + test_fraction {config.test_fraction} "
-            "must be in [0, 1)"
-        )
+    _check_encoding(config, roles)
+    carve = _splits_to_carve(config, sources, applying=fitted is not None)
     inputs = [path for files in sources.values() for path in files]
     check_output(output, config.overwrite, inputs + ([Path(config.apply)] if fitted else []))
     work = new_directory_beside(output, "partial")
@@ -196,56 +181,21 @@ def _run(
     fitted: dict[str, Any] | None,
     placeholders: list[str],
 ) -> tuple[dict[str, int], dict[str, Any], MalformedLines, InputStats]:
+    """The three stages, written into ``work``: (rows per split, metadata, malformed, stats)."""
     staging = work / "_staging"
     malformed = MalformedLines()
     stats = InputStats()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # merlin warns about absent GPU / tensorflow packages
-        workflow = _load_workflow(config) if fitted else _build_workflow(config, roles, work)
+        workflow = load_workflow(config) if fitted else build_workflow(config, roles, work)
     staged = _stage(config, roles, sources, carve, staging, malformed, stats, workflow)
-    for split in SPLITS:
-        if staged[split] == 0 and (split == "train" or fitted is None):
-            hint = (
-                f"--{split} FILE or a larger preprocess.{split}_fraction"
-                if split != "train"
-                else "more input"
-            )
-            raise ValueError(f"split '{split}' has no rows after staging; give {hint}")
+    _require_staged_rows(staged, applying=fitted is not None)
     if placeholders:  # unlabeled input in apply mode: the workflow still reads the labels
         _add_placeholders(staging, placeholders)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if fitted is None:
-            workflow.fit(_nvt_dataset(staging / "train", config))
-        workflow.save(str(work / "workflow"))  # copies the categories into workflow/
-        if fitted is None:
-            fingerprint = _fingerprint(work / "workflow", config, roles, workflow)
-        else:
-            fingerprint = fitted["fingerprint"]
-        rows = {
-            s: _transform(workflow, staging / s, work / s, roles, config, fingerprint)
-            for s in SPLITS
-        }
+    rows, fingerprint = fit_and_transform(workflow, config, roles, staging, work, fitted)
     shutil.rmtree(staging)
-    if fitted is None:
-        categorical = [
-            {
-                "name": name,
-                "cardinality": _cardinality(workflow, name, config),
-                "multi_hot": name in roles.multi_hot,
-            }
-            for name in roles.sparse
-        ]
-        transform = dense_transform(config.log_dense, config.normalize_dense)
-    else:
-        categorical, transform = fitted["categorical"], fitted["dense_transform"]
     metadata = {
-        "format_version": FORMAT_VERSION,
-        "fingerprint": fingerprint,
-        "labels": roles.labels,
-        "dense": roles.dense,
-        "categorical": categorical,
-        "dense_transform": transform,
+        **fitted_metadata(config, roles, workflow, fitted, fingerprint),
         "splits": {
             s: {"rows": rows[s], "files": sorted(p.name for p in (work / s).glob("*.parquet"))}
             for s in SPLITS
@@ -260,6 +210,44 @@ def _run(
 
 # ---------------------------------------------------------------------------------------------
 # Options, inputs and the output directory
+
+
+def _sources(config: PreprocessConfig) -> dict[str, list[Path]]:
+    """The files of each split given as input: train always, valid / test when given."""
+    sources = {"train": _files(config.input, "input")}
+    for split in ("valid", "test"):
+        if getattr(config, split):
+            sources[split] = _files(getattr(config, split), split)
+    return sources
+
+
+def _check_encoding(config: PreprocessConfig, roles: Roles) -> None:
+    """The encoding options are valid for these columns (hashing takes no multi-hot column)."""
+    if config.hash_buckets < 1:
+        raise ValueError(f"preprocess.hash_buckets = {config.hash_buckets}; expected >= 1")
+    if config.encoding == "hash" and roles.multi_hot:
+        raise ValueError(
+            "preprocess.encoding = 'hash' does not support multi-hot columns "
+            f"{roles.multi_hot} (NVTabular's HashBucket fails on lists); use 'categorify'"
+        )
+
+
+def _splits_to_carve(
+    config: PreprocessConfig, sources: dict[str, list[Path]], applying: bool
+) -> list[str]:
+    """The splits (valid, test) to carve out of the train input: those not given as files (in
+    apply mode, only those with a fraction above zero). Checks the fractions."""
+    carve = [s for s in ("valid", "test") if s not in sources]
+    if applying:  # a zero fraction means no such split
+        carve = [s for s in carve if getattr(config, f"{s}_fraction") > 0]
+    if min(config.valid_fraction, config.test_fraction) < 0 or (
+        carve and config.valid_fraction + config.test_fraction >= 1
+    ):
+        raise ValueError(
+            f"valid_fraction {config.valid_fraction} + test_fraction {config.test_fraction} "
+            "must be in [0, 1)"
+        )
+    return carve
 
 
 def _roles(config: PreprocessConfig) -> Roles:
@@ -313,7 +301,7 @@ def _applied(
             )
     defaults = PreprocessConfig()
     options = {}
-    for key in _FITTED_OPTIONS:
+    for key in FITTED_OPTIONS:
         value, used = getattr(config, key), fitted["preprocess"].get(key, getattr(defaults, key))
         if value != getattr(defaults, key) and value != used:
             raise ValueError(
@@ -371,7 +359,7 @@ def _stage(
     parts = dict.fromkeys(SPLITS, 0)
     for split in SPLITS:
         (staging / split).mkdir(parents=True, exist_ok=True)
-    types = _fitted_types(workflow, roles) if config.apply else {}
+    types = fitted_types(workflow, roles) if config.apply else {}
     first_row = 0  # index of the piece's first row among all input rows read so far
     for source_split, files in sources.items():
         for path in files:
@@ -474,120 +462,13 @@ def _add_placeholders(staging: Path, labels: list[str]) -> None:
         pq.write_table(table, file)
 
 
-# ---------------------------------------------------------------------------------------------
-# Stages 2 and 3: NVTabular fit and transform
-
-
-def _nvt_dataset(directory: Path, config: PreprocessConfig):
-    from merlin.io import Dataset
-
-    files = sorted(str(p) for p in directory.glob("*.parquet"))  # part_<index>: input order
-    return Dataset(files, engine="parquet", part_size=f"{config.chunk_mb}MB", cpu=True)
-
-
-def _build_workflow(config: PreprocessConfig, roles: Roles, work: Path):
-    import nvtabular as nvt
-    from merlin.schema import Tags
-    from nvtabular import ops
-
-    if config.encoding == "categorify":
-        encode = ops.Categorify(freq_threshold=config.freq_threshold, out_path=str(work))
-    else:
-        encode = ops.HashBucket(num_buckets=config.hash_buckets)
-    graph = roles.sparse >> encode
-    if roles.dense:
-        dense = roles.dense >> ops.FillMissing(fill_val=0.0)
-        if config.log_dense:
-            # pickled by reference with the workflow: loading it imports recsys.data.readers
-            signed_log = ops.LambdaOp(
-                readers.signed_log1p, dtype=np.float32, tags=[Tags.CONTINUOUS]
+def _require_staged_rows(staged: dict[str, int], applying: bool) -> None:
+    """Every split has rows (in apply mode, only train must: valid / test may be empty)."""
+    for split in SPLITS:
+        if staged[split] == 0 and (split == "train" or not applying):
+            hint = (
+                f"--{split} FILE or a larger preprocess.{split}_fraction"
+                if split != "train"
+                else "more input"
             )
-            dense = dense >> signed_log
-        if config.normalize_dense:
-            dense = dense >> ops.Normalize()
-        graph = graph + dense
-    return nvt.Workflow(graph + roles.labels)
-
-
-def _load_workflow(config: PreprocessConfig):
-    import nvtabular as nvt
-
-    directory = Path(config.apply) / "workflow"
-    if not (directory / "workflow.pkl").is_file():
-        raise FileNotFoundError(f"'{config.apply}' has no fitted workflow ({directory} is missing)")
-    return nvt.Workflow.load(str(directory))
-
-
-def _fitted_types(workflow, roles: Roles) -> dict[str, pa.DataType]:
-    """The arrow type each categorical column was fitted with (a value must have the same
-    type to get the same id: 12 and "12" differ)."""
-    from merlin.dtypes import ElementType
-
-    types = {}
-    for name in roles.sparse:
-        column = workflow.input_schema[name]
-        kind = column.dtype.element_type
-        if kind in (ElementType.String, ElementType.Object):
-            value = pa.string()
-        elif kind in (ElementType.Int, ElementType.UInt):
-            value = pa.int64()
-        elif kind is ElementType.Float:
-            value = pa.float64()
-        else:
-            continue
-        types[name] = pa.list_(value) if column.is_list else value
-    return types
-
-
-def _transform(
-    workflow,
-    source: Path,
-    target: Path,
-    roles: Roles,
-    config: PreprocessConfig,
-    fingerprint: str,
-) -> int:
-    target.mkdir(parents=True)
-    if not any(source.glob("*.parquet")):
-        return 0  # an empty valid / test split (apply mode)
-    types = {name: pa.float32() for name in roles.labels + roles.dense}
-    types.update({name: pa.int64() for name in roles.categorical})
-    types.update({name: pa.list_(pa.int64()) for name in roles.multi_hot})
-    schema = pa.schema([(name, types[name]) for name in roles.all])
-    schema = schema.with_metadata({FINGERPRINT_KEY: fingerprint.encode()})
-    rows = 0
-    for index, frame in enumerate(workflow.transform(_nvt_dataset(source, config)).to_iter()):
-        table = pa.Table.from_pandas(frame[roles.all], preserve_index=False).cast(schema)
-        pq.write_table(
-            table, target / f"part_{index:06d}.parquet", row_group_size=config.row_group_rows
-        )
-        rows += table.num_rows
-    return rows
-
-
-def _cardinality(workflow, name: str, config: PreprocessConfig) -> int:
-    if config.encoding == "hash":
-        return config.hash_buckets
-    return int(workflow.output_schema[name].int_domain.max) + 1
-
-
-def _fingerprint(directory: Path, config: PreprocessConfig, roles: Roles, workflow) -> str:
-    """sha256 over what decides ids and dense values: the options, the fitted categories and
-    the normalization statistics."""
-    from merlin.dag import Graph
-    from nvtabular import ops
-
-    digest = hashlib.sha256()
-    options = {key: getattr(config, key) for key in _FITTED_OPTIONS}
-    options["roles"] = dataclasses.asdict(roles)
-    options["dense_transform"] = dense_transform(config.log_dense, config.normalize_dense)
-    digest.update(json.dumps(options, sort_keys=True).encode())
-    for file in sorted(p for p in (directory / "categories").rglob("*") if p.is_file()):
-        digest.update(file.relative_to(directory).as_posix().encode())
-        with file.open("rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-    for node in Graph.get_nodes_by_op_type([workflow.output_node], ops.Normalize):
-        statistics = {"means": node.op.means, "stds": node.op.stds}
-        digest.update(json.dumps(statistics, sort_keys=True).encode())
-    return digest.hexdigest()
+            raise ValueError(f"split '{split}' has no rows after staging; give {hint}")

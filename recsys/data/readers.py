@@ -129,27 +129,62 @@ def read_delimited(
     Yields:
         One table per piece, the rows of the well-formed lines in file order.
     """
-    separated = {"\t": "tab", ",": "comma"}.get(delimiter, repr(delimiter))
     # Lines the parser dropped (line number -> detail), reported (or, in strict mode, raised)
     # in line order with the bad fields of the rows around them.
     wrong_width: dict[int, str] = {}
+    reader = _open_delimited(
+        path, column_names, columns, delimiter, quote_char, chunk_bytes, wrong_width
+    )
+    next_line = 1 if column_names else 2
+    while True:
+        try:
+            with _read_errors(path):
+                record_batch = reader.read_next_batch()
+        except StopIteration:
+            break
+        table = pa.Table.from_batches([record_batch])
+        table, problems, next_line = _check_piece(table, next_line, wrong_width, check)
+        _report(path, sorted(problems), strict, malformed)
+        yield table
+    _report(
+        path, [(n, "field count", wrong_width[n]) for n in sorted(wrong_width)], strict, malformed
+    )
+
+
+@contextmanager
+def _read_errors(path: Path) -> Iterator[None]:
+    """Errors of arrow's reader -> one ``ValueError`` naming ``path``."""
+    try:
+        yield
+    except pa.ArrowInvalid as error:
+        raise ValueError(f"{path}: {error}") from None
+    except OSError as error:
+        raise ValueError(unreadable(path, error)) from None
+
+
+def _open_delimited(
+    path: Path,
+    column_names: list[str] | None,
+    columns: list[str],
+    delimiter: str,
+    quote_char: str | bool,
+    chunk_bytes: int,
+    wrong_width: dict[int, str],
+) -> pcsv.CSVStreamingReader:
+    """Arrow's streaming reader of ``path`` (see :func:`read_delimited` for the arguments).
+
+    The lines with a wrong field count are skipped; the reader records them in ``wrong_width``
+    (line number -> detail) as it meets them.
+    """
+    separated = {"\t": "tab", ",": "comma"}.get(delimiter, repr(delimiter))
 
     def on_invalid_row(row: pcsv.InvalidRow) -> str:
         detail = f"expected {row.expected_columns} {separated}-separated fields, found "
         wrong_width[row.number] = detail + str(row.actual_columns)
         return "skip"
 
-    @contextmanager
-    def read_errors() -> Iterator[None]:
-        try:
-            yield
-        except pa.ArrowInvalid as error:
-            raise ValueError(f"{path}: {error}") from None
-        except OSError as error:
-            raise ValueError(unreadable(path, error)) from None
-
-    with read_errors():
-        reader = pcsv.open_csv(
+    with _read_errors(path):
+        return pcsv.open_csv(
             pa.input_stream(str(path), compression="detect"),
             read_options=pcsv.ReadOptions(
                 column_names=column_names, block_size=chunk_bytes, use_threads=False
@@ -166,28 +201,28 @@ def read_delimited(
                 strings_can_be_null=False,
             ),
         )
-    next_line = 1 if column_names else 2
-    while True:
-        try:
-            with read_errors():
-                record_batch = reader.read_next_batch()
-        except StopIteration:
-            break
-        table = pa.Table.from_batches([record_batch])
-        lines = _line_numbers(next_line, table.num_rows, wrong_width)
-        last = int(lines[-1]) if len(lines) else next_line
-        problems = [(n, "field count", wrong_width.pop(n)) for n in list(wrong_width) if n < last]
-        next_line = last + 1 if len(lines) else next_line
-        bad = _check_lines(table, check)
-        if bad is not None:
-            mask, kinds, details = bad
-            problems += [(int(lines[r]), kinds[r], details[r]) for r in np.flatnonzero(mask)]
-            table = table.filter(pa.array(~mask))
-        _report(path, sorted(problems), strict, malformed)
-        yield table
-    _report(
-        path, [(n, "field count", wrong_width[n]) for n in sorted(wrong_width)], strict, malformed
-    )
+
+
+def _check_piece(
+    table: pa.Table, next_line: int, wrong_width: dict[int, str], check: FieldCheck
+) -> tuple[pa.Table, list[tuple[int, str, str]], int]:
+    """Split a piece read from line ``next_line`` on into its well-formed rows and the problems
+    of the lines it spans: those the parser dropped (taken out of ``wrong_width``) and the rows
+    ``check`` (or the empty-line check) finds.
+
+    Returns:
+        (the well-formed rows, (line, kind, detail) per problem, the line after the piece).
+    """
+    lines = _line_numbers(next_line, table.num_rows, wrong_width)
+    last = int(lines[-1]) if len(lines) else next_line
+    problems = [(n, "field count", wrong_width.pop(n)) for n in list(wrong_width) if n < last]
+    next_line = last + 1 if len(lines) else next_line
+    bad = _check_lines(table, check)
+    if bad is not None:
+        mask, kinds, details = bad
+        problems += [(int(lines[r]), kinds[r], details[r]) for r in np.flatnonzero(mask)]
+        table = table.filter(pa.array(~mask))
+    return table, problems, next_line
 
 
 def _report(

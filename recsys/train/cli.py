@@ -24,17 +24,33 @@ from recsys.config import config_reference, load_config, to_toml
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The ``recsys`` parser: one ``_add_<command>`` per subcommand, in ``--help`` order."""
     parser = argparse.ArgumentParser(
         prog="recsys",
         description="Train recommendation models. Any config key can be overridden with "
         "--section.key=value (see docs/config.md).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_train(commands)
+    _add_config(commands)
+    _add_preprocess(commands)
+    _add_export(commands)
+    _add_predict(commands)
+    return parser
+
+
+def _add_train(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train", help="train a model from a TOML recipe")
     train.add_argument("--config", help="TOML recipe, e.g. configs/dlrm_synthetic.toml")
+
+
+def _add_config(commands: argparse._SubParsersAction) -> None:
     show = commands.add_parser("config", help="print the resolved config, or the key reference")
     show.add_argument("--config", help="TOML recipe")
     show.add_argument("--reference", action="store_true", help="print every key with its doc")
+
+
+def _add_preprocess(commands: argparse._SubParsersAction) -> None:
     prep = commands.add_parser(
         "preprocess",
         help="raw Criteo TSV / parquet / CSV -> parquet + metadata for training",
@@ -44,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--config", help="TOML file with a [preprocess] section")
     for flag, help_text in _PREPROCESS_FLAGS.items():
         prep.add_argument(f"--{flag}", help=help_text)
+
+
+def _add_export(commands: argparse._SubParsersAction) -> None:
     export = commands.add_parser(
         "export",
         help="checkpoint -> one torch.export program (.pt2) that scores batches",
@@ -59,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--output", required=True, help="file to write, e.g. model.pt2")
     export.add_argument("--overwrite", action="store_true", help="replace --output when it exists")
+
+
+def _add_predict(commands: argparse._SubParsersAction) -> None:
     score = commands.add_parser(
         "predict",
         help="score parquet files with an exported model",
@@ -87,7 +109,6 @@ def _parser() -> argparse.ArgumentParser:
     score.add_argument(
         "--batch-size", type=int, default=8192, help="rows per forward call (default 8192)"
     )
-    return parser
 
 
 _PREPROCESS_FLAGS = {

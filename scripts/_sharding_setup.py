@@ -1,0 +1,189 @@
+"""What every process of ``bench_sharding.py`` builds the same way: the run's :class:`Setup`,
+the tables, the global batches and upstream gradient, the unsharded collection every provider
+starts from, and recsys's sharding plans (by hand, or by ``plan_sharding``).
+
+Shapes: B samples per rank, W ranks, F features (one table each), D the embedding dim, L_f the
+ids of feature f in a global batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import os
+
+import torch
+from _harness import REPO_ROOT, zipf_ids
+
+from recsys import EmbeddingBagConfig, KeyedJaggedTensor  # recsys quiets torchrec's import
+from recsys.distributed.plan import (
+    ShardingType,
+    TableSharding,
+    column_wise,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from recsys.distributed.planner import plan_sharding
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.optim import Adagrad
+
+RECIPE = REPO_ROOT / "configs" / "dlrm_synthetic.toml"
+SHARDINGS = ("data_parallel", "table_wise", "row_wise", "column_wise", "planner")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+COMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}  # per value, for plan_sharding
+LR, EPS = 0.05, 1e-10
+NUM_BATCHES = 4
+
+Batch = list[tuple[torch.Tensor, torch.Tensor]]  # per feature: bag lengths [W*B], ids [L_f]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything the ranks need to rebuild the same tables, batches and cases."""
+
+    cardinalities: tuple[int, ...]
+    bag_sizes: tuple[int, ...]
+    dim: int
+    batch_size: int  # per rank
+    world_size: int
+    backend: str
+    device_type: str
+    shardings: tuple[str, ...]
+    precisions: tuple[str, ...]
+    torchrec: bool
+    warmup: int
+    steps: int
+    seed: int
+
+    @property
+    def threads_per_rank(self) -> int:
+        return max(1, (os.cpu_count() or 1) // self.world_size)
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.batch_size
+
+    def config(self, sharding: str) -> str:
+        """The CSV ``config`` column of a sharded provider (``sharding="none"``: one process)."""
+        bags = [str(m) if m == 1 else f"0..{m}" for m in self.bag_sizes]
+        bags = [f"{bag}x{len(list(group))}" for bag, group in itertools.groupby(bags)]
+        if sharding == "none":
+            where = f"batch={self.global_batch} processes=1"
+        else:
+            where = (
+                f"batch={self.batch_size}/rank world={self.world_size} backend={self.backend} "
+                f"threads/rank={self.threads_per_rank}"
+            )
+        return (
+            f"sharding={sharding} tables={len(self.cardinalities)} "
+            f"rows={min(self.cardinalities)}..{max(self.cardinalities)} "
+            f"(total {sum(self.cardinalities)}) dim={self.dim} pooling=sum "
+            f"bags={','.join(bags)} ids=zipf1 {where} optim=adagrad(lr={LR})"
+        )
+
+
+def table_configs(setup: Setup) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=setup.dim, num_embeddings=rows, feature_names=[f"f{i}"]
+        )
+        for i, rows in enumerate(setup.cardinalities)
+    ]
+
+
+def make_batch(setup: Setup, generator: torch.Generator) -> Batch:
+    """One global batch of W x B samples."""
+    n = setup.global_batch
+    features = []
+    for rows, m in zip(setup.cardinalities, setup.bag_sizes, strict=True):
+        if m == 1:
+            lengths = torch.ones(n, dtype=torch.int64)
+        else:
+            lengths = torch.randint(0, m + 1, (n,), generator=generator)
+        features.append((lengths, zipf_ids(int(lengths.sum()), rows, generator)))
+    return features
+
+
+def kjt_rows(batch: Batch, start: int, stop: int) -> KeyedJaggedTensor:
+    """Samples [start, stop) of a global batch, features f0, f1, ..."""
+    lengths, values = [], []
+    for feature_lengths, ids in batch:
+        first = int(feature_lengths[:start].sum())
+        last = first + int(feature_lengths[start:stop].sum())
+        lengths.append(feature_lengths[start:stop])
+        values.append(ids[first:last])
+    return KeyedJaggedTensor(
+        keys=[f"f{i}" for i in range(len(batch))],
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
+    )
+
+
+def inputs(setup: Setup) -> tuple[list[Batch], torch.Tensor]:
+    """The global batches and the [W*B, F*D] upstream gradient, the same in every process."""
+    generator = torch.Generator().manual_seed(setup.seed)
+    batches = [make_batch(setup, generator) for _ in range(NUM_BATCHES)]
+    width = len(setup.cardinalities) * setup.dim
+    upstream = torch.randn(setup.global_batch, width, generator=generator)
+    return batches, upstream
+
+
+def unsharded_collection(setup: Setup) -> EmbeddingBagCollection:
+    """The tables every provider starts from, identical in every process (seeded init)."""
+    torch.manual_seed(setup.seed)
+    return EmbeddingBagCollection(table_configs(setup), optimizer=Adagrad(lr=LR, eps=EPS))
+
+
+# ---------------------------------------------------------------------------------------------
+# recsys's plans
+
+
+def hand_plan(
+    sharding: str, tables: list[EmbeddingBagConfig], world: int
+) -> dict[str, TableSharding]:
+    """Every table sharded the same way (table-wise: table t on rank t mod W)."""
+    ranks = list(range(world))
+    make = {
+        "data_parallel": lambda i, rows, dim: data_parallel(rows, dim, world),
+        "table_wise": lambda i, rows, dim: table_wise(rows, dim, i % world),
+        "row_wise": lambda i, rows, dim: row_wise(rows, dim, world),
+        "column_wise": lambda i, rows, dim: column_wise(rows, dim, ranks),
+    }[sharding]
+    return {t.name: make(i, t.num_embeddings, t.embedding_dim) for i, t in enumerate(tables)}
+
+
+def count_kinds(kinds: list[str]) -> str:
+    """``DATA_PARALLEL x20, TABLE_WISE x6``."""
+    return ", ".join(f"{kind} x{n}" for kind, n in sorted(collections.Counter(kinds).items()))
+
+
+def recsys_plan(
+    setup: Setup,
+    sharding: str,
+    precision: str,
+    tables: list[EmbeddingBagConfig],
+    batches: list[Batch],
+) -> tuple[dict[str, TableSharding], str]:
+    """The hand plan of ``sharding``, or plan_sharding's choice; and a note."""
+    if sharding == "data_parallel":
+        note = "replicated: no pooled vectors travel, so fp32 only"
+        return hand_plan(sharding, tables, setup.world_size), note
+    if sharding != "planner":
+        return hand_plan(sharding, tables, setup.world_size), ""
+    pooling = {
+        f"f{i}": torch.cat([batch[i][0] for batch in batches]).float().mean().item()
+        for i in range(len(tables))
+    }
+    plan = plan_sharding(
+        {"": tables},
+        setup.world_size,
+        optimizer_states=Adagrad.states,
+        batch_size=setup.batch_size,
+        pooling_factors=pooling,
+        forward_comm_bytes=COMM_BYTES[precision],
+        backward_comm_bytes=COMM_BYTES[precision],
+    )
+    kinds = [ShardingType(s.sharding_type).name for s in plan[""].values()]
+    return plan[""], f"plan_sharding: {count_kinds(kinds)}"
