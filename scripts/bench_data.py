@@ -73,7 +73,7 @@ from recsys.data.etl import preprocess
 from recsys.data.loader import BatchLoader
 from recsys.data.parquet import ParquetDataset
 from recsys.data.synthetic import SyntheticDataset
-from recsys.models import build_model
+from recsys.train.models import build_model
 from recsys.train.optimizers import build_optimizers
 
 TOPIC = "data"

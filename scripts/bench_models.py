@@ -3,7 +3,7 @@ and a plain-torch DLRM, on the Criteo-shaped synthetic data.
 
 Each model trains as its recipe ``configs/<model.name>_synthetic.toml`` sets it up (sizes, dense
 optimizer, embedding optimizer fused into backward, task loss weights), built by
-``recsys.models.build_model`` and ``recsys.train.optimizers.build_optimizers`` exactly as
+``recsys.train.models.build_model`` and ``recsys.train.optimizers.build_optimizers`` exactly as
 ``recsys train`` builds it, on ``--num-batches`` batches of the recipe's synthetic train split
 made beforehand (13 dense and 26 categorical features, the last four multi-hot), cycled. One step
 is the trainer's: forward, BCE on the logits (task-weighted when the recipe says so), backward,
@@ -58,7 +58,8 @@ from recsys.config import Config, load_config
 from recsys.data import build_dataset
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.loader import BatchLoader
-from recsys.models import MODELS, build_model, table_configs
+from recsys.models import table_configs
+from recsys.train.models import MODELS, build_model
 from recsys.train.optimizers import build_optimizers, task_loss_weights
 
 TOPIC = "models"
@@ -120,7 +121,7 @@ def torchrec_dmp(recipe: Config, spec: DatasetSpec, device: torch.device) -> Ite
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     m = recipe.model
-    tables = table_configs(spec, m.embedding_dim, m.pooling)
+    tables = table_configs(spec.sparse_names, spec.cardinalities, m.embedding_dim, m.pooling)
     fused_params = {
         "optimizer": EmbOptimType.EXACT_ADAGRAD,
         "learning_rate": recipe.train.embedding_lr,
@@ -143,7 +144,8 @@ def plain_torch(recipe: Config, spec: DatasetSpec, device: torch.device) -> Iter
 
     m = recipe.model
     ebc = torchrec.EmbeddingBagCollection(
-        table_configs(spec, m.embedding_dim, m.pooling), device=device
+        table_configs(spec.sparse_names, spec.cardinalities, m.embedding_dim, m.pooling),
+        device=device,
     )
     model = torchrec.models.dlrm.DLRM(
         ebc, spec.num_dense, m.dense_arch_layer_sizes, m.over_arch_layer_sizes

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from recsys.config import Config, config_reference, load_config, to_toml
+from recsys.config import Config, config_differences, config_reference, load_config, to_toml
+from recsys.config.loading import RENAMED_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,3 +108,89 @@ def test_recipes_in_configs_load():
     assert recipes
     for recipe in recipes:
         load_config(recipe)
+
+
+# [model] as earlier versions wrote it into every run directory's and checkpoint's config.toml:
+# xdeepfm's and pnn's options were flat keys of [model].
+OLD_MODEL_SECTION = """
+[model]
+name = "xdeepfm"
+embedding_dim = 16
+pooling = "sum"
+embedding_dtype = "fp32"
+dense_arch_layer_sizes = [64, 16]
+over_arch_layer_sizes = [64, 32, 1]
+activation = "relu"
+dropout = 0.0
+cin_layer_sizes = [16, 16]
+pnn_product = "both"
+
+[model.cross]
+num_layers = 3
+low_rank = 0
+version = "v2"
+structure = "stacked"
+
+[model.mmoe]
+num_experts = 4
+expert_layer_sizes = [64, 32]
+tower_layer_sizes = [32]
+"""
+
+NEW_MODEL_SECTION = """
+[model]
+name = "xdeepfm"
+
+[model.xdeepfm]
+cin_layer_sizes = [16, 16]
+
+[model.pnn]
+product = "both"
+"""
+
+
+def test_old_config_toml_loads_as_the_new_one(tmp_path):
+    train = "[train]\nbatch_size = 64\n"
+    old = load_config(write(tmp_path, OLD_MODEL_SECTION + train, "old.toml"), ["--run.name=r"])
+    new = load_config(write(tmp_path, NEW_MODEL_SECTION + train, "new.toml"), ["--run.name=r"])
+    assert old.model.xdeepfm.cin_layer_sizes == [16, 16] and old.model.pnn.product == "both"
+    assert old == new
+    # resuming an old checkpoint with a new config reports no change
+    assert config_differences(old, new) == []
+    # written back under the new names only
+    written = tomllib.loads(to_toml(old))["model"]
+    assert written["xdeepfm"] == {"cin_layer_sizes": [16, 16]} and written["pnn"] == {
+        "product": "both"
+    }
+    assert not {"cin_layer_sizes", "pnn_product"} & set(written)
+
+
+def test_old_keys_on_the_command_line_set_the_new_ones():
+    old = load_config(None, ["--model.cin_layer_sizes=4,2", "--model.pnn_product=outer"])
+    new = load_config(None, ["--model.xdeepfm.cin_layer_sizes=4,2", "--model.pnn.product=outer"])
+    assert old == new and old.model.xdeepfm.cin_layer_sizes == [4, 2]
+    with pytest.raises(ValueError, match=r"'model.pnn.product' must be one of .*'outr'"):
+        load_config(None, ["--model.pnn_product=outr"])
+
+
+def test_old_and_new_name_of_a_key_in_one_file_is_an_error(tmp_path):
+    both = write(tmp_path, "[model]\npnn_product = 'outer'\n[model.pnn]\nproduct = 'inner'\n")
+    with pytest.raises(
+        ValueError, match=r"recipe.toml.*both 'model.pnn_product'.*'model.pnn.product'"
+    ):
+        load_config(both)
+
+
+def flat_keys(table: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for name, value in table.items():
+        is_section = isinstance(value, dict)
+        keys |= flat_keys(value, f"{prefix}{name}.") if is_section else {f"{prefix}{name}"}
+    return keys
+
+
+def test_renamed_keys_map_keys_gone_to_keys_now():
+    keys = flat_keys(tomllib.loads(to_toml(Config())))
+    assert "model.cross.num_layers" in keys
+    for old, new in RENAMED_KEYS.items():
+        assert new in keys and old not in keys

@@ -27,10 +27,12 @@ from recsys.config.sections import (
     DistributedConfig,
     MMoEConfig,
     ModelConfig,
+    PNNConfig,
     PreprocessConfig,
     RunConfig,
     SyntheticConfig,
     TrainConfig,
+    XDeepFMConfig,
 )
 
 __all__ = [
@@ -42,10 +44,12 @@ __all__ = [
     "DistributedConfig",
     "MMoEConfig",
     "ModelConfig",
+    "PNNConfig",
     "PreprocessConfig",
     "RunConfig",
     "SyntheticConfig",
     "TrainConfig",
+    "XDeepFMConfig",
     "config_differences",
     "config_reference",
     "field_docs",

@@ -47,17 +47,50 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             table = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"config file '{path}' is not valid TOML: {err}") from None
-        _apply_table(config, table, prefix="", source=f"config file '{path}'")
+        source = f"config file '{path}'"
+        _apply_table(config, _move_renamed_keys(table, source), prefix="", source=source)
         if not config.run.name:
             config.run.name = path.stem
     for override in overrides:
         key, value = _parse_override(override)
+        key = RENAMED_KEYS.get(key, key)
         _set_key(config, key, value, source=f"command line '{override}'")
     if not config.run.name:
         config.run.name = "recsys"
     if not config.run.dir:
         config.run.dir = str(Path("runs") / config.run.name)
     return config
+
+
+RENAMED_KEYS = {
+    "model.cin_layer_sizes": "model.xdeepfm.cin_layer_sizes",
+    "model.pnn_product": "model.pnn.product",
+}
+"""Keys of earlier versions -> their name now. Every run directory and checkpoint holds a
+``config.toml`` listing every key, so the old names are still read, in TOML and on the command
+line, and mean the new ones (written back under the new name)."""
+
+
+def _move_renamed_keys(table: dict[str, Any], source: str) -> dict[str, Any]:
+    """``table`` (a parsed TOML file) with the keys of :data:`RENAMED_KEYS` moved to their new
+    place; a file that sets both a key's old and new name is an error."""
+    for old, new in RENAMED_KEYS.items():
+        *old_sections, old_name = old.split(".")
+        *new_sections, new_name = new.split(".")
+        holder: Any = table
+        for name in old_sections:
+            holder = holder.get(name) if isinstance(holder, dict) else None
+        if not isinstance(holder, dict) or old_name not in holder:
+            continue
+        target: Any = table
+        for name in new_sections:
+            target = target.setdefault(name, {})
+        if not isinstance(target, dict):
+            continue  # a value where the section belongs: _apply_table names it
+        if new_name in target:
+            raise ValueError(f"{source}: sets both '{old}' (its earlier name) and '{new}'")
+        target[new_name] = holder.pop(old_name)
+    return table
 
 
 def _parse_override(override: str) -> tuple[str, Any]:
@@ -279,6 +312,17 @@ def config_reference() -> str:
         "",
     ]
     _reference_section(Config(), [], out)
+    out += [
+        "## Renamed keys",
+        "",
+        "Configs written by earlier versions (every run directory's and checkpoint's",
+        "`config.toml`) still load: these old names are read as the new ones, in TOML and on",
+        "the command line.",
+        "",
+        "| old key | key now |",
+        "| --- | --- |",
+        *(f"| `{old}` | `{new}` |" for old, new in RENAMED_KEYS.items()),
+    ]
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -219,7 +219,7 @@ class PreprocessConfig:
 
 @dataclass
 class CrossConfig:
-    """Cross network of dcn and dlrm_dcn."""
+    """Cross network of dcn and dlrm_dcn (the one section the two share)."""
 
     num_layers: Annotated[int, AtLeast1] = 3
     """Number of cross layers."""
@@ -231,6 +231,24 @@ class CrossConfig:
     structure: Literal["stacked", "parallel"] = "stacked"
     """dcn only: the deep network after the cross network (stacked) or beside it, their outputs
     concatenated (parallel)."""
+
+
+@dataclass
+class XDeepFMConfig:
+    """Compressed interaction network (CIN) of xdeepfm."""
+
+    cin_layer_sizes: list[Annotated[int, AtLeast1]] = field(default_factory=lambda: [64, 64])
+    """Feature maps of each CIN layer; all but the last must be even (each sends half of its
+    maps to the output and half to the next layer)."""
+
+
+@dataclass
+class PNNConfig:
+    """Product layer of pnn."""
+
+    product: Literal["inner", "outer", "both"] = "inner"
+    """Inner products of embedding pairs (IPNN), outer products (OPNN, kernel-compressed) or
+    both (PNN*)."""
 
 
 @dataclass
@@ -248,12 +266,13 @@ class MMoEConfig:
 @dataclass
 class ModelConfig:
     """Model architecture. Table sizes and the number of tasks come from the data, never from
-    here."""
+    here. The keys below are shared by the models; a model's own options are in its section
+    ([model.cross], [model.xdeepfm], [model.pnn], [model.mmoe])."""
 
     name: Literal["dlrm", "dlrm_dcn", "dcn", "deepfm", "wide_deep", "xdeepfm", "pnn", "mmoe"] = (
         "dlrm"
     )
-    """Model to build; see recsys.models.MODELS."""
+    """Model to build; see recsys.train.models.MODELS."""
     embedding_dim: Annotated[int, AtLeast1] = 16
     """Embedding dimension of every table."""
     pooling: Literal["sum", "mean"] = "sum"
@@ -271,12 +290,11 @@ class ModelConfig:
     dropout: Annotated[float, Fraction] = 0.0
     """Dropout after each hidden MLP layer, in training only."""
     cross: CrossConfig = field(default_factory=CrossConfig)
-    """[model.cross]"""
-    cin_layer_sizes: list[Annotated[int, AtLeast1]] = field(default_factory=lambda: [64, 64])
-    """xdeepfm: feature maps of each compressed interaction network (CIN) layer."""
-    pnn_product: Literal["inner", "outer", "both"] = "inner"
-    """pnn: the product layer: inner products of embedding pairs (IPNN), outer products
-    (OPNN, kernel-compressed) or both (PNN*)."""
+    """[model.cross]: dcn and dlrm_dcn."""
+    xdeepfm: XDeepFMConfig = field(default_factory=XDeepFMConfig)
+    """[model.xdeepfm]"""
+    pnn: PNNConfig = field(default_factory=PNNConfig)
+    """[model.pnn]"""
     mmoe: MMoEConfig = field(default_factory=MMoEConfig)
     """[model.mmoe]"""
 

@@ -22,6 +22,11 @@ from recsys.distributed.plan import ShardingPlan, check_plan
 from recsys.distributed.planner import plan_sharding
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.interface import (
+    EmbeddingCollectionInterface,
+    embedding_collections,
+    state_prefix,
+)
 
 
 @dataclass(frozen=True)
@@ -104,15 +109,6 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-def collections_of(model: nn.Module) -> dict[str, EmbeddingBagCollection]:
-    """Every EmbeddingBagCollection of ``model`` by module path (``""`` for the model itself)."""
-    return {
-        path: module
-        for path, module in model.named_modules()
-        if isinstance(module, EmbeddingBagCollection)
-    }
-
-
 def parallelize(
     model: nn.Module,
     device: torch.device,
@@ -150,10 +146,10 @@ def parallelize(
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
     world = dist.get_world_size()
-    collections = collections_of(model)
+    collections = _shardable(model)
     configs = {path: ebc.embedding_bag_configs() for path, ebc in collections.items()}
     if plan is None:
-        states = _optimizer_states(collections.values())
+        states = next((dict(c.optimizer.states) for c in collections.values() if c.optimizer), None)
         plan = plan_sharding(configs, world, optimizer_states=states, **planner_options)
     check_plan(plan, configs, world)
     # Embedding collectives get their own group, so they never interleave with DDP's.
@@ -169,17 +165,17 @@ def parallelize(
             device=device,
         )
         _replace(model, path, sharded)
-        prefix = f"{path}." if path else ""
-        trained_by_ddp = {id(p) for p in sharded.ddp_parameters()}
-        ignored += [
-            prefix + name for name, p in sharded.named_parameters() if id(p) not in trained_by_ddp
-        ]
-        ignored += [prefix + name for name, _ in sharded.named_buffers()]
+        ignored += _ignored_by_ddp(sharded, state_prefix(path))
     model.sharding_plan = plan
     if isinstance(model, ShardedEmbeddingBagCollection) or not any(
         p.requires_grad for p in model.parameters()
     ):
         return model
+    return _data_parallel(model, device, ignored)
+
+
+def _data_parallel(model: nn.Module, device: torch.device, ignored: list[str]) -> nn.Module:
+    """``model`` under DDP, which leaves the ``ignored`` parameters and buffers alone."""
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     device_ids = [device.index] if device.type == "cuda" else None
     # Model buffers are constants (index tables): nothing to broadcast per forward.
@@ -191,11 +187,24 @@ def parallelize(
     return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
 
 
-def _optimizer_states(collections) -> dict[str, str] | None:
-    for ebc in collections:
-        if ebc.optimizer is not None:
-            return dict(ebc.optimizer.states)
-    return None
+def _shardable(model: nn.Module) -> dict[str, EmbeddingBagCollection]:
+    """The model's collections, each of a kind parallelize() can shard."""
+    collections = embedding_collections(model)
+    for path, collection in collections.items():
+        if not isinstance(collection, EmbeddingBagCollection):
+            raise ValueError(
+                f"parallelize(): the collection at '{path}' is a {type(collection).__name__}; "
+                "only an (unsharded) EmbeddingBagCollection can be sharded"
+            )
+    return collections
+
+
+def _ignored_by_ddp(collection: EmbeddingCollectionInterface, prefix: str) -> list[str]:
+    """Names of the collection's parameters and buffers DDP must leave alone: all but its
+    :meth:`~EmbeddingCollectionInterface.ddp_parameters`."""
+    trained_by_ddp = {id(p) for p in collection.ddp_parameters()}
+    names = [prefix + n for n, p in collection.named_parameters() if id(p) not in trained_by_ddp]
+    return names + [prefix + name for name, _ in collection.named_buffers()]
 
 
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from torchrec import DataType, EmbeddingBagConfig
+from torchrec import EmbeddingBagConfig
 
 from recsys._suggest import did_you_mean, quoted_with_hints
 from recsys.distributed.plan import (
@@ -31,6 +31,7 @@ from recsys.distributed.plan import (
     shard_bytes,
     table_wise,
 )
+from recsys.embedding.tables import TABLE_DTYPES, element_bytes
 
 __all__ = [
     "Shard",
@@ -142,7 +143,6 @@ def parse_constraints(items: Sequence[str]) -> dict[str, TableConstraint]:
 # ---------------------------------------------------------------------------------------------
 # Sizes and the cost model
 
-_ELEMENT_BYTES = {DataType.FP32: 4, DataType.FP16: 2, DataType.BF16: 2}
 _ID_BYTES = 8
 # A communicated byte costs as much as this many bytes read from memory: a GPU reads its own
 # memory about 10x faster than it exchanges data with other ranks.
@@ -348,13 +348,13 @@ def _table(
     world: int,
 ) -> _Table:
     """``config`` with its element size, pooling factor and (checked) constraint."""
-    if config.data_type not in _ELEMENT_BYTES:
-        valid = [t.name for t in _ELEMENT_BYTES]
+    if config.data_type not in TABLE_DTYPES:
+        valid = [t.name for t in TABLE_DTYPES]
         raise ValueError(f"table '{config.name}': data_type {config.data_type.name} not in {valid}")
     constraint = constraints.get(f"{path}:{config.name}", constraints.get(config.name))
     constraint, dim = constraint or TableConstraint(), config.embedding_dim
     pooling = sum(pooling_factors.get(f, 1.0) for f in config.feature_names)
-    table = _Table(path, config, _ELEMENT_BYTES[config.data_type], pooling, constraint)
+    table = _Table(path, config, element_bytes(config), pooling, constraint)
     ranks, where = constraint.ranks, f"table '{table.label}' constraint '{constraint}'"
     if any(r >= world for r in ranks):
         raise ValueError(f"{where}: ranks {ranks} must be < world_size {world}")

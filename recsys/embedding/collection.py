@@ -8,16 +8,14 @@ import and checkpoints load both ways. All tables are looked up by one call of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
-from torchrec.modules.embedding_configs import DataType, PoolingType
-from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
-from recsys._suggest import quoted_with_hints
+from recsys.embedding.inputs import FeatureOrder, input_weights
+from recsys.embedding.interface import EmbeddingCollectionInterface
 from recsys.embedding.optim import FusedOptimizer
+from recsys.embedding.tables import check_table_config, output_keys, pooling_mode, table_dtype
 from recsys.ops.embedding_bag import (
     FusedUpdate,
     LookupPlan,
@@ -26,9 +24,6 @@ from recsys.ops.embedding_bag import (
     table_batched_embedding_bag,
 )
 from recsys.ops.embedding_bag_cpu import pool_torch
-
-_POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
-_DTYPE = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 
 
 class EmbeddingTable(nn.Module):
@@ -43,7 +38,7 @@ class EmbeddingTable(nn.Module):
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}, dtype={self.weight.dtype}"
 
 
-class EmbeddingBagCollection(nn.Module):
+class EmbeddingBagCollection(EmbeddingCollectionInterface):
     """Pooled embeddings of several tables, each serving one or more features.
 
     Args:
@@ -103,19 +98,10 @@ class EmbeddingBagCollection(nn.Module):
         self.validate = validate
         self.optimizer: FusedOptimizer | None = None
         for config in tables:
-            if config.pooling not in _POOLING:
-                raise ValueError(
-                    f"table '{config.name}': pooling {config.pooling} is not supported; "
-                    f"use {' or '.join(str(p) for p in _POOLING)}"
-                )
-            if config.data_type not in _DTYPE:
-                raise ValueError(
-                    f"table '{config.name}': data_type {config.data_type} is not supported; "
-                    f"use one of {', '.join(str(d) for d in _DTYPE)}"
-                )
+            check_table_config(config)
             if not config.feature_names:
                 config.feature_names = [config.name]
-        dtypes = {_DTYPE[c.data_type] for c in tables}
+        dtypes = {table_dtype(c) for c in tables}
         if len(dtypes) > 1:
             raise ValueError(f"all tables of a collection must share one data_type, got {dtypes}")
         self._layout = TableLayout.build(
@@ -129,35 +115,16 @@ class EmbeddingBagCollection(nn.Module):
         for config, view in zip(tables, self._layout.table_views(self._flat), strict=True):
             self.embedding_bags[config.name] = EmbeddingTable(view, requires_grad=True)
         self.set_optimizer(optimizer)
-        self._feature_names: list[list[str]] = [list(t.feature_names) for t in tables]
-        self._embedding_names: list[str] = [
-            name for per_table in get_embedding_names_by_table(tables) for name in per_table
-        ]
-        self._lengths_per_embedding: list[int] = [
-            t.embedding_dim for t in tables for _ in t.feature_names
-        ]
-        self._feature_to_table = [t for t, feats in enumerate(self._feature_names) for _ in feats]
-        self._flat_feature_names = [f for feats in self._feature_names for f in feats]
-        self._table_pooling = [_POOLING[t.pooling] for t in tables]
-        self._plan = LookupPlan(self._layout, self._feature_to_table, self._table_pooling)
-        self._key_index_cache: dict[tuple[str, ...], list[int]] = {}
+        self._embedding_names, self._lengths_per_embedding = output_keys(tables)
+        feature_to_table = [t for t, c in enumerate(tables) for _ in c.feature_names]
+        self._features = FeatureOrder([f for c in tables for f in c.feature_names])
+        self._plan = LookupPlan(self._layout, feature_to_table, [pooling_mode(c) for c in tables])
         self.reset_parameters()
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature's bags: KJT with (at least) this collection's features ->
         KeyedTensor [B, sum of the features' dims], keys in table order."""
-        if features.variable_stride_per_key():
-            raise ValueError(
-                "KeyedJaggedTensor with a variable batch size per key is not supported"
-            )
-        weights = None
-        if self._is_weighted:
-            weights = features.weights_or_none()
-            if weights is None:
-                raise ValueError(
-                    "this collection is weighted (is_weighted=True) but the input "
-                    "KeyedJaggedTensor has no weights"
-                )
+        weights = input_weights(features, self._is_weighted)
         if torch.compiler.is_exporting():
             pooled = self._pool_for_export(features, weights)
             return KeyedTensor(
@@ -180,13 +147,13 @@ class EmbeddingBagCollection(nn.Module):
             handles,
             features.values(),
             features.offsets(),
-            self._feature_to_key(features.keys()),
+            self._features.positions(features.keys()),
             features.stride(),
             weights,
             fused=fused,
             backend=self._last_backend,
             validate=self.validate,
-            feature_names=self._flat_feature_names,
+            feature_names=self._features.features,
         )
         return KeyedTensor(
             keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=pooled
@@ -206,24 +173,9 @@ class EmbeddingBagCollection(nn.Module):
             features.values(),
             features.offsets(),
             weights,
-            self._feature_to_key(features.keys()),
+            self._features.positions(features.keys()),
             features.stride(),
         )
-
-    def _feature_to_key(self, keys: Sequence[str]) -> list[int]:
-        cache_key = tuple(keys)
-        if cache_key not in self._key_index_cache:
-            position = {k: i for i, k in enumerate(keys)}
-            missing = [f for f in self._flat_feature_names if f not in position]
-            if missing:
-                hints = quoted_with_hints(missing, keys)
-                raise ValueError(
-                    f"KeyedJaggedTensor is missing features {hints} of this "
-                    f"EmbeddingBagCollection; its keys are {list(keys)}, the collection expects "
-                    f"{self._flat_feature_names}"
-                )
-            self._key_index_cache[cache_key] = [position[f] for f in self._flat_feature_names]
-        return self._key_index_cache[cache_key]
 
     def set_optimizer(self, optimizer: FusedOptimizer | None) -> None:
         """Fuse ``optimizer`` into backward from now on (fresh state, step 0), or with None

@@ -48,7 +48,7 @@ class WideDeep(nn.Module):
 
     Example::
 
-        tables = table_configs(spec, embedding_dim=16, pooling="sum")
+        tables = table_configs(spec.sparse_names, spec.cardinalities, embedding_dim=16)
         model = WideDeep(EmbeddingBagCollection(tables),
                          EmbeddingBagCollection(linear_table_configs(tables)),
                          dense_in_features=13, over_arch_layer_sizes=[256, 128, 1])

@@ -67,7 +67,7 @@ class XDeepFM(nn.Module):
 
     Example::
 
-        tables = table_configs(spec, embedding_dim=16, pooling="sum")
+        tables = table_configs(spec.sparse_names, spec.cardinalities, embedding_dim=16)
         model = XDeepFM(EmbeddingBagCollection(tables),
                         EmbeddingBagCollection(linear_table_configs(tables)),
                         dense_in_features=13, dense_arch_layer_sizes=[64, 16],

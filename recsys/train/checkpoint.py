@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import warnings
@@ -36,6 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -48,6 +50,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from recsys._files import write_failure
 from recsys.config import Config, load_config, to_toml
 from recsys.data.batch import DatasetSpec
+from recsys.train.models import build_model
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
@@ -348,8 +351,6 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Modul
         model = load_model("runs/dlrm/checkpoints/latest")
         logits = model(batch.dense, batch.sparse)  # [B, T]
     """
-    from recsys.models import build_model
-
     path = resolve_checkpoint(path)
     verify_checkpoint(path)  # before its sidecars are trusted
     config, spec = read_config(path), read_spec(path)
@@ -480,3 +481,25 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's random number generators' states (torch, numpy, Python, and CUDA on
+    ``device``): a resumed run continues their streams exactly."""
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

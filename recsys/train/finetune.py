@@ -20,7 +20,6 @@ Call both on the unsharded model, before the embedding optimizer is set and befo
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -28,12 +27,10 @@ from torch import nn
 
 from recsys._suggest import did_you_mean
 from recsys.config import CheckpointConfig
-from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.interface import embedding_collections, is_optimizer_state, state_prefix
 from recsys.train.checkpoint import checkpoint_shapes, load_checkpoint
 
 EMBEDDINGS = "embeddings"
-# Fused optimizer state a collection keeps next to its tables: never part of fine-tuning.
-_OPTIMIZER_STATE = re.compile(r"(^|\.)(optimizer_step|embedding_bags\.[^.]+\.(?!weight$)[^.]+)$")
 
 
 def init_from_checkpoint(model: nn.Module, path: str | Path, config: CheckpointConfig) -> str:
@@ -51,12 +48,14 @@ def init_from_checkpoint(model: nn.Module, path: str | Path, config: CheckpointC
         ValueError: with strict, the model and checkpoint differ beyond new_modules and grow;
             a new_modules or grow entry that names nothing in the model.
     """
+    optimizer_state = _optimizer_state_test(model)
     saved = {
         key.removeprefix("model."): shape
         for key, shape in checkpoint_shapes(path).items()
-        if key.startswith("model.") and shape is not None and not _OPTIMIZER_STATE.search(key)
+        if key.startswith("model.") and shape is not None
     }
-    own = {k: v for k, v in model.state_dict().items() if not _OPTIMIZER_STATE.search(k)}
+    saved = {k: v for k, v in saved.items() if not is_optimizer_state(k)}
+    own = {k: v for k, v in model.state_dict().items() if not optimizer_state(k)}
     new = _matching(config.new_modules, own, model, "new_modules")
     grow = _matching(config.grow, own, model, "grow")
     same, grown, fresh, missing, mismatched = {}, {}, [], [], []
@@ -73,7 +72,7 @@ def init_from_checkpoint(model: nn.Module, path: str | Path, config: CheckpointC
             mismatched.append((key, list(saved[key]), list(tensor.shape)))
     unexpected = sorted(set(saved) - set(own))
     if config.strict and (missing or mismatched or unexpected):
-        raise ValueError(_differences(path, missing, mismatched, unexpected))
+        raise ValueError(_differences(path, missing, mismatched, unexpected, _table_weights(model)))
     state = {"model": {**same, **grown}}
     load_checkpoint(path, state)
     with torch.no_grad():
@@ -109,7 +108,7 @@ def freeze(model: nn.Module, names: list[str]) -> list[str]:
         The module paths frozen.
     """
     modules = dict(model.named_modules())
-    collections = {p: m for p, m in modules.items() if isinstance(m, EmbeddingBagCollection)}
+    collections = embedding_collections(model)
     frozen = []
     for name in names:
         if name == EMBEDDINGS:
@@ -131,7 +130,7 @@ def freeze(model: nn.Module, names: list[str]) -> list[str]:
                 f"top-level modules: {', '.join(n for n, _ in model.named_children())}"
             )
         for target in targets:
-            for collection in _collections_in(modules[target]):
+            for collection in embedding_collections(modules[target]).values():
                 if collection.optimizer is not None:
                     collection.set_optimizer(None)
             for parameter in modules[target].parameters():
@@ -140,8 +139,28 @@ def freeze(model: nn.Module, names: list[str]) -> list[str]:
     return frozen
 
 
-def _collections_in(module: nn.Module) -> list[EmbeddingBagCollection]:
-    return [m for m in module.modules() if isinstance(m, EmbeddingBagCollection)]
+def _optimizer_state_test(model: nn.Module):
+    """A test of whether a key of ``model``'s state is a collection's fused optimizer state:
+    never part of fine-tuning (checkpoint keys are tested by their shape alone, with
+    :func:`is_optimizer_state`: the checkpoint may hold tables the model does not)."""
+    prefixes = {state_prefix(p): c for p, c in embedding_collections(model).items()}
+
+    def is_optimizer_state(key: str) -> bool:
+        return any(
+            key.startswith(prefix) and collection.is_optimizer_state_key(key[len(prefix) :])
+            for prefix, collection in prefixes.items()
+        )
+
+    return is_optimizer_state
+
+
+def _table_weights(model: nn.Module) -> set[str]:
+    """Every collection's table weight keys in the model's state dict."""
+    return {
+        state_prefix(path) + key
+        for path, collection in embedding_collections(model).items()
+        for key in collection.weight_keys()
+    }
 
 
 def _matching(
@@ -149,12 +168,7 @@ def _matching(
 ) -> set[str]:
     """State keys that ``names`` cover: "embeddings" (table weights), a module path (its keys)
     or a key. An entry covering nothing is a ValueError."""
-    tables = {
-        f"{path}.{key}" if path else key
-        for path, module in model.named_modules()
-        if isinstance(module, EmbeddingBagCollection)
-        for key in (f"embedding_bags.{t}.weight" for t in module.embedding_bags)
-    }
+    tables = _table_weights(model)
     covered: set[str] = set()
     for name in names:
         keys = tables if name == EMBEDDINGS else {k for k in own if _under(k, name)}
@@ -180,6 +194,7 @@ def _differences(
     missing: list[str],
     mismatched: list[tuple[str, list[int], list[int]]],
     unexpected: list[str],
+    tables: set[str],
 ) -> str:
     lines = [f"checkpoint.init_from = '{path}' does not match the model:"]
     if missing:
@@ -191,7 +206,7 @@ def _differences(
     for key, old, new in mismatched:
         hint = ""
         if len(old) == len(new) and old[1:] == new[1:] and old[0] < new[0]:
-            name = EMBEDDINGS if ".embedding_bags." in f".{key}" else key.rsplit(".", 1)[0]
+            name = EMBEDDINGS if key in tables else key.rsplit(".", 1)[0]
             hint = f' (rows grew: keep the old ones with checkpoint.grow=["{name}"])'
         lines.append(f"  shape differs: {key}: checkpoint {old}, model {new}{hint}")
     if unexpected:

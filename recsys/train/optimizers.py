@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from recsys.config import TrainConfig
-from recsys.distributed.sharded import ShardedEmbeddingBagCollection
-from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.interface import embedding_collections
 from recsys.embedding.optim import OPTIMIZERS as FUSED_OPTIMIZERS
 
 _OPTIMIZERS = {
@@ -21,30 +20,15 @@ _OPTIMIZERS = {
 }
 
 
-def collections(model: nn.Module) -> list[nn.Module]:
-    """The model's embedding collections (plain or sharded), not the ones a sharded collection
-    holds inside."""
-    found, inside = [], []
-    for path, module in model.named_modules():
-        if any(path.startswith(p) for p in inside):
-            continue
-        if isinstance(module, ShardedEmbeddingBagCollection):
-            found.append(module)
-            inside.append(f"{path}.")
-        elif isinstance(module, EmbeddingBagCollection):
-            found.append(module)
-    return found
-
-
 def configure_embedding_optimizer(config: TrainConfig, model: nn.Module) -> None:
     """With ``train.fused_embedding_update``, fuse the embedding optimizer into the backward of
-    every (unsharded) EmbeddingBagCollection that is not frozen; call it before
-    :func:`parallelize`, which hands the optimizer to the shards. Otherwise check a torch
-    optimizer of that name exists."""
+    every embedding collection that is not frozen; call it before :func:`parallelize`, which
+    hands the optimizer to the shards (a sharded collection refuses a new one). Otherwise check
+    a torch optimizer of that name exists."""
     if config.fused_embedding_update:
         fused = FUSED_OPTIMIZERS[config.embedding_optimizer]
-        for collection in collections(model):
-            if isinstance(collection, EmbeddingBagCollection) and not _frozen(collection):
+        for collection in embedding_collections(model).values():
+            if not collection.is_frozen():
                 collection.set_optimizer(
                     fused(
                         lr=config.embedding_lr,
@@ -64,15 +48,13 @@ def build_optimizers(config: TrainConfig, model: nn.Module) -> dict[str, torch.o
     optimizer. Tables get the embedding optimizer fused into their backward
     (``train.fused_embedding_update``; set here on collections that have none yet), or else a
     torch optimizer over their dense gradients."""
-    if not any(getattr(c, "optimizer", None) for c in collections(model)):
+    collections = embedding_collections(model).values()
+    if not any(c.optimizer for c in collections):
         configure_embedding_optimizer(config, model)
     table_ids, tables = set(), []
-    for collection in collections(model):
+    for collection in collections:
         table_ids |= {id(p) for p in collection.parameters()}
-        if isinstance(collection, ShardedEmbeddingBagCollection):
-            tables += collection.parameters_for_optimizer()
-        else:
-            tables += [p for p in collection.parameters() if p.requires_grad]
+        tables += collection.trainable_parameters()
     dense = [p for p in model.parameters() if id(p) not in table_ids and p.requires_grad]
     optimizers = {}
     if dense:
@@ -107,10 +89,3 @@ def task_loss_weights(
             f"train.task_loss_weights = {weights}; expected weights >= 0 with a positive sum"
         )
     return torch.tensor(weights, device=device) / sum(weights)
-
-
-def _frozen(collection: nn.Module) -> bool:
-    """A collection that trains neither by a fused update nor by gradients."""
-    return getattr(collection, "optimizer", None) is None and not any(
-        p.requires_grad for p in collection.parameters()
-    )

@@ -12,14 +12,11 @@ Events go to ``<run dir>/metrics.jsonl``:
 from __future__ import annotations
 
 import os
-import random
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,8 +40,7 @@ from recsys.distributed.parallel import (
     shutdown_distributed,
 )
 from recsys.distributed.planner import parse_constraints
-from recsys.distributed.sharded import ShardedEmbeddingBagCollection
-from recsys.models import build_model
+from recsys.embedding.interface import embedding_collections, logical_optimizer_state
 from recsys.train.checkpoint import (
     LATEST,
     checkpoint_shapes,
@@ -52,17 +48,20 @@ from recsys.train.checkpoint import (
     load_checkpoint,
     read_config,
     resolve_checkpoint,
+    rng_state,
     save_checkpoint,
+    set_rng_state,
     verify_checkpoint,
 )
 from recsys.train.finetune import freeze, init_from_checkpoint
 from recsys.train.metrics import BinaryMetrics, MetricsLogger
+from recsys.train.models import build_model
 from recsys.train.optimizers import (
     build_optimizers,
-    collections,
     configure_embedding_optimizer,
     task_loss_weights,
 )
+from recsys.train.progress import TrainWindow, summary_line
 from recsys.train.run_dir import CONFIG_FILE, METRICS_FILE, check_run_dir, clear_previous_run
 from recsys.train.schedule import LRSchedule
 from recsys.train.stop import StopSignals, TrainingStopped
@@ -112,28 +111,10 @@ class _Run:
         malformed = getattr(self.dataset, "malformed", None)
         if malformed is not None and malformed.count:
             self._print(f"{config.data.path}: {malformed.summary()}")
-        model = build_model(config.model, self.dataset.spec, device)
-        if ckpt.init_from and resume is None:
-            self._print(init_from_checkpoint(model, resolve_checkpoint(ckpt.init_from), ckpt))
-        configure_embedding_optimizer(config.train, model)
-        if ckpt.freeze:
-            self._print(f"frozen: {', '.join(freeze(model, ckpt.freeze))}")
-        self.model = self._parallelize(model)
+        self.model = self._build_model(resume)
         self.optimizers = build_optimizers(config.train, self.model)
         self.task_weights = task_loss_weights(config.train, self.dataset.spec.num_tasks, device)
-        self.steps_per_epoch = len(self._loader("train", epoch=0))
-        if self.steps_per_epoch == 0:
-            num_chunks = self.dataset.num_chunks("train")
-            if num_chunks < info.world_size:
-                raise ValueError(
-                    f"the train split has {num_chunks} chunk(s) (row groups) for "
-                    f"{info.world_size} ranks, and each rank reads whole chunks: some rank "
-                    "would get no data; use fewer ranks or write the data in more chunks"
-                )
-            raise ValueError(
-                f"train.batch_size = {config.train.batch_size} x {info.world_size} rank(s) "
-                f"is larger than the train split"
-            )
+        self.steps_per_epoch = self._steps_per_epoch()
         self.total_steps = self.steps_per_epoch * config.train.epochs
         if config.train.max_steps > 0:
             self.total_steps = min(self.total_steps, config.train.max_steps)
@@ -141,7 +122,7 @@ class _Run:
             config.train,
             self.total_steps,
             list(self.optimizers.values()),
-            [c.optimizer for c in collections(self.model) if c.optimizer is not None],
+            [c.optimizer for c in embedding_collections(self.model).values() if c.optimizer],
         )
         self.step = 0
         self.data_position = {"epoch": 0, "batch": 0}  # batches of that epoch already trained on
@@ -151,12 +132,7 @@ class _Run:
         self.start_step = self.step  # steps before it were trained by an earlier process
         # Everything above can fail on a bad config or data: only now is the run dir written.
         if info.is_main:
-            if config.run.overwrite and not self._continuing():
-                removed = clear_previous_run(self.run_dir)
-                if removed:
-                    self._print(f"--run.overwrite: replaced {'; '.join(removed)}")
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.run_dir / CONFIG_FILE, to_toml(config))
+            self._write_run_dir()
         self.logger = MetricsLogger(
             self.run_dir / METRICS_FILE,
             enabled=info.is_main,
@@ -164,6 +140,49 @@ class _Run:
         )
         if resume is not None:
             self.logger.log("resume", self.step, checkpoint=str(resume))
+
+    def _build_model(self, resume: Path | None) -> nn.Module:
+        """The model, fine-tuned from ``checkpoint.init_from`` (unless resuming), with its
+        embedding optimizer, frozen modules, and sharded over the ranks."""
+        ckpt = self.config.checkpoint
+        model = build_model(self.config.model, self.dataset.spec, self.device)
+        if ckpt.init_from and resume is None:
+            self._print(init_from_checkpoint(model, resolve_checkpoint(ckpt.init_from), ckpt))
+        configure_embedding_optimizer(self.config.train, model)
+        if ckpt.freeze:
+            self._print(f"frozen: {', '.join(freeze(model, ckpt.freeze))}")
+        return self._parallelize(model)
+
+    def _steps_per_epoch(self) -> int:
+        """Batches per epoch on each rank.
+
+        Raises:
+            ValueError: a rank would get no batch.
+        """
+        steps = len(self._loader("train", epoch=0))
+        if steps > 0:
+            return steps
+        world_size, num_chunks = self.info.world_size, self.dataset.num_chunks("train")
+        if num_chunks < world_size:
+            raise ValueError(
+                f"the train split has {num_chunks} chunk(s) (row groups) for {world_size} "
+                "ranks, and each rank reads whole chunks: some rank would get no data; use "
+                "fewer ranks or write the data in more chunks"
+            )
+        raise ValueError(
+            f"train.batch_size = {self.config.train.batch_size} x {world_size} rank(s) is "
+            "larger than the train split"
+        )
+
+    def _write_run_dir(self) -> None:
+        """Create the run directory (replacing a previous run's files with run.overwrite) and
+        write the run's config into it."""
+        if self.config.run.overwrite and not self._continuing():
+            removed = clear_previous_run(self.run_dir)
+            if removed:
+                self._print(f"--run.overwrite: replaced {'; '.join(removed)}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.run_dir / CONFIG_FILE, to_toml(self.config))
 
     def _continuing(self) -> bool:
         """Whether this run continues a run of its own directory: resume = "latest", or a
@@ -232,7 +251,7 @@ class _Run:
             disable=not (self.info.is_main and train_cfg.progress_bar and sys.stderr.isatty()),
             dynamic_ncols=True,
         )
-        window = _Window(self.device)
+        window = TrainWindow(self.device)
         self.model.train()
         first_epoch, first_batch = self.data_position["epoch"], self.data_position["batch"]
         for epoch in range(first_epoch, train_cfg.epochs):
@@ -245,25 +264,37 @@ class _Run:
                 self.step += 1
                 self.data_position = {"epoch": epoch, "batch": index + 1}
                 progress.update(1)
-                if self.step % train_cfg.log_every_steps == 0 or self.step == total_steps:
-                    loss, rate = window.close(train_cfg.batch_size * self.info.world_size)
-                    self.logger.log("train", self.step, epoch=epoch, loss=loss, samples_per_s=rate)
-                    progress.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rate:,.0f}")
-                    if progress.disable:  # no bar: a log line instead
-                        self._print(
-                            f"step {self.step}/{total_steps}  loss {loss:.4f}  "
-                            f"{rate:,.0f} samples/s"
-                        )
-                if train_cfg.eval_every_steps and self.step % train_cfg.eval_every_steps == 0:
-                    window.pause(lambda: self.evaluate("valid"))
-                if self._checkpoint_due(cfg.checkpoint):
-                    window.pause(self.save)
-                if signals.requested():
-                    progress.close()
-                    self._stop(signals.name)
+                self._after_step(epoch, window, progress, signals)
             if self.step == total_steps:
                 break
         progress.close()
+        return self._finish(window)
+
+    def _after_step(
+        self, epoch: int, window: TrainWindow, progress: tqdm, signals: StopSignals
+    ) -> None:
+        """What a step may be followed by: a train log line, an evaluation, a checkpoint, and
+        a stop when a signal arrived."""
+        cfg, train_cfg, total_steps = self.config, self.config.train, self.total_steps
+        if self.step % train_cfg.log_every_steps == 0 or self.step == total_steps:
+            loss, rate = window.close(train_cfg.batch_size * self.info.world_size)
+            self.logger.log("train", self.step, epoch=epoch, loss=loss, samples_per_s=rate)
+            progress.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rate:,.0f}")
+            if progress.disable:  # no bar: a log line instead
+                self._print(
+                    f"step {self.step}/{total_steps}  loss {loss:.4f}  {rate:,.0f} samples/s"
+                )
+        if train_cfg.eval_every_steps and self.step % train_cfg.eval_every_steps == 0:
+            window.pause(lambda: self.evaluate("valid"))
+        if self._checkpoint_due(cfg.checkpoint):
+            window.pause(self.save)
+        if signals.requested():
+            progress.close()
+            self._stop(signals.name)
+
+    def _finish(self, window: TrainWindow) -> TrainResult:
+        """After the last step: the test evaluation, the final checkpoint, the summary."""
+        cfg, train_cfg = self.config, self.config.train
         test = self.evaluate("test")
         checkpoint = None
         if cfg.checkpoint.save_final:
@@ -275,7 +306,8 @@ class _Run:
             else None
         )
         result = TrainResult(self.run_dir, self.step, samples_per_s, test, checkpoint)
-        self._print(_summary_line(f"{cfg.model.name} on {_data_name(cfg)}", result, trained))
+        what = f"{cfg.model.name} on {_data_name(cfg)}"
+        self._print(summary_line(what, self.step, test, samples_per_s, trained, self.run_dir))
         return result
 
     def _stop(self, signal_name: str) -> None:
@@ -399,7 +431,7 @@ class _Run:
             "data_batch": self.data_position["batch"],
             "batch_size": self.config.train.batch_size,
             "world_size": self.info.world_size,
-            "rng": {f"rank_{self.info.rank}": _rng_state(self.device)},
+            "rng": {f"rank_{self.info.rank}": rng_state(self.device)},
         }
 
     def _optimizer_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -408,22 +440,15 @@ class _Run:
         tables' logical layout, ShardedTensors over the live state of sharded tables, and
         without its param_groups (their parameter names differ by rank and plan; the rates
         come from the config)."""
+        model = _unwrap(self.model)
+        tables = {id(p) for c in embedding_collections(model).values() for p in c.parameters()}
         saved, live = {}, {}
         for name, optimizer in self.optimizers.items():
             live[name] = get_optimizer_state_dict(self.model, [optimizer])
             saved[name] = live[name]
-            if name == "embedding":
-                logical = dict(live[name]["state"])
-                for path, module in _unwrap(self.model).named_modules():
-                    if isinstance(module, ShardedEmbeddingBagCollection):
-                        prefix = f"{path}." if path else ""
-                        inner = {
-                            k: logical.pop(k)
-                            for k in list(logical)
-                            if k.startswith((f"{prefix}shards.", f"{prefix}replicated."))
-                        }
-                        logical.update(module.logical_optimizer_state(prefix, inner))
-                saved[name] = {"state": logical}
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            if any(id(p) in tables for p in params):  # the tables' torch optimizer
+                saved[name] = {"state": logical_optimizer_state(model, live[name]["state"])}
         return saved, live
 
     def _restore(self, path: Path) -> None:
@@ -437,11 +462,10 @@ class _Run:
         load_checkpoint(path, state, verify=False)  # verified by _find_resume
         _unwrap(self.model).load_state_dict(state["model"])
         for name, optimizer in self.optimizers.items():
-            # the embedding optimizer's tensors were filled in place (see _optimizer_states)
-            loaded = live[name] if name == "embedding" else state["optimizers"][name]
-            set_optimizer_state_dict(self.model, [optimizer], loaded)
+            # load_checkpoint filled the live state in place, through the saved view of it
+            set_optimizer_state_dict(self.model, [optimizer], live[name])
         if "rng" in state:
-            _set_rng_state(state["rng"][rng_key], self.device)
+            set_rng_state(state["rng"][rng_key], self.device)
         self.step = state["step"]
         self.last_checkpoint = path  # a run resumed at its last step has nothing left to save
         self.data_position = self._data_position(state)
@@ -485,57 +509,6 @@ class _Run:
             tqdm.write(message)
 
 
-class _Window:
-    """Train loss and time since the last train event; time spent in eval or saving is not
-    counted as training time."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.loss = torch.zeros((), device=device)  # summed on device: no sync per step
-        self.steps = 0
-        self.train_time = 0.0
-        self.start = time.perf_counter()
-
-    def add(self, loss: torch.Tensor) -> None:
-        self.loss += loss
-        self.steps += 1
-
-    def close(self, samples_per_step: int) -> tuple[float, float]:
-        """Mean loss and samples/s of the window; starts the next one."""
-        loss = float(self.loss) / max(self.steps, 1)  # waits for the device: time is honest
-        elapsed = time.perf_counter() - self.start
-        self.train_time += elapsed
-        rate = self.steps * samples_per_step / max(elapsed, 1e-9)
-        self.loss.zero_()
-        self.steps = 0
-        self.start = time.perf_counter()
-        return loss, rate
-
-    def pause(self, work: Any) -> None:
-        """Run ``work`` without counting its time as training time."""
-        paused = time.perf_counter()
-        work()
-        self.start += time.perf_counter() - paused
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 def _barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -559,21 +532,6 @@ def _sum_over_ranks(value: int, device: torch.device) -> int:
     total = torch.tensor(value, device=device)
     torch.distributed.all_reduce(total)
     return int(total)
-
-
-def _summary_line(what: str, result: TrainResult, trained: int) -> str:
-    test = result.test
-    line = f"recsys: {what} done | {result.steps} steps | test auc {test['auc']:.4f}"
-    if "oracle_auc" in test:
-        line += f" (oracle {test['oracle_auc']:.4f}, gap {test['oracle_auc'] - test['auc']:.4f})"
-    line += f" | test logloss {test['logloss']:.4f} | "
-    if result.samples_per_s is None:
-        line += "no step trained in this process"
-    else:
-        line += f"{result.samples_per_s:,.0f} samples/s"
-        if trained != result.steps:
-            line += f" over its {trained} step(s)"
-    return line + f" | {result.run_dir}"
 
 
 def _data_name(config: Config) -> str:

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from recsys.config import ModelConfig, TrainConfig
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.distributed import planner as P
-from recsys.distributed.parallel import collections_of, parallelize
-from recsys.models import build_model
-from recsys.train.optimizers import build_optimizers, collections, configure_embedding_optimizer
+from recsys.distributed.parallel import parallelize
+from recsys.embedding.interface import embedding_collections
+from recsys.train.models import build_model
+from recsys.train.optimizers import build_optimizers, configure_embedding_optimizer
 from tests.distributed.spawn import run_ranks
 from tests.distributed.test_sharded import assert_state_equal
 
@@ -50,7 +51,7 @@ def mixed_plan(model: torch.nn.Module, world: int) -> P.ShardingPlan:
     """Every sharding type in one plan: a -> ROW_WISE, b -> DATA_PARALLEL, c -> COLUMN_WISE
     (TABLE_WISE for dim-1 tables), d -> TABLE_WISE on the last rank."""
     plan = P.ShardingPlan(world_size=world)
-    for path, ebc in collections_of(model).items():
+    for path, ebc in embedding_collections(model).items():
         shardings = {}
         for c in ebc.embedding_bag_configs():
             rows, dim, feature = c.num_embeddings, c.embedding_dim, c.feature_names[0]
@@ -102,7 +103,7 @@ def _train_like_one_process(rank: int, world: int, name: str, fused: bool) -> No
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         torch.testing.assert_close(mean / world, expected.detach(), atol=1e-6, rtol=1e-5)
-    sharded = dict(zip(collections_of(reference), collections(parallel.module), strict=True))
+    sharded = embedding_collections(parallel.module)
     for path, module in sharded.items():
         assert_state_equal(module, reference.get_submodule(path), atol=1e-5)
     dense = {n: p for n, p in reference.named_parameters() if "embedding_bags" not in n}

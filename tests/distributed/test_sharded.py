@@ -13,7 +13,6 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from recsys.data.batch import Batch
 from recsys.distributed import planner as P
-from recsys.distributed.comm import decode, encode
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
@@ -106,7 +105,7 @@ def train_and_compare(rank, world, kinds, make_optimizer, weighted, steps=3, bat
     torch_optimizers = []
     if not fused:
         torch_optimizers = [
-            torch.optim.SGD(sharded.parameters_for_optimizer(), lr=0.5),
+            torch.optim.SGD(sharded.trainable_parameters(), lr=0.5),
             torch.optim.SGD(reference.parameters(), lr=0.5),
         ]
     # Keys in another order than the tables', plus one the collection does not read.
@@ -199,28 +198,6 @@ def _uneven_and_loading(rank: int, world: int) -> None:
 
 def test_uneven_batches_bad_input_and_loading_another_plan():
     run_ranks(2, _uneven_and_loading)
-
-
-@pytest.mark.parametrize(
-    ("precision", "bound"),
-    [("fp16", lambda x: x.abs() * 2**-11), ("bf16", lambda x: x.abs() * 2**-8)],
-)
-def test_cast_codecs_round_to_nearest(precision, bound):
-    x = torch.randn(64, 37) * 10
-    y = decode(encode(x, precision), precision)
-    assert y.dtype == torch.float32 and y.shape == x.shape
-    assert ((y - x).abs() <= bound(x)).all()
-
-
-def test_int8_codec_error_is_below_half_a_step_of_each_rows_scale():
-    x = torch.randn(64, 37) * torch.logspace(-3, 3, 64).unsqueeze(1)
-    x[5] = 0.0  # an all-zero row decodes to zeros
-    sent = encode(x, "int8")
-    assert sent.dtype == torch.int8 and sent.shape == (64, 41)
-    y = decode(sent, "int8")
-    step = x.abs().amax(dim=1, keepdim=True) / 127
-    assert ((y - x).abs() <= step / 2 * (1 + 1e-5)).all()
-    assert (y[5] == 0).all()
 
 
 def _quantized(rank: int, world: int) -> None:

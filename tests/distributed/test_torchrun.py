@@ -13,9 +13,9 @@ import torch
 from recsys.config import load_config
 from recsys.data import build_dataset
 from recsys.data.loader import BatchLoader
-from recsys.models import build_model
 from recsys.train.checkpoint import latest_checkpoint, load_checkpoint
 from recsys.train.metrics import BinaryMetrics, read_metrics
+from recsys.train.models import build_model
 
 OVERRIDES = [
     "--data.synthetic.cardinalities=[100,1000,500,20]",

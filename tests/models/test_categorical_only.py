@@ -7,8 +7,8 @@ import torch
 from recsys import DLRM, EmbeddingBagCollection
 from recsys.config import load_config
 from recsys.data.batch import DatasetSpec
-from recsys.models import MODELS, build_model
 from recsys.ops.dot_interaction import dot_interaction_reference
+from recsys.train.models import MODELS, build_model
 from tests.models.test_dlrm import make_inputs, make_tables
 
 
@@ -22,7 +22,7 @@ def build(name, num_dense, num_tasks=1, num_features=5):
     overrides = [
         f"--model.name={name}",
         "--model.embedding_dim=8",
-        "--model.cin_layer_sizes=[4,4]",
+        "--model.xdeepfm.cin_layer_sizes=[4,4]",
         "--model.cross.low_rank=4",
     ]
     if name != "mmoe":  # mmoe takes its sizes from [model.mmoe] and the data

@@ -7,7 +7,7 @@ from torchrec import EmbeddingBagConfig
 
 from recsys import DLRM, DLRM_DCN, EmbeddingBagCollection
 from recsys.config import load_config
-from recsys.models import build_model
+from recsys.train.models import build_model
 from recsys.train.trainer import train
 from tests.models.test_dcn import make_spec
 from tests.models.test_dlrm import make_inputs, make_tables

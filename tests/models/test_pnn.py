@@ -5,7 +5,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from recsys import PNN, EmbeddingBagCollection
 from recsys.config import load_config
 from recsys.data.batch import DatasetSpec
-from recsys.models import build_model
+from recsys.train.models import build_model
 from recsys.train.trainer import train
 from tests.train.test_trainer import SMALL
 
@@ -91,7 +91,7 @@ def test_registry_builds_it_from_the_config():
         cardinalities=(5, 7),
         label_names=("click", "like", "share"),
     )
-    overrides = ["--model.name=pnn", "--model.pnn_product=both", "--model.dropout=0.25"]
+    overrides = ["--model.name=pnn", "--model.pnn.product=both", "--model.dropout=0.25"]
     config = load_config(None, [*overrides, "--model.over_arch_layer_sizes=[32,3]"]).model
     model = build_model(config, spec, torch.device("cpu"))
     assert isinstance(model, PNN) and model.inter_arch.product == "both"

@@ -4,7 +4,7 @@ from torchrec import EmbeddingBagConfig
 
 from recsys import EmbeddingBagCollection, WideDeep
 from recsys.config import load_config
-from recsys.models import build_model
+from recsys.train.models import build_model
 from recsys.train.trainer import train
 from tests.models.test_deepfm import (
     SHORT_RUN,

@@ -3,7 +3,7 @@ import torch
 
 from recsys import XDeepFM
 from recsys.config import load_config
-from recsys.models import build_model
+from recsys.train.models import build_model
 from recsys.train.trainer import train
 from tests.models.test_deepfm import (
     SHORT_RUN,
@@ -71,7 +71,7 @@ def test_registry_builds_it_from_the_config(num_tasks):
         "--model.name=xdeepfm",
         "--model.embedding_dim=8",
         "--model.dense_arch_layer_sizes=[16,8]",
-        "--model.cin_layer_sizes=[10,6,4]",
+        "--model.xdeepfm.cin_layer_sizes=[10,6,4]",
         f"--model.over_arch_layer_sizes=[32,{num_tasks}]",
         "--model.activation=silu",
         "--model.dropout=0.2",
@@ -88,6 +88,6 @@ def test_registry_builds_it_from_the_config(num_tasks):
 
 
 def test_short_run_lands_within_003_of_oracle(tmp_path):
-    overrides = [*SHORT_RUN, "--model.name=xdeepfm", "--model.cin_layer_sizes=[16,16]"]
+    overrides = [*SHORT_RUN, "--model.name=xdeepfm", "--model.xdeepfm.cin_layer_sizes=[16,16]"]
     result = train(load_config(None, [*overrides, f"--run.dir={tmp_path}"]))
     assert result.test["oracle_auc"] - result.test["auc"] < 0.03

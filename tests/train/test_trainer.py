@@ -10,10 +10,10 @@ import torch
 from recsys.config import load_config
 from recsys.data import build_dataset
 from recsys.data.loader import BatchLoader
-from recsys.models import build_model
 from recsys.train.checkpoint import latest_checkpoint, load_checkpoint
 from recsys.train.cli import main
 from recsys.train.metrics import BinaryMetrics, read_metrics
+from recsys.train.models import build_model
 from recsys.train.trainer import train
 
 SMALL = [

@@ -1,0 +1,239 @@
+"""Where a sharded collection's ids go and where their pooled vectors come back: the index
+tables of :class:`~recsys.distributed.sharded.ShardedEmbeddingBagCollection`, built once from
+the plan.
+
+Vocabulary (every rank builds the same tables):
+
+- a **slot** is one (feature, rank holding a shard that feature reads) pair; rank d's local
+  lookup serves ``slots_per_rank[d]`` slots, in its tables' order;
+- a **stream** is a slot numbered globally, rank-major: the all-to-all sends stream s's bags to
+  the rank that owns it;
+- a **copy** is one destination of an id: a column-wise table sends each id to every column
+  shard (several copies), a row-wise or table-wise one to one owner, a replicated one nowhere.
+
+Shapes: F features of the collection, B samples on this rank, L ids in the batch, W ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchrec import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import PoolingType
+
+from recsys.distributed.plan import Shard, ShardingType, TableSharding, row_block
+
+
+@dataclass(frozen=True)
+class RoutedIds:
+    """This rank's ids ordered for the all-to-all: stream-major, then sample."""
+
+    send_lengths: torch.Tensor  # [num_streams * B] bag length per (stream, sample)
+    ids: torch.Tensor  # [L'] ids, renumbered within row-wise shards
+    weights: torch.Tensor | None  # [L'] per-id weights, in the same order
+    per_rank: torch.Tensor  # [W] ids sent to each rank
+
+
+class ShardRouting:
+    """The routing and assembly tables of one sharded collection on one rank.
+
+    Args:
+        configs: the collection's tables, in output order.
+        plan: table name -> its sharding.
+        world_size / rank: the process group's size and this rank.
+        device: where the index tables live (the collection's device).
+    """
+
+    def __init__(
+        self,
+        configs: list[EmbeddingBagConfig],
+        plan: dict[str, TableSharding],
+        world_size: int,
+        rank: int,
+        device: torch.device,
+    ) -> None:
+        self.world_size, self.rank = world_size, rank
+        self.kind = {c.name: ShardingType(plan[c.name].sharding_type) for c in configs}
+        self.features = [f for c in configs for f in c.feature_names]
+        self.feature_table = [t for t, c in enumerate(configs) for _ in c.feature_names]
+        # Every rank's (table, shard) pairs, in table order: rank d's local lookup.
+        self.placements: list[list[tuple[EmbeddingBagConfig, Shard]]] = [
+            [] for _ in range(world_size)
+        ]
+        for c in configs:
+            if self.kind[c.name] != ShardingType.DATA_PARALLEL:
+                for shard in plan[c.name].shards:
+                    self.placements[shard.rank].append((c, shard))
+        self.slots_per_rank = [sum(len(c.feature_names) for c, _ in p) for p in self.placements]
+        # Columns of pooled vectors each rank's lookup produces.
+        self.widths = [
+            sum(s.num_cols * len(c.feature_names) for c, s in p) for p in self.placements
+        ]
+        self.local_features = [f for c, _ in self.placements[rank] for f in c.feature_names]
+        self._build_streams(configs, plan, device)
+        self._build_assembly(configs, plan, device)
+
+    @property
+    def local(self) -> list[tuple[EmbeddingBagConfig, Shard]]:
+        """This rank's (table, shard) pairs."""
+        return self.placements[self.rank]
+
+    def _build_streams(
+        self, configs: list[EmbeddingBagConfig], plan: dict[str, TableSharding], device
+    ) -> None:
+        """Per feature: how many copies of each id, the row-wise block, the stream of each copy
+        (or owner)."""
+        stream = {}  # (feature, rank) -> stream id; streams are rank-major, slots in order
+        for rank, placement in enumerate(self.placements):
+            for c, _ in placement:
+                for f in c.feature_names:
+                    stream[(f, rank)] = len(stream)
+        num_features = len(self.features)
+        copies = torch.zeros(num_features, dtype=torch.int64)
+        block = torch.zeros(num_features, dtype=torch.int64)
+        table = torch.full((num_features, self.world_size), -1, dtype=torch.int64)
+        for f, name in enumerate(self.features):
+            config = configs[self.feature_table[f]]
+            kind, shards = self.kind[config.name], plan[config.name].shards
+            if kind == ShardingType.DATA_PARALLEL:
+                continue
+            copies[f] = 1 if kind == ShardingType.ROW_WISE else len(shards)
+            if kind == ShardingType.ROW_WISE:
+                block[f] = row_block(config.num_embeddings, self.world_size)
+                for shard in shards:
+                    table[f, shard.rank] = stream[(name, shard.rank)]
+            else:
+                for j, shard in enumerate(shards):
+                    table[f, j] = stream[(name, shard.rank)]
+        self.num_streams = len(stream)
+        self.expand = bool((copies != 1).any())  # column-wise copies (>1), replicated (0)
+        self.copies, self.block, self.stream_table = (
+            copies.to(device),
+            block.to(device),
+            table.to(device),
+        )
+        stream_rank = [r for r, n in enumerate(self.slots_per_rank) for _ in range(n)]
+        self.stream_rank = torch.tensor(stream_rank, dtype=torch.int64, device=device)
+
+    def _build_assembly(
+        self, configs: list[EmbeddingBagConfig], plan: dict[str, TableSharding], device
+    ) -> None:
+        """Column maps from [received columns | one zero column | replicated pooled] to the
+        output [B, sum of feature dims] in the unsharded collection's order."""
+        offsets = [sum(self.widths[:d]) for d in range(self.world_size)]
+        piece: dict[tuple[int, str], int] = {}  # (rank, feature) -> its first received column
+        for rank, placement in enumerate(self.placements):
+            col = offsets[rank]
+            for c, shard in placement:
+                for f in c.feature_names:
+                    piece[(rank, f)] = col
+                    col += shard.num_cols
+        zero = sum(self.widths)
+        dp_col, out_col = zero + 1, 0
+        direct, rw_cols, rw_parts, rw_features, rw_is_mean, rw_dims = [], [], [], [], [], []
+        for f, name in enumerate(self.features):
+            config = configs[self.feature_table[f]]
+            kind, dim = self.kind[config.name], config.embedding_dim
+            if kind == ShardingType.DATA_PARALLEL:
+                direct += range(dp_col, dp_col + dim)
+                dp_col += dim
+            elif kind == ShardingType.ROW_WISE:
+                direct += [zero] * dim
+                rw_cols += range(out_col, out_col + dim)
+                parts = [piece[(s.rank, name)] for s in plan[config.name].shards]
+                rw_parts.append([range(p, p + dim) for p in parts])
+                rw_features.append(f)
+                rw_is_mean.append(config.pooling == PoolingType.MEAN)
+                rw_dims.append(dim)
+            else:
+                for shard in plan[config.name].shards:
+                    start = piece[(shard.rank, name)]
+                    direct += range(start, start + shard.num_cols)
+            out_col += dim
+        self.num_parts = max((len(p) for p in rw_parts), default=0)
+        # Part-major: part p of every row-wise column, missing parts read the zero column.
+        rw_index = [
+            col
+            for p in range(self.num_parts)
+            for parts, dim in zip(rw_parts, rw_dims, strict=True)
+            for col in (parts[p] if p < len(parts) else [zero] * dim)
+        ]
+
+        def index(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        self.direct_index, self.rw_index = index(direct), index(rw_index)
+        self.rw_cols = index(rw_cols)
+        # Row-wise features (in output order) and which of them pool by mean.
+        self.rw_features, self.rw_dims = index(rw_features), index(rw_dims)
+        self.rw_is_mean = index(rw_is_mean, torch.bool)
+        self.any_rw_mean = any(rw_is_mean)
+
+    def route(
+        self,
+        lengths: torch.Tensor,
+        values: torch.Tensor,
+        weights: torch.Tensor | None,
+        batch_size: int,
+    ) -> RoutedIds:
+        """This rank's ids (``lengths`` [F, B], ``values`` [L]) copied to every shard they
+        read, renumbered within row-wise blocks and sorted by (stream, sample)."""
+        device = values.device
+        flat_lengths = lengths.reshape(-1).long()
+        feature = torch.repeat_interleave(
+            torch.arange(lengths.shape[0], device=device), lengths.sum(dim=1).long()
+        )  # [L]
+        sample = torch.repeat_interleave(
+            torch.arange(flat_lengths.numel(), device=device) % max(batch_size, 1), flat_lengths
+        )  # [L]
+        source = None
+        if self.expand:
+            copies = self.copies[feature]
+            source = torch.repeat_interleave(torch.arange(values.numel(), device=device), copies)
+            first = torch.repeat_interleave(copies.cumsum(0) - copies, copies)
+            copy = torch.arange(source.numel(), device=device) - first
+            feature, sample, values = feature[source], sample[source], values[source]
+        else:
+            copy = torch.zeros_like(feature)
+        block = self.block[feature]
+        rw = block > 0
+        owner = torch.where(rw, values.long() // block.clamp(min=1), copy)
+        ids = torch.where(rw, values - owner.to(values.dtype) * block.to(values.dtype), values)
+        key = self.stream_table[feature, owner] * batch_size + sample
+        order = torch.sort(key, stable=True).indices
+        send_lengths = torch.bincount(key, minlength=self.num_streams * batch_size)
+        per_stream = send_lengths.view(self.num_streams, batch_size).sum(dim=1)
+        per_rank = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        per_rank.index_add_(0, self.stream_rank, per_stream)
+        if weights is not None:
+            weights = (weights if source is None else weights[source])[order]
+        return RoutedIds(send_lengths, ids[order], weights, per_rank)
+
+    def assemble(
+        self,
+        received: torch.Tensor | None,
+        pooled_dp: torch.Tensor | None,
+        lengths: torch.Tensor,
+        batch_size: int,
+    ) -> torch.Tensor:
+        """[B, sum of feature dims] in the unsharded order from the received columns (row-wise
+        partials summed, part by part) and the replicated tables' pooled vectors."""
+        device = lengths.device
+        parts = [
+            received if received is not None else torch.zeros(batch_size, 0, device=device),
+            torch.zeros(batch_size, 1, device=device),
+        ]
+        if pooled_dp is not None:
+            parts.append(pooled_dp.float())
+        combined = torch.cat(parts, dim=1)
+        out = combined.index_select(1, self.direct_index)
+        if self.num_parts:
+            rw = combined.index_select(1, self.rw_index)
+            rw = rw.view(batch_size, self.num_parts, self.rw_cols.numel()).sum(dim=1)
+            if self.any_rw_mean:
+                bag_sizes = lengths.index_select(0, self.rw_features).clamp(min=1).float()
+                scale = torch.where(self.rw_is_mean.unsqueeze(1), 1.0 / bag_sizes, 1.0)
+                rw = rw * torch.repeat_interleave(scale.t(), self.rw_dims, dim=1)  # [B, D_rw]
+            out = out.index_add(1, self.rw_cols, rw)
+        return out

@@ -1,0 +1,61 @@
+"""The checks every embedding collection makes on its input KeyedJaggedTensor before a lookup:
+one batch size for all keys, weights when the collection is weighted, and every feature it
+reads present (a missing one is named, with the closest key as a hint)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torchrec import KeyedJaggedTensor
+
+from recsys._suggest import quoted_with_hints
+
+
+def input_weights(features: KeyedJaggedTensor, is_weighted: bool) -> torch.Tensor | None:
+    """The per-id weights a collection pools with (None when it is not weighted), after
+    checking the input's shape.
+
+    Raises:
+        ValueError: a KeyedJaggedTensor with a batch size per key, or a weighted collection
+            given no weights.
+    """
+    if features.variable_stride_per_key():
+        raise ValueError("KeyedJaggedTensor with a variable batch size per key is not supported")
+    if not is_weighted:
+        return None
+    weights = features.weights_or_none()
+    if weights is None:
+        raise ValueError(
+            "this collection is weighted (is_weighted=True) but the input KeyedJaggedTensor has "
+            "no weights"
+        )
+    return weights
+
+
+class FeatureOrder:
+    """Where each of a collection's features is among an input's keys, cached per key tuple
+    (a batch's keys rarely change)."""
+
+    def __init__(self, features: Sequence[str]) -> None:
+        self.features = list(features)
+        self._cache: dict[tuple[str, ...], list[int]] = {}
+
+    def positions(self, keys: Sequence[str]) -> list[int]:
+        """The index in ``keys`` of every feature, in the collection's order.
+
+        Raises:
+            ValueError: a feature is not among ``keys`` (named, with hints).
+        """
+        cache_key = tuple(keys)
+        if cache_key not in self._cache:
+            position = {k: i for i, k in enumerate(keys)}
+            missing = [f for f in self.features if f not in position]
+            if missing:
+                raise ValueError(
+                    f"KeyedJaggedTensor is missing features {quoted_with_hints(missing, keys)} "
+                    f"of this collection; its keys are {list(keys)}, the collection expects "
+                    f"{self.features}"
+                )
+            self._cache[cache_key] = [position[f] for f in self.features]
+        return self._cache[cache_key]

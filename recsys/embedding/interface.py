@@ -1,0 +1,136 @@
+"""What every embedding collection tells the rest of recsys, and the walker that finds them.
+
+The trainer (its optimizers, schedule and checkpoint state), ``parallelize`` and fine-tuning
+see a collection only through :class:`EmbeddingCollectionInterface` (the role TorchRec's
+``EmbeddingBagCollectionInterface`` plays): its table configs, its fused optimizer, the table
+parameters a torch optimizer must train, and its state in the **logical layout**, which does
+not depend on how (or whether) the collection is sharded:
+
+- ``embedding_bags.<table>.weight``: the whole table, ``[num_embeddings, embedding_dim]``;
+- ``embedding_bags.<table>.<state>``: a fused optimizer's state of that table (per row
+  ``[num_embeddings]`` or per element, see :attr:`FusedOptimizer.states`);
+- ``optimizer_step``: the fused optimizer's step counter.
+
+A collection whose modules are arranged otherwise inside (a sharded one) re-keys its own state
+to this layout; no other module reads the names of a collection's submodules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torchrec import EmbeddingBagConfig
+
+from recsys.embedding.optim import FusedOptimizer
+
+WEIGHT = "weight"
+OPTIMIZER_STEP = "optimizer_step"
+TABLES = "embedding_bags"
+
+
+class EmbeddingCollectionInterface(nn.Module):
+    """Base class of recsys' embedding collections (plain, sharded, and the kinds to come).
+
+    ``forward(KeyedJaggedTensor) -> KeyedTensor`` pools every feature's bags, and
+    ``state_dict()`` is in the logical layout of the module docstring. Subclasses set
+    :attr:`optimizer` and implement :meth:`embedding_bag_configs`, :meth:`is_weighted` and,
+    when their parameters are not the logical tables, :meth:`trainable_parameters`,
+    :meth:`ddp_parameters` and :meth:`logical_optimizer_state`.
+    """
+
+    #: The fused optimizer applied inside backward (None: tables take dense gradients, or are
+    #: frozen).
+    optimizer: FusedOptimizer | None = None
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """The logical tables, in output order."""
+        raise NotImplementedError
+
+    def is_weighted(self) -> bool:
+        """Whether inputs carry a weight per id."""
+        raise NotImplementedError
+
+    def set_optimizer(self, optimizer: FusedOptimizer | None) -> None:
+        """Fuse ``optimizer`` into backward from now on (None: dense gradients, or frozen).
+
+        Raises:
+            ValueError: this kind takes its optimizer when it is built.
+        """
+        raise ValueError(
+            f"a {type(self).__name__} takes its fused optimizer when it is built; set the "
+            "optimizer (or freeze the tables) on the unsharded collection before sharding it"
+        )
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Table parameters a torch optimizer must train: none under a fused optimizer or when
+        the tables are frozen."""
+        if self.optimizer is not None:
+            return []
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def ddp_parameters(self) -> list[nn.Parameter]:
+        """Parameters whose gradients DistributedDataParallel must average (replicated tables
+        trained by a torch optimizer); the rest of the collection is DDP's to ignore."""
+        return []
+
+    def is_frozen(self) -> bool:
+        """Trained neither by a fused update nor by gradients."""
+        return self.optimizer is None and not any(p.requires_grad for p in self.parameters())
+
+    def logical_optimizer_state(self, prefix: str, state: dict[str, Any]) -> dict[str, Any]:
+        """A torch optimizer's per-parameter state (keyed by parameter name, this collection's
+        under ``prefix``) with this collection's entries re-keyed to the logical tables
+        (``<prefix>embedding_bags.<table>.weight``), in logical shapes; other entries are
+        returned as they are. The plain collection's parameters are the logical tables."""
+        return state
+
+    def weight_keys(self) -> list[str]:
+        """The state keys of the table weights (relative to the collection)."""
+        return [f"{TABLES}.{c.name}.{WEIGHT}" for c in self.embedding_bag_configs()]
+
+    def is_optimizer_state_key(self, key: str) -> bool:
+        """Whether state key ``key`` (relative to the collection) is fused optimizer state, in
+        this collection or in a checkpoint of it saved with a fused optimizer."""
+        if key == OPTIMIZER_STEP:
+            return True
+        parts = key.split(".")
+        names = {c.name for c in self.embedding_bag_configs()}
+        return len(parts) == 3 and parts[0] == TABLES and parts[1] in names and parts[2] != WEIGHT
+
+
+def is_optimizer_state(key: str) -> bool:
+    """Whether a model state key (full, with the collection's path) has the shape of fused
+    optimizer state in the logical layout: ``...optimizer_step`` or
+    ``...embedding_bags.<table>.<state>`` other than ``weight``. For keys of a checkpoint, whose
+    collections and tables the current model may not have."""
+    parts = key.split(".")
+    if parts[-1] == OPTIMIZER_STEP:
+        return True
+    return len(parts) >= 3 and parts[-3] == TABLES and parts[-1] != WEIGHT
+
+
+def embedding_collections(model: nn.Module) -> dict[str, EmbeddingCollectionInterface]:
+    """Every embedding collection of ``model`` by module path (``""`` for the model itself),
+    in module order; the collections a collection holds inside (a sharded collection's local
+    shards) are its own business and not listed."""
+    found: dict[str, EmbeddingCollectionInterface] = {}
+    for path, module in model.named_modules():
+        inside = any(path.startswith(f"{outer}.") or outer == "" for outer in found)
+        if isinstance(module, EmbeddingCollectionInterface) and not inside:
+            found[path] = module
+    return found
+
+
+def state_prefix(path: str) -> str:
+    """The prefix of a module's keys in its model's state dict."""
+    return f"{path}." if path else ""
+
+
+def logical_optimizer_state(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """A torch optimizer's per-parameter ``state`` over ``model`` with every collection's
+    entries in the logical table layout (see :meth:`~EmbeddingCollectionInterface.
+    logical_optimizer_state`): what a checkpoint stores, whatever the sharding."""
+    for path, collection in embedding_collections(model).items():
+        state = collection.logical_optimizer_state(state_prefix(path), state)
+    return state

@@ -1,0 +1,88 @@
+"""ShardRouting on its own (no process group): where each id goes, renumbered as its shard
+sees it, and how received columns are put back in the unsharded order."""
+
+import torch
+from torchrec import EmbeddingBagConfig, PoolingType
+
+from recsys.distributed import plan as P
+from recsys.distributed.routing import ShardRouting
+
+
+def configs():
+    return [
+        EmbeddingBagConfig(
+            name="rw",
+            embedding_dim=2,
+            num_embeddings=10,
+            feature_names=["a"],
+            pooling=PoolingType.MEAN,
+        ),
+        EmbeddingBagConfig(name="cw", embedding_dim=4, num_embeddings=6, feature_names=["b"]),
+        EmbeddingBagConfig(name="dp", embedding_dim=3, num_embeddings=5, feature_names=["c"]),
+        EmbeddingBagConfig(name="tw", embedding_dim=2, num_embeddings=4, feature_names=["d"]),
+    ]
+
+
+def routing(rank=0):
+    plan = {
+        "rw": P.row_wise(10, 2, 2),  # rows 0-4 on rank 0, 5-9 on rank 1
+        "cw": P.column_wise(6, 4, [0, 1]),  # columns 0-1 on rank 0, 2-3 on rank 1
+        "dp": P.data_parallel(5, 3, 2),
+        "tw": P.table_wise(4, 2, 1),
+    }
+    return ShardRouting(configs(), plan, world_size=2, rank=rank, device=torch.device("cpu"))
+
+
+def test_placements_and_widths():
+    r0, r1 = routing(0), routing(1)
+    assert [(c.name, s.rank) for c, s in r0.local] == [("rw", 0), ("cw", 0)]
+    assert [(c.name, s.rank) for c, s in r1.local] == [("rw", 1), ("cw", 1), ("tw", 1)]
+    assert r0.slots_per_rank == [2, 3] and r0.widths == [4, 6]
+    assert r1.local_features == ["a", "b", "d"]
+
+
+def test_route_sends_each_id_to_its_owners_renumbered():
+    r = routing(0)
+    # batch of 2; features a, b, c, d; lengths [F, B]
+    lengths = torch.tensor([[2, 1], [1, 0], [1, 1], [0, 1]])
+    values = torch.tensor([3, 7, 9, 5, 0, 4, 2])  # a: [3, 7] [9]; b: [5]; c: [0] [4]; d: [2]
+    routed = r.route(lengths, values, None, batch_size=2)
+    # streams: rank 0 (a, b), rank 1 (a, b, d); send_lengths is [stream, sample]
+    expected_lengths = [
+        [1, 0],  # a on rank 0: id 3
+        [1, 0],  # b's first column piece
+        [1, 1],  # a on rank 1: ids 7 and 9, renumbered 2 and 4
+        [1, 0],  # b's second column piece
+        [0, 1],  # d, table-wise on rank 1
+    ]
+    assert routed.send_lengths.view(5, 2).tolist() == expected_lengths
+    assert routed.ids.tolist() == [3, 5, 2, 4, 5, 2]
+    assert routed.per_rank.tolist() == [2, 4]  # the replicated c sends nothing
+    assert routed.weights is None
+
+
+def test_route_carries_weights_with_their_ids():
+    r = routing(0)
+    lengths = torch.tensor([[1, 1], [1, 0], [0, 0], [0, 0]])
+    values = torch.tensor([8, 1, 3])
+    weights = torch.tensor([0.5, 2.0, 3.0])
+    routed = r.route(lengths, values, weights, batch_size=2)
+    # a: 8 -> rank 1 (as 3), 1 -> rank 0; b: 3 -> both column pieces
+    assert routed.ids.tolist() == [1, 3, 3, 3]
+    assert routed.weights.tolist() == [2.0, 3.0, 0.5, 3.0]
+
+
+def test_assemble_sums_row_wise_parts_and_divides_means():
+    r = routing(0)
+    batch = 2
+    received = torch.arange(batch * 10, dtype=torch.float32).view(batch, 10)
+    pooled_dp = torch.full((batch, 3), -1.0)
+    lengths = torch.tensor([[2, 0], [1, 1], [1, 1], [1, 1]])
+    out = r.assemble(received, pooled_dp, lengths, batch)
+    assert out.shape == (batch, 2 + 4 + 3 + 2)
+    # received columns: rank 0 [a(2) | b cols 0-1], rank 1 [a(2) | b cols 2-3 | d(2)]
+    a = (received[:, 0:2] + received[:, 4:6]) / lengths[0].clamp(min=1).unsqueeze(1)
+    torch.testing.assert_close(out[:, 0:2], a)
+    torch.testing.assert_close(out[:, 2:6], torch.cat([received[:, 2:4], received[:, 6:8]], 1))
+    torch.testing.assert_close(out[:, 6:9], pooled_dp)
+    torch.testing.assert_close(out[:, 9:11], received[:, 8:10])
