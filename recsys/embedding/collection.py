@@ -12,10 +12,11 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
-from recsys.embedding.inputs import FeatureOrder, input_weights
+from recsys.embedding.inputs import FeatureOrder, input_weights, is_symbolic
 from recsys.embedding.interface import EmbeddingCollectionInterface
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import check_table_config, output_keys, pooling_mode, table_dtype
+from recsys.ops._triton import accumulate_dtype
 from recsys.ops.embedding_bag import (
     FusedUpdate,
     LookupPlan,
@@ -91,7 +92,8 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"duplicate table names: {duplicates}")
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        # Default: where a new tensor goes (CPU, or the device of a `with torch.device(...)`).
+        self._device = torch.device(device) if device is not None else torch.empty(()).device
         self._is_weighted = is_weighted
         self._embedding_bag_configs = tables
         self.backend = backend
@@ -119,19 +121,34 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
         feature_to_table = [t for t, c in enumerate(tables) for _ in c.feature_names]
         self._features = FeatureOrder([f for c in tables for f in c.feature_names])
         self._plan = LookupPlan(self._layout, feature_to_table, [pooling_mode(c) for c in tables])
+        self._traced_lookup = TracedLookup(self)
         self.reset_parameters()
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature's bags: KJT with (at least) this collection's features ->
-        KeyedTensor [B, sum of the features' dims], keys in table order."""
+        KeyedTensor [B, sum of the features' dims], keys in table order.
+
+        Under ``torch.fx`` symbolic tracing the lookup is one opaque call (checks and backend
+        choice read tensor values, which a trace cannot), which runs this same eager path
+        when the traced module runs. On ``meta`` inputs or tables it returns a ``meta`` result
+        of the right shape (shape inference) without reading any value."""
+        if is_symbolic(features):
+            pooled = pooled_values(self._traced_lookup, features)
+        else:
+            pooled = self.pooled_values(features)
+        return KeyedTensor(
+            keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=pooled
+        )
+
+    def pooled_values(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """The eager lookup: [B, sum of the features' dims], the values of :meth:`forward`."""
         weights = input_weights(features, self._is_weighted)
         if torch.compiler.is_exporting():
-            pooled = self._pool_for_export(features, weights)
-            return KeyedTensor(
-                keys=self._embedding_names,
-                length_per_key=self._lengths_per_embedding,
-                values=pooled,
-            )
+            return self._pool_for_export(features, weights)
+        if features.values().is_meta or self._flat.is_meta:
+            width = sum(self._lengths_per_embedding)
+            dtype = accumulate_dtype(self._flat.dtype)
+            return torch.empty(features.stride(), width, dtype=dtype, device="meta")
         if not self._views_intact():
             self._repack()
         fused = None
@@ -141,7 +158,7 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
             handles = [self._anchor]
         # Which kernels serve this call (kept for inspection: ``ebc._last_backend``).
         self._last_backend = choose_backend(self.backend, self._plan, self._flat, fused)
-        pooled = table_batched_embedding_bag(
+        return table_batched_embedding_bag(
             self._plan,
             self._flat,
             handles,
@@ -154,9 +171,6 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
             backend=self._last_backend,
             validate=self.validate,
             feature_names=self._features.features,
-        )
-        return KeyedTensor(
-            keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=pooled
         )
 
     def _pool_for_export(
@@ -256,6 +270,13 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
+    def __prepare_scriptable__(self) -> EmbeddingBagCollection:
+        raise RuntimeError(
+            "recsys' EmbeddingBagCollection does not support TorchScript (torch.jit.script is "
+            "deprecated since torch 2.13); use torch.export (recsys export writes a .pt2 file) "
+            "or torch.fx.symbolic_trace"
+        )
+
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
 
@@ -271,3 +292,20 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
         for config in self._embedding_bag_configs:
             with torch.no_grad():
                 config.init_fn(self.embedding_bags[config.name].weight)
+
+
+class TracedLookup(nn.Module):
+    """A collection's handle for ``torch.fx``: a trace refers to modules by their path, and a
+    collection traced on its own (the root) has none, so the traced call names this child,
+    which points back at its collection (a plain attribute: not a submodule, no state)."""
+
+    def __init__(self, collection: EmbeddingBagCollection) -> None:
+        super().__init__()
+        object.__setattr__(self, "collection", collection)
+
+
+@torch.fx.wrap
+def pooled_values(lookup: TracedLookup, features: KeyedJaggedTensor) -> torch.Tensor:
+    """``collection.pooled_values(features)`` as one node of a ``torch.fx`` trace: the
+    tracer records this call instead of tracing into it."""
+    return lookup.collection.pooled_values(features)

@@ -33,6 +33,12 @@ def input_weights(features: KeyedJaggedTensor, is_weighted: bool) -> torch.Tenso
     return weights
 
 
+def is_symbolic(features: KeyedJaggedTensor) -> bool:
+    """Whether ``features`` is being traced by ``torch.fx`` (the KJT itself, or its tensors,
+    are proxies): its values cannot be read."""
+    return isinstance(features, torch.fx.Proxy) or isinstance(features.values(), torch.fx.Proxy)
+
+
 class FeatureOrder:
     """Where each of a collection's features is among an input's keys, cached per key tuple
     (a batch's keys rarely change)."""
