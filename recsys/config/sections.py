@@ -71,6 +71,10 @@ class RunConfig:
     overwrite: bool = False
     """Start this run in a run.dir that holds another run, deleting that run's config.toml,
     metrics.jsonl and checkpoints/ (other files are kept) once this run has started."""
+    tensorboard: bool = True
+    """Also write the numbers of metrics.jsonl's events as TensorBoard scalars, tagged
+    ``<split>/<field>`` (``train/loss``, ``valid/auc``, ...), to event files in
+    ``<run dir>/tensorboard/`` (rank 0); view them with ``tensorboard --logdir runs``."""
     seed: int = 0
     """Seed for parameter initialization, data order and the synthetic data generator."""
     device: Annotated[
@@ -340,6 +344,12 @@ class TrainConfig:
     """Write a train event (loss, samples/s) every this many steps."""
     eval_every_steps: Annotated[int, AtLeast0] = 0
     """Evaluate on the validation split every this many steps (0: only at the end)."""
+    early_stopping_patience: Annotated[int, AtLeast0] = 0
+    """Stop training after this many validations in a row without improving on the best one
+    (by early_stopping_metric); the test evaluation and final checkpoint follow as usual.
+    0: never stop early. Needs eval_every_steps > 0."""
+    early_stopping_metric: Literal["valid_auc", "valid_logloss"] = "valid_auc"
+    """What early stopping watches: higher valid AUC or lower valid logloss is better."""
     eval_batch_size: Annotated[int, AtLeast1] = 8192
     """Samples per evaluation batch."""
     progress_bar: bool = True
@@ -372,6 +382,10 @@ class CheckpointConfig:
     """Also save every this many steps (0: only at the end)."""
     keep: Annotated[int, AtLeast0] = 3
     """Keep the newest this many checkpoints; older ones are deleted (0: keep all)."""
+    keep_best: Literal["", "valid_auc", "valid_logloss"] = ""
+    """Also keep the checkpoint of the best validation by this metric (saved when a validation
+    improves on the best: higher AUC, lower logloss), linked as checkpoints/best and never
+    pruned while it is the best; "" keeps none. Needs train.eval_every_steps > 0."""
     save_final: bool = True
     """Save a checkpoint when training ends."""
     resume: str = ""

@@ -22,7 +22,9 @@ vectors for one destination. Decoded values are fp32.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,16 +38,35 @@ _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class CommStats:
     """Bytes this rank handed to collectives since the last :meth:`reset` (its own block
     included): ``input`` (counts, lengths, ids, weights), ``forward`` (pooled vectors),
-    ``backward`` (their gradients, and the replicated tables' gradient all-reduce)."""
+    ``backward`` (their gradients, and the replicated tables' gradient all-reduce); and
+    ``seconds`` spent in them (wall time, the device synchronized before and after on CUDA)."""
 
     bytes: dict[str, int] = field(default_factory=lambda: {"input": 0, "forward": 0, "backward": 0})
+    seconds: float = 0.0
 
     def add(self, kind: str, *tensors: torch.Tensor) -> None:
         self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
 
+    @contextlib.contextmanager
+    def timed(self, device: torch.device) -> Iterator[None]:
+        """Count the wall time of the block in :attr:`seconds`."""
+        _synchronize(device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _synchronize(device)
+            self.seconds += time.perf_counter() - start
+
     def reset(self) -> None:
         for kind in self.bytes:
             self.bytes[kind] = 0
+        self.seconds = 0.0
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def check_precision(precision: str, what: str) -> str:
@@ -146,6 +167,22 @@ def all_to_all_ids(
     Returns:
         The bags every rank sent to this one.
     """
+    with stats.timed(values.device):
+        return _all_to_all_ids(
+            lengths, values, weights, batch_size, slots_per_rank, values_per_rank, group, stats
+        )
+
+
+def _all_to_all_ids(
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    batch_size: int,
+    slots_per_rank: Sequence[int],
+    values_per_rank: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+) -> ReceivedIds:
     world, rank = len(slots_per_rank), dist.get_rank(group)
     counts = torch.stack([torch.full_like(values_per_rank, batch_size), values_per_rank], dim=1)
     counts = counts.to(torch.int64).reshape(-1)  # [W * 2]: (B, num values) per destination
@@ -241,7 +278,8 @@ def _exchange(
     send = torch.cat(encoded) if encoded else blocks[0].new_empty(0)
     stats.add(kind, send)
     recv_splits = [rows * wire_width(width, precision) for rows, width in recv_shapes]
-    recv = all_to_all(send, [e.numel() for e in encoded], recv_splits, group)
+    with stats.timed(send.device):
+        recv = all_to_all(send, [e.numel() for e in encoded], recv_splits, group)
     out = []
     for piece, (rows, width) in zip(recv.split(recv_splits), recv_shapes, strict=True):
         out.append(decode(piece.view(rows, wire_width(width, precision)), precision))

@@ -125,7 +125,8 @@ class ReplicatedTables(nn.Module):
         touched = [self._touched.pop(name) for name in names]
         packed = torch.cat([g.reshape(-1).float() for g in grads] + [t.float() for t in touched])
         self.comm_stats.add("backward", packed)
-        dist.all_reduce(packed, group=self.process_group)  # sums over ranks
+        with self.comm_stats.timed(packed.device):
+            dist.all_reduce(packed, group=self.process_group)  # sums over ranks
         pieces = packed.split([g.numel() for g in grads] + [t.numel() for t in touched])
         step = self._pending_step
         self.step.fill_(step)

@@ -284,6 +284,9 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
     def device(self) -> torch.device:
         return self._anchor.device
 
+    def communication_seconds(self) -> float:
+        return self.comm_stats.seconds
+
     def ddp_parameters(self) -> list[nn.Parameter]:
         """The replicated tables when a torch optimizer trains them (DDP averages their
         gradients). Shards are never DDP's: each rank holds different ones."""

@@ -74,6 +74,11 @@ class EmbeddingCollectionInterface(nn.Module):
         trained by a torch optimizer); the rest of the collection is DDP's to ignore."""
         return []
 
+    def communication_seconds(self) -> float:
+        """Seconds this collection has spent in collectives so far (0 for one that
+        communicates nothing): the step-time breakdown's ``collectives``."""
+        return 0.0
+
     def is_frozen(self) -> bool:
         """Trained neither by a fused update nor by gradients."""
         return self.optimizer is None and not any(p.requires_grad for p in self.parameters())

@@ -54,6 +54,7 @@ from recsys.train.models import build_model
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
+BEST = "best"
 CONFIG_FILE = "config.toml"
 SPEC_FILE = "spec.json"
 CHECKSUMS_FILE = "checksums.json"
@@ -73,6 +74,7 @@ def save_checkpoint(
     *,
     config: Config | None = None,
     spec: DatasetSpec | None = None,
+    protect: int | None = None,
 ) -> Path:
     """Save ``state`` (nested dicts of tensors and plain values) as ``directory/step_<step>``.
 
@@ -87,6 +89,7 @@ def save_checkpoint(
         keep: keep only the newest ``keep`` checkpoints (0: keep all).
         config: the run's resolved config, written as ``config.toml`` in the checkpoint.
         spec: the dataset's spec, written as ``spec.json`` (what :func:`load_model` needs).
+        protect: a step whose checkpoint ``keep`` never deletes (the best one).
 
     Returns:
         The committed checkpoint directory.
@@ -128,7 +131,11 @@ def save_checkpoint(
         if keep > 0:
             # Only older steps: a later checkpoint left by a run this one forked from (a resume
             # of an older checkpoint) is not this run's to delete.
-            older = [p for p in list_checkpoints(directory) if _step_of(p) < step]
+            older = [
+                p
+                for p in list_checkpoints(directory)
+                if _step_of(p) < step and _step_of(p) != protect
+            ]
             for old in older[: max(len(older) - (keep - 1), 0)]:
                 shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(directory)
@@ -293,8 +300,10 @@ def resolve_checkpoint(spec: str | Path, run_dir: str | Path | None = None) -> P
     """The checkpoint directory that ``spec`` names.
 
     Args:
-        spec: ``"latest"`` (the newest checkpoint of ``run_dir``), a checkpoint directory, or a
-            run directory or its ``checkpoints/`` directory (their newest checkpoint).
+        spec: ``"latest"`` (the newest checkpoint of ``run_dir``), ``"best"`` (its best one,
+            see ``checkpoint.keep_best``), a checkpoint directory (``<run>/checkpoints/best``
+            too), or a run directory or its ``checkpoints/`` directory (their newest
+            checkpoint).
         run_dir: the run directory ``"latest"`` refers to.
 
     Returns:
@@ -309,6 +318,16 @@ def resolve_checkpoint(spec: str | Path, run_dir: str | Path | None = None) -> P
             raise ValueError("'latest' needs the run directory it refers to")
         found = latest_checkpoint(Path(run_dir) / "checkpoints")
         return found.resolve() if found is not None else None
+    if str(spec) == BEST:
+        if run_dir is None:
+            raise ValueError("'best' needs the run directory it refers to")
+        link = Path(run_dir) / "checkpoints" / BEST
+        if not (link / ".metadata").is_file():
+            raise FileNotFoundError(
+                f"'{link}' does not exist: the run kept no best checkpoint "
+                '(train it with checkpoint.keep_best = "valid_auc")'
+            )
+        return link.resolve()
     path = Path(spec)
     if (path / ".metadata").is_file():
         return path.resolve()  # a `latest` link is followed now, not when it may have moved
@@ -458,12 +477,19 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _point_latest(directory: Path, target: Path) -> None:
-    """Swap ``directory/latest`` to ``target`` in one rename (readers never see no link)."""
-    tmp = directory / f".{LATEST}.tmp"
+def _point_latest(directory: Path, target: Path, name: str = LATEST) -> None:
+    """Swap ``directory/<name>`` to ``target`` in one rename (readers never see no link)."""
+    tmp = directory / f".{name}.tmp"
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(target.name)
-    os.replace(tmp, directory / LATEST)
+    os.replace(tmp, directory / name)
+
+
+def point_best(checkpoint: Path) -> None:
+    """Link ``<checkpoints dir>/best`` to ``checkpoint`` (atomically; rank 0 only)."""
+    if not _distributed() or dist.get_rank() == 0:
+        _point_latest(checkpoint.parent, checkpoint, BEST)
+        _fsync_dir(checkpoint.parent)
 
 
 def _fsync_dir(directory: Path) -> None:

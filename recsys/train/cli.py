@@ -6,6 +6,7 @@
     recsys preprocess --format criteo --input train.txt.gz --output data/criteo     # ETL
     recsys export --checkpoint runs/dlrm --output model.pt2              # torch.export program
     recsys predict --model model.pt2 --input test.parquet --output scores.parquet
+    recsys report runs/a runs/b [--output compare.png]      # loss / AUC / speed of runs, PNG
 
 User errors (a missing file, a config typo, bad input data) print one ``recsys: error: ...`` line
 and exit with status 2 instead of a traceback.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 
@@ -25,10 +27,11 @@ from recsys.config import config_reference, load_config, to_toml
 
 def _parser() -> argparse.ArgumentParser:
     """The ``recsys`` parser: one ``_add_<command>`` per subcommand, in ``--help`` order."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="recsys",
         description="Train recommendation models. Any config key can be overridden with "
         "--section.key=value (see docs/config.md).",
+        epilog=_epilog("recsys train --config configs/dlrm_synthetic.toml --train.batch_size=4096"),
     )
     commands = parser.add_subparsers(dest="command", required=True)
     _add_train(commands)
@@ -36,16 +39,77 @@ def _parser() -> argparse.ArgumentParser:
     _add_preprocess(commands)
     _add_export(commands)
     _add_predict(commands)
+    _add_eval(commands)
+    _add_report(commands)
     return parser
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps each line of a description or epilog on its own, so explicit line breaks stay;
+    indented lines (example commands) are printed as they are."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(
+            indent + line
+            if not line.strip() or line.startswith(" ")
+            else textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+            for line in text.splitlines()
+        )
+
+
+class _Parser(argparse.ArgumentParser):
+    """The parser of ``recsys`` and (as argparse builds subparsers of the parent's class) of
+    every subcommand: help formatted by :class:`_HelpFormatter`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+_OVERRIDES_HELP = (
+    "config keys: any key is set on the command line as --section.key=value, e.g. "
+    "--train.batch_size=4096, --data.synthetic.zipf_alpha=1.2 or "
+    "--model.over_arch_layer_sizes=128,64,1 (values are read as TOML: 64, 1e-3, true, "
+    "[64, 32]; a list may also be written 64,32). The command line wins over the --config "
+    "recipe, the recipe over the defaults; an unknown key is an error naming the closest one."
+)
+_REFERENCE_HELP = (
+    "reference: every key with its type, default and meaning is in docs/config.md and printed "
+    "by `recsys config --reference`."
+)
+_NO_OVERRIDES_HELP = "This command takes no config keys (--section.key=value)."
+
+
+def _epilog(example: str, keys: str = _OVERRIDES_HELP) -> str:
+    """The end of a command's ``--help``: how config keys are set (``keys``), where they are
+    all described, and one example command line (a long one continued with a backslash)."""
+    reference = "" if keys == _NO_OVERRIDES_HELP else f"\n{_REFERENCE_HELP}"
+    return f"{keys}{reference}\n\nexample:\n  {example}"
+
+
 def _add_train(commands: argparse._SubParsersAction) -> None:
-    train = commands.add_parser("train", help="train a model from a TOML recipe")
+    train = commands.add_parser(
+        "train",
+        help="train a model from a TOML recipe",
+        description="Train a model on one process, or on each process of torchrun "
+        "--nproc-per-node=N -m recsys train ...; the run directory (run.dir, default "
+        "runs/<name>) gets config.toml, metrics.jsonl and checkpoints/.",
+        epilog=_epilog(
+            "recsys train --config configs/dlrm_synthetic.toml --train.batch_size=4096 \\\n"
+            "      --model.embedding_dim=32 --run.dir=runs/dlrm_dim32"
+        ),
+    )
     train.add_argument("--config", help="TOML recipe, e.g. configs/dlrm_synthetic.toml")
 
 
 def _add_config(commands: argparse._SubParsersAction) -> None:
-    show = commands.add_parser("config", help="print the resolved config, or the key reference")
+    show = commands.add_parser(
+        "config",
+        help="print the resolved config, or the key reference",
+        epilog=_epilog(
+            "recsys config --config configs/dlrm_synthetic.toml --train.batch_size=4096"
+        ),
+    )
     show.add_argument("--config", help="TOML recipe")
     show.add_argument("--reference", action="store_true", help="print every key with its doc")
 
@@ -56,6 +120,13 @@ def _add_preprocess(commands: argparse._SubParsersAction) -> None:
         help="raw Criteo TSV / parquet / CSV -> parquet + metadata for training",
         description="Each flag sets the [preprocess] key of the same name; any other key is "
         "--preprocess.key=value (see docs/config.md).",
+        epilog=_epilog(
+            "recsys preprocess --format criteo --input data/raw/train.txt \\\n"
+            "      --output data/criteo --preprocess.freq_threshold=3",
+            keys="config keys: any [preprocess] key is set as --preprocess.key=value, e.g. "
+            "--preprocess.freq_threshold=3; the command line wins over the --config file, the "
+            "file over the defaults; an unknown key is an error naming the closest one.",
+        ),
     )
     prep.add_argument("--config", help="TOML file with a [preprocess] section")
     for flag, help_text in _PREPROCESS_FLAGS.items():
@@ -70,6 +141,10 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
         "torch.export.load(PATH).module() or recsys.train.export.load_exported(PATH). Its "
         "forward takes dense f32[B, N_dense], ids int64[L] and bag lengths int64[F*B] "
         "(key-major, as a KeyedJaggedTensor) and returns click probabilities f32[B, T].",
+        epilog=_epilog(
+            "recsys export --checkpoint runs/dlrm_synthetic --output model.pt2",
+            keys=_NO_OVERRIDES_HELP,
+        ),
     )
     export.add_argument(
         "--checkpoint",
@@ -87,6 +162,10 @@ def _add_predict(commands: argparse._SubParsersAction) -> None:
         description="Reads the columns the model was trained on (multi-hot features as list "
         "columns) and writes one float column score_<label> per task, in input order, plus "
         "the label columns when the input has them.",
+        epilog=_epilog(
+            "recsys predict --model model.pt2 --input data/criteo/test --output scores.parquet",
+            keys=_NO_OVERRIDES_HELP,
+        ),
     )
     score.add_argument("--model", required=True, help="a .pt2 file from recsys export")
     score.add_argument("--input", required=True, help="parquet file, directory or glob")
@@ -108,6 +187,29 @@ def _add_predict(commands: argparse._SubParsersAction) -> None:
     )
     score.add_argument(
         "--batch-size", type=int, default=8192, help="rows per forward call (default 8192)"
+    )
+
+
+def _add_report(commands: argparse._SubParsersAction) -> None:
+    report = commands.add_parser(
+        "report",
+        help="compare runs: loss, AUC, throughput and step time in one PNG, plus a table",
+        description="Reads each RUN_DIR's metrics.jsonl and draws, runs overlaid and named: "
+        "train loss and valid logloss, valid / test AUC (and the oracle's on synthetic data), "
+        "samples/s against steps, and where a step's time goes (data, forward, backward, "
+        "optimizer, collectives) when the runs logged it. Prints a table: per run the last "
+        "valid AUC, test AUC and logloss, mean samples/s and mean ms per step part.",
+        epilog=_epilog(
+            "recsys report runs/dlrm_fp32 runs/dlrm_bf16 --output compare.png",
+            keys=_NO_OVERRIDES_HELP,
+        ),
+    )
+    report.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories written by recsys train"
+    )
+    report.add_argument(
+        "--output",
+        help="PNG file to write, replaced if it exists (default: <first RUN_DIR>/report.png)",
     )
 
 
@@ -184,6 +286,58 @@ def _predict(args: argparse.Namespace) -> None:
     )
 
 
+def _report(args: argparse.Namespace) -> None:
+    from recsys.train.report import write_report
+
+    report = write_report(args.run_dirs, args.output)
+    print(report.table, end="")
+    print(f"recsys: wrote {report.output}")
+
+
+def _add_eval(commands: argparse._SubParsersAction) -> None:
+    evaluate = commands.add_parser(
+        "eval",
+        help="AUC / logloss of a checkpoint on a split of its data or of other preprocessed data",
+        description="Evaluates like the trainer's final evaluation (same batches of "
+        "train.eval_batch_size rows, same metrics): on the checkpoint's own data it reproduces "
+        "the run's test metrics exactly. --data.path=DIR evaluates on other `recsys preprocess` "
+        "output with the same features, table sizes, labels and vocabulary. Under torchrun "
+        "--nproc-per-node=N -m recsys eval ... each rank scores its share and rank 0 prints.",
+        epilog=_epilog(
+            "recsys eval --checkpoint runs/day_0 --data.path=data/day_1 --output day_1.json",
+            keys="config keys: any key of the checkpoint's config.toml but model.* is set as "
+            "--section.key=value, e.g. --data.path=DIR, --train.eval_batch_size=4096 or "
+            "--run.device=cpu.",
+        ),
+    )
+    evaluate.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint directory, or a run directory (its newest checkpoint)",
+    )
+    evaluate.add_argument(
+        "--split", choices=("train", "valid", "test"), default="test", help="default: test"
+    )
+    evaluate.add_argument("--output", help="also write the metrics as JSON to this file")
+
+
+def _eval(args: argparse.Namespace, overrides: list[str]) -> None:
+    import json
+    from pathlib import Path
+
+    from recsys._files import write_text_atomic
+    from recsys.train.evaluate import evaluate_checkpoint
+
+    output = Path(args.output) if args.output else None
+    if output is not None and not output.parent.is_dir():
+        raise FileNotFoundError(f"--output '{output}': directory '{output.parent}' not found")
+    result = evaluate_checkpoint(args.checkpoint, overrides, args.split)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"recsys: {result.summary()}")
+        if output is not None:
+            write_text_atomic(output, json.dumps(result.to_json(), indent=1) + "\n")
+
+
 def _who() -> str:
     """``recsys``, or ``recsys (rank N)`` on the other ranks of a torchrun job (where every rank
     reports its own errors)."""
@@ -194,13 +348,18 @@ def _who() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = _parser().parse_known_args(argv)
     try:
-        if args.command in ("export", "predict"):
+        if args.command == "eval":
+            _eval(args, overrides)
+            return 0
+        if args.command in ("export", "predict", "report"):
             if overrides:
                 raise ValueError(f"unrecognized arguments: {' '.join(overrides)}")
             if args.command == "export":
                 _export(args)
-            else:
+            elif args.command == "predict":
                 _predict(args)
+            else:
+                _report(args)
             return 0
         if args.command == "config" and args.reference:
             print(config_reference(), end="")

@@ -66,6 +66,18 @@ def build_optimizers(config: TrainConfig, model: nn.Module) -> dict[str, torch.o
     return optimizers
 
 
+def learning_rates(
+    optimizers: dict[str, torch.optim.Optimizer], model: nn.Module
+) -> dict[str, float]:
+    """The current rates: ``lr_dense``, and ``lr_embedding`` (the tables' torch optimizer or
+    fused optimizer)."""
+    rates = {f"lr_{name}": o.param_groups[0]["lr"] for name, o in optimizers.items()}
+    fused = [c.optimizer for c in embedding_collections(model).values() if c.optimizer]
+    if fused:
+        rates["lr_embedding"] = fused[0].lr
+    return rates
+
+
 def task_loss_weights(
     config: TrainConfig, num_tasks: int, device: torch.device
 ) -> torch.Tensor | None:

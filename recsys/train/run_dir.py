@@ -1,12 +1,13 @@
 """The run directory: what ``recsys train`` writes, and the rule that keeps one run from
 overwriting another.
 
-``runs/<name>/`` holds ``config.toml``, ``metrics.jsonl`` and ``checkpoints/``. Two recipes (or
-one recipe on two datasets, or a ``make train`` and a torchrun launch) default to the same
-directory, so a new run that finds another run's checkpoints or logged events there is refused
-with the ways out: another ``--run.dir``, ``--checkpoint.resume=latest`` to continue that run,
-or ``--run.overwrite=true`` to replace it. A directory left by a run that failed before it
-logged anything (only ``config.toml``) is reused silently: there is nothing in it to lose.
+``runs/<name>/`` holds ``config.toml``, ``metrics.jsonl``, ``checkpoints/`` and
+``tensorboard/``. Two recipes (or one recipe on two datasets, or a ``make train`` and a torchrun
+launch) default to the same directory, so a new run that finds another run's checkpoints or
+logged events there is refused with the ways out: another ``--run.dir``,
+``--checkpoint.resume=latest`` to continue that run, or ``--run.overwrite=true`` to replace it.
+A directory left by a run that failed before it logged anything (only ``config.toml``) is reused
+silently: there is nothing in it to lose.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from recsys.train.checkpoint import list_checkpoints
+from recsys.train.metrics import TENSORBOARD_DIR
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.toml"
@@ -66,13 +68,14 @@ def check_run_dir(run_dir: str | Path, *, continuing: bool, overwrite: bool) -> 
 
 
 def clear_previous_run(run_dir: str | Path) -> list[str]:
-    """Delete what recsys wrote in ``run_dir`` (config.toml, metrics.jsonl, checkpoints/), and
-    nothing else; returns what was deleted."""
+    """Delete what recsys wrote in ``run_dir`` (config.toml, metrics.jsonl, checkpoints/,
+    tensorboard/), and nothing else; returns what was deleted."""
     run_dir = Path(run_dir)
     removed = previous_run(run_dir)
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
     (run_dir / CONFIG_FILE).unlink(missing_ok=True)
     shutil.rmtree(run_dir / CHECKPOINTS_DIR, ignore_errors=True)
+    shutil.rmtree(run_dir / TENSORBOARD_DIR, ignore_errors=True)
     return removed
 
 

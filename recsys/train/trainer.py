@@ -41,11 +41,13 @@ from recsys.distributed.parallel import (
 )
 from recsys.distributed.planner import parse_constraints
 from recsys.embedding.interface import embedding_collections, logical_optimizer_state
+from recsys.train.best import best_validation
 from recsys.train.checkpoint import (
     LATEST,
     checkpoint_shapes,
     find_resumable,
     load_checkpoint,
+    point_best,
     read_config,
     resolve_checkpoint,
     rng_state,
@@ -53,15 +55,17 @@ from recsys.train.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
+from recsys.train.evaluate import eval_line, evaluate_split
 from recsys.train.finetune import freeze, init_from_checkpoint
-from recsys.train.metrics import BinaryMetrics, MetricsLogger
+from recsys.train.metrics import MetricsLogger
 from recsys.train.models import build_model
 from recsys.train.optimizers import (
     build_optimizers,
     configure_embedding_optimizer,
+    learning_rates,
     task_loss_weights,
 )
-from recsys.train.progress import TrainWindow, summary_line
+from recsys.train.progress import StepTimer, TrainWindow, summary_line
 from recsys.train.run_dir import CONFIG_FILE, METRICS_FILE, check_run_dir, clear_previous_run
 from recsys.train.schedule import LRSchedule
 from recsys.train.stop import StopSignals, TrainingStopped
@@ -124,6 +128,8 @@ class _Run:
             list(self.optimizers.values()),
             [c.optimizer for c in embedding_collections(self.model).values() if c.optimizer],
         )
+        self.best = best_validation(config)
+        self.stopped_early = False
         self.step = 0
         self.data_position = {"epoch": 0, "batch": 0}  # batches of that epoch already trained on
         self.last_checkpoint: Path | None = None
@@ -137,6 +143,7 @@ class _Run:
             self.run_dir / METRICS_FILE,
             enabled=info.is_main,
             resume_step=self.step if resume is not None else None,
+            tensorboard=config.run.tensorboard,
         )
         if resume is not None:
             self.logger.log("resume", self.step, checkpoint=str(resume))
@@ -232,8 +239,11 @@ class _Run:
             TrainingStopped: SIGINT or SIGTERM arrived; a checkpoint of the step reached was
                 saved first (every rank stops at the same step).
         """
-        with StopSignals(self.info.world_size) as signals:
-            return self._fit(signals)
+        try:
+            with StopSignals(self.info.world_size) as signals:
+                return self._fit(signals)
+        finally:
+            self.logger.close()
 
     def _fit(self, signals: StopSignals) -> TrainResult:
         cfg, train_cfg = self.config, self.config.train
@@ -251,7 +261,10 @@ class _Run:
             disable=not (self.info.is_main and train_cfg.progress_bar and sys.stderr.isatty()),
             dynamic_ncols=True,
         )
-        window = TrainWindow(self.device)
+        collections = list(embedding_collections(self.model).values())
+        window = TrainWindow(
+            self.device, lambda: sum(c.communication_seconds() for c in collections)
+        )
         self.model.train()
         first_epoch, first_batch = self.data_position["epoch"], self.data_position["batch"]
         for epoch in range(first_epoch, train_cfg.epochs):
@@ -259,13 +272,16 @@ class _Run:
             for index, batch in enumerate(self._loader("train", epoch, start), start=start):
                 if self.step == total_steps:
                     break
+                window.timer.mark("data")
                 self.schedule.apply(self.step)  # before forward: fused updates run in backward
-                window.add(self._train_step(batch))
+                window.add(self._train_step(batch, window.timer))
                 self.step += 1
                 self.data_position = {"epoch": epoch, "batch": index + 1}
                 progress.update(1)
                 self._after_step(epoch, window, progress, signals)
-            if self.step == total_steps:
+                if self.stopped_early:
+                    break
+            if self.step == total_steps or self.stopped_early:
                 break
         progress.close()
         return self._finish(window)
@@ -277,20 +293,49 @@ class _Run:
         a stop when a signal arrived."""
         cfg, train_cfg, total_steps = self.config, self.config.train, self.total_steps
         if self.step % train_cfg.log_every_steps == 0 or self.step == total_steps:
-            loss, rate = window.close(train_cfg.batch_size * self.info.world_size)
-            self.logger.log("train", self.step, epoch=epoch, loss=loss, samples_per_s=rate)
+            loss, rate, times = window.close(train_cfg.batch_size * self.info.world_size)
+            self.logger.log(
+                "train",
+                self.step,
+                epoch=epoch,
+                loss=loss,
+                samples_per_s=rate,
+                **learning_rates(self.optimizers, self.model),
+                **times,
+            )
             progress.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rate:,.0f}")
             if progress.disable:  # no bar: a log line instead
                 self._print(
                     f"step {self.step}/{total_steps}  loss {loss:.4f}  {rate:,.0f} samples/s"
                 )
         if train_cfg.eval_every_steps and self.step % train_cfg.eval_every_steps == 0:
-            window.pause(lambda: self.evaluate("valid"))
-        if self._checkpoint_due(cfg.checkpoint):
+            window.pause(self._validate)
+        if self._checkpoint_due(cfg.checkpoint) and self._saved_now() is None:
             window.pause(self.save)
         if signals.requested():
             progress.close()
             self._stop(signals.name)
+
+    def _validate(self) -> None:
+        """Evaluate on the valid split; keep the checkpoint of a new best validation
+        (checkpoint.keep_best), and stop early after early_stopping_patience validations
+        without a new best."""
+        result = self.evaluate("valid")
+        if self.best is None:
+            return
+        cfg = self.config
+        if self.best.update(self.step, result):
+            if cfg.checkpoint.keep_best:
+                point_best(self._saved_now() or self.save())
+            return
+        patience = cfg.train.early_stopping_patience
+        if patience and self.best.since >= patience:
+            self.stopped_early = True
+            self.logger.log("early_stop", self.step, best_step=self.best.step)
+            self._print(
+                f"early stop at step {self.step}: {patience} validation(s) without improving "
+                f"on {self.best.metric} = {self.best.value:.4f} at step {self.best.step}"
+            )
 
     def _finish(self, window: TrainWindow) -> TrainResult:
         """After the last step: the test evaluation, the final checkpoint, the summary."""
@@ -347,7 +392,7 @@ class _Run:
             return 4 if self.device.type == "cuda" else 0
         return prefetch
 
-    def _train_step(self, batch: Batch) -> torch.Tensor:
+    def _train_step(self, batch: Batch, timer: StepTimer) -> torch.Tensor:
         logits = self.model(batch.dense, batch.sparse)  # [B, T]
         if self.task_weights is None:
             loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
@@ -356,46 +401,31 @@ class _Run:
                 logits, batch.labels, reduction="none"
             ).mean(dim=0)  # [T]
             loss = (per_task * self.task_weights).sum()
+        timer.mark("forward")
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        timer.mark("backward")
         for optimizer in self.optimizers.values():
             optimizer.step()
+        timer.mark("optimizer")
         return loss.detach()
 
     @torch.no_grad()
     def evaluate(self, split: str) -> dict[str, Any]:
         """AUC / logloss over the whole split (all ranks), logged as an eval event."""
-        oracle = getattr(self.dataset, "click_probability", None)
-        metrics = BinaryMetrics(self.dataset.spec.label_names, self.device, oracle is not None)
-        # The unwrapped module: ranks may hold different numbers of eval batches, and DDP's
-        # forward could start collectives that a rank with fewer batches never joins.
-        model = _unwrap(self.model)
-        was_training = model.training
-        model.eval()
-        num_samples = 0
-        loader = self._loader(split)
-        # Sharded tables make every forward a collective: ranks with fewer batches run
-        # one-sample forwards (their output unused) until every rank has had as many.
-        extra = _max_over_ranks(len(loader), self.device) - len(loader)
-        batch = None
-        for batch in loader:
-            logits = model(batch.dense, batch.sparse)
-            metrics.update(logits, batch.labels, oracle(batch) if oracle is not None else None)
-            num_samples += batch.batch_size
-        if extra:
-            filler = (batch or next(iter(self._loader("train")))).slice(0, 1)
-            for _ in range(extra):
-                model(filler.dense, filler.sparse)
-        model.train(was_training)
-        result = metrics.compute()
-        result["num_samples"] = _sum_over_ranks(num_samples, self.device)
+        result = evaluate_split(
+            self.model,
+            self.dataset,
+            split,
+            self.config.train.eval_batch_size,
+            self.device,
+            self.info,
+            prefetch=self._prefetch(),
+            filler=lambda: next(iter(self._loader("train"))),  # a rank with fewer batches
+        )
         self.logger.log(split, self.step, **result)
-        line = f"eval {split} step {self.step}: auc {result['auc']:.4f}"
-        line += f" logloss {result['logloss']:.4f}"
-        if "oracle_auc" in result:
-            line += f" (oracle auc {result['oracle_auc']:.4f})"
-        self._print(line)
+        self._print(eval_line(split, self.step, result))
         return result
 
     def _checkpoint_due(self, config: CheckpointConfig) -> bool:
@@ -411,6 +441,7 @@ class _Run:
             keep=self.config.checkpoint.keep,
             config=self.config,
             spec=self.dataset.spec,
+            protect=self.best.step if self.best and self.config.checkpoint.keep_best else None,
         )
         self._print(f"saved checkpoint {path}")
         self.last_checkpoint = path
@@ -432,6 +463,7 @@ class _Run:
             "batch_size": self.config.train.batch_size,
             "world_size": self.info.world_size,
             "rng": {f"rank_{self.info.rank}": rng_state(self.device)},
+            **({"best": self.best.state_dict()} if self.best else {}),
         }
 
     def _optimizer_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -458,12 +490,16 @@ class _Run:
         rng_key = f"rank_{self.info.rank}"
         if not any(k.startswith(f"rng.{rng_key}.") for k in checkpoint_shapes(path)):
             del state["rng"]  # a rank the saving run did not have: keeps its seeded RNG
+        if "best" in state and "best.step" not in checkpoint_shapes(path):
+            del state["best"]  # saved without keep_best / early stopping: the best starts over
         state["optimizers"], live = self._optimizer_states()
         load_checkpoint(path, state, verify=False)  # verified by _find_resume
         _unwrap(self.model).load_state_dict(state["model"])
         for name, optimizer in self.optimizers.items():
             # load_checkpoint filled the live state in place, through the saved view of it
             set_optimizer_state_dict(self.model, [optimizer], live[name])
+        if "best" in state:
+            self.best.load_state_dict(state["best"])
         if "rng" in state:
             set_rng_state(state["rng"][rng_key], self.device)
         self.step = state["step"]
@@ -516,22 +552,6 @@ def _barrier() -> None:
 
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def _max_over_ranks(value: int, device: torch.device) -> int:
-    if not torch.distributed.is_initialized():
-        return value
-    total = torch.tensor(value, device=device)
-    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
-    return int(total)
-
-
-def _sum_over_ranks(value: int, device: torch.device) -> int:
-    if not torch.distributed.is_initialized():
-        return value
-    total = torch.tensor(value, device=device)
-    torch.distributed.all_reduce(total)
-    return int(total)
 
 
 def _data_name(config: Config) -> str:

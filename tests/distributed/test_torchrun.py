@@ -63,6 +63,11 @@ def test_two_rank_training(tmp_path):
     train = [e for e in events if e["split"] == "train"]
     # 65536 rows / (2 ranks x 512) = 64 steps, one event each 16 steps, written once.
     assert [e["step"] for e in train] == [16, 32, 48, 64]
+    # the step-time breakdown counts the embedding all-to-alls, and adds up to the step
+    for event in train:
+        assert event["time_collectives"] > 0
+        parts = sum(v for k, v in event.items() if k.startswith("time_"))
+        assert abs(parts - 2 * 512 / event["samples_per_s"]) <= 0.1 * parts
     (test,) = [e for e in events if e["split"] == "test"]
     assert test["num_samples"] == 20000  # both ranks' shares
     assert 0.5 < test["auc"] <= test["oracle_auc"] + 0.02

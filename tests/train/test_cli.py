@@ -18,7 +18,7 @@ from recsys.config import config_reference, load_config, to_toml
 from recsys.train.cli import main
 from recsys.train.stop import TrainingStopped
 
-SUBCOMMANDS = ["train", "config", "preprocess", "export", "predict"]
+SUBCOMMANDS = ["train", "eval", "config", "preprocess", "export", "predict", "report"]
 
 
 class Called(Exception):

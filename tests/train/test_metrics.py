@@ -1,4 +1,5 @@
-"""Evaluation metrics against brute-force references, and the metrics.jsonl writer.
+"""Evaluation metrics against brute-force references, and the writer of metrics.jsonl and
+TensorBoard event files (read back with TensorBoard's own reader).
 
 The gather across ranks (torchmetrics' sync on compute) needs several processes; it is covered
 by the multi-rank trainer tests, not here."""
@@ -10,8 +11,9 @@ import math
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from recsys.train.metrics import BinaryMetrics, MetricsLogger, read_metrics
+from recsys.train.metrics import TENSORBOARD_DIR, BinaryMetrics, MetricsLogger, read_metrics
 
 CPU = torch.device("cpu")
 
@@ -159,6 +161,7 @@ def test_logger_disabled_writes_nothing(tmp_path):
     event = MetricsLogger(path, enabled=False).log("train", 1, loss=1.0)
     assert event["split"] == "train" and event["loss"] == 1.0
     assert not path.exists()
+    assert not (tmp_path / TENSORBOARD_DIR).exists()
 
 
 def test_logger_on_resume_keeps_events_up_to_the_step_and_continues_the_clock(tmp_path):
@@ -188,3 +191,121 @@ def test_logger_values_keep_their_types(tmp_path):
     (event,) = read_metrics(path)
     assert event["epoch"] == 1 and isinstance(event["epoch"], int)
     assert event["loss"] == math.pi and event["note"] == "x" and event["flags"] == [1, 2]
+
+
+def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the event files in ``run_dir/tensorboard``, as TensorBoard shows them
+    (purged steps hidden): tag -> [(step, value)]."""
+    reader = EventAccumulator(str(run_dir / TENSORBOARD_DIR), size_guidance={"scalars": 0})
+    reader.Reload()
+    return {
+        tag: [(e.step, e.value) for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]
+    }
+
+
+def event_files(run_dir) -> list:
+    return sorted((run_dir / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+
+
+def test_logger_writes_numeric_fields_as_tensorboard_scalars(tmp_path):
+    """Tags ``<split>/<field>`` at the event's step, new fields picked up without a list of
+    names; strings, bools, lists, None and the clock skipped; dicts flattened."""
+    logger = MetricsLogger(tmp_path / "metrics.jsonl")
+    logger.log("resume", 0, checkpoint="runs/x/checkpoints/step_00000000")
+    train = {"epoch": 0, "loss": 0.6931, "samples_per_s": 12345.5, "lr_dense": 1e-3}
+    train |= {"lr_embedding": 0.05, "time_data": 2e-4, "time_forward": 1.5e-3}
+    logger.log("train", 10, **train, note="x", flag=True, flags=[1, 2], missing=None)
+    logger.log("train", 20, **{**train, "epoch": 1, "loss": 0.5})
+    valid = {"auc": 0.75, "logloss": 0.45, "num_samples": 4096, "oracle_auc": 0.8}
+    valid |= {"auc_click": 0.7, "auc_like": 0.8, "oracle_auc_click": 0.79}
+    logger.log("valid", 20, **valid, tables={"t0": {"evicted": 3, "name": "t0"}, "misses": 7})
+    logger.log("test", 20, auc=0.74, logloss=0.46)
+    logger.log("stop", 20, signal="SIGTERM", checkpoint="runs/x/checkpoints/step_00000020")
+    scalars = read_scalars(tmp_path)  # before close(): every event is flushed as it is logged
+    logger.close()
+    expected_tags = {f"train/{key}" for key in train} | {f"valid/{key}" for key in valid}
+    expected_tags |= {"valid/tables/t0/evicted", "valid/tables/misses", "test/auc", "test/logloss"}
+    assert set(scalars) == expected_tags
+    for key, value in train.items():
+        later = 1 if key == "epoch" else 0.5 if key == "loss" else value
+        assert scalars[f"train/{key}"] == [(10, pytest.approx(value)), (20, pytest.approx(later))]
+    for key, value in valid.items():
+        assert scalars[f"valid/{key}"] == [(20, pytest.approx(value))]
+    assert scalars["valid/tables/t0/evicted"] == [(20, 3.0)]
+    assert scalars["test/auc"] == [(20, pytest.approx(0.74))]
+    assert read_metrics(tmp_path / "metrics.jsonl")[1]["note"] == "x"  # still in the JSON
+
+
+def test_tensorboard_keeps_non_finite_values(tmp_path):
+    logger = MetricsLogger(tmp_path / "metrics.jsonl")
+    event = logger.log("train", 5, loss=float("nan"), grad=float("inf"), low=float("-inf"))
+    logger.close()
+    assert (event["loss"], event["grad"], event["low"]) == ("nan", "inf", "-inf")  # JSON
+    scalars = read_scalars(tmp_path)
+    assert math.isnan(scalars["train/loss"][0][1])
+    assert scalars["train/grad"] == [(5, math.inf)] and scalars["train/low"] == [(5, -math.inf)]
+
+
+def test_resumed_logger_hides_the_later_steps_in_tensorboard(tmp_path):
+    """The attempt that crashed logged steps 1-4; the run resumes from the checkpoint of step 2:
+    TensorBoard shows steps 1-2 of the first attempt and 3-4 of the second, nothing twice."""
+    path = tmp_path / "metrics.jsonl"
+    crashed = MetricsLogger(path)  # never closed: it crashed
+    for step in (1, 2, 3, 4):
+        crashed.log("train", step, loss=1.0 / step)
+    crashed.log("valid", 2, auc=0.6)
+    crashed.log("valid", 4, auc=0.7)
+    resumed = MetricsLogger(path, resume_step=2)
+    resumed.log("resume", 2, checkpoint="checkpoints/step_00000002")
+    resumed.log("train", 3, loss=0.3)
+    resumed.log("train", 4, loss=0.2)
+    resumed.close()
+    assert len(event_files(tmp_path)) == 2  # the crashed attempt's file is kept
+    scalars = read_scalars(tmp_path)
+    expected = [(1, 1.0), (2, 0.5), (3, 0.3), (4, 0.2)]  # TensorBoard's scalars are float32
+    assert scalars["train/loss"] == [(step, pytest.approx(loss)) for step, loss in expected]
+    assert scalars["valid/auc"] == [(2, pytest.approx(0.6))]  # step 4's is not redone yet
+    assert [e["step"] for e in read_metrics(path) if e["split"] == "train"] == [1, 2, 3, 4]
+
+
+def test_new_run_replaces_the_event_files_of_an_earlier_one(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    earlier = MetricsLogger(path)
+    earlier.log("train", 7, loss=0.9, old_field=1.0)
+    earlier.close()
+    (tmp_path / TENSORBOARD_DIR / "notes.txt").write_text("mine")
+    (old_file,) = event_files(tmp_path)
+    logger = MetricsLogger(path)
+    logger.log("train", 1, loss=0.4)
+    logger.close()
+    (new_file,) = event_files(tmp_path)
+    assert new_file != old_file
+    assert read_scalars(tmp_path) == {"train/loss": [(1, pytest.approx(0.4))]}
+    assert (tmp_path / TENSORBOARD_DIR / "notes.txt").read_text() == "mine"  # only event files
+
+
+def test_tensorboard_off_writes_and_deletes_no_event_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    logger = MetricsLogger(path, tensorboard=False)
+    logger.log("train", 1, loss=0.4)
+    logger.close()
+    assert [e["loss"] for e in read_metrics(path)] == [0.4]
+    assert not (tmp_path / TENSORBOARD_DIR).exists()
+    earlier = MetricsLogger(path)
+    earlier.log("train", 1, loss=0.5)
+    earlier.close()
+    MetricsLogger(path, tensorboard=False).log("train", 1, loss=0.6)
+    assert read_scalars(tmp_path) == {"train/loss": [(1, 0.5)]}  # left as it was
+
+
+def test_close_is_idempotent_and_later_events_go_to_json_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    logger = MetricsLogger(path)
+    logger.log("train", 1, loss=0.5)
+    logger.close()
+    logger.close()
+    logger.log("test", 1, auc=0.5)
+    assert [e["split"] for e in read_metrics(path)] == ["train", "test"]
+    assert set(read_scalars(tmp_path)) == {"train/loss"}
+    assert len(event_files(tmp_path)) == 1
+    MetricsLogger(path, enabled=False).close()  # nothing to close

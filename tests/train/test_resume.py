@@ -80,10 +80,10 @@ def test_crash_then_resume_latest_matches_the_uninterrupted_run(
     reference_dir, reference = uninterrupted
     original = trainer_module._Run._train_step
 
-    def crash_at_step_13(self, batch):
+    def crash_at_step_13(self, batch, timer):
         if self.step == 12:
             raise RuntimeError("node lost")
-        return original(self, batch)
+        return original(self, batch, timer)
 
     monkeypatch.setattr(trainer_module._Run, "_train_step", crash_at_step_13)
     with pytest.raises(RuntimeError, match="node lost"):

@@ -268,18 +268,20 @@ def test_ctrl_c_saves_the_step_reached_and_resumes_bitwise(reference, tmp_path, 
     reference_dir, reference_result = reference
     original = trainer_module._Run._train_step
 
-    def interrupted_at_step_6(self, batch):
-        loss = original(self, batch)
+    def interrupted_at_step_6(self, batch, timer):
+        loss = original(self, batch, timer)
         if self.step == 5:  # the 6th step: Ctrl-C arrives while it runs
             signal.raise_signal(signal.SIGINT)
         return loss
 
     monkeypatch.setattr(trainer_module._Run, "_train_step", interrupted_at_step_6)
+    # Python's default handler, or SIG_IGN when the tests run in a background job
+    handler_before = signal.getsignal(signal.SIGINT)
     with pytest.raises(TrainingStopped) as stopped:
         run(tmp_path, "--checkpoint.every_steps=4", "--checkpoint.keep=0")
     assert stopped.value.step == 6 and stopped.value.exit_code == 130
     assert stopped.value.checkpoint.name == "step_00000006"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is handler_before  # handlers restored
     monkeypatch.setattr(trainer_module._Run, "_train_step", original)
 
     result = run(tmp_path, "--checkpoint.every_steps=4", "--checkpoint.keep=0",

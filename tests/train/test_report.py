@@ -1,0 +1,284 @@
+"""``recsys report``: the table's numbers from hand-made metrics.jsonl files (a plain run of an
+older format, a resumed run, a torchrun-like run with collectives), the PNG it writes for one
+and several runs, and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from recsys.train.cli import main
+from recsys.train.report import (
+    REPORT_FILE,
+    format_table,
+    load_run,
+    output_path,
+    run_names,
+    summarize,
+    write_report,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(run_dir: Path, events: list[dict]) -> Path:
+    run_dir.mkdir(parents=True)
+    text = "".join(json.dumps(e) + "\n" for e in events)
+    (run_dir / "metrics.jsonl").write_text(text)
+    return run_dir
+
+
+def train(step: int, loss: float, rate: float) -> dict:
+    return {"split": "train", "step": step, "epoch": 0, "loss": loss, "samples_per_s": rate}
+
+
+def timed(step: int, loss: float, rate: float, **parts: float) -> dict:
+    """A train event with the step-time fields ``time_<part>`` (seconds per step)."""
+    event = train(step, loss, rate)
+    event.update({f"time_{part}": seconds for part, seconds in parts.items()})
+    event.update(lr_dense=0.001, lr_embedding=0.05)
+    return event
+
+
+def evaluation(split: str, step: int, auc: float, logloss: float) -> dict:
+    return {"split": split, "step": step, "auc": auc, "logloss": logloss, "oracle_auc": 0.87}
+
+
+@pytest.fixture
+def plain(tmp_path) -> Path:
+    """A run logged before the step-time fields existed: no time_* anywhere."""
+    return write_run(
+        tmp_path / "plain",
+        [
+            train(100, 0.50, 1000.0),
+            evaluation("valid", 100, 0.70, 0.48),
+            train(200, 0.45, 2000.0),
+            evaluation("valid", 200, 0.75, 0.44),
+            evaluation("test", 200, 0.76, 0.43),
+        ],
+    )
+
+
+@pytest.fixture
+def resumed(tmp_path) -> Path:
+    """Stopped after step 250 and resumed from its checkpoint: the window after the resume is
+    50 steps long; the breakdown is logged."""
+    parts = {"data": 0.001, "forward": 0.004, "backward": 0.006, "optimizer": 0.002}
+    later = {**parts, "forward": 0.010}
+    return write_run(
+        tmp_path / "resumed",
+        [
+            timed(100, 0.50, 1000.0, **parts),
+            timed(200, 0.45, 1000.0, **parts),
+            evaluation("valid", 250, 0.74, 0.45),
+            {"split": "stop", "step": 250, "signal": "SIGTERM", "checkpoint": "c/step_250"},
+            {"split": "resume", "step": 250, "checkpoint": "c/step_250"},
+            timed(300, 0.44, 500.0, **later),
+            evaluation("valid", 300, 0.77, "nan"),
+            evaluation("test", 300, 0.78, 0.42),
+        ],
+    )
+
+
+@pytest.fixture
+def torchrun(tmp_path) -> Path:
+    """A run on several ranks: collectives logged too."""
+    parts = {"data": 0.002, "forward": 0.003, "backward": 0.004, "optimizer": 0.001}
+    return write_run(
+        tmp_path / "torchrun",
+        [
+            timed(100, 0.52, 4000.0, **parts, collectives=0.005),
+            timed(200, 0.46, 4000.0, **parts, collectives=0.007),
+            evaluation("valid", 200, 0.74, 0.45),
+            evaluation("test", 200, 0.75, 0.44),
+        ],
+    )
+
+
+def assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    height, width, channels = matplotlib.image.imread(path).shape
+    assert width > 1000 and height > 700 and channels in (3, 4)
+
+
+def test_summaries_of_a_plain_a_resumed_and_a_torchrun_run(plain, resumed, torchrun):
+    old = summarize(load_run(plain))
+    assert (old.name, old.steps, old.valid_auc, old.valid_step) == ("plain", 200, 0.75, 200)
+    assert (old.test_auc, old.test_logloss) == (0.76, 0.43)
+    # 100 steps at 1000/s and 100 at 2000/s: 200 steps in 0.1 + 0.05 time units.
+    assert old.samples_per_s == pytest.approx(200 / (100 / 1000 + 100 / 2000))
+    assert old.step_ms == {}
+
+    run = load_run(resumed)
+    assert run.resumed_at == [250]
+    new = summarize(run)
+    assert (new.steps, new.valid_auc, new.valid_step, new.test_auc) == (300, 0.77, 300, 0.78)
+    # Windows of 100, 100 and 50 steps (the last one starts at the resume, not at step 200).
+    assert new.samples_per_s == pytest.approx(250 / (200 / 1000 + 50 / 500))
+    assert new.step_ms["forward"] == pytest.approx(1000 * (200 * 0.004 + 50 * 0.010) / 250)
+    assert new.step_ms["backward"] == pytest.approx(6.0)
+    assert set(new.step_ms) == {"data", "forward", "backward", "optimizer"}
+
+    ranks = summarize(load_run(torchrun))
+    assert ranks.step_ms["collectives"] == pytest.approx(6.0)
+    assert ranks.samples_per_s == pytest.approx(4000.0)
+
+
+def test_the_table_has_one_row_per_run_with_its_numbers(plain, resumed, torchrun):
+    summaries = [summarize(load_run(d)) for d in (plain, resumed, torchrun)]
+    header, *rows = format_table(summaries).splitlines()
+    assert header.split() == [
+        "run", "steps", "valid", "auc", "at", "step", "test", "auc", "test", "logloss",
+        "samples/s", "data", "ms", "forward", "ms", "backward", "ms", "optimizer", "ms",
+        "collectives", "ms",
+    ]  # fmt: skip
+    assert rows[0].split() == [
+        "plain", "200", "0.7500", "200", "0.7600", "0.4300", "1,333", "-", "-", "-", "-", "-",
+    ]  # fmt: skip
+    assert rows[1].split() == [
+        "resumed", "300", "0.7700", "300", "0.7800", "0.4200", "833",
+        "1.00", "5.20", "6.00", "2.00", "-",
+    ]  # fmt: skip
+    assert rows[2].split()[-5:] == ["2.00", "3.00", "4.00", "1.00", "6.00"]
+    widths = {len(line) for line in (header, rows[1], rows[2])}
+    assert len(widths) == 1  # aligned columns
+
+
+def test_a_table_without_breakdown_has_no_time_columns(plain):
+    table = format_table([summarize(load_run(plain))])
+    assert "data ms" not in table and "forward" not in table
+
+
+def test_one_run_writes_report_png_in_its_directory(plain, capsys):
+    assert main(["report", str(plain)]) == 0
+    assert_png(plain / REPORT_FILE)
+    out = capsys.readouterr().out
+    assert out.startswith("run ")
+    assert f"recsys: wrote {plain / REPORT_FILE}" in out
+    assert main(["report", str(plain)]) == 0  # a report is replaced by the next one
+    assert_png(plain / REPORT_FILE)
+
+
+def test_several_runs_overlay_in_one_png(plain, resumed, torchrun, tmp_path):
+    output = tmp_path / "out" / "compare.png"
+    report = write_report([plain, resumed, torchrun], output)
+    assert report.output == output
+    assert_png(output)
+    assert [s.name for s in report.summaries] == ["plain", "resumed", "torchrun"]
+    assert report.table == format_table(report.summaries)
+    assert not (plain / REPORT_FILE).exists()
+
+
+def test_runs_without_any_breakdown_still_get_a_picture(plain, tmp_path):
+    write_run(tmp_path / "only_evals", [evaluation("test", 0, 0.5, 0.69)])
+    report = write_report([plain, tmp_path / "only_evals"], tmp_path / "r.png")
+    assert_png(report.output)
+    assert report.summaries[1].samples_per_s is None
+    row = report.table.splitlines()[2].split()
+    assert row == ["only_evals", "0", "-", "-", "0.5000", "0.6900", "-"]
+
+
+def test_a_step_logged_twice_keeps_its_last_event(tmp_path):
+    run_dir = write_run(
+        tmp_path / "twice",
+        [train(100, 0.9, 10.0), evaluation("valid", 100, 0.6, 0.5), train(100, 0.5, 30.0)],
+    )
+    run = load_run(run_dir)
+    assert [e["loss"] for e in run.train] == [0.5]
+    assert summarize(run).samples_per_s == 30.0
+
+
+def test_names_clash_then_the_paths_tell_runs_apart(tmp_path):
+    a, b, c = tmp_path / "x" / "run", tmp_path / "y" / "run", tmp_path / "z"
+    assert run_names([a, b, c]) == [str(a), str(b), "z"]
+
+
+def test_a_directory_without_metrics_is_an_error_naming_it(plain, tmp_path, capsys):
+    empty = tmp_path / "not_a_run"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="'.*not_a_run' has no metrics.jsonl"):
+        write_report([plain, empty], tmp_path / "r.png")
+    assert main(["report", str(plain), str(empty)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"recsys: error: '{empty}' has no metrics.jsonl")
+    assert not (plain / REPORT_FILE).exists()  # nothing written
+
+
+def test_missing_directory_and_broken_file_are_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run directory not found: '.*nowhere'"):
+        load_run(tmp_path / "nowhere")
+    broken = write_run(tmp_path / "broken", [train(100, 0.5, 10.0)])
+    with (broken / "metrics.jsonl").open("a") as f:
+        f.write('{"split": "train", "st\n')
+    with pytest.raises(ValueError, match="broken/metrics.jsonl' is not one JSON object per line"):
+        load_run(broken)
+    silent = write_run(tmp_path / "silent", [{"split": "resume", "step": 4, "checkpoint": "c"}])
+    with pytest.raises(ValueError, match="holds no train or eval event yet"):
+        load_run(silent)
+
+
+def test_output_must_be_a_png_file(plain, tmp_path):
+    assert output_path([plain], None) == plain / REPORT_FILE
+    assert output_path([plain], "a/B.PNG") == Path("a/B.PNG")
+    with pytest.raises(ValueError, match="--output 'report.pdf' must end in .png"):
+        output_path([plain], "report.pdf")
+    (tmp_path / "dir.png").mkdir()
+    with pytest.raises(ValueError, match="is a directory"):
+        output_path([plain], tmp_path / "dir.png")
+
+
+def test_report_refuses_config_overrides(plain, capsys):
+    assert main(["report", str(plain), "--train.batch_size=4"]) == 2
+    assert "unrecognized arguments: --train.batch_size=4" in capsys.readouterr().err
+    assert not (plain / REPORT_FILE).exists()
+
+
+def help_text(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_train_help_says_how_overrides_work_where_the_reference_is_and_shows_an_example(
+    capsys, monkeypatch
+):
+    monkeypatch.setenv("COLUMNS", "100")
+    out = help_text(["train"], capsys)
+    assert "--section.key=value" in out and "--train.batch_size=4096" in out
+    assert "docs/config.md" in out and "recsys config --reference" in out
+    example = out[out.index("example:") :].splitlines()[1:]
+    assert example == [
+        "  recsys train --config configs/dlrm_synthetic.toml --train.batch_size=4096 \\",
+        "      --model.embedding_dim=32 --run.dir=runs/dlrm_dim32",
+    ]
+    # The example runs: its overrides are valid keys.
+    trained = []
+    monkeypatch.setattr("recsys.train.trainer.train", trained.append)
+    argv = " ".join(line.strip(" \\") for line in example).split()[1:]
+    assert main(argv) == 0
+    assert trained[0].model.embedding_dim == 32 and trained[0].train.batch_size == 4096
+
+
+@pytest.mark.parametrize(
+    ("command", "keys"),
+    [
+        (None, "--section.key=value"),
+        ("config", "--section.key=value"),
+        ("eval", "--section.key=value"),
+        ("preprocess", "--preprocess.key=value"),
+        ("export", "takes no config keys"),
+        ("predict", "takes no config keys"),
+        ("report", "takes no config keys"),
+    ],
+)
+def test_every_help_ends_with_config_keys_and_an_example(command, keys, capsys):
+    out = help_text([] if command is None else [command], capsys)
+    assert keys in out
+    if keys != "takes no config keys":
+        assert "docs/config.md" in out and "recsys config --reference" in out
+    example = out[out.index("\nexample:\n") :].splitlines()[2]
+    assert example.startswith(f"  recsys {command or 'train'} ")
