@@ -49,6 +49,9 @@ class BinaryMetrics:
         self.auc = [BinaryAUROC().to(device) for _ in label_names]
         self.oracle = [BinaryAUROC().to(device) for _ in label_names] if with_oracle else []
         self.logloss = MeanMetric().to(device)
+        # per task, when there are several (the mean over tasks is ``logloss``)
+        num_task_losses = len(label_names) if len(label_names) > 1 else 0
+        self.task_logloss = [MeanMetric().to(device) for _ in range(num_task_losses)]
         self.device = device
         self.updated = False
 
@@ -60,6 +63,8 @@ class BinaryMetrics:
         self.updated = True
         losses = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")
         self.logloss.update(losses.flatten())
+        for t, metric in enumerate(self.task_logloss):
+            metric.update(losses[:, t])
         targets = labels.long()
         scores = torch.sigmoid(logits.float())
         for t, metric in enumerate(self.auc):
@@ -69,8 +74,9 @@ class BinaryMetrics:
                 metric.update(probability[:, t].to(scores.device), targets[:, t])
 
     def compute(self) -> dict[str, Any]:
-        """``auc`` (mean over tasks), ``logloss``, per-task ``auc_<task>`` when T > 1, and
-        ``oracle_auc`` when tracked; over every rank's samples (collective when distributed)."""
+        """``auc`` (mean over tasks), ``logloss``, per-task ``auc_<task>`` and
+        ``logloss_<task>`` when T > 1, and ``oracle_auc`` when tracked; over every rank's
+        samples (collective when distributed)."""
         if not self.updated:
             # A rank without samples still joins the metrics' gathers (torchmetrics skips the
             # sync of a metric never updated, and the other ranks would wait for it).
@@ -91,6 +97,8 @@ class BinaryMetrics:
             result.update(
                 {f"auc_{name}": a for name, a in zip(self.label_names, aucs, strict=True)}
             )
+            for name, metric in zip(self.label_names, self.task_logloss, strict=True):
+                result[f"logloss_{name}"] = float(metric.compute())
         if self.oracle:
             oracle = [float(m.compute()) for m in self.oracle]
             result["oracle_auc"] = sum(oracle) / len(oracle)

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from recsys.train.metrics import TENSORBOARD_DIR, BinaryMetrics, MetricsLogger, read_metrics
@@ -101,7 +102,7 @@ def test_per_task_keys_mean_auc_and_oracle():
     assert result["oracle_auc"] == pytest.approx(sum(oracle) / 3, abs=1e-6)
     assert result["logloss"] == pytest.approx(float64_logloss(logits, labels), rel=1e-6)
     assert set(result) == {"auc", "logloss", "oracle_auc"} | {
-        f"{kind}_{n}" for kind in ("auc", "oracle_auc") for n in names
+        f"{kind}_{n}" for kind in ("auc", "oracle_auc", "logloss") for n in names
     }
 
 
@@ -309,3 +310,21 @@ def test_close_is_idempotent_and_later_events_go_to_json_only(tmp_path):
     assert set(read_scalars(tmp_path)) == {"train/loss"}
     assert len(event_files(tmp_path)) == 1
     MetricsLogger(path, enabled=False).close()  # nothing to close
+
+
+def test_per_task_logloss_of_several_tasks_and_their_mean():
+    torch.manual_seed(3)
+    logits, labels = torch.randn(50, 2), torch.randint(0, 2, (50, 2)).float()
+    metrics = BinaryMetrics(("click", "buy"), torch.device("cpu"))
+    metrics.update(logits[:20], labels[:20])
+    metrics.update(logits[20:], labels[20:])
+    result = metrics.compute()
+    per_task = F.binary_cross_entropy_with_logits(
+        logits.double(), labels.double(), reduction="none"
+    ).mean(dim=0)
+    assert result["logloss_click"] == pytest.approx(float(per_task[0]), rel=1e-6)
+    assert result["logloss_buy"] == pytest.approx(float(per_task[1]), rel=1e-6)
+    assert result["logloss"] == pytest.approx(float(per_task.mean()), rel=1e-6)
+    single = BinaryMetrics(("click",), torch.device("cpu"))
+    single.update(logits[:, :1], labels[:, :1])
+    assert "logloss_click" not in single.compute()
