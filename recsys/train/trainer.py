@@ -12,11 +12,13 @@ Events go to ``<run dir>/metrics.jsonl``:
 from __future__ import annotations
 
 import os
+import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,7 +112,7 @@ class _Run:
             )
         )
         resume = self._find_resume() if ckpt.resume else None
-        torch.manual_seed(config.run.seed)
+        seed_everything(config.run.seed)
         self.dataset = build_dataset(config.data, config.run.seed)
         malformed = getattr(self.dataset, "malformed", None)
         if malformed is not None and malformed.count:
@@ -558,6 +560,14 @@ def _data_name(config: Config) -> str:
     """The data a run trains on, as the summary names it."""
     source = resolve_source(config.data)
     return "synthetic data" if source == "synthetic" else f"{source} data '{config.data.path}'"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch, numpy's and Python's global generators: nothing in recsys draws from the
+    last two, but a user's model or data code may, and a checkpoint stores all three."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 def _on_first_rank(check: Any) -> None:

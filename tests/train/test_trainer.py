@@ -15,6 +15,8 @@ from recsys.train.cli import main
 from recsys.train.metrics import BinaryMetrics, read_metrics
 from recsys.train.models import build_model
 from recsys.train.trainer import train
+from tests.train.test_resume import TINY
+from tests.train.test_resume import run as run_tiny
 
 SMALL = [
     "--data.synthetic.cardinalities=[100,1000,500,20,3000,50,200,800,10,2000]",
@@ -211,3 +213,14 @@ def test_multi_task_run_weights_the_task_losses(tmp_path):
         test[weights] = train(config).test
     assert test["[1.0,0.0]"]["auc_task_0"] > test["[0.0,1.0]"]["auc_task_0"] + 0.1
     assert test["[0.0,1.0]"]["auc_task_1"] > test["[1.0,0.0]"]["auc_task_1"] + 0.1
+
+
+def test_one_seed_writes_byte_identical_checkpoints(tmp_path):
+    """Every generator a checkpoint stores (torch, numpy, Python) is seeded by run.seed."""
+    for name in ("a", "b"):
+        run_tiny(tmp_path / name, *TINY, "--train.max_steps=3")
+    first, second = (tmp_path / n / "checkpoints" / "step_00000003" for n in ("a", "b"))
+    files = sorted(p.name for p in first.iterdir() if p.suffix == ".distcp")
+    assert files
+    for name in files:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
