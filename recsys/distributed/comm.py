@@ -168,48 +168,33 @@ def all_to_all_ids(
         The bags every rank sent to this one.
     """
     with stats.timed(values.device):
-        return _all_to_all_ids(
-            lengths, values, weights, batch_size, slots_per_rank, values_per_rank, group, stats
+        world, rank = len(slots_per_rank), dist.get_rank(group)
+        counts = torch.stack([torch.full_like(values_per_rank, batch_size), values_per_rank], dim=1)
+        counts = counts.to(torch.int64).reshape(-1)  # [W * 2]: (B, num values) per destination
+        stats.add("input", counts)
+        received = all_to_all(counts, [2] * world, [2] * world, group).view(world, 2).tolist()
+        batch_sizes = [b for b, _ in received]
+        num_values = [n for _, n in received]
+        sent_values = values_per_rank.tolist()
+        stats.add("input", lengths, values, *(() if weights is None else (weights,)))
+        works = []
+        recv_lengths, work = all_to_all(
+            lengths,
+            [s * batch_size for s in slots_per_rank],
+            [slots_per_rank[rank] * b for b in batch_sizes],
+            group,
+            async_op=True,
         )
-
-
-def _all_to_all_ids(
-    lengths: torch.Tensor,
-    values: torch.Tensor,
-    weights: torch.Tensor | None,
-    batch_size: int,
-    slots_per_rank: Sequence[int],
-    values_per_rank: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    stats: CommStats,
-) -> ReceivedIds:
-    world, rank = len(slots_per_rank), dist.get_rank(group)
-    counts = torch.stack([torch.full_like(values_per_rank, batch_size), values_per_rank], dim=1)
-    counts = counts.to(torch.int64).reshape(-1)  # [W * 2]: (B, num values) per destination
-    stats.add("input", counts)
-    received = all_to_all(counts, [2] * world, [2] * world, group).view(world, 2).tolist()
-    batch_sizes = [b for b, _ in received]
-    num_values = [n for _, n in received]
-    sent_values = values_per_rank.tolist()
-    stats.add("input", lengths, values, *(() if weights is None else (weights,)))
-    works = []
-    recv_lengths, work = all_to_all(
-        lengths,
-        [s * batch_size for s in slots_per_rank],
-        [slots_per_rank[rank] * b for b in batch_sizes],
-        group,
-        async_op=True,
-    )
-    works.append(work)
-    recv_values, work = all_to_all(values, sent_values, num_values, group, async_op=True)
-    works.append(work)
-    recv_weights = None
-    if weights is not None:
-        recv_weights, work = all_to_all(weights, sent_values, num_values, group, async_op=True)
         works.append(work)
-    for work in works:
-        work.wait()
-    return ReceivedIds(batch_sizes, recv_lengths, recv_values, recv_weights)
+        recv_values, work = all_to_all(values, sent_values, num_values, group, async_op=True)
+        works.append(work)
+        recv_weights = None
+        if weights is not None:
+            recv_weights, work = all_to_all(weights, sent_values, num_values, group, async_op=True)
+            works.append(work)
+        for work in works:
+            work.wait()
+        return ReceivedIds(batch_sizes, recv_lengths, recv_values, recv_weights)
 
 
 def source_to_slot_major(

@@ -277,21 +277,13 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
             )
             if values.numel() < FBGEMM_FORWARD_MAX_IDS:
                 return pool_fbgemm(plan, flat, ctx.fbgemm_batch)
-            return pool_torch(
-                plan,
-                plan.layout.table_views(flat),
-                values,
-                offsets,
-                per_sample_weights,
-                feature_to_key,
-                batch_size,
-            )
-        psw = () if per_sample_weights is None else (per_sample_weights,)
-        ctx.save_for_backward(values, offsets, *psw)
-        if backend == "triton":
-            return _pool_triton(
-                plan, flat, values, offsets, per_sample_weights, feature_to_key, batch_size
-            )
+        else:
+            psw = () if per_sample_weights is None else (per_sample_weights,)
+            ctx.save_for_backward(values, offsets, *psw)
+            if backend == "triton":
+                return _pool_triton(
+                    plan, flat, values, offsets, per_sample_weights, feature_to_key, batch_size
+                )
         return pool_torch(
             plan,
             plan.layout.table_views(flat),
