@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torchrec import KeyedJaggedTensor
 
+ID_ENCODINGS = ("index", "raw")
+
 
 @dataclass(frozen=True)
 class DatasetSpec:
@@ -25,8 +27,17 @@ class DatasetSpec:
         cardinalities: number of distinct ids of each categorical feature.
         label_names: names of the T labels (tasks).
         fingerprint: the vocabulary the ids come from: ``recsys preprocess``'s fingerprint of
-            its fitted workflow ("" for data with no fitted vocabulary: synthetic, hashed raw
-            Criteo, or preprocessed before fingerprints existed).
+            its fitted workflow, or of its options and key scheme for raw keys ("" for data
+            with no fitted vocabulary: synthetic, hashed raw Criteo, or preprocessed before
+            fingerprints existed).
+        id_encoding: ``"index"``: ids are row numbers in [0, cardinality); ``"raw"``: ids are
+            any int64 keys (``recsys preprocess --preprocess.encoding=raw``, or synthetic data
+            with ``id_encoding = "raw"``) with no vocabulary, and every cardinality is 0: such
+            features need dynamic tables (keyed by id, growing), not fixed ones.
+
+    Raises:
+        ValueError: names and cardinalities of different lengths, an unknown id_encoding, or
+            a non-zero cardinality with raw ids.
     """
 
     dense_names: tuple[str, ...]
@@ -34,6 +45,7 @@ class DatasetSpec:
     cardinalities: tuple[int, ...]
     label_names: tuple[str, ...]
     fingerprint: str = ""
+    id_encoding: str = "index"
 
     def __post_init__(self) -> None:
         if len(self.sparse_names) != len(self.cardinalities):
@@ -41,11 +53,21 @@ class DatasetSpec:
                 f"{len(self.sparse_names)} sparse feature names but "
                 f"{len(self.cardinalities)} cardinalities"
             )
+        if self.id_encoding not in ID_ENCODINGS:
+            raise ValueError(
+                f"id_encoding = {self.id_encoding!r}; expected one of {', '.join(ID_ENCODINGS)}"
+            )
+        if self.id_encoding == "raw" and any(self.cardinalities):
+            raise ValueError(
+                f"cardinalities {self.cardinalities} with id_encoding = 'raw'; raw ids have no "
+                "vocabulary: every cardinality must be 0"
+            )
 
     @classmethod
     def from_json(cls, fields: dict) -> DatasetSpec:
         """The spec ``json.dumps(dataclasses.asdict(spec))`` wrote (a checkpoint's or an
-        export's ``spec.json``; older ones have no fingerprint)."""
+        export's ``spec.json``; older ones have no fingerprint or id_encoding, and read as
+        ``""`` and ``"index"``)."""
         return cls(
             **{
                 key: value if isinstance(value, str) else tuple(value)

@@ -17,6 +17,9 @@ Three stages, each streaming in pieces of about ``chunk_mb`` MB so memory stays 
    ``metadata.json`` (column roles, cardinalities, row counts, fingerprint) that
    ``ParquetDataset`` and the trainer read, so table sizes are never typed by hand.
 
+With ``encoding = "raw"`` there is nothing to fit: stage 1 hashes every categorical value into
+a stable 64-bit key and writes the output directly, in one pass (``recsys.data.etl_raw``).
+
 Provenance: the fingerprint (a sha256 over the fitted categories, the normalization statistics
 and the options that change ids or dense values) is in ``metadata.json`` and in the schema
 metadata (key ``recsys.preprocess``) of every split file, so :func:`file_fingerprint` tells
@@ -36,7 +39,7 @@ import shutil
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,7 @@ import pyarrow.parquet as pq
 from recsys._files import write_failure
 from recsys.config import PreprocessConfig
 from recsys.data import criteo, readers
+from recsys.data.etl_raw import RawWriter, raw_fingerprint, raw_metadata
 from recsys.data.etl_workflow import (
     FITTED_OPTIONS,
     build_workflow,
@@ -125,7 +129,8 @@ class PreprocessReport:
 
 
 def preprocess(config: PreprocessConfig) -> PreprocessReport:
-    """Run the three stages (see module docstring) and return a report.
+    """Run the three stages (see module docstring; one pass with ``encoding = "raw"``) and
+    return a report.
 
     With ``config.apply`` set to a directory written by preprocess, its fitted workflow
     transforms the input instead of a new one being fitted: column roles, encoding and dense
@@ -134,7 +139,9 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
     and label columns may be absent from parquet / CSV input (the output then has none). This
     transforms raw input for scoring, one output row per input row in input order (strict: a
     malformed row is an error instead of being skipped) in ``<tmp>/train/`` (files in the order
-    of ``metadata["splits"]["train"]["files"]``); ``tmp`` may be an existing empty directory::
+    of ``metadata["splits"]["train"]["files"]``); ``tmp`` may be an existing empty directory.
+    Applying a raw directory fits nothing either: it hashes the input the same way, with that
+    directory's roles and dense transform (and its fingerprint)::
 
         preprocess(PreprocessConfig(apply="data/day_0", format="parquet", input="new.parquet",
                                     output=tmp, valid_fraction=0, test_fraction=0, strict=True))
@@ -182,20 +189,27 @@ def _run(
     placeholders: list[str],
 ) -> tuple[dict[str, int], dict[str, Any], MalformedLines, InputStats]:
     """The three stages, written into ``work``: (rows per split, metadata, malformed, stats)."""
-    staging = work / "_staging"
     malformed = MalformedLines()
     stats = InputStats()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # merlin warns about absent GPU / tensorflow packages
-        workflow = load_workflow(config) if fitted else build_workflow(config, roles, work)
-    staged = _stage(config, roles, sources, carve, staging, malformed, stats, workflow)
-    _require_staged_rows(staged, applying=fitted is not None)
-    if placeholders:  # unlabeled input in apply mode: the workflow still reads the labels
-        _add_placeholders(staging, placeholders)
-    rows, fingerprint = fit_and_transform(workflow, config, roles, staging, work, fitted)
-    shutil.rmtree(staging)
+    if config.encoding == "raw":
+        rows, described = _run_raw(config, roles, sources, carve, work, fitted, malformed, stats)
+    else:
+        staging = work / "_staging"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # merlin warns about absent GPU / tensorflow packages
+            workflow = load_workflow(config) if fitted else build_workflow(config, roles, work)
+        types = fitted_types(workflow, roles) if config.apply else {}
+        staged = _stage(
+            config, roles, sources, carve, malformed, stats, types, _StagingWriter(staging)
+        )
+        _require_staged_rows(staged, applying=fitted is not None)
+        if placeholders:  # unlabeled input in apply mode: the workflow still reads the labels
+            _add_placeholders(staging, placeholders)
+        rows, fingerprint = fit_and_transform(workflow, config, roles, staging, work, fitted)
+        shutil.rmtree(staging)
+        described = fitted_metadata(config, roles, workflow, fitted, fingerprint)
     metadata = {
-        **fitted_metadata(config, roles, workflow, fitted, fingerprint),
+        **described,
         "splits": {
             s: {"rows": rows[s], "files": sorted(p.name for p in (work / s).glob("*.parquet"))}
             for s in SPLITS
@@ -206,6 +220,35 @@ def _run(
     }
     (work / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
     return rows, metadata, malformed, stats
+
+
+def _run_raw(
+    config: PreprocessConfig,
+    roles: Roles,
+    sources: dict[str, list[Path]],
+    carve: list[str],
+    work: Path,
+    fitted: dict[str, Any] | None,
+    malformed: MalformedLines,
+    stats: InputStats,
+) -> tuple[dict[str, int], dict[str, Any]]:
+    """``encoding = "raw"``: read, clean, carve, hash and write in one pass (no staging, no
+    fit): (rows per split, the metadata keys describing the columns)."""
+    fingerprint = raw_fingerprint(config, roles)
+    writer = RawWriter(work, roles, config, fingerprint)
+    try:
+        _stage(config, roles, sources, carve, malformed, stats, {}, writer.write)
+    except BaseException:
+        writer.abort()
+        raise
+    rows = writer.close()
+    _require_staged_rows(rows, applying=fitted is not None)
+    if fitted is None:
+        return rows, raw_metadata(roles, config, fingerprint, writer.distinct_estimates())
+    return rows, {
+        **raw_metadata(roles, config, fingerprint, None),
+        "categorical": fitted["categorical"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,9 +265,16 @@ def _sources(config: PreprocessConfig) -> dict[str, list[Path]]:
 
 
 def _check_encoding(config: PreprocessConfig, roles: Roles) -> None:
-    """The encoding options are valid for these columns (hashing takes no multi-hot column)."""
+    """The encoding options are valid for these columns (hashing takes no multi-hot column;
+    raw keys fit nothing, so no dense normalization)."""
     if config.hash_buckets < 1:
         raise ValueError(f"preprocess.hash_buckets = {config.hash_buckets}; expected >= 1")
+    if config.encoding == "raw" and config.normalize_dense:
+        raise ValueError(
+            "preprocess.normalize_dense = true needs a fitting pass over the train split, and "
+            "preprocess.encoding = 'raw' fits nothing (one pass); set normalize_dense = false "
+            "(dense values still get the signed log) or use encoding 'categorify' or 'hash'"
+        )
     if config.encoding == "hash" and roles.multi_hot:
         raise ValueError(
             "preprocess.encoding = 'hash' does not support multi-hot columns "
@@ -345,21 +395,34 @@ def _files(spec: str, what: str) -> list[Path]:
 # Stage 1: read, clean, split
 
 
+class _StagingWriter:
+    """Writes each staged piece as its own plain parquet file ``<staging>/<split>/part_*``."""
+
+    def __init__(self, staging: Path) -> None:
+        self.staging = staging
+        self.parts = dict.fromkeys(SPLITS, 0)
+        for split in SPLITS:
+            (staging / split).mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, split: str, part: pa.Table) -> None:
+        pq.write_table(part, self.staging / split / f"part_{self.parts[split]:06d}.parquet")
+        self.parts[split] += 1
+
+
 def _stage(
     config: PreprocessConfig,
     roles: Roles,
     sources: dict[str, list[Path]],
     carve: list[str],
-    staging: Path,
     malformed: MalformedLines,
     stats: InputStats,
-    workflow,
+    types: dict[str, pa.DataType],
+    write: Callable[[str, pa.Table], None],
 ) -> dict[str, int]:
+    """Read every input piece, clean it (``types``: the category types of apply mode), route
+    its rows to their split and hand each non-empty part to ``write(split, part)`` in input
+    order: the rows per split."""
     rows = dict.fromkeys(SPLITS, 0)
-    parts = dict.fromkeys(SPLITS, 0)
-    for split in SPLITS:
-        (staging / split).mkdir(parents=True, exist_ok=True)
-    types = fitted_types(workflow, roles) if config.apply else {}
     first_row = 0  # index of the piece's first row among all input rows read so far
     for source_split, files in sources.items():
         for path in files:
@@ -371,8 +434,7 @@ def _stage(
                 first_row += table.num_rows
                 for split, part in routed.items():
                     if part.num_rows:
-                        pq.write_table(part, staging / split / f"part_{parts[split]:06d}.parquet")
-                        parts[split] += 1
+                        write(split, part)
                         rows[split] += part.num_rows
     return rows
 

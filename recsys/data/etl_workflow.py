@@ -186,6 +186,7 @@ def fitted_metadata(
     return {
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint,
+        "id_encoding": "index",
         "labels": roles.labels,
         "dense": roles.dense,
         "categorical": categorical,

@@ -29,7 +29,8 @@ class ParquetDataset:
     Args:
         path: the directory (holds metadata.json and train/, valid/, test/).
         validate: check every chunk: labels in {0, 1}, finite dense values, ids inside their
-            tables (catches data preprocessed with another schema).
+            tables (catches data preprocessed with another schema; raw keys, any int64, are
+            not range-checked).
 
     Example::
 
@@ -49,6 +50,7 @@ class ParquetDataset:
             cardinalities=tuple(int(c["cardinality"]) for c in categorical),
             label_names=tuple(self.metadata["labels"]),
             fingerprint=self.metadata["fingerprint"],
+            id_encoding=self.metadata["id_encoding"],
         )
         self._multi_hot = {c["name"] for c in categorical if c["multi_hot"]}
         self._files: dict[Path, pq.ParquetFile] = {}
@@ -99,7 +101,12 @@ def table_to_batch(
     where: str = "table",
     validate: bool = True,
 ) -> Batch:
-    """Columns of ``table`` named by ``spec`` -> Batch (dense [B, N_dense], KJT, labels [B, T])."""
+    """Columns of ``table`` named by ``spec`` -> Batch (dense [B, N_dense], KJT, labels [B, T]).
+
+    With ``validate``, ids must lie in [0, cardinality) unless ``spec.id_encoding`` is "raw"
+    (any int64 key is valid: they pass unchanged).
+    """
+    check_range = validate and spec.id_encoding == "index"
     num_rows = table.num_rows
     dense = np.empty((num_rows, spec.num_dense), dtype=np.float32)
     for j, name in enumerate(spec.dense_names):
@@ -117,7 +124,7 @@ def table_to_batch(
             bag_lengths = np.ones(num_rows, dtype=np.int32)
             ids = column.to_numpy(zero_copy_only=False)
         ids = ids.astype(np.int64, copy=False)
-        if validate and ids.size and (ids.min() < 0 or ids.max() >= cardinality):
+        if check_range and ids.size and (ids.min() < 0 or ids.max() >= cardinality):
             bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
             raise ValueError(
                 f"{where}: {name} id {bad} is outside its table of {cardinality} rows "

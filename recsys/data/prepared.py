@@ -1,10 +1,10 @@
 """The directory ``recsys preprocess`` writes: its metadata, its fingerprint, and replacing it
 without losing data.
 
-Layout: ``metadata.json`` (column roles, cardinalities, row counts, dense transform,
-fingerprint), ``train/``, ``valid/``, ``test/`` (``part_*.parquet``, each carrying the
+Layout: ``metadata.json`` (column roles, cardinalities, id encoding, row counts, dense
+transform, fingerprint), ``train/``, ``valid/``, ``test/`` (``part_*.parquet``, each carrying the
 fingerprint in its schema metadata under ``recsys.preprocess``), ``workflow/`` (the fitted
-NVTabular workflow) and ``categories/``.
+NVTabular workflow) and ``categories/`` (neither for ``encoding = "raw"``: nothing is fitted).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     """The metadata.json of a preprocessed directory, with a clear error when it is not one.
 
     Directories written before fingerprints existed read with ``"fingerprint": ""`` and the
-    dense transform they were made with (log(1 + max(x, 0))).
+    dense transform they were made with (log(1 + max(x, 0))); those written before raw keys
+    existed with ``"id_encoding": "index"``.
     """
     file = Path(path) / METADATA
     if not file.is_file():
@@ -46,6 +47,7 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
             f"{FORMAT_VERSION}: preprocess the data again"
         )
     metadata.setdefault("fingerprint", "")
+    metadata.setdefault("id_encoding", "index")  # written before raw keys existed
     if "dense_transform" not in metadata:  # written before the signed transform
         options = metadata.get("preprocess", {})
         metadata["dense_transform"] = dense_transform(

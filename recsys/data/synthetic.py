@@ -21,6 +21,19 @@ Data is generated in chunks of ``CHUNK_SIZE`` rows; chunk i of a split is a pure
 (seed, split, i), so any chunk can be regenerated in any order, on any rank, and the train,
 valid and test splits are independent draws. The teacher depends on the seed only.
 
+**Drift** (``drift_days`` D > 0): the samples form a stream of days 0..D in which ids are born,
+peak and die (``recsys.data.synthetic_drift``); the teacher's E_f and b_{t,f} are then drawn
+from hashes of (seed, feature, id) instead of tables, so an id born on any day is scored the
+same way on every day. The train split is days 0..D-1 in day order (``num_train_samples``
+spread evenly, each chunk from one day: :meth:`SyntheticDataset.chunk_days`), valid and test
+are day D. :meth:`SyntheticDataset.day` draws any number of samples of one day, from streams of
+their own. With ``drift_days = 0`` nothing of this applies and the data is bitwise what it was
+before drift existed.
+
+**Raw ids** (``id_encoding = "raw"``): every id number n of feature f becomes the 64-bit key
+``recsys.data.keys.synthetic_keys(f, n)`` after generation; features, teacher and labels are
+those of the ``index`` encoding. :meth:`SyntheticDataset.id_numbers` maps keys back.
+
 Tasks do not depend on how many there are: task t's teacher, probabilities and labels are the
 same for every ``num_tasks`` > t. The features and task 0 come from the seed's main stream
 (task 0 is the one-task dataset), task t >= 1 from a stream of its own, each task's logit is
@@ -40,11 +53,19 @@ from torchrec import KeyedJaggedTensor
 
 from recsys.config import SyntheticConfig
 from recsys.data.batch import Batch, DatasetSpec
+from recsys.data.keys import synthetic_id_numbers, synthetic_keys
+from recsys.data.synthetic_drift import (
+    DriftingIds,
+    HashedTeacherTables,
+    coprime_multiplier,
+    zipf_ranks,
+)
 
 CHUNK_SIZE = 8192
 SPLITS = ("train", "valid", "test")
 _CALIBRATION_STREAM = 1_000_003  # seed stream of the teacher's calibration sample
 _TASK_STREAM = 1_000_033  # seed streams of the teacher's tasks t >= 1: [seed, _TASK_STREAM, t]
+_DAY_STREAM = 1_000_039  # seed streams of day(d, n): [seed, _DAY_STREAM, draw, d, chunk]
 
 
 class SyntheticDataset:
@@ -59,6 +80,12 @@ class SyntheticDataset:
         data = SyntheticDataset(SyntheticConfig(num_train_samples=10_000), seed=0)
         chunk = data.chunk("train", 0)          # Batch of up to CHUNK_SIZE rows
         p = data.click_probability(chunk)       # f32[B, T], the teacher's click probability
+
+        # A drifting stream of raw keys: train day by day, test on the next day.
+        config = SyntheticConfig(drift_days=7, new_ids_per_day=0.1, id_encoding="raw")
+        data = SyntheticDataset(config, seed=0)
+        for d in range(7):
+            train, test = data.day(d, 100_000), data.day(d + 1, 20_000, draw=1)
     """
 
     def __init__(self, config: SyntheticConfig, seed: int = 0) -> None:
@@ -67,39 +94,69 @@ class SyntheticDataset:
         self.seed = seed
         num_sparse = len(config.cardinalities)
         self.bag_sizes = list(config.bag_sizes) or [1] * num_sparse
+        self.drift = DriftingIds(config, seed) if config.drift_days > 0 else None
+        """The id process of a drifting stream (birth days, ids per feature); None without."""
+        num_ids = [
+            n if self.drift is None else self.drift.num_ids(f)
+            for f, n in enumerate(config.cardinalities)
+        ]
+        raw = config.id_encoding == "raw"
+        if raw and max(num_ids) >= 1 << 40:
+            raise ValueError(
+                f"data.synthetic: {max(num_ids):,} ids in one feature; raw keys hold id numbers "
+                "below 2^40 (lower cardinalities or drift_days)"
+            )
         self.spec = DatasetSpec(
             dense_names=tuple(f"int_{i}" for i in range(config.num_dense)),
             sparse_names=tuple(f"cat_{i}" for i in range(num_sparse)),
-            cardinalities=tuple(config.cardinalities),
+            cardinalities=(0,) * num_sparse if raw else tuple(num_ids),
             label_names=tuple(
                 ["click"]
                 if config.num_tasks == 1
                 else [f"task_{t}" for t in range(config.num_tasks)]
             ),
+            id_encoding=config.id_encoding,
         )
+        self.num_ids = tuple(num_ids)
+        """Per feature, the ids that can occur (over all days): the table sizes of ``index``."""
+        self._train_days = _spread_over_days(config.num_train_samples, config.drift_days)
         rng = np.random.default_rng(np.random.SeedSequence([seed, 0]))
         self._dense_mu = rng.uniform(0.0, 3.0, config.num_dense)
         self._dense_sigma = rng.uniform(0.5, 1.5, config.num_dense)
         # Zipf rank r of feature f is mapped to id (r * mult_f + shift_f) mod n_f, a bijection,
         # so frequent ids are spread over the table instead of sitting at 0, 1, 2, ...
-        self._id_mult = [_coprime_multiplier(n, rng) for n in config.cardinalities]
+        self._id_mult = [coprime_multiplier(n, rng) for n in config.cardinalities]
         self._id_shift = [int(rng.integers(n)) for n in config.cardinalities]
         self._teacher = _Teacher(config, rng, seed)
-        self._teacher.calibrate(self._generate_features(_calibration_rng(seed), 4 * CHUNK_SIZE))
+        calibration = self._generate_features(_calibration_rng(seed), 4 * CHUNK_SIZE, day=0)
+        self._teacher.calibrate(calibration)
 
     def num_samples(self, split: str) -> int:
         _check_split(split)
         return getattr(self.config, f"num_{split}_samples")
 
     def num_chunks(self, split: str) -> int:
+        if split == "train" and self.drift is not None:
+            return len(self._train_days)
         return math.ceil(self.num_samples(split) / CHUNK_SIZE)
 
     def chunk_rows(self, split: str, index: int) -> int:
-        """Number of rows in chunk ``index`` of ``split`` (all but the last are CHUNK_SIZE)."""
+        """Number of rows in chunk ``index`` of ``split`` (all but the last are CHUNK_SIZE; with
+        drift, all but the last of each train day)."""
+        if split == "train" and self.drift is not None:
+            return self._train_days[index][1]
         return min(CHUNK_SIZE, self.num_samples(split) - index * CHUNK_SIZE)
 
+    def chunk_days(self, split: str) -> list[int]:
+        """The day of every chunk of ``split``: train 0, 0, ..., 1, ... (ascending), valid and
+        test all ``drift_days`` (all 0 without drift)."""
+        if split == "train" and self.drift is not None:
+            return [day for day, _ in self._train_days]
+        return [self.config.drift_days] * self.num_chunks(split)
+
     def chunk(self, split: str, index: int) -> Batch:
-        """Rows ``[index * CHUNK_SIZE, ...)`` of ``split``, generated from (seed, split, index)."""
+        """Chunk ``index`` of ``split`` (rows ``[index * CHUNK_SIZE, ...)`` without drift),
+        generated from (seed, split, index)."""
         if not 0 <= index < self.num_chunks(split):
             raise IndexError(
                 f"chunk {index} of split '{split}' out of [0, {self.num_chunks(split)})"
@@ -107,16 +164,41 @@ class SyntheticDataset:
         rng = np.random.default_rng(
             np.random.SeedSequence([self.seed, 1 + SPLITS.index(split), index])
         )
-        dense, sparse = self._generate_features(rng, self.chunk_rows(split, index))
-        probability = self._teacher.probability(dense, sparse)  # [B, T]
-        # Task-major: task t's labels are uniforms t*B .. (t+1)*B - 1, whatever T is.
-        uniforms = rng.random((probability.shape[1], probability.shape[0])).T  # [B, T]
-        labels = (torch.from_numpy(uniforms) < probability).float()
-        return Batch(dense=dense, sparse=sparse, labels=labels)
+        day = self.chunk_days(split)[index]
+        return self._sample(rng, self.chunk_rows(split, index), day)
+
+    def day(self, day: int, num_samples: int, draw: int = 0) -> Batch:
+        """``num_samples`` samples of day ``day`` in [0, drift_days] (0 without drift), from
+        seed streams of their own (independent of the splits; ``draw`` picks another
+        independent sample of the same day). Rows come in CHUNK_SIZE blocks, so the first n
+        rows are the same for any ``num_samples`` >= n.
+
+        Raises:
+            ValueError: a day outside [0, drift_days] or num_samples < 1.
+        """
+        if not 0 <= day <= self.config.drift_days:
+            raise ValueError(f"day {day} outside [0, drift_days = {self.config.drift_days}]")
+        if num_samples < 1:
+            raise ValueError(f"num_samples = {num_samples}; expected >= 1")
+        pieces = []
+        for block in range(math.ceil(num_samples / CHUNK_SIZE)):
+            seed = np.random.SeedSequence([self.seed, _DAY_STREAM, draw, day, block])
+            pieces.append(self._sample(np.random.default_rng(seed), CHUNK_SIZE, day))
+        return Batch.concat(pieces).slice(0, num_samples)
+
+    def id_numbers(self, values: torch.Tensor) -> torch.Tensor:
+        """The id numbers (in [0, num_ids[f])) of a batch's KJT values: the values themselves
+        for ``index``, the inverse of the key mapping for ``raw``."""
+        if self.spec.id_encoding == "index":
+            return values
+        return torch.from_numpy(synthetic_id_numbers(values.cpu().numpy())[1])
 
     def click_probability(self, batch: Batch) -> torch.Tensor:
         """The teacher's click probability f32[B, T] for a batch of this dataset's features."""
-        return self._teacher.probability(batch.dense.cpu(), batch.sparse.to(torch.device("cpu")))
+        sparse = batch.sparse.to(torch.device("cpu"))
+        if self.spec.id_encoding == "raw":
+            sparse = _with_values(sparse, self.id_numbers(sparse.values()))
+        return self._teacher.probability(batch.dense.cpu(), sparse)
 
     def write_criteo(
         self, path: str | Path, split: str = "train", num_rows: int | None = None
@@ -149,8 +231,25 @@ class SyntheticDataset:
                 written += rows
         return written
 
+    def _sample(self, rng: np.random.Generator, num_rows: int, day: int) -> Batch:
+        """Features, teacher probability and labels of ``num_rows`` samples of ``day``."""
+        dense, sparse = self._generate_features(rng, num_rows, day)
+        probability = self._teacher.probability(dense, sparse)  # [B, T]
+        # Task-major: task t's labels are uniforms t*B .. (t+1)*B - 1, whatever T is.
+        uniforms = rng.random((probability.shape[1], probability.shape[0])).T  # [B, T]
+        labels = (torch.from_numpy(uniforms) < probability).float()
+        if self.spec.id_encoding == "raw":
+            sparse = _with_values(sparse, self._keys(sparse))
+        return Batch(dense=dense, sparse=sparse, labels=labels)
+
+    def _keys(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """The raw keys of a KJT of id numbers (feature-major values)."""
+        per_feature = sparse.values().split(sparse.length_per_key())
+        keys = [synthetic_keys(f, ids.numpy()) for f, ids in enumerate(per_feature)]
+        return torch.from_numpy(np.concatenate(keys))
+
     def _generate_features(
-        self, rng: np.random.Generator, num_rows: int
+        self, rng: np.random.Generator, num_rows: int, day: int
     ) -> tuple[torch.Tensor, KeyedJaggedTensor]:
         counts = np.floor(
             np.exp(rng.normal(self._dense_mu, self._dense_sigma, (num_rows, len(self._dense_mu))))
@@ -164,8 +263,11 @@ class SyntheticDataset:
                 if m == 1
                 else rng.integers(0, m + 1, num_rows, dtype=np.int32)
             )
-            rank = _zipf_ranks(rng, n, self.config.zipf_alpha, int(bag.sum()))
-            values.append((rank * self._id_mult[f] + self._id_shift[f]) % n)
+            if self.drift is not None:
+                values.append(self.drift.sample(rng, f, day, int(bag.sum())))
+            else:
+                rank = zipf_ranks(rng, n, self.config.zipf_alpha, int(bag.sum()))
+                values.append((rank * self._id_mult[f] + self._id_shift[f]) % n)
             lengths.append(bag)
         sparse = KeyedJaggedTensor(
             keys=list(self.spec.sparse_names),
@@ -186,15 +288,18 @@ class _Teacher:
 
     def __init__(self, config: SyntheticConfig, rng: np.random.Generator, seed: int) -> None:
         dim = config.teacher_dim
+        hashed = config.drift_days > 0  # an open-ended id space: parameters from hashes
         self.embeddings = [
             torch.from_numpy(rng.normal(0.0, 1.0 / math.sqrt(dim), (n, dim))).float()
-            for n in config.cardinalities
+            for n in ([] if hashed else config.cardinalities)
         ]
         # Features differ in how much they matter, as real ones do.
         importance = rng.uniform(0.0, 1.0, len(config.cardinalities))
+        self.hashed = HashedTeacherTables(seed, importance, dim) if hashed else None
         # The main stream draws task 0 in the order the one-task teacher always has.
         biases = [
-            rng.normal(0.0, importance[f], (n, 1)) for f, n in enumerate(config.cardinalities)
+            rng.normal(0.0, importance[f], (n, 1))
+            for f, n in enumerate([] if hashed else config.cardinalities)
         ]
         self.dense_mu = torch.zeros(config.num_dense)  # set by calibrate()
         self.dense_proj = None
@@ -209,7 +314,7 @@ class _Teacher:
             task_rng = np.random.default_rng(np.random.SeedSequence([seed, _TASK_STREAM, t]))
             biases = [
                 task_rng.normal(0.0, importance[f], (n, 1))
-                for f, n in enumerate(config.cardinalities)
+                for f, n in enumerate([] if hashed else config.cardinalities)
             ]
             if config.num_dense > 0:
                 dense_weight = task_rng.normal(0.0, 0.5, (config.num_dense, 1))
@@ -224,14 +329,16 @@ class _Teacher:
         batch_size = dense.shape[0]
         x = dense - self.dense_mu  # [B, N_dense]
         pooled = [] if self.dense_proj is None else [torch.tanh(x @ self.dense_proj)]  # [B, K]
-        bags = []
+        bags = []  # (ids, offsets, each task's bias table) per feature
         for f, jt in enumerate(sparse.split([1] * len(sparse.keys()))):
             ids, offsets = jt.values().long(), jt.offsets().long()
-            bags.append((ids, offsets))
+            if self.hashed is None:
+                table, biases = self.embeddings[f], [task.biases[f] for task in self.tasks]
+            else:  # tables over the batch's distinct ids; ids index them
+                ids, table, biases = self.hashed.tables(f, ids, len(self.tasks))
+            bags.append((ids, offsets, biases))
             pooled.append(
-                F.embedding_bag(
-                    ids, self.embeddings[f], offsets, mode="mean", include_last_offset=True
-                )
+                F.embedding_bag(ids, table, offsets, mode="mean", include_last_offset=True)
             )
         z = torch.stack(pooled, dim=1)  # [B, F+1, K] (F without dense features)
         total = z.sum(1)
@@ -239,9 +346,10 @@ class _Teacher:
         num_pairs = z.shape[1] * (z.shape[1] - 1) / 2
         interaction = pairwise / math.sqrt(max(num_pairs, 1))
         logits = []
-        for task in self.tasks:
+        for t, task in enumerate(self.tasks):
             bias = None if task.dense_weight is None else x @ task.dense_weight  # [B, 1]
-            for (ids, offsets), table in zip(bags, task.biases, strict=True):
+            for ids, offsets, biases in bags:
+                table = biases[t]
                 pooled_bias = F.embedding_bag(
                     ids, table, offsets, mode="mean", include_last_offset=True
                 )
@@ -275,7 +383,7 @@ class _Teacher:
 
 
 class _TaskTerms:
-    """One task's first-order weights and interaction weight (float32 tensors)."""
+    """One task's first-order weights (none: hashed) and interaction weight (float32 tensors)."""
 
     def __init__(
         self, biases: list[np.ndarray], dense_weight: np.ndarray | None, interaction: np.ndarray
@@ -285,24 +393,23 @@ class _TaskTerms:
         self.interaction_weight = torch.from_numpy(interaction).float()  # [1]
 
 
-def _zipf_ranks(rng: np.random.Generator, n: int, alpha: float, size: int) -> np.ndarray:
-    """Ranks in [0, n) with P(r) ~ (r + 1)^-alpha (inverse CDF of the continuous power law)."""
-    u = rng.random(size)
-    if abs(alpha - 1.0) < 1e-9:
-        x = np.power(n + 1.0, u)
-    else:
-        top = np.power(n + 1.0, 1.0 - alpha)
-        x = np.power(1.0 + u * (top - 1.0), 1.0 / (1.0 - alpha))
-    return np.minimum(np.floor(x).astype(np.int64) - 1, n - 1)
+def _spread_over_days(num_rows: int, num_days: int) -> list[tuple[int, int]]:
+    """(day, rows) of every train chunk of a drifting stream: day d gets rows
+    [d N / D, (d + 1) N / D) in chunks of CHUNK_SIZE (the last of a day shorter)."""
+    chunks = []
+    for day in range(num_days):
+        rows = (day + 1) * num_rows // num_days - day * num_rows // num_days
+        chunks += [(day, min(CHUNK_SIZE, rows - first)) for first in range(0, rows, CHUNK_SIZE)]
+    return chunks
 
 
-def _coprime_multiplier(n: int, rng: np.random.Generator) -> int:
-    if n <= 2:
-        return 1
-    while True:
-        m = int(rng.integers(1, n))
-        if math.gcd(m, n) == 1:
-            return m
+def _with_values(sparse: KeyedJaggedTensor, values: torch.Tensor) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(
+        keys=sparse.keys(),
+        values=values,
+        lengths=sparse.lengths(),
+        weights=sparse.weights_or_none(),
+    )
 
 
 def _calibration_rng(seed: int) -> np.random.Generator:
@@ -346,3 +453,28 @@ def _validate(config: SyntheticConfig) -> None:
         n = getattr(config, f"num_{split}_samples")
         if n < 1:
             raise ValueError(f"data.synthetic.num_{split}_samples = {n}; expected >= 1")
+    _validate_drift(config)
+
+
+def _validate_drift(config: SyntheticConfig) -> None:
+    if config.id_encoding not in ("index", "raw"):
+        raise ValueError(
+            f"data.synthetic.id_encoding = {config.id_encoding!r}; expected 'index' or 'raw'"
+        )
+    if config.drift_days < 0:
+        raise ValueError(f"data.synthetic.drift_days = {config.drift_days}; expected >= 0")
+    if config.drift_days == 0:
+        return
+    if not 0.0 < config.new_ids_per_day <= 1.0:
+        raise ValueError(
+            f"data.synthetic.new_ids_per_day = {config.new_ids_per_day}; expected in (0, 1]"
+        )
+    if not 0.0 <= config.popularity_drift < 1.0:
+        raise ValueError(
+            f"data.synthetic.popularity_drift = {config.popularity_drift}; expected in [0, 1)"
+        )
+    if config.num_train_samples < config.drift_days:
+        raise ValueError(
+            f"data.synthetic.num_train_samples = {config.num_train_samples} is less than "
+            f"drift_days = {config.drift_days}; every train day needs samples"
+        )

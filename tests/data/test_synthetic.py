@@ -181,3 +181,31 @@ def test_bad_split_and_chunk():
         data.num_samples("tets")
     with pytest.raises(IndexError, match="chunk 9"):
         data.chunk("train", 9)
+
+
+def _digest(batch) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (batch.dense, batch.sparse.values(), batch.sparse.lengths(), batch.labels):
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def test_stationary_data_is_bitwise_what_it_was_before_drift_existed():
+    """Digests taken before the drift options existed: drift_days = 0 changes nothing."""
+    config = SyntheticConfig(
+        num_dense=3,
+        cardinalities=[50, 1000, 7],
+        bag_sizes=[1, 3, 2],
+        num_tasks=2,
+        num_train_samples=10000,
+        num_valid_samples=100,
+        num_test_samples=100,
+    )
+    data = SyntheticDataset(config, seed=3)
+    digests = [_digest(data.chunk(s, i)) for s, i in (("train", 0), ("train", 1), ("valid", 0))]
+    assert digests == ["a47f559a3e93ab12", "c5ee87433926e8e7", "53b66c2cedfaf5e1"]
+    data = SyntheticDataset(SyntheticConfig(num_train_samples=20000), seed=3)
+    assert _digest(data.chunk("train", 1)) == "66ccb453aa55e5b5"
+    assert data.spec.id_encoding == "index" and data.drift is None
