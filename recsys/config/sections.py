@@ -114,6 +114,29 @@ class SyntheticConfig:
     """Standard deviation of the teacher's logit; larger means a higher oracle AUC."""
     click_rate: float = 0.25
     """Mean click probability (Criteo's is about 0.25)."""
+    drift_days: Annotated[int, AtLeast0] = 0
+    """0: stationary data (every split from one id distribution). D > 0: a drifting stream of
+    days 0..D in which ids are born, peak and die (see new_ids_per_day, popularity_drift).
+    train = days 0..D-1 in day order (num_train_samples spread evenly; every chunk from one
+    day): with data.shuffle = false the loader reads the days in order, with shuffle it mixes
+    chunks of all days (as it does with any data). valid and test = day D, the next day, two
+    independent draws. ``SyntheticDataset.day(d, n)`` draws n samples of any one day."""
+    new_ids_per_day: Annotated[float, Range(min=0, max=1)] = 0.1
+    """Drift only, in (0, 1]: each day every feature gets k = max(1, round(new_ids_per_day *
+    cardinality)) ids that never existed before, and its k oldest ids die: a feature's
+    cardinality is the number of ids alive on any one day (about ceil(1 / new_ids_per_day)
+    days' worth). Over days 0..D a feature has (ceil(cardinality / k) + D) * k ids."""
+    popularity_drift: Annotated[float, Fraction] = 0.3
+    """Drift only, in [0, 1): every day of age multiplies an id's share of the traffic by
+    (1 - popularity_drift), so popularity moves to recent ids and old ids fade. 0: a living id
+    keeps its popularity until it dies (then new ids are about new_ids_per_day of a day's ids
+    and of its traffic); 0.3: the newest day's ids draw about 30% of the traffic."""
+    id_encoding: Literal["index", "raw"] = "index"
+    """``index``: ids are numbers in [0, cardinality) (with drift, [0, ids over all days),
+    which are then the table sizes), so a fixed table can hold them. ``raw``: ids are 64-bit
+    keys mix63(feature * 2^40 + id number + 1) in [1, 2^63) (see ``recsys.data.keys``) that no
+    vocabulary holds; the dataset's spec says ``id_encoding = "raw"`` with cardinalities 0.
+    The samples are the same for both, up to that id mapping."""
 
 
 @dataclass
@@ -155,7 +178,7 @@ class DataConfig:
     holds more rows in memory."""
     validate: bool = True
     """Check every chunk read from disk: labels in {0, 1}, finite dense values, ids inside
-    their tables."""
+    their tables (raw 64-bit keys, ``id_encoding = "raw"`` in metadata.json: any int64)."""
 
 
 @dataclass
@@ -182,7 +205,8 @@ class PreprocessConfig:
     """A directory written by preprocess: transform the input with its fitted workflow instead of
     fitting a new one (same ids, table sizes and fingerprint; unseen values get the rare id).
     Column roles, encoding and dense transform come from there; label columns may be absent
-    (scoring), and valid_fraction = test_fraction = 0 puts every row in train/, in input order."""
+    (scoring), and valid_fraction = test_fraction = 0 puts every row in train/, in input order.
+    A raw-encoded directory has nothing fitted: its roles and options hash the input alike."""
     categorical: list[str] = field(default_factory=list)
     """parquet/csv: one-id-per-row categorical columns (null or an empty CSV field: missing)."""
     multi_hot: list[str] = field(default_factory=list)
@@ -192,9 +216,14 @@ class PreprocessConfig:
     """parquet/csv: numeric feature columns (null or an empty CSV field: missing)."""
     label: list[str] = field(default_factory=list)
     """parquet/csv: 0/1 label columns (several for multi-task models)."""
-    encoding: Literal["categorify", "hash"] = "categorify"
+    encoding: Literal["categorify", "hash", "raw"] = "categorify"
     """``categorify``: contiguous ids fitted on train (0 padding, 1 missing, 2 rare or unseen,
-    frequent values from 3); ``hash``: id = hash(value) mod hash_buckets."""
+    frequent values from 3); ``hash``: id = hash(value) mod hash_buckets; ``raw``: no
+    vocabulary and no fit, one streaming pass: each value (multi-hot: each item) becomes a
+    stable 64-bit key in [1, 2^63), a hash of its text (integers by their decimal digits, so
+    12 and "12" agree; Criteo hex lowercased), missing -> 0; the same value gets the same key
+    in any run, file or process (``recsys.data.keys``). The data then needs dynamic tables
+    (metadata.json says ``id_encoding = "raw"``, cardinalities 0). Not with normalize_dense."""
     freq_threshold: Annotated[int, AtLeast0] = 1
     """categorify: values seen fewer times than this in train share the rare id."""
     hash_buckets: Annotated[int, AtLeast1] = 1_000_000
@@ -204,7 +233,8 @@ class PreprocessConfig:
     negative values keep their sign; missing ones are 0. The report counts negative values per
     column."""
     normalize_dense: bool = False
-    """Standardize dense values with the train split's mean and std (after the log)."""
+    """Standardize dense values with the train split's mean and std (after the log); not with
+    encoding = "raw", which fits nothing."""
     valid_fraction: Annotated[float, Fraction] = 0.05
     """Share of input rows carved into valid when no valid data is given (0: none, apply only)."""
     test_fraction: Annotated[float, Fraction] = 0.05
@@ -268,6 +298,42 @@ class MMoEConfig:
 
 
 @dataclass
+class DynamicConfig:
+    """Dynamic tables: keyed by raw 64-bit ids, no vocabulary, growing, evicting and admitting
+    rows as ids arrive (see README, "Dynamic tables"). Data with raw ids (``recsys preprocess
+    --preprocess.encoding=raw``, or synthetic data with raw ids) makes every table dynamic;
+    ``tables`` makes some tables of other data dynamic too. Options apply to every dynamic
+    table, ``overrides`` change them per table."""
+
+    tables: list[str] = field(default_factory=list)
+    """Categorical features whose tables are dynamic (``["all"]``: every one), besides the
+    ones raw-id data makes dynamic."""
+    initial_capacity: Annotated[int, AtLeast1] = 4096
+    """Rows a table starts with (rounded up to whole buckets); it doubles as keys arrive."""
+    max_capacity: Annotated[int, AtLeast0] = 0
+    """Most rows a table may hold; once full, a new id evicts the lowest-score row of its
+    bucket. 0: no cap."""
+    memory_budget_mb: Annotated[float, AtLeast0] = 0.0
+    """Most MiB per table for its rows, optimizer state and map (0: no budget)."""
+    score: Literal["lru", "lfu"] = "lru"
+    """Which rows eviction drops first: least recently (lru) or least often (lfu) seen."""
+    bucket_size: Annotated[int, Range(min=1, max=128)] = 32
+    """Slots per bucket of the id -> slot map."""
+    load_factor: Annotated[float, Range(min=0.01, max=1)] = 0.75
+    """Grow once this share of the slots would be in use."""
+    admit_after: Annotated[int, AtLeast0] = 0
+    """An id gets a row once seen this many times (0 or 1: at once); until then it pools as
+    zeros and is not trained."""
+    admission_capacity: Annotated[int, AtLeast0] = 0
+    """Most ids the admission counter counts (0: the table's cap, within [2**20, 2**24])."""
+    ttl_steps: Annotated[int, AtLeast0] = 0
+    """Drop the row of an id not seen for more than this many steps (0: never)."""
+    overrides: list[str] = field(default_factory=list)
+    """Per-table options, ``"<feature>.<key>=<value>"`` (e.g. ``"cat_3.max_capacity=100000"``,
+    ``"cat_7.score=lfu"``)."""
+
+
+@dataclass
 class ModelConfig:
     """Model architecture. Table sizes and the number of tasks come from the data, never from
     here. The keys below are shared by the models; a model's own options are in its section
@@ -301,6 +367,8 @@ class ModelConfig:
     """[model.pnn]"""
     mmoe: MMoEConfig = field(default_factory=MMoEConfig)
     """[model.mmoe]"""
+    dynamic: DynamicConfig = field(default_factory=DynamicConfig)
+    """[model.dynamic]: tables keyed by raw ids."""
 
 
 @dataclass

@@ -22,6 +22,7 @@ from recsys.distributed.plan import ShardingPlan, check_plan
 from recsys.distributed.planner import plan_sharding
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.interface import (
     EmbeddingCollectionInterface,
     embedding_collections,
@@ -191,6 +192,12 @@ def _shardable(model: nn.Module) -> dict[str, EmbeddingBagCollection]:
     """The model's collections, each of a kind parallelize() can shard."""
     collections = embedding_collections(model)
     for path, collection in collections.items():
+        if isinstance(collection, DynamicEmbeddingBagCollection):
+            raise ValueError(
+                f"parallelize(): the collection at '{path}' has dynamic tables "
+                f"{list(collection.dynamic)}, which cannot be sharded over ranks yet; train "
+                "them in one process (no torchrun), or make the tables fixed"
+            )
         if not isinstance(collection, EmbeddingBagCollection):
             raise ValueError(
                 f"parallelize(): the collection at '{path}' is a {type(collection).__name__}; "

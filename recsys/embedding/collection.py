@@ -149,6 +149,7 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
             width = sum(self._lengths_per_embedding)
             dtype = accumulate_dtype(self._flat.dtype)
             return torch.empty(features.stride(), width, dtype=dtype, device="meta")
+        ids = self.lookup_ids(features)
         if not self._views_intact():
             self._repack()
         fused = None
@@ -162,7 +163,7 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
             self._plan,
             self._flat,
             handles,
-            features.values(),
+            ids,
             features.offsets(),
             self._features.positions(features.keys()),
             features.stride(),
@@ -184,12 +185,50 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
         return pool_torch(
             self._plan,
             [bag.weight for bag in self.embedding_bags.values()],
-            features.values(),
+            self.lookup_ids(features),
             features.offsets(),
             weights,
             self._features.positions(features.keys()),
             features.stride(),
         )
+
+    def lookup_ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """The row each id of ``features.values()`` reads in its table: here the ids
+        themselves (a dynamic collection maps its keys to rows)."""
+        return features.values()
+
+    def resize_table(
+        self, index: int, rows: int, moved: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """Give table ``index`` (in config order) ``rows`` rows, rebuilding the packed
+        buffers (one copy): rows ``moved[0]`` of the old table land in rows ``moved[1]`` of the
+        new one with their optimizer state; every other row of it starts at zero weight and
+        the optimizer's initial state. The other tables keep their values."""
+        old, rows_now = self._layout, list(self._layout.rows)
+        rows_now[index] = rows
+        new = TableLayout.build(rows_now, old.dims)
+
+        def rebuilt(buffer: torch.Tensor, per_row: bool, fill: float) -> torch.Tensor:
+            size = new.total_rows if per_row else new.numel
+            out = torch.full((size,), fill, dtype=buffer.dtype, device=buffer.device)
+            views = old.row_views if per_row else old.table_views
+            new_views = new.row_views if per_row else new.table_views
+            for t, (src, dst) in enumerate(zip(views(buffer), new_views(out), strict=True)):
+                if t != index:
+                    dst.copy_(src)
+                elif moved is not None:
+                    dst[moved[1]] = src[moved[0]]
+            return out
+
+        with torch.no_grad():
+            self._flat = rebuilt(self._flat, False, 0.0)
+            for name, buffer in self._states.items():
+                per_row = self.optimizer.states[name] == "row"
+                self._states[name] = rebuilt(buffer, per_row, self.optimizer.initial_state(name))
+        self._layout = new
+        poolings = [pooling_mode(c) for c in self._embedding_bag_configs]
+        self._plan = LookupPlan(new, self._plan.feature_to_table, poolings)
+        self._bind_views()
 
     def set_optimizer(self, optimizer: FusedOptimizer | None) -> None:
         """Fuse ``optimizer`` into backward from now on (fresh state, step 0), or with None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig
 
@@ -90,6 +91,12 @@ class EmbeddingCollectionInterface(nn.Module):
         returned as they are. The plain collection's parameters are the logical tables."""
         return state
 
+    def variable_state_keys(self) -> list[str]:
+        """State keys (relative to the collection) whose size changes as the collection
+        trains (a dynamic table's keys and rows): a checkpoint of them is loaded into tensors
+        of its own sizes (see :func:`state_to_load`). None for fixed tables."""
+        return []
+
     def weight_keys(self) -> list[str]:
         """The state keys of the table weights (relative to the collection)."""
         return [f"{TABLES}.{c.name}.{WEIGHT}" for c in self.embedding_bag_configs()]
@@ -138,4 +145,27 @@ def logical_optimizer_state(model: nn.Module, state: dict[str, Any]) -> dict[str
     logical_optimizer_state`): what a checkpoint stores, whatever the sharding."""
     for path, collection in embedding_collections(model).items():
         state = collection.logical_optimizer_state(state_prefix(path), state)
+    return state
+
+
+def state_to_load(
+    model: nn.Module, saved_shapes: dict[str, torch.Size | None], prefix: str = ""
+) -> dict[str, Any]:
+    """``model.state_dict()`` to load a checkpoint into, with each collection's variable-size
+    tensors (:meth:`~EmbeddingCollectionInterface.variable_state_keys`) replaced by empty
+    tensors of the sizes the checkpoint saved; ``model.load_state_dict`` then takes them.
+
+    Args:
+        model: the model being loaded.
+        saved_shapes: the checkpoint's keys and shapes (``checkpoint_shapes``).
+        prefix: what the checkpoint's keys have before the model's (``"model."``).
+    """
+    state = model.state_dict()
+    for path, collection in embedding_collections(model).items():
+        for key in collection.variable_state_keys():
+            full = state_prefix(path) + key
+            saved = saved_shapes.get(prefix + full)
+            if full in state and saved is not None:
+                live = state[full]
+                state[full] = torch.empty(tuple(saved), dtype=live.dtype, device=live.device)
     return state

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from recsys._files import write_failure
 from recsys.config import Config, load_config, to_toml
 from recsys.data.batch import DatasetSpec
+from recsys.embedding.interface import state_to_load
 from recsys.train.models import build_model
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -373,8 +374,8 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Modul
     path = resolve_checkpoint(path)
     verify_checkpoint(path)  # before its sidecars are trusted
     config, spec = read_config(path), read_spec(path)
-    model = build_model(config.model, spec, torch.device(device))
-    state = {"model": model.state_dict()}
+    model = build_model(config.model, spec, torch.device(device), seed=config.run.seed)
+    state = {"model": state_to_load(model, checkpoint_shapes(path), "model.")}
     load_checkpoint(path, state, verify=False)
     model.load_state_dict(state["model"])
     return model.eval()

@@ -241,7 +241,15 @@ def _preprocess(args: argparse.Namespace, overrides: list[str]) -> None:
     rows = ", ".join(f"{split} {n:,}" for split, n in report.rows.items())
     tables = ", ".join(f"{c['name']}={c['cardinality']:,}" for c in report.metadata["categorical"])
     print(f"recsys: preprocessed into {report.output} in {report.seconds:.1f} s: rows {rows}")
-    print(f"tables: {tables}")
+    if report.metadata.get("id_encoding") == "raw":  # no tables: count distinct train keys
+        tables = ", ".join(
+            f"{c['name']}~{c['distinct_estimate']:,}"
+            for c in report.metadata["categorical"]
+            if "distinct_estimate" in c
+        )
+        print(f"ids: raw 64-bit keys, no vocabulary; distinct train values (estimated): {tables}")
+    else:
+        print(f"tables: {tables}")
     print(report.malformed.summary())
     for example in report.malformed.examples[1:]:
         print(f"  {example}")

@@ -37,8 +37,10 @@ from recsys.distributed.parallel import (
     shutdown_distributed,
 )
 from recsys.distributed.planner import parse_constraints
+from recsys.embedding.interface import state_to_load
 from recsys.train.checkpoint import (
     CONFIG_FILE,
+    checkpoint_shapes,
     load_checkpoint,
     read_spec,
     resolve_checkpoint,
@@ -273,7 +275,8 @@ def check_spec(checkpoint: DatasetSpec, data: DatasetSpec, where: str) -> None:
 
 def spec_differences(checkpoint: DatasetSpec, data: DatasetSpec) -> list[str]:
     """One line per field of :class:`DatasetSpec` that differs between a checkpoint's and the
-    data's: feature and label names, table sizes (cardinalities), vocabulary fingerprint."""
+    data's: feature and label names, table sizes (cardinalities), vocabulary fingerprint, id
+    encoding."""
     lines = []
     for what, name in (
         ("dense features", "dense_names"),
@@ -294,6 +297,11 @@ def spec_differences(checkpoint: DatasetSpec, data: DatasetSpec) -> list[str]:
         lines.append(
             f"vocabulary fingerprint: checkpoint {checkpoint.fingerprint[:12] or 'none'}, data "
             f"{data.fingerprint[:12] or 'none'} (its ids would mean other rows)"
+        )
+    if checkpoint.id_encoding != data.id_encoding:
+        lines.append(
+            f"id encoding: checkpoint {checkpoint.id_encoding}, data {data.id_encoding} (raw "
+            "64-bit keys and table rows are different ids)"
         )
     return lines
 
@@ -343,11 +351,11 @@ def _load_model(
     """The checkpoint's model with its weights, its tables sharded over the ranks with the run's
     ``[distributed]`` options (no optimizer, no DDP); and the checkpoint's step. Collective
     under torchrun."""
-    model = build_model(config.model, spec, device)
+    model = build_model(config.model, spec, device, seed=config.run.seed)
     if info.world_size > 1:
         model.requires_grad_(False)  # nothing to all-reduce: parallelize skips DDP
         model = parallelize_from_config(model, config, device)
-    state = {"model": model.state_dict(), "step": 0}
+    state = {"model": state_to_load(model, checkpoint_shapes(path), "model."), "step": 0}
     load_checkpoint(path, state, verify=False)  # verified by evaluate_checkpoint
     model.load_state_dict(state["model"])
     return model.eval(), int(state["step"])

@@ -58,12 +58,15 @@ def init_from_checkpoint(model: nn.Module, path: str | Path, config: CheckpointC
     own = {k: v for k, v in model.state_dict().items() if not optimizer_state(k)}
     new = _matching(config.new_modules, own, model, "new_modules")
     grow = _matching(config.grow, own, model, "grow")
+    variable = _variable_keys(model)
     same, grown, fresh, missing, mismatched = {}, {}, [], [], []
     for key, tensor in own.items():
         if key in new:
             fresh.append(key)
         elif key not in saved:
             missing.append(key)
+        elif key in variable:  # a dynamic table's keys and rows: as many as it saved
+            same[key] = torch.empty(tuple(saved[key]), dtype=tensor.dtype, device=tensor.device)
         elif tuple(saved[key]) == tuple(tensor.shape):
             same[key] = tensor
         elif key in grow and _grew(tuple(saved[key]), tuple(tensor.shape)):
@@ -75,10 +78,15 @@ def init_from_checkpoint(model: nn.Module, path: str | Path, config: CheckpointC
         raise ValueError(_differences(path, missing, mismatched, unexpected, _table_weights(model)))
     state = {"model": {**same, **grown}}
     load_checkpoint(path, state)
+    loaded = state["model"]
     with torch.no_grad():
-        for key, loaded in state["model"].items():
+        for key, tensor in loaded.items():
             target = own[key]
-            target[: loaded.shape[0]].copy_(loaded) if key in grown else target.copy_(loaded)
+            if key in grown:
+                target[: tensor.shape[0]].copy_(tensor)
+            elif key not in variable:
+                target.copy_(tensor)
+    model.load_state_dict({k: v for k, v in loaded.items() if k in variable}, strict=False)
     lines = [f"fine-tuning from {path}: {len(same)} tensors loaded"]
     if grown:
         lines.append(
@@ -152,6 +160,15 @@ def _optimizer_state_test(model: nn.Module):
         )
 
     return is_optimizer_state
+
+
+def _variable_keys(model: nn.Module) -> set[str]:
+    """The model's state keys whose size varies (dynamic tables' keys and rows)."""
+    return {
+        state_prefix(path) + key
+        for path, collection in embedding_collections(model).items()
+        for key in collection.variable_state_keys()
+    }
 
 
 def _table_weights(model: nn.Module) -> set[str]:

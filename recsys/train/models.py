@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchrec import EmbeddingBagConfig
 
 from recsys.config import ModelConfig
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.models import (
     DCN,
     DLRM,
@@ -37,6 +39,7 @@ from recsys.models import (
     linear_table_configs,
     table_configs,
 )
+from recsys.train.dynamic_tables import dynamic_features, dynamic_options
 
 __all__ = ["MODELS", "ModelEntry", "build_model"]
 
@@ -69,13 +72,17 @@ class ModelEntry:
     """Takes a second collection of dimension-1 tables, a first-order term."""
 
 
-def build_model(config: ModelConfig, spec: DatasetSpec, device: torch.device) -> nn.Module:
+def build_model(
+    config: ModelConfig, spec: DatasetSpec, device: torch.device, seed: int = 0
+) -> nn.Module:
     """Build ``config.name`` for a dataset with ``spec``, on ``device``.
 
     Args:
         config: the ``[model]`` section.
         spec: the dataset's features, table sizes and tasks.
         device: where the parameters live.
+        seed: the run's seed (``run.seed``): dynamic tables draw a new key's initial row from
+            (seed, table, key).
 
     Returns:
         The model, with ``forward(dense_features, sparse_features) -> logits [B, T]``.
@@ -97,16 +104,21 @@ def build_model(config: ModelConfig, spec: DatasetSpec, device: torch.device) ->
     options = entry.options(config, spec)
     # Tables before the module, the main tables before their twins: the order in which
     # parameters are made (and so the initial weights under a seed) is part of the model.
+    # A dynamic table starts with model.dynamic.initial_capacity rows, whatever the data.
+    dynamic = dynamic_features(config.dynamic, spec)
     tables = table_configs(
         spec.sparse_names,
-        spec.cardinalities,
+        [
+            config.dynamic.initial_capacity if feature in dynamic else cardinality
+            for feature, cardinality in zip(spec.sparse_names, spec.cardinalities, strict=True)
+        ],
         config.embedding_dim,
         config.pooling,
         config.embedding_dtype,
     )
-    collections = [EmbeddingBagCollection(tables, device=device)]
+    collections = [_collection(tables, config, spec, device, seed)]
     if entry.linear:
-        collections.append(EmbeddingBagCollection(linear_table_configs(tables), device=device))
+        collections.append(_collection(linear_table_configs(tables), config, spec, device, seed))
     return entry.module(
         *collections,
         dense_in_features=spec.num_dense,
@@ -115,6 +127,20 @@ def build_model(config: ModelConfig, spec: DatasetSpec, device: torch.device) ->
         **shared,
         **options,
     ).to(device)
+
+
+def _collection(
+    tables: list[EmbeddingBagConfig],
+    config: ModelConfig,
+    spec: DatasetSpec,
+    device: torch.device,
+    seed: int,
+) -> EmbeddingBagCollection:
+    """The collection of ``tables``: dynamic when any of them is."""
+    options = dynamic_options(config.dynamic, spec, tables)
+    if options:
+        return DynamicEmbeddingBagCollection(tables, options, device=device, seed=seed)
+    return EmbeddingBagCollection(tables, device=device)
 
 
 def _check_bottom_mlp(config: ModelConfig, spec: DatasetSpec) -> None:

@@ -42,7 +42,11 @@ from recsys.distributed.parallel import (
     shutdown_distributed,
 )
 from recsys.distributed.planner import parse_constraints
-from recsys.embedding.interface import embedding_collections, logical_optimizer_state
+from recsys.embedding.interface import (
+    embedding_collections,
+    logical_optimizer_state,
+    state_to_load,
+)
 from recsys.train.best import best_validation
 from recsys.train.checkpoint import (
     LATEST,
@@ -57,6 +61,7 @@ from recsys.train.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
+from recsys.train.dynamic_tables import dynamic_stat_fields
 from recsys.train.evaluate import eval_line, evaluate_split
 from recsys.train.finetune import freeze, init_from_checkpoint
 from recsys.train.metrics import MetricsLogger
@@ -154,7 +159,9 @@ class _Run:
         """The model, fine-tuned from ``checkpoint.init_from`` (unless resuming), with its
         embedding optimizer, frozen modules, and sharded over the ranks."""
         ckpt = self.config.checkpoint
-        model = build_model(self.config.model, self.dataset.spec, self.device)
+        model = build_model(
+            self.config.model, self.dataset.spec, self.device, seed=self.config.run.seed
+        )
         if ckpt.init_from and resume is None:
             self._print(init_from_checkpoint(model, resolve_checkpoint(ckpt.init_from), ckpt))
         configure_embedding_optimizer(self.config.train, model)
@@ -304,6 +311,7 @@ class _Run:
                 samples_per_s=rate,
                 **learning_rates(self.optimizers, self.model),
                 **times,
+                **dynamic_stat_fields(_unwrap(self.model)),
             )
             progress.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rate:,.0f}")
             if progress.disable:  # no bar: a log line instead
@@ -495,6 +503,7 @@ class _Run:
         if "best" in state and "best.step" not in checkpoint_shapes(path):
             del state["best"]  # saved without keep_best / early stopping: the best starts over
         state["optimizers"], live = self._optimizer_states()
+        state["model"] = state_to_load(_unwrap(self.model), checkpoint_shapes(path), "model.")
         load_checkpoint(path, state, verify=False)  # verified by _find_resume
         _unwrap(self.model).load_state_dict(state["model"])
         for name, optimizer in self.optimizers.items():

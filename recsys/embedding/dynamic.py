@@ -1,0 +1,356 @@
+"""DynamicEmbeddingBagCollection: tables keyed by raw 64-bit ids, with no vocabulary.
+
+An :class:`~recsys.embedding.collection.EmbeddingBagCollection` whose chosen tables are
+**dynamic**: their ids are any int64 keys (raw hashes of strings included), a key gets a row the
+first time a training batch brings it, and the table grows, evicts and expires rows on its own
+(see :class:`~recsys.embedding.dynamic_table.DynamicTableOptions`). In front of the packed
+buffers sits an id -> slot map per dynamic table (:mod:`recsys.embedding.slot_map`); the fused
+lookup kernels and fused optimizers run unchanged on the slots::
+
+    ids -> unique -> map (find; admit; insert, growing or evicting) -> slots -> fused lookup
+
+- **Fresh rows are clean.** A key that gets a row (new, or back after eviction or expiry)
+  starts from :func:`~recsys.embedding.row_init.initial_rows` of (seed, table, key) and from the
+  optimizer's initial state (zero Adam moments, the initial Adagrad sum): never from the row or
+  state a previous key left in that slot.
+- **Keys without a row pool as zeros** and receive no update: keys not admitted yet (options
+  ``admit_after``), and any key the table does not hold when it is looked up outside training
+  (``model.eval()``, a frozen table, an export). Validation and inference never insert.
+- **Never silent.** A batch's own keys are never evicted by its inserts; a batch with more
+  distinct keys than the table can hold, or that overfills a bucket at the cap, is a
+  ValueError naming the table. :meth:`DynamicEmbeddingBagCollection.dynamic_stats` counts size,
+  capacity, load factor, hits, inserts, evictions, expirations and admission rejections.
+- **Checkpoints hold keys, not slots.** ``state_dict()`` has, per dynamic table, the rows of
+  its live keys in ascending key order (``embedding_bags.<t>.weight`` ``[n, dim]`` and the
+  optimizer state ``embedding_bags.<t>.<state>``) and ``dynamic.<t>.keys`` / ``scores`` /
+  ``last_seen`` / ``num_buckets`` (/ ``admission_keys`` / ``admission_counts``); their sizes
+  vary, so load a checkpoint through :func:`recsys.embedding.interface.state_to_load`.
+
+A dynamic table is trained by the collection's fused optimizer (its rows move when it grows,
+which a torch optimizer holding the parameter could not follow): training one without a fused
+optimizer is a ValueError, unless it is frozen (``requires_grad_(False)``), when it only looks
+keys up.
+
+Example::
+
+    from torchrec import EmbeddingBagConfig
+    ebc = DynamicEmbeddingBagCollection(
+        [EmbeddingBagConfig(name="user", embedding_dim=16, num_embeddings=1024,
+                            feature_names=["user_id"])],
+        dynamic=DynamicTableOptions(max_capacity=1_000_000, score="lru", admit_after=2),
+        optimizer=RowWiseAdagrad(lr=0.05),
+    )
+    ebc(kjt_with_raw_user_ids)       # inserts the keys it admits
+    ebc.dynamic_stats()["user"]      # {"size": ..., "capacity": ..., "hits": ..., ...}
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+from recsys._suggest import quoted_with_hints
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.dynamic_table import DynamicTable, DynamicTableOptions
+from recsys.embedding.interface import TABLES, WEIGHT
+from recsys.embedding.optim import FusedOptimizer
+from recsys.embedding.row_init import table_seed
+from recsys.embedding.slot_map import Insertion
+from recsys.embedding.tables import table_dtype
+from recsys.ops.slot_map import find_slots_torch
+
+__all__ = ["DYNAMIC", "DynamicEmbeddingBagCollection"]
+
+DYNAMIC = "dynamic"
+DYNAMIC_STEP = "dynamic_step"
+
+
+class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
+    """An EmbeddingBagCollection whose tables named in ``dynamic`` take any int64 id.
+
+    Args:
+        tables: the tables, as for :class:`~recsys.embedding.collection.EmbeddingBagCollection`;
+            a dynamic table's ``num_embeddings`` is the number of rows it starts with.
+        dynamic: :class:`DynamicTableOptions` for every table, or a dict table name -> options
+            for some (the others are fixed tables, ids in ``[0, num_embeddings)``).
+        is_weighted, device, backend, validate, optimizer: as for EmbeddingBagCollection
+            (``backend`` also picks the map kernels: Triton on CUDA, torch on CPU).
+        seed: the seed of fresh rows: a key's initial row depends only on (seed, table, key).
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        dynamic: DynamicTableOptions | dict[str, DynamicTableOptions],
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        *,
+        seed: int = 0,
+        backend: str = "auto",
+        validate: bool = True,
+        optimizer: FusedOptimizer | None = None,
+    ) -> None:
+        options = _options_by_table(tables, dynamic)
+        for config in tables:
+            if not config.feature_names:
+                config.feature_names = [config.name]
+        where = torch.device(device) if device is not None else torch.empty(()).device
+        state_floats = _state_floats(optimizer)
+        keyed = {
+            c.name: DynamicTable(
+                c,
+                options[c.name],
+                table_seed(seed, c.name),
+                c.embedding_dim * table_dtype(c).itemsize + 4 * state_floats(c.embedding_dim),
+                where,
+                backend,
+            )
+            for c in tables
+            if c.name in options
+        }
+        # The packed buffers hold a dynamic table's slots and its zero row.
+        packed = [
+            replace(c, num_embeddings=keyed[c.name].rows) if c.name in keyed else c for c in tables
+        ]
+        super().__init__(packed, is_weighted, device, backend=backend, validate=validate)
+        self._logical_configs = tables
+        self.dynamic = nn.ModuleDict(keyed)
+        self.seed = seed
+        self.register_buffer(DYNAMIC_STEP, torch.zeros((), dtype=torch.int64, device=self.device))
+        self.set_optimizer(optimizer)  # binds the state buffers of the packed tables
+        self.reset_parameters()
+        self.register_state_dict_post_hook(_save_key_layout)
+        self.register_load_state_dict_pre_hook(_load_key_layout)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._logical_configs
+
+    def set_optimizer(self, optimizer: FusedOptimizer | None) -> None:
+        """As EmbeddingBagCollection's; a table's ``memory_budget_mb`` now counts this
+        optimizer's state per row."""
+        super().set_optimizer(optimizer)
+        state_floats = _state_floats(optimizer)
+        for config in self._logical_configs if hasattr(self, DYNAMIC) else []:
+            if config.name in self.dynamic:
+                row = config.embedding_dim * table_dtype(config).itemsize
+                self.dynamic[config.name].budget(row + 4 * state_floats(config.embedding_dim))
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """As EmbeddingBagCollection's; a dynamic table cannot be one of them.
+
+        Raises:
+            ValueError: a dynamic table would be trained by a torch optimizer."""
+        self._check_trainable()
+        return super().trainable_parameters()
+
+    def _check_trainable(self) -> None:
+        if self.optimizer is None and any(
+            self.embedding_bags[name].weight.requires_grad for name in self.dynamic
+        ):
+            raise ValueError(
+                f"dynamic tables {list(self.dynamic)} are trained by a fused optimizer (pass "
+                "optimizer=..., or train.fused_embedding_update = true); their rows move as "
+                "they grow, which a torch optimizer holding the parameters cannot follow. "
+                "Freeze them (requires_grad_(False)) to use them without training"
+            )
+
+    def reset_parameters(self) -> None:
+        """Fixed tables from their ``init_fn``; a dynamic table's live keys back to their
+        initial rows (the other rows zero)."""
+        if self.device.type == "meta" or not hasattr(self, DYNAMIC):
+            return
+        for config in self._logical_configs:
+            weight = self.embedding_bags[config.name].weight
+            with torch.no_grad():
+                if config.name not in self.dynamic:
+                    config.init_fn(weight)
+                    continue
+                table = self.dynamic[config.name]
+                keys, slots = table.map.entries()
+                weight.zero_()
+                weight[slots] = table.fresh_rows(keys, weight.dtype)
+
+    def lookup_ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """The ids with every dynamic table's keys replaced by their rows: assigned (inserting
+        keys) in a training forward with a fused optimizer, else only looked up."""
+        values = features.values()
+        if not self.dynamic:
+            return values
+        if torch.compiler.is_exporting():
+            return self._exported_rows(features)
+        spans = _feature_spans(features)
+        out = values.clone()
+        training = self.training and self.optimizer is not None
+        if training:
+            self.dynamic_step += 1
+        step = int(self.dynamic_step)
+        for index, config in enumerate(self._logical_configs):
+            if config.name not in self.dynamic:
+                continue
+            where = _positions(spans, config.feature_names)
+            ids = values[where]
+            table = self.dynamic[config.name]
+            if not training:
+                out[where] = table.find(ids)
+                continue
+            rows, insertion, keys = table.assign(ids, step)
+            self._place(index, table, insertion, keys)
+            out[where] = rows
+        return out
+
+    def _place(self, index: int, table: DynamicTable, insertion: Insertion, keys: torch.Tensor):
+        """After an insertion: follow the map's growth, give new keys their initial rows and
+        state, and put the zero row back to zero."""
+        name = table.name
+        if insertion.moved is not None or self.embedding_bags[name].weight.shape[0] != table.rows:
+            self.resize_table(index, table.rows, insertion.moved)
+        fresh = insertion.slots[insertion.inserted]
+        bag = self.embedding_bags[name]
+        with torch.no_grad():
+            if len(fresh):
+                bag.weight[fresh] = table.fresh_rows(keys[insertion.inserted], bag.weight.dtype)
+            bag.weight[table.zero_row] = 0
+            for state in self.optimizer.states:
+                initial = self.optimizer.initial_state(state)
+                if len(fresh):
+                    getattr(bag, state)[fresh] = initial
+                getattr(bag, state)[table.zero_row] = initial
+
+    def _exported_rows(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """What ``torch.export`` traces: every dynamic table's keys looked up in its frozen
+        map with plain tensor ops (no check that reads values), the zero row for the rest."""
+        values = features.values()
+        spans = _feature_spans(features)
+        out = values
+        for config in self._logical_configs:
+            if config.name not in self.dynamic:
+                continue
+            table = self.dynamic[config.name]
+            for feature in config.feature_names:
+                span = spans[feature]
+                positions = torch.arange(span.start, span.stop, device=values.device)
+                slots = find_slots_torch(
+                    table.map.keys, table.map.num_buckets, table.map.bucket_size, values[positions]
+                )
+                rows = torch.where(slots >= 0, slots, table.zero_row)
+                out = out.index_put((positions,), rows)
+        return out
+
+    def dynamic_stats(self) -> dict[str, dict[str, float]]:
+        """Per dynamic table, its counters: ``size`` (live keys), ``capacity`` (slots now),
+        ``load_factor``, and since the collection was built ``hits``, ``misses``,
+        ``inserts``, ``evictions``, ``expirations``, ``rejected`` (lookups of keys not
+        admitted), ``grows``; with admission, ``admission_*``."""
+        return {name: table.stats() for name, table in self.dynamic.items()}
+
+    def variable_state_keys(self) -> list[str]:
+        """State keys whose size is the number of keys a dynamic table holds."""
+        keys = []
+        for name, table in self.dynamic.items():
+            keys.append(f"{TABLES}.{name}.{WEIGHT}")
+            keys += [
+                f"{TABLES}.{name}.{state}"
+                for state in (self.optimizer.states if self.optimizer else {})
+            ]
+            keys += [f"{DYNAMIC}.{name}.{k}" for k in table.key_state() if k != "slots"]
+        return keys
+
+
+def _options_by_table(
+    tables: list[EmbeddingBagConfig], dynamic: DynamicTableOptions | dict[str, DynamicTableOptions]
+) -> dict[str, DynamicTableOptions]:
+    """The options of each dynamic table, by name (ValueError for a name that is no table)."""
+    names = [c.name for c in tables]
+    if isinstance(dynamic, DynamicTableOptions):
+        return dict.fromkeys(names, dynamic)
+    unknown = [name for name in dynamic if name not in names]
+    if unknown:
+        raise ValueError(
+            f"dynamic options for {quoted_with_hints(unknown, names)}, which are not tables of "
+            f"this collection; its tables are {names}"
+        )
+    for name, options in dynamic.items():
+        if not isinstance(options, DynamicTableOptions):
+            raise ValueError(f"dynamic['{name}'] = {options!r}; expected a DynamicTableOptions")
+    return dict(dynamic)
+
+
+def _state_floats(optimizer: FusedOptimizer | None):
+    """Floats of optimizer state per row of dimension ``dim``, as a function of ``dim``."""
+    kinds = list(optimizer.states.values()) if optimizer is not None else []
+    return lambda dim: sum(1 if kind == "row" else dim for kind in kinds)
+
+
+def _feature_spans(features: KeyedJaggedTensor) -> dict[str, slice]:
+    """Where in ``features.values()`` each key's ids are."""
+    offsets = features.offset_per_key()
+    return {key: slice(offsets[i], offsets[i + 1]) for i, key in enumerate(features.keys())}
+
+
+def _positions(spans: dict[str, slice], features: list[str]) -> slice | torch.Tensor:
+    """The positions of the ids of ``features``: a slice for one feature (a view, no copy),
+    else their indices."""
+    if len(features) == 1:
+        return spans[features[0]]
+    return torch.cat([torch.arange(spans[f].start, spans[f].stop) for f in features])
+
+
+def _save_key_layout(module: DynamicEmbeddingBagCollection, state_dict, prefix, local_metadata):
+    """state_dict post-hook: each dynamic table's rows and state in ascending key order, with
+    its key state, instead of its slots."""
+    for name, table in module.dynamic.items():
+        key_state = table.key_state()
+        slots = key_state.pop("slots")
+        bag = module.embedding_bags[name]
+        base = f"{prefix}{TABLES}.{name}."
+        state_dict[base + WEIGHT] = bag.weight.detach()[slots]
+        for state in module.optimizer.states if module.optimizer else {}:
+            state_dict[base + state] = getattr(bag, state)[slots]
+        for key, value in key_state.items():
+            state_dict[f"{prefix}{DYNAMIC}.{name}.{key}"] = value
+
+
+def _load_key_layout(
+    module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+):
+    """load_state_dict pre-hook: restore each dynamic table's map from its saved keys, size its
+    rows to the saved capacity, and turn its saved rows into its slot layout (the tables'
+    own loading then copies them in). Optimizer state a checkpoint lacks starts fresh."""
+    for index, config in enumerate(module.embedding_bag_configs()):
+        name = config.name
+        if name not in module.dynamic:
+            continue
+        table = module.dynamic[name]
+        saved = {
+            key: state_dict.pop(f"{prefix}{DYNAMIC}.{name}.{key}")
+            for key in (
+                "keys",
+                "scores",
+                "last_seen",
+                "num_buckets",
+                "admission_keys",
+                "admission_counts",
+                "admission_buckets",
+            )
+            if f"{prefix}{DYNAMIC}.{name}.{key}" in state_dict
+        }
+        if "keys" not in saved:
+            continue  # missing keys: reported by the table's own loading (shapes differ)
+        slots = table.load_key_state(saved)
+        module.resize_table(index, table.rows)
+        bag = module.embedding_bags[name]
+        base = f"{prefix}{TABLES}.{name}."
+        targets = {WEIGHT: (bag.weight, 0.0)}
+        for state in module.optimizer.states if module.optimizer else {}:
+            targets[state] = (getattr(bag, state), module.optimizer.initial_state(state))
+        for key, (live, fill) in targets.items():
+            if base + key not in state_dict:
+                continue
+            rows = torch.full_like(live, fill)
+            rows[slots] = state_dict[base + key].to(device=rows.device, dtype=rows.dtype)
+            if key == WEIGHT:
+                rows[table.zero_row] = 0
+            state_dict[base + key] = rows

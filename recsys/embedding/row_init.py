@@ -1,0 +1,59 @@
+"""Deterministic initial rows of dynamic tables: a function of (seed, table, key) only.
+
+A dynamic table gives a key a row when the key first arrives (or arrives again after its row
+was evicted or expired). That row must not depend on which slot the key lands in, on the order
+keys arrive in, on the batch, or (once tables are sharded) on the rank: two runs, a resumed run
+and a run on another number of ranks must start every key from the same vector. So the row is
+drawn from a counter-based generator keyed by the key itself::
+
+    z[k, j] = mix64(mix64(key_k ^ table_seed) + (j + 1) * GOLDEN)    (64-bit wraparound)
+    u[k, j] = (z[k, j] >>> 40) / 2**24                               uniform in [0, 1)
+    row[k, j] = bound * (2 * u[k, j] - 1)                            uniform in [-bound, bound)
+
+with ``table_seed = mix64(seed * GOLDEN ^ crc32(table name))`` (the table's name, not its
+position, so adding a table changes no other table's rows) and ``mix64`` the splitmix64
+finalizer of :mod:`recsys.ops.slot_map`. ``bound`` defaults to TorchRec's default init,
+``sqrt(1 / num_embeddings)``.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from recsys.ops.slot_map import mix64
+
+__all__ = ["initial_rows", "table_seed"]
+
+# 2**64 / golden ratio, as a signed int64 (wraparound arithmetic).
+GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_INT64 = (1 << 63) - 1
+
+
+def _wrap(value: int) -> int:
+    """``value`` modulo 2**64, as the signed int64 with the same bits."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value > _INT64 else value
+
+
+def table_seed(seed: int, table: str) -> int:
+    """The generator key of one table of a run: mixes the run's seed and the table's name."""
+    mixed = _wrap(seed * GOLDEN) ^ zlib.crc32(table.encode())
+    return int(mix64(torch.tensor([mixed], dtype=torch.int64))[0])
+
+
+def initial_rows(
+    keys: torch.Tensor, seed: int, dim: int, bound: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The initial rows ``[len(keys), dim]`` of ``keys`` in a table whose generator key is
+    ``seed`` (see :func:`table_seed`), uniform in ``[-bound, bound)``, on ``keys``' device.
+
+    Computed in float64 and rounded once to ``dtype``, so a row is the same in every dtype's
+    precision."""
+    keys = keys.to(torch.int64).reshape(-1, 1)
+    columns = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * GOLDEN
+    z = mix64(mix64(keys ^ seed) + columns)  # [K, dim]
+    top = (z >> 40) & ((1 << 24) - 1)
+    uniform = top.to(torch.float64) / float(1 << 24)
+    return (bound * (2.0 * uniform - 1.0)).to(dtype)

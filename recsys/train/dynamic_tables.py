@@ -1,0 +1,129 @@
+"""``[model.dynamic]`` -> the options of each dynamic table, and their counters as log fields.
+
+Which tables are dynamic: every table when the data's ids are raw 64-bit keys (the dataset spec
+says ``id_encoding = "raw"``: no vocabulary, so no fixed table could hold them), else those whose
+feature ``model.dynamic.tables`` names (``["all"]``: every one). Every dynamic table takes the
+section's options, changed per table by ``overrides`` (``"cat_3.max_capacity=100000"``).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import fields
+
+from torch import nn
+from torchrec import EmbeddingBagConfig
+
+from recsys._suggest import quoted_with_hints
+from recsys.config import DynamicConfig
+from recsys.data.batch import DatasetSpec
+from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.interface import embedding_collections
+
+__all__ = ["dynamic_features", "dynamic_options", "dynamic_stat_fields"]
+
+ALL = "all"
+# [model.dynamic] keys a table override may set: the per-table options.
+_OPTION_KEYS = [f.name for f in fields(DynamicTableOptions) if f.name != "init_bound"]
+
+
+def dynamic_features(config: DynamicConfig, spec: DatasetSpec) -> list[str]:
+    """The categorical features whose tables are dynamic, in the data's order.
+
+    Raises:
+        ValueError: ``model.dynamic.tables`` names a feature the data does not have.
+    """
+    if spec.id_encoding == "raw" or ALL in config.tables:
+        return list(spec.sparse_names)
+    unknown = [f for f in config.tables if f not in spec.sparse_names]
+    if unknown:
+        raise ValueError(
+            f"model.dynamic.tables names {quoted_with_hints(unknown, spec.sparse_names)}, which "
+            f"the data does not have; its categorical features are {list(spec.sparse_names)} "
+            f"(or '{ALL}')"
+        )
+    return [f for f in spec.sparse_names if f in config.tables]
+
+
+def dynamic_options(
+    config: DynamicConfig, spec: DatasetSpec, tables: list[EmbeddingBagConfig]
+) -> dict[str, DynamicTableOptions]:
+    """Options per dynamic table, by table name (a table and its first-order twin, which read
+    the same feature, take the same options). A table's initial rows are uniform within
+    ``sqrt(1 / cardinality)`` when the data knows its feature's cardinality (as a fixed table
+    of that size would be), else within ``sqrt(1 / initial_capacity)``.
+
+    Raises:
+        ValueError: a bad ``tables`` or ``overrides`` entry (named).
+    """
+    features = dynamic_features(config, spec)
+    overrides = _parse_overrides(config.overrides, features)
+    cardinality = dict(zip(spec.sparse_names, spec.cardinalities, strict=True))
+    options = {}
+    for table in tables:
+        feature = table.feature_names[0]
+        if feature not in features:
+            continue
+        values = {key: getattr(config, key) for key in _OPTION_KEYS}
+        values.update(overrides.get(feature, {}))
+        bound = math.sqrt(1.0 / cardinality[feature]) if cardinality[feature] > 0 else None
+        try:
+            options[table.name] = DynamicTableOptions(**values, init_bound=bound)
+        except ValueError as error:
+            raise ValueError(f"model.dynamic for feature '{feature}': {error}") from None
+    return options
+
+
+def _parse_overrides(entries: list[str], features: list[str]) -> dict[str, dict[str, object]]:
+    """``["cat_3.max_capacity=100000", ...]`` -> ``{"cat_3": {"max_capacity": 100000}}``."""
+    parsed: dict[str, dict[str, object]] = {}
+    for entry in entries:
+        target, _, text = entry.partition("=")
+        feature, _, key = target.strip().rpartition(".")
+        if not text or not feature:
+            raise ValueError(
+                f"model.dynamic.overrides entry {entry!r}; expected '<feature>.<key>=<value>', "
+                "e.g. 'cat_3.max_capacity=100000'"
+            )
+        if feature not in features:
+            raise ValueError(
+                f"model.dynamic.overrides entry {entry!r}: {quoted_with_hints([feature], features)}"
+                f" is not a dynamic table's feature; those are {features}"
+            )
+        if key not in _OPTION_KEYS:
+            raise ValueError(
+                f"model.dynamic.overrides entry {entry!r}: unknown key "
+                f"{quoted_with_hints([key], _OPTION_KEYS)}; expected one of {_OPTION_KEYS}"
+            )
+        parsed.setdefault(feature, {})[key] = _value(entry, key, text.strip())
+    return parsed
+
+
+def _value(entry: str, key: str, text: str) -> object:
+    """The override's value, of the type the key's default has."""
+    default = getattr(DynamicConfig(), key)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    if isinstance(default, float) and isinstance(value, int):
+        value = float(value)
+    if type(value) is not type(default) or (key == "score" and value not in ("lru", "lfu")):
+        expected = "'lru' or 'lfu'" if key == "score" else type(default).__name__
+        raise ValueError(
+            f"model.dynamic.overrides entry {entry!r}: {key} = {text!r}; expected {expected}"
+        )
+    return value
+
+
+def dynamic_stat_fields(model: nn.Module) -> dict[str, float]:
+    """Every dynamic table's counters as flat log fields, ``dynamic/<table>/<counter>`` (size,
+    capacity, load_factor, hits, inserts, evictions, expirations, rejected, ...)."""
+    out = {}
+    for collection in embedding_collections(model).values():
+        if isinstance(collection, DynamicEmbeddingBagCollection):
+            for table, stats in collection.dynamic_stats().items():
+                out.update({f"dynamic/{table}/{name}": value for name, value in stats.items()})
+    return out
