@@ -54,7 +54,12 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from recsys._suggest import quoted_with_hints
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.embedding.dynamic_table import DynamicTable, DynamicTableOptions
+from recsys.embedding.dynamic_table import (
+    ADMISSION_STATE,
+    KEY_STATE,
+    DynamicTable,
+    DynamicTableOptions,
+)
 from recsys.embedding.interface import TABLES, WEIGHT
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.row_init import table_seed
@@ -205,7 +210,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         """After an insertion: follow the map's growth, give new keys their initial rows and
         state, and put the zero row back to zero."""
         name = table.name
-        if insertion.moved is not None or self.embedding_bags[name].weight.shape[0] != table.rows:
+        if self.embedding_bags[name].weight.shape[0] != table.rows:  # the map grew
             self.resize_table(index, table.rows, insertion.moved)
         fresh = insertion.slots[insertion.inserted]
         bag = self.embedding_bags[name]
@@ -255,7 +260,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
                 f"{TABLES}.{name}.{state}"
                 for state in (self.optimizer.states if self.optimizer else {})
             ]
-            keys += [f"{DYNAMIC}.{name}.{k}" for k in table.key_state() if k != "slots"]
+            keys += [f"{DYNAMIC}.{name}.{k}" for k in table.state_names()]
         return keys
 
 
@@ -302,8 +307,7 @@ def _save_key_layout(module: DynamicEmbeddingBagCollection, state_dict, prefix, 
     """state_dict post-hook: each dynamic table's rows and state in ascending key order, with
     its key state, instead of its slots."""
     for name, table in module.dynamic.items():
-        key_state = table.key_state()
-        slots = key_state.pop("slots")
+        slots, key_state = table.key_state()
         bag = module.embedding_bags[name]
         base = f"{prefix}{TABLES}.{name}."
         state_dict[base + WEIGHT] = bag.weight.detach()[slots]
@@ -326,15 +330,7 @@ def _load_key_layout(
         table = module.dynamic[name]
         saved = {
             key: state_dict.pop(f"{prefix}{DYNAMIC}.{name}.{key}")
-            for key in (
-                "keys",
-                "scores",
-                "last_seen",
-                "num_buckets",
-                "admission_keys",
-                "admission_counts",
-                "admission_buckets",
-            )
+            for key in KEY_STATE + ADMISSION_STATE
             if f"{prefix}{DYNAMIC}.{name}.{key}" in state_dict
         }
         if "keys" not in saved:

@@ -26,6 +26,9 @@ __all__ = ["DynamicTable", "DynamicTableOptions"]
 
 # Bytes per slot of the map itself: key, score, last step seen (int64 each).
 MAP_BYTES_PER_SLOT = 24
+# What a dynamic table saves beside its rows (see DynamicTable.key_state).
+KEY_STATE = ("keys", "scores", "last_seen", "num_buckets")
+ADMISSION_STATE = ("admission_keys", "admission_counts", "admission_buckets")
 # A cap of "no cap": more slots than any machine holds; the map only allocates what it uses.
 UNCAPPED = 1 << 40
 
@@ -212,23 +215,26 @@ class DynamicTable(nn.Module):
             stats.update({f"admission_{k}": v for k, v in self.admission.stats().items()})
         return stats
 
-    def key_state(self) -> dict[str, torch.Tensor]:
-        """The table's key state for a checkpoint, with its keys ascending (the order of the
-        rows its collection saves): ``keys``, ``scores``, ``last_seen``, ``num_buckets`` and,
-        with admission, ``admission_keys`` / ``admission_counts``; plus ``slots``, where each
-        key's row is (not saved)."""
+    def state_names(self) -> tuple[str, ...]:
+        """The names of the tensors :meth:`key_state` saves."""
+        return KEY_STATE + (ADMISSION_STATE if self.admission is not None else ())
+
+    def key_state(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(where each live key's row is, the table's key state for a checkpoint), keys
+        ascending (the order of the rows its collection saves): ``keys``, ``scores``,
+        ``last_seen``, ``num_buckets`` and, with admission, ``admission_keys`` /
+        ``admission_counts`` / ``admission_buckets`` (see :meth:`state_names`)."""
         keys, slots = self.map.entries()
         state = {
             "keys": keys,
             "scores": self.map.scores[slots],
             "last_seen": self.map.last_seen[slots],
             "num_buckets": torch.tensor(self.map.num_buckets, dtype=torch.int64),
-            "slots": slots,
         }
         if self.admission is not None:
             state["admission_keys"], state["admission_counts"] = self.admission.state()
             state["admission_buckets"] = torch.tensor(self.admission.num_buckets)
-        return state
+        return slots, state
 
     def load_key_state(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Put back what :meth:`key_state` saved; returns the new slot of each saved key."""

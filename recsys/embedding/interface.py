@@ -91,6 +91,11 @@ class EmbeddingCollectionInterface(nn.Module):
         returned as they are. The plain collection's parameters are the logical tables."""
         return state
 
+    def dynamic_stats(self) -> dict[str, dict[str, float]]:
+        """Counters of each table that maps raw ids to rows, by table (none for fixed
+        tables): the trainer logs them at every train event."""
+        return {}
+
     def variable_state_keys(self) -> list[str]:
         """State keys (relative to the collection) whose size changes as the collection
         trains (a dynamic table's keys and rows): a checkpoint of them is loaded into tensors
@@ -161,11 +166,19 @@ def state_to_load(
         prefix: what the checkpoint's keys have before the model's (``"model."``).
     """
     state = model.state_dict()
-    for path, collection in embedding_collections(model).items():
-        for key in collection.variable_state_keys():
-            full = state_prefix(path) + key
-            saved = saved_shapes.get(prefix + full)
-            if full in state and saved is not None:
-                live = state[full]
-                state[full] = torch.empty(tuple(saved), dtype=live.dtype, device=live.device)
+    for full in variable_state_keys(model):
+        saved = saved_shapes.get(prefix + full)
+        if full in state and saved is not None:
+            live = state[full]
+            state[full] = torch.empty(tuple(saved), dtype=live.dtype, device=live.device)
     return state
+
+
+def variable_state_keys(model: nn.Module) -> set[str]:
+    """The model's state keys (full) whose size changes as it trains (see
+    :meth:`~EmbeddingCollectionInterface.variable_state_keys`)."""
+    return {
+        state_prefix(path) + key
+        for path, collection in embedding_collections(model).items()
+        for key in collection.variable_state_keys()
+    }

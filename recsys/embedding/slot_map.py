@@ -249,10 +249,11 @@ class SlotMap:
                 f"table {self.name!r}: this batch has {len(keys)} distinct keys but the table "
                 f"holds at most {self.max_capacity} rows; raise max_capacity"
             )
-        hits = self._all_hits(keys, counts, step)
-        if hits is not None:
-            return hits
-        insertion = self._insert(keys, counts, step, admit, skip_overflow=True)
+        keys = keys.to(self.device)
+        found = self.find(keys)
+        if len(keys) and not bool((found < 0).any()):
+            return self._all_hits(keys, found, counts, step)
+        insertion = self._insert(keys, counts, step, admit, skip_overflow=True, found=found)
         overflow = self._stats["overflow"]
         if overflow and not self._warned:
             self._warned = True
@@ -265,13 +266,12 @@ class SlotMap:
             )
         return insertion
 
-    def _all_hits(self, keys: torch.Tensor, counts: torch.Tensor, step: int) -> Insertion | None:
-        """The common case, when every key already has a row: only their scores and last
-        steps change (no sort, growth or assignment). None when some key is new."""
-        keys = keys.to(self.device)
-        slots = self.find(keys)
-        if len(keys) == 0 or bool((slots < 0).any()):
-            return None
+    def _all_hits(
+        self, keys: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, step: int
+    ) -> Insertion:
+        """The common case, every key already at ``slots``: only their scores and last steps
+        change (no growth or assignment)."""
+        _check_unique(torch.sort(keys).values, self.name)
         counts = counts.to(self.device, torch.int64)
         not_new = torch.zeros_like(keys, dtype=torch.bool)
         self.scores[slots] = self.policy.update(self.scores[slots], not_new, counts, step).to(
@@ -288,17 +288,18 @@ class SlotMap:
         step: int,
         admit: torch.Tensor | None,
         skip_overflow: bool,
+        found: torch.Tensor | None = None,
     ) -> Insertion:
         """:meth:`insert`; with ``skip_overflow`` the new keys past a full bucket's candidates
-        get no row (counted as rejected) instead of raising."""
-        keys = keys.to(self.device)
-        check_keys(keys)
+        get no row (counted as overflow) instead of raising. ``found``: the keys' slots when
+        the caller has looked them up already."""
+        keys = keys.to(self.device)  # checked by find (a reserved key raises)
         sorted_keys, order = torch.sort(keys)
         _check_unique(sorted_keys, self.name)
         counts = counts.to(self.device, torch.int64)[order]
         admit = torch.ones_like(keys, dtype=torch.bool) if admit is None else admit
         admit = admit.to(self.device, torch.bool)[order]
-        found = self.find(sorted_keys)
+        found = self.find(sorted_keys) if found is None else found[order]
         hit = found >= 0
         is_new = ~hit & admit
         layout, to_new, new_slots, evicted = self._plan(

@@ -18,7 +18,6 @@ from torchrec import EmbeddingBagConfig
 from recsys._suggest import quoted_with_hints
 from recsys.config import DynamicConfig
 from recsys.data.batch import DatasetSpec
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.dynamic_table import DynamicTableOptions
 from recsys.embedding.interface import embedding_collections
 
@@ -121,9 +120,9 @@ def _value(entry: str, key: str, text: str) -> object:
 def dynamic_stat_fields(model: nn.Module) -> dict[str, float]:
     """Every dynamic table's counters as flat log fields, ``dynamic/<table>/<counter>`` (size,
     capacity, load_factor, hits, inserts, evictions, expirations, rejected, ...)."""
-    out = {}
-    for collection in embedding_collections(model).values():
-        if isinstance(collection, DynamicEmbeddingBagCollection):
-            for table, stats in collection.dynamic_stats().items():
-                out.update({f"dynamic/{table}/{name}": value for name, value in stats.items()})
-    return out
+    return {
+        f"dynamic/{table}/{name}": value
+        for collection in embedding_collections(model).values()
+        for table, stats in collection.dynamic_stats().items()
+        for name, value in stats.items()
+    }

@@ -27,7 +27,12 @@ from torch import nn
 
 from recsys._suggest import did_you_mean
 from recsys.config import CheckpointConfig
-from recsys.embedding.interface import embedding_collections, is_optimizer_state, state_prefix
+from recsys.embedding.interface import (
+    embedding_collections,
+    is_optimizer_state,
+    state_prefix,
+    variable_state_keys,
+)
 from recsys.train.checkpoint import checkpoint_shapes, load_checkpoint
 
 EMBEDDINGS = "embeddings"
@@ -58,7 +63,7 @@ def init_from_checkpoint(model: nn.Module, path: str | Path, config: CheckpointC
     own = {k: v for k, v in model.state_dict().items() if not optimizer_state(k)}
     new = _matching(config.new_modules, own, model, "new_modules")
     grow = _matching(config.grow, own, model, "grow")
-    variable = _variable_keys(model)
+    variable = variable_state_keys(model)
     same, grown, fresh, missing, mismatched = {}, {}, [], [], []
     for key, tensor in own.items():
         if key in new:
@@ -160,15 +165,6 @@ def _optimizer_state_test(model: nn.Module):
         )
 
     return is_optimizer_state
-
-
-def _variable_keys(model: nn.Module) -> set[str]:
-    """The model's state keys whose size varies (dynamic tables' keys and rows)."""
-    return {
-        state_prefix(path) + key
-        for path, collection in embedding_collections(model).items()
-        for key in collection.variable_state_keys()
-    }
 
 
 def _table_weights(model: nn.Module) -> set[str]:
