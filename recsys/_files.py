@@ -11,7 +11,10 @@ import contextlib
 import errno
 import os
 import shutil
+import zlib
 from pathlib import Path
+
+_BLOCK = 16 << 20  # bytes read at a time when checksumming
 
 # Below this many free bytes, a failed write is taken to be the disk filling up: torch's zip
 # writer reports ENOSPC as "unexpected pos" without the errno.
@@ -37,6 +40,25 @@ def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
         raise write_failure(error, path) from error
     finally:
         remove_quietly(tmp)
+
+
+def fsync_path(path: Path) -> None:
+    """Sync a file, or a directory's entries (a rename into it), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_checksum(path: Path) -> tuple[int, int]:
+    """(size in bytes, CRC-32) of a file, read in blocks."""
+    crc, size = 0, 0
+    with path.open("rb") as f:
+        while block := f.read(_BLOCK):
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+    return size, crc
 
 
 def remove_quietly(path: Path) -> None:

@@ -139,3 +139,15 @@ def test_write_failure_survives_a_cycle_of_causes(tmp_path, disk_with_space):
     first, second = RuntimeError("a"), RuntimeError("b")
     first.__context__, second.__context__ = second, first
     assert write_failure(first, tmp_path) is first
+
+
+def test_file_checksum_is_size_and_crc32_and_fsync_path_takes_files_and_directories(tmp_path):
+    import zlib
+
+    from recsys._files import file_checksum, fsync_path
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"recsys" * 1000)
+    assert file_checksum(path) == (6000, zlib.crc32(b"recsys" * 1000))
+    fsync_path(path)
+    fsync_path(tmp_path)

@@ -328,6 +328,10 @@ class DynamicConfig:
     """Most ids the admission counter counts (0: the table's cap, within [2**20, 2**24])."""
     ttl_steps: Annotated[int, AtLeast0] = 0
     """Drop the row of an id not seen for more than this many steps (0: never)."""
+    routing_buckets: Annotated[int, AtLeast1] = 4096
+    """Global buckets ids are hashed into under torchrun: each rank owns a contiguous range
+    of them, so at most this many ranks share a table, and a checkpoint moves to another
+    number of ranks in whole buckets. Fixed for a table's life (checkpoints record it)."""
     overrides: list[str] = field(default_factory=list)
     """Per-table options, ``"<feature>.<key>=<value>"`` (e.g. ``"cat_3.max_capacity=100000"``,
     ``"cat_7.score=lfu"``)."""
@@ -448,6 +452,11 @@ class CheckpointConfig:
 
     every_steps: Annotated[int, AtLeast0] = 0
     """Also save every this many steps (0: only at the end)."""
+    delta_every_steps: Annotated[int, AtLeast0] = 0
+    """Every this many steps, at every checkpoint and at the last step, write what changed in
+    the dynamic tables since the previous delta (rows trained, keys evicted or expired) to
+    <run dir>/deltas/step_<N>/, for serving: a base checkpoint or export plus the deltas after
+    it rebuild the current tables (recsys predict --deltas). 0: no deltas."""
     keep: Annotated[int, AtLeast0] = 3
     """Keep the newest this many checkpoints; older ones are deleted (0: keep all)."""
     keep_best: Literal["", "valid_auc", "valid_logloss"] = ""

@@ -23,6 +23,7 @@ from recsys.distributed.planner import plan_sharding
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic_table import UNCAPPED
 from recsys.embedding.interface import (
     EmbeddingCollectionInterface,
     embedding_collections,
@@ -151,6 +152,7 @@ def parallelize(
     configs = {path: ebc.embedding_bag_configs() for path, ebc in collections.items()}
     if plan is None:
         states = next((dict(c.optimizer.states) for c in collections.values() if c.optimizer), None)
+        planner_options.setdefault("dynamic_rows", dynamic_rows(collections))
         plan = plan_sharding(configs, world, optimizer_states=states, **planner_options)
     check_plan(plan, configs, world)
     # Embedding collectives get their own group, so they never interleave with DDP's.
@@ -192,18 +194,24 @@ def _shardable(model: nn.Module) -> dict[str, EmbeddingBagCollection]:
     """The model's collections, each of a kind parallelize() can shard."""
     collections = embedding_collections(model)
     for path, collection in collections.items():
-        if isinstance(collection, DynamicEmbeddingBagCollection):
-            raise ValueError(
-                f"parallelize(): the collection at '{path}' has dynamic tables "
-                f"{list(collection.dynamic)}, which cannot be sharded over ranks yet; train "
-                "them in one process (no torchrun), or make the tables fixed"
-            )
         if not isinstance(collection, EmbeddingBagCollection):
             raise ValueError(
                 f"parallelize(): the collection at '{path}' is a {type(collection).__name__}; "
                 "only an (unsharded) EmbeddingBagCollection can be sharded"
             )
     return collections
+
+
+def dynamic_rows(collections: dict[str, EmbeddingBagCollection]) -> dict[str, int]:
+    """``"<path>:<table>"`` (or the table's name for a bare collection) -> the most rows each
+    dynamic table may hold (0: no cap), for :func:`plan_sharding`'s ``dynamic_rows``."""
+    out = {}
+    for path, collection in collections.items():
+        if isinstance(collection, DynamicEmbeddingBagCollection):
+            for name, table in collection.dynamic.items():
+                cap = table.map.max_capacity
+                out[f"{path}:{name}" if path else name] = 0 if cap >= UNCAPPED else cap
+    return out
 
 
 def _ignored_by_ddp(collection: EmbeddingCollectionInterface, prefix: str) -> list[str]:

@@ -12,6 +12,12 @@ table's rows x columns on one rank:
   (so id ``i`` lives on rank ``i // block``); ranks past the last row hold nothing. Each rank
   pools the ids it owns; the partial sums are added up at the sample's rank.
 - ``COLUMN_WISE``: columns split into pieces, each piece (all rows) on a different rank.
+- ``KEY_WISE``: a dynamic table (raw 64-bit keys) split over ranks by a hash of the key: of its
+  fixed number of global routing buckets (:mod:`recsys.embedding.key_routing`), shard j of n
+  owns the contiguous range ``[j * buckets // n, (j + 1) * buckets // n)``; each shard's rank
+  runs its own id -> slot map for those keys. A shard's rows are the most keys it may hold (its
+  share of the table's cap), which the planner budgets; like ROW_WISE, each rank pools the
+  keys it owns and the partial sums are added at the sample's rank.
 
 Build plans by hand with :func:`data_parallel`, :func:`table_wise`, :func:`row_wise` and
 :func:`column_wise`, or let :func:`plan_sharding` choose (it documents its cost model), within
@@ -51,6 +57,7 @@ class ShardingType(str, enum.Enum):
     TABLE_WISE = "table_wise"
     ROW_WISE = "row_wise"
     COLUMN_WISE = "column_wise"
+    KEY_WISE = "key_wise"
 
 
 @dataclass(frozen=True)
@@ -173,6 +180,14 @@ def column_wise(
     return TableSharding(ShardingType.COLUMN_WISE, tuple(shards))
 
 
+def key_wise(max_rows: int, embedding_dim: int, ranks: Sequence[int]) -> TableSharding:
+    """A dynamic table over distinct ``ranks`` (shard order = routing-bucket order), each shard
+    budgeted ``ceil(max_rows / len(ranks))`` rows (at least 1)."""
+    block = max(1, math.ceil(max_rows / len(ranks)))
+    shards = tuple(Shard(rank, j * block, block, 0, embedding_dim) for j, rank in enumerate(ranks))
+    return TableSharding(ShardingType.KEY_WISE, shards)
+
+
 def check_table_sharding(config: EmbeddingBagConfig, sharding: TableSharding, world_size: int):
     """Raise ``ValueError`` unless ``sharding`` is a valid placement of ``config``'s table on
     ``world_size`` ranks (the shapes each sharding type must have are in the module docstring)."""
@@ -191,6 +206,11 @@ def check_table_sharding(config: EmbeddingBagConfig, sharding: TableSharding, wo
         expected = full[:1]
     elif kind == ShardingType.ROW_WISE:
         expected = row_wise(rows, dim, world_size).shards
+    elif kind == ShardingType.KEY_WISE:
+        ranks = sharding.ranks
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"{where}: key-wise shards must be on distinct ranks, got {ranks}")
+        expected = key_wise(sharding.shards[0].num_rows * len(ranks), dim, ranks).shards
     else:
         ranks = sharding.ranks
         if len(set(ranks)) != len(ranks):
@@ -273,6 +293,8 @@ def _table_line(path: str, name: str, sharding: TableSharding, footprint: TableF
     low, high = (format_bytes(f(footprint.shard_bytes)) for f in (min, max))
     memory, kind = (high if low == high else f"{low}..{high}"), ShardingType(sharding.sharding_type)
     where, size = _rank_list(sharding.ranks), f"{rows} x {cols}"
+    if kind == ShardingType.KEY_WISE:  # a dynamic table: at most its cap, hashed over ranks
+        size = f"<={rows} x {cols}"
     return [path or "(root)", name, size, footprint.data_type, kind.name, where, memory]
 
 
@@ -305,4 +327,13 @@ def _describe(plan: ShardingPlan) -> str:
         header.append("hand-built plan: memory assumes fp32 weights (fp32?) and no optimizer state")
     elif states - {""}:
         header.append(f"memory includes optimizer state: {', '.join(sorted(states - {''}))}")
+    if any(
+        ShardingType(t.sharding_type) == ShardingType.KEY_WISE
+        for shardings in plan.collections.values()
+        for t in shardings.values()
+    ):
+        header.append(
+            "KEY_WISE: dynamic tables, keys hashed into routing buckets, each rank an even range; "
+            "rows = the table's cap (uncapped: its initial rows)"
+        )
     return "\n".join([*header, "", *_text_table(table_lines), "", *_text_table(rank_lines)])

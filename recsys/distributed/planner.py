@@ -26,6 +26,7 @@ from recsys.distributed.plan import (
     column_wise,
     data_parallel,
     format_bytes,
+    key_wise,
     row_block,
     row_wise,
     shard_bytes,
@@ -44,6 +45,7 @@ __all__ = [
     "check_table_sharding",
     "column_wise",
     "data_parallel",
+    "key_wise",
     "parse_constraints",
     "plan_sharding",
     "row_block",
@@ -156,13 +158,15 @@ class _Table:
     element_bytes: int
     pooling: float  # mean ids per sample, summed over the table's features
     constraint: TableConstraint
+    dynamic: bool = False  # keyed by raw ids: KEY_WISE, ``rows`` its cap
+    rows: int = 0  # rows to budget: num_embeddings, or a dynamic table's cap
 
     @property
     def label(self) -> str:
         return f"{self.path}:{self.config.name}" if self.path else self.config.name
 
     def whole(self) -> Shard:
-        return Shard(0, 0, self.config.num_embeddings, 0, self.config.embedding_dim)
+        return Shard(0, 0, self.rows, 0, self.config.embedding_dim)
 
 
 def _rank_bytes(sharding: TableSharding, table: _Table, states: dict[str, str], world: int):
@@ -182,7 +186,7 @@ class _CostModel:
     def rank_costs(self, sharding: TableSharding, table: _Table) -> list[float]:
         """Each rank's cost per step of placing ``table`` as ``sharding`` (see plan_sharding)."""
         world, local, pooling = self.world_size, self.batch_size, table.pooling
-        batch, rows, dim = local * world, table.config.num_embeddings, table.config.embedding_dim
+        batch, rows, dim = local * world, table.rows, table.config.embedding_dim
         comm = _COMM_WEIGHT * (world - 1) / world  # a rank's traffic to itself is free
         costs = [0.0] * world
         if sharding.sharding_type == ShardingType.DATA_PARALLEL:
@@ -199,7 +203,7 @@ class _CostModel:
         # their pooled vectors (a partial sum from every row shard), sends back the gradients.
         kind, num_shards = sharding.sharding_type, len(sharding.shards)
         id_copies = num_shards if kind == ShardingType.COLUMN_WISE else 1
-        vector_copies = num_shards if kind == ShardingType.ROW_WISE else 1
+        vector_copies = num_shards if kind in (ShardingType.ROW_WISE, ShardingType.KEY_WISE) else 1
         for rank in range(world):
             costs[rank] += comm * local * pooling * id_copies * _ID_BYTES
             costs[rank] += comm * local * dim * vector_copies * vector_bytes
@@ -240,7 +244,7 @@ class _Ranks:
 def _column_candidates(table: _Table, ranks: _Ranks, states: dict[str, str]):
     """COLUMN_WISE on exactly the constraint's ranks, or over 2..min(world, dim // 4) ranks with
     the widest pieces on the least-loaded ranks that can hold them."""
-    rows, dim, world = table.config.num_embeddings, table.config.embedding_dim, len(ranks.used)
+    rows, dim, world = table.rows, table.config.embedding_dim, len(ranks.used)
     if table.constraint.ranks:
         pieces = len(table.constraint.ranks)
         yield column_wise(rows, dim, table.constraint.ranks, _column_widths(dim, pieces))
@@ -256,8 +260,10 @@ def _column_candidates(table: _Table, ranks: _Ranks, states: dict[str, str]):
 
 def _candidates(table: _Table, ranks: _Ranks, states: dict[str, str]) -> list[TableSharding]:
     """Every placement the table's constraint allows, in a fixed order."""
-    rows, dim, world = table.config.num_embeddings, table.config.embedding_dim, len(ranks.used)
+    rows, dim, world = table.rows, table.config.embedding_dim, len(ranks.used)
     allowed = table.constraint.sharding_types
+    if table.dynamic:  # any key may come from any rank: hashed over all of them
+        return [key_wise(rows, dim, range(world))]
     if world == 1 and not allowed:
         return [table_wise(rows, dim, 0)]
     candidates: list[TableSharding] = []
@@ -268,6 +274,8 @@ def _candidates(table: _Table, ranks: _Ranks, states: dict[str, str]) -> list[Ta
             candidates += [table_wise(rows, dim, r) for r in table.constraint.ranks or range(world)]
         elif kind == ShardingType.ROW_WISE:
             candidates.append(row_wise(rows, dim, world))
+        elif kind == ShardingType.KEY_WISE:
+            continue  # dynamic tables only
         elif "row" not in states.values():
             # Per-row optimizer state cannot be shared by column shards (the sharded
             # collection refuses it), so COLUMN_WISE is only a candidate without it.
@@ -287,7 +295,7 @@ def _not_fit_error(
     config, world, constraint = table.config, len(ranks.used), table.constraint
     size = format_bytes(shard_bytes(table.whole(), table.element_bytes, states))
     state = f" + {_state_label(states)}" if states else ""
-    what = f"table '{table.label}' ({config.num_embeddings} x {config.embedding_dim} "
+    what = f"table '{table.label}' ({table.rows} x {config.embedding_dim} "
     what += f"{config.data_type.name.lower()}{state}, {size})"
     where = f" under its constraint '{constraint}'" if constraint.sharding_types else ""
     if not candidates:
@@ -346,16 +354,26 @@ def _table(
     pooling_factors: dict[str, float],
     constraints: dict[str, TableConstraint],
     world: int,
+    dynamic_rows: dict[str, int],
 ) -> _Table:
-    """``config`` with its element size, pooling factor and (checked) constraint."""
+    """``config`` with its element size, pooling factor, (checked) constraint and, for a
+    dynamic table, its cap."""
     if config.data_type not in TABLE_DTYPES:
         valid = [t.name for t in TABLE_DTYPES]
         raise ValueError(f"table '{config.name}': data_type {config.data_type.name} not in {valid}")
     constraint = constraints.get(f"{path}:{config.name}", constraints.get(config.name))
     constraint, dim = constraint or TableConstraint(), config.embedding_dim
     pooling = sum(pooling_factors.get(f, 1.0) for f in config.feature_names)
-    table = _Table(path, config, element_bytes(config), pooling, constraint)
+    label = f"{path}:{config.name}" if path else config.name
+    cap = dynamic_rows.get(label, dynamic_rows.get(config.name))
+    rows = cap or config.num_embeddings
+    table = _Table(path, config, element_bytes(config), pooling, constraint, cap is not None, rows)
     ranks, where = constraint.ranks, f"table '{table.label}' constraint '{constraint}'"
+    kinds = constraint.sharding_types
+    if table.dynamic and kinds and ShardingType.KEY_WISE not in kinds:
+        raise ValueError(f"{where}: a dynamic table (raw ids) is sharded KEY_WISE only")
+    if not table.dynamic and ShardingType.KEY_WISE in kinds:
+        raise ValueError(f"{where}: KEY_WISE is for dynamic tables (raw ids) only")
     if any(r >= world for r in ranks):
         raise ValueError(f"{where}: ranks {ranks} must be < world_size {world}")
     if len(ranks) > dim and ShardingType.COLUMN_WISE in constraint.sharding_types:
@@ -374,6 +392,7 @@ def plan_sharding(
     constraints: dict[str, TableConstraint] | None = None,
     forward_comm_bytes: int = 4,
     backward_comm_bytes: int = 4,
+    dynamic_rows: dict[str, int] | None = None,
 ) -> ShardingPlan:
     """Place every table on ``world_size`` ranks within ``memory_per_rank``, balancing an
     estimated per-rank cost.
@@ -415,6 +434,10 @@ def plan_sharding(
             -> :class:`TableConstraint` (see :func:`parse_constraints`).
         forward_comm_bytes: bytes per value of the pooled embeddings sent in forward.
         backward_comm_bytes: bytes per value of their gradients sent in backward.
+        dynamic_rows: the dynamic tables (keyed by raw ids; name or ``"<path>:<table>"``) ->
+            the most rows each may hold (0: no cap, its ``num_embeddings`` is budgeted). A
+            dynamic table is KEY_WISE over every rank, each budgeted its share of the cap;
+            it costs like a ROW_WISE table.
 
     Returns:
         a plan that passes :func:`check_plan`, with sizes and costs for ``describe()``.
@@ -446,7 +469,11 @@ def plan_sharding(
     _check_known("pooling_factors", "features", pooling_factors, features)
     names = {c.name for _, c in configs} | {f"{p}:{c.name}" for p, c in configs if p}
     _check_known("sharding constraints", "tables", constraints, names)
-    tables = [_table(p, c, pooling_factors, constraints, world_size) for p, c in configs]
+    dynamic_rows = dynamic_rows or {}
+    _check_known("dynamic_rows", "tables", dynamic_rows, names)
+    tables = [
+        _table(p, c, pooling_factors, constraints, world_size, dynamic_rows) for p, c in configs
+    ]
     model = _CostModel(world_size, batch_size, *comm_bytes)
     ranks = _Ranks([0] * world_size, [0.0] * world_size, memory_per_rank)
 

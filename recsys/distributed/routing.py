@@ -9,7 +9,11 @@ Vocabulary (every rank builds the same tables):
 - a **stream** is a slot numbered globally, rank-major: the all-to-all sends stream s's bags to
   the rank that owns it;
 - a **copy** is one destination of an id: a column-wise table sends each id to every column
-  shard (several copies), a row-wise or table-wise one to one owner, a replicated one nowhere.
+  shard (several copies), a row-wise, key-wise or table-wise one to one owner, a replicated one
+  nowhere.
+
+A key-wise (dynamic) table's id is a raw key: its owner is the shard whose range holds the key's
+routing bucket (:mod:`recsys.embedding.key_routing`), and it travels unchanged.
 
 Shapes: F features of the collection, B samples on this rank, L ids in the batch, W ranks.
 """
@@ -23,6 +27,10 @@ from torchrec import EmbeddingBagConfig
 from torchrec.modules.embedding_configs import PoolingType
 
 from recsys.distributed.plan import Shard, ShardingType, TableSharding, row_block
+from recsys.embedding.key_routing import KeyRouting, routing_bucket
+
+# Sharding types whose every id has one owner among several shards (partial sums come back).
+_ONE_OWNER = (ShardingType.ROW_WISE, ShardingType.KEY_WISE)
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class ShardRouting:
         plan: table name -> its sharding.
         world_size / rank: the process group's size and this rank.
         device: where the index tables live (the collection's device).
+        routing_buckets: each KEY_WISE table's number of routing buckets.
     """
 
     def __init__(
@@ -52,6 +61,7 @@ class ShardRouting:
         world_size: int,
         rank: int,
         device: torch.device,
+        routing_buckets: dict[str, int] | None = None,
     ) -> None:
         self.world_size, self.rank = world_size, rank
         self.kind = {c.name: ShardingType(plan[c.name].sharding_type) for c in configs}
@@ -72,6 +82,7 @@ class ShardRouting:
         ]
         self.local_features = [f for c, _ in self.placements[rank] for f in c.feature_names]
         self._build_streams(configs, plan, device)
+        self._build_key_owners(configs, plan, routing_buckets or {}, device)
         self._build_assembly(configs, plan, device)
 
     @property
@@ -98,9 +109,10 @@ class ShardRouting:
             kind, shards = self.kind[config.name], plan[config.name].shards
             if kind == ShardingType.DATA_PARALLEL:
                 continue
-            copies[f] = 1 if kind == ShardingType.ROW_WISE else len(shards)
-            if kind == ShardingType.ROW_WISE:
-                block[f] = row_block(config.num_embeddings, self.world_size)
+            copies[f] = 1 if kind in _ONE_OWNER else len(shards)
+            if kind in _ONE_OWNER:
+                if kind == ShardingType.ROW_WISE:
+                    block[f] = row_block(config.num_embeddings, self.world_size)
                 for shard in shards:
                     table[f, shard.rank] = stream[(name, shard.rank)]
             else:
@@ -115,6 +127,35 @@ class ShardRouting:
         )
         stream_rank = [r for r, n in enumerate(self.slots_per_rank) for _ in range(n)]
         self.stream_rank = torch.tensor(stream_rank, dtype=torch.int64, device=device)
+
+    def _build_key_owners(
+        self,
+        configs: list[EmbeddingBagConfig],
+        plan: dict[str, TableSharding],
+        routing_buckets: dict[str, int],
+        device,
+    ) -> None:
+        """Per feature of a KEY_WISE table: its routing buckets, and the rank owning each
+        bucket (one concatenated table, ``bucket_base[f]`` where feature f's starts)."""
+        num_features = len(self.features)
+        buckets = torch.zeros(num_features, dtype=torch.int64)
+        base = torch.zeros(num_features, dtype=torch.int64)
+        owners = [torch.zeros(0, dtype=torch.int64)]
+        size = 0
+        for f in range(num_features):
+            config = configs[self.feature_table[f]]
+            if self.kind[config.name] != ShardingType.KEY_WISE:
+                continue
+            if config.name not in routing_buckets:
+                raise ValueError(f"KEY_WISE table '{config.name}' has no routing_buckets")
+            ranks = torch.tensor(plan[config.name].ranks, dtype=torch.int64)
+            routing = KeyRouting(routing_buckets[config.name])
+            owners.append(ranks[routing.owners(len(ranks))])
+            buckets[f], base[f] = routing.num_buckets, size
+            size += routing.num_buckets
+        self.any_key_wise = bool((buckets > 0).any())
+        self.key_buckets, self.bucket_base = buckets.to(device), base.to(device)
+        self.bucket_owner = torch.cat(owners).to(device)
 
     def _build_assembly(
         self, configs: list[EmbeddingBagConfig], plan: dict[str, TableSharding], device
@@ -138,7 +179,7 @@ class ShardRouting:
             if kind == ShardingType.DATA_PARALLEL:
                 direct += range(dp_col, dp_col + dim)
                 dp_col += dim
-            elif kind == ShardingType.ROW_WISE:
+            elif kind in _ONE_OWNER:  # row-wise and key-wise: partial sums from every shard
                 direct += [zero] * dim
                 rw_cols += range(out_col, out_col + dim)
                 parts = [piece[(s.rank, name)] for s in plan[config.name].shards]
@@ -199,6 +240,11 @@ class ShardRouting:
         block = self.block[feature]
         rw = block > 0
         owner = torch.where(rw, values.long() // block.clamp(min=1), copy)
+        if self.any_key_wise:
+            key_wise = (self.key_buckets[feature] > 0).nonzero().squeeze(1)
+            f = feature[key_wise]
+            bucket = routing_bucket(values[key_wise], self.key_buckets[f])
+            owner[key_wise] = self.bucket_owner[self.bucket_base[f] + bucket]
         ids = torch.where(rw, values - owner.to(values.dtype) * block.to(values.dtype), values)
         key = self.stream_table[feature, owner] * batch_size + sample
         order = torch.sort(key, stable=True).indices

@@ -14,6 +14,13 @@
   and are added in rank order at the sample's rank (a reduce-scatter folded into the same
   all-to-all), then divided by the bag length for mean pooling.
 
+KEY_WISE tables are dynamic (raw 64-bit keys, no vocabulary): input_dist sends each key to the
+rank owning its routing bucket (:mod:`recsys.embedding.key_routing`), where a
+:class:`~recsys.embedding.dynamic.DynamicEmbeddingBagCollection` maps it to a row (inserting,
+growing, evicting) and the fused optimizer updates it; pooled partial sums come back as for
+ROW_WISE. Their state is saved by key (:mod:`recsys.distributed.sharded_dynamic`), and loads on
+any number of ranks.
+
 DATA_PARALLEL tables are replicated (:mod:`recsys.distributed.replicated`): each rank looks up
 its own batch with no communication. The routing tables live in
 :mod:`recsys.distributed.routing`, the checkpoint state in :mod:`recsys.distributed.sharded_state`.
@@ -32,8 +39,9 @@ likewise, and ``optimizer_step``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -53,6 +61,12 @@ from recsys.distributed.comm import (
 from recsys.distributed.plan import Shard, ShardingType, TableSharding, check_table_sharding
 from recsys.distributed.replicated import ReplicatedTables
 from recsys.distributed.routing import ShardRouting
+from recsys.distributed.sharded_dynamic import (
+    key_wise_state,
+    key_wise_stats,
+    key_wise_targets,
+    load_key_wise,
+)
 from recsys.distributed.sharded_state import (
     load_logical,
     logical_optimizer_state,
@@ -60,11 +74,15 @@ from recsys.distributed.sharded_state import (
     shard_of,
 )
 from recsys.embedding.collection import EmbeddingBagCollection, EmbeddingTable
+from recsys.embedding.dynamic import DYNAMIC, DYNAMIC_STEP, DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic_table import UNCAPPED, DynamicTableOptions
 from recsys.embedding.inputs import FeatureOrder, input_weights
-from recsys.embedding.interface import EmbeddingCollectionInterface
+from recsys.embedding.interface import EmbeddingCollectionInterface, SavedState, TableDelta
+from recsys.embedding.key_routing import KeyRouting
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import output_keys, pooling_mode
 from recsys.ops.embedding_bag import validate_inputs
+from recsys.ops.slot_map import check_keys
 
 
 @dataclass(frozen=True)
@@ -122,7 +140,12 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             raise ValueError("the collection is on the meta device; pass device= for the shards")
         configs = module.embedding_bag_configs()
         self._configs = configs
-        self.plan = _checked_plan(configs, plan, self.world_size, module.optimizer)
+        dynamic = module.dynamic if isinstance(module, DynamicEmbeddingBagCollection) else {}
+        self.plan = _checked_plan(configs, plan, self.world_size, module.optimizer, set(dynamic))
+        self._dynamic = {
+            name: _part_options(table, len(self.plan[name].shards))
+            for name, table in dynamic.items()
+        }
         self._is_weighted = module.is_weighted()
         self.validate = module.validate
         self.optimizer: FusedOptimizer | None = module.optimizer
@@ -131,9 +154,15 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         self._table_rows = [c.num_embeddings for c in configs]
         self._table_pooling = [pooling_mode(c) for c in configs]
         self._anchor = torch.zeros((), device=device, requires_grad=True)
-        self.routing = ShardRouting(configs, self.plan, self.world_size, self.rank, device)
+        buckets = {name: options.routing_buckets for name, options in self._dynamic.items()}
+        self.routing = ShardRouting(
+            configs, self.plan, self.world_size, self.rank, device, routing_buckets=buckets
+        )
         source = None if module.device.type == "meta" else module
         self.shards = self._build_shards(module, source, device)
+        if source is not None:
+            for name in self._dynamic:  # each rank keeps the keys its routing buckets hold
+                load_key_wise(self, name, source.table_state(name))
         replicated = [c for c in configs if self.is_replicated(c.name)]
         self.replicated = None
         if replicated:
@@ -164,24 +193,36 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         local = self.routing.local
         if not local:
             return None
-        shards = EmbeddingBagCollection(
-            [_shard_config(c, s, self.routing.kind[c.name]) for c, s in local],
-            is_weighted=self._is_weighted,
-            device=device,
-            backend=module.backend,
-            validate=False,  # ids were checked against the full tables before routing
-            optimizer=module.optimizer,
-        )
+        configs = [
+            _shard_config(c, s, self.routing.kind[c.name], len(self.plan[c.name].shards))
+            for c, s in local
+        ]
+        options = {c.name: self._dynamic[c.name] for c in configs if c.name in self._dynamic}
+        common = {
+            "is_weighted": self._is_weighted,
+            "device": device,
+            "backend": module.backend,
+            "validate": False,  # ids were checked against the full tables before routing
+            "optimizer": module.optimizer,
+        }
+        if options:  # this rank's parts of the dynamic tables (and its fixed shards)
+            shards = DynamicEmbeddingBagCollection(configs, options, seed=module.seed, **common)
+        else:
+            shards = EmbeddingBagCollection(configs, **common)
         if source is None:
             return shards
         with torch.no_grad():
             for c, shard in local:
+                if c.name in options:
+                    continue  # copied by key once the shards are in place
                 target = shards.embedding_bags[c.name]
                 target.weight.copy_(shard_of(source.embedding_bags[c.name].weight, shard))
                 for name, buffer in target.named_buffers():
                     buffer.copy_(shard_of(source.embedding_bags[c.name].get_buffer(name), shard))
             if self.optimizer is not None:
                 shards.optimizer_step.copy_(source.optimizer_step)
+            if options:
+                shards.dynamic_step.copy_(source.dynamic_step)
         return shards
 
     # -----------------------------------------------------------------------------------------
@@ -196,7 +237,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         if self.validate:
             validate_inputs(
                 self._table_rows,
-                features.values(),
+                self._fixed_ids(features),
                 features.offsets(),
                 list(range(len(self._features.features))),
                 self.routing.feature_table,
@@ -217,6 +258,18 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             length_per_key=self._lengths_per_embedding,
             values=self.routing.assemble(received, pooled_dp, lengths, batch_size),
         )
+
+    def _fixed_ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """The ids to check against the table sizes: a dynamic table's keys (any int64 but the
+        two reserved values, checked here) read as 0."""
+        values = features.values()
+        if not self.routing.any_key_wise:
+            return values
+        lengths = features.lengths().view(len(self.routing.features), -1).sum(dim=1)
+        feature = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths)
+        key_wise = self.routing.key_buckets[feature] > 0
+        check_keys(values[key_wise], "ids of dynamic tables")
+        return values.masked_fill(key_wise, 0)
 
     def _select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The input's features in the collection's order (a permute when they differ)."""
@@ -297,6 +350,38 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
     def logical_optimizer_state(self, prefix: str, state: dict[str, Any]) -> dict[str, Any]:
         return logical_optimizer_state(self, prefix, state)
 
+    def key_wise_tables(self) -> list[str]:
+        """The dynamic (KEY_WISE) tables, in table order."""
+        return [c.name for c in self._configs if c.name in self._dynamic]
+
+    def routing_of(self, table: str) -> KeyRouting:
+        """How dynamic ``table``'s keys are routed to its shards."""
+        return KeyRouting(self._dynamic[table].routing_buckets)
+
+    def dynamic_stats(self) -> dict[str, dict[str, float]]:
+        """Per dynamic table, its counters summed over ranks (``load_factor``: of the summed
+        size and capacity), and the key balance: ``size_max_over_mean`` (the fullest rank's
+        keys over the mean) and ``size_rank<r>`` per rank. A collective: every rank calls it
+        (the trainer does, at every train log event)."""
+        return key_wise_stats(self)
+
+    def take_delta(self) -> dict[str, TableDelta]:
+        """This rank's part of every dynamic table's delta (the keys it owns)."""
+        if self.shards is None:
+            return {}
+        return self.shards.take_delta()
+
+    def variable_state_keys(self) -> list[str]:
+        """The dynamic tables' state keys (their sizes change as they train)."""
+        if not self._dynamic:
+            return []
+        return [k for name in self.key_wise_tables() for k in self.shards.table_state_keys(name)]
+
+    def load_targets(self, state: dict[str, Any], saved: SavedState, prefix: str) -> None:
+        """As the interface's, with each rank's part of a dynamic table read by routing bucket
+        (see :mod:`recsys.distributed.sharded_dynamic`)."""
+        key_wise_targets(self, state, saved, prefix)
+
     def is_replicated(self, table: str) -> bool:
         """Whether ``table`` is DATA_PARALLEL (every rank holds it whole)."""
         return ShardingType(self.plan[table].sharding_type) == ShardingType.DATA_PARALLEL
@@ -340,6 +425,9 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             raise TypeError("state_dict takes keyword arguments only")
         out = {} if destination is None else destination
         out.update(logical_state(self, prefix, keep_vars))
+        out.update(key_wise_state(self, prefix))
+        if self._dynamic:
+            out[prefix + DYNAMIC_STEP] = self.shards.dynamic_step
         return out
 
     def _load_from_state_dict(
@@ -353,9 +441,20 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         given = {key for key in state_dict if key.startswith(prefix)}
         missing_keys.extend(sorted(expected - given))
         unexpected_keys.extend(sorted(given - expected))
+        dynamic: dict[str, dict[str, Any]] = {name: {} for name in self._dynamic}
         with torch.no_grad():
             for key in sorted(expected & given):
-                load_logical(self, key[len(prefix) :], state_dict[key])
+                relative = key[len(prefix) :]
+                parts = relative.split(".")
+                if relative == DYNAMIC_STEP:
+                    self.shards.dynamic_step.copy_(torch.as_tensor(state_dict[key]))
+                elif len(parts) == 3 and parts[1] in dynamic:
+                    dynamic[parts[1]][relative] = state_dict[key]
+                else:
+                    load_logical(self, relative, state_dict[key])
+            for name, entries in dynamic.items():
+                if f"{DYNAMIC}.{name}.keys" in entries:
+                    load_key_wise(self, name, entries)
 
 
 def _hide_internal_keys(module: ShardedEmbeddingBagCollection, incompatible) -> None:
@@ -369,18 +468,36 @@ def _hide_internal_keys(module: ShardedEmbeddingBagCollection, incompatible) -> 
 
 
 def _shard_config(
-    config: EmbeddingBagConfig, shard: Shard, kind: ShardingType
+    config: EmbeddingBagConfig, shard: Shard, kind: ShardingType, parts: int
 ) -> EmbeddingBagConfig:
-    """The local table holding ``shard``: its rows and columns, the table's features; row-wise
-    shards pool by sum (the mean divides the summed partials at the sample's rank)."""
+    """The local table holding ``shard`` (one of ``parts``): its rows and columns, the table's
+    features; row-wise and key-wise shards pool by sum (the mean divides the summed partials
+    at the sample's rank). A key-wise shard starts with its share of the table's initial rows
+    (it grows by itself)."""
+    one_owner = kind in (ShardingType.ROW_WISE, ShardingType.KEY_WISE)
+    rows = shard.num_rows
+    if kind == ShardingType.KEY_WISE:
+        rows = max(1, math.ceil(config.num_embeddings / parts))
     return EmbeddingBagConfig(
         name=config.name,
-        num_embeddings=shard.num_rows,
+        num_embeddings=rows,
         embedding_dim=shard.num_cols,
         feature_names=list(config.feature_names),
-        pooling=PoolingType.SUM if kind == ShardingType.ROW_WISE else config.pooling,
+        pooling=PoolingType.SUM if one_owner else config.pooling,
         data_type=config.data_type,
         init_fn=config.init_fn,
+    )
+
+
+def _part_options(table, parts: int) -> DynamicTableOptions:
+    """A dynamic table's options for one of ``parts`` parts: its share of the cap, and the
+    whole table's initial-row bound (a key starts from the same row wherever it lives)."""
+    cap = table.map.max_capacity
+    return replace(
+        table.options,
+        max_capacity=0 if cap >= UNCAPPED else math.ceil(cap / parts),
+        memory_budget_mb=0.0,  # folded into the cap
+        init_bound=table.bound,
     )
 
 
@@ -389,6 +506,7 @@ def _checked_plan(
     plan: Mapping[str, TableSharding],
     world_size: int,
     optimizer: FusedOptimizer | None,
+    dynamic: set[str],
 ) -> dict[str, TableSharding]:
     names = [c.name for c in configs]
     missing = [n for n in names if n not in plan]
@@ -402,6 +520,21 @@ def _checked_plan(
     for config in configs:
         sharding = plan[config.name]
         check_table_sharding(config, sharding, world_size)
+        key_wise = ShardingType(sharding.sharding_type) == ShardingType.KEY_WISE
+        if key_wise != (config.name in dynamic):
+            raise ValueError(
+                f"table '{config.name}' is {ShardingType(sharding.sharding_type).name} but "
+                + (
+                    "dynamic (raw ids): shard it KEY_WISE"
+                    if config.name in dynamic
+                    else "KEY_WISE is for dynamic tables (raw ids) only"
+                )
+            )
+        if key_wise and sorted(sharding.ranks) != list(range(world_size)):
+            raise ValueError(
+                f"dynamic table '{config.name}' is KEY_WISE on ranks {sharding.ranks}; "
+                f"expected every rank 0..{world_size - 1} (in any order)"
+            )
         if row_state and ShardingType(sharding.sharding_type) == ShardingType.COLUMN_WISE:
             raise ValueError(
                 f"table '{config.name}' is COLUMN_WISE but {type(optimizer).__name__} keeps one "

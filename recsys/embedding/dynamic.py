@@ -60,7 +60,7 @@ from recsys.embedding.dynamic_table import (
     DynamicTable,
     DynamicTableOptions,
 )
-from recsys.embedding.interface import TABLES, WEIGHT
+from recsys.embedding.interface import TABLES, WEIGHT, TableDelta
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.row_init import table_seed
 from recsys.embedding.slot_map import Insertion
@@ -129,6 +129,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         self.reset_parameters()
         self.register_state_dict_post_hook(_save_key_layout)
         self.register_load_state_dict_pre_hook(_load_key_layout)
+        self.register_load_state_dict_post_hook(_start_delta_at_load)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._logical_configs
@@ -253,15 +254,90 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
 
     def variable_state_keys(self) -> list[str]:
         """State keys whose size is the number of keys a dynamic table holds."""
-        keys = []
+        return [key for name in self.dynamic for key in self.table_state_keys(name)]
+
+    def table_state_keys(self, name: str) -> list[str]:
+        """The state keys of dynamic table ``name``: its rows, their optimizer state, and its
+        key state (``dynamic.<name>.keys``, ...)."""
+        states = self.optimizer.states if self.optimizer is not None else {}
+        keys = [f"{TABLES}.{name}.{WEIGHT}"] + [f"{TABLES}.{name}.{s}" for s in states]
+        return keys + [f"{DYNAMIC}.{name}.{k}" for k in self.dynamic[name].state_names()]
+
+    def table_state(self, name: str) -> dict[str, torch.Tensor]:
+        """Dynamic table ``name``'s part of ``state_dict()``: its live keys' rows and optimizer
+        state, and its key state, keys in (routing bucket, key) order (see
+        :meth:`~recsys.embedding.dynamic_table.DynamicTable.key_state`)."""
+        slots, key_state = self.dynamic[name].key_state()
+        bag = self.embedding_bags[name]
+        out = {f"{TABLES}.{name}.{WEIGHT}": bag.weight.detach()[slots]}
+        for state in self.optimizer.states if self.optimizer is not None else {}:
+            out[f"{TABLES}.{name}.{state}"] = getattr(bag, state)[slots]
+        out.update({f"{DYNAMIC}.{name}.{key}": value for key, value in key_state.items()})
+        return out
+
+    def load_table_state(self, name: str, saved: dict[str, torch.Tensor]) -> None:
+        """Replace dynamic table ``name``'s keys, rows and optimizer state by ``saved`` (what
+        :meth:`table_state` returns, keys in any order; optimizer state it lacks starts
+        fresh)."""
+        with torch.no_grad():
+            for key, rows in self.slot_rows(name, saved).items():
+                _, _, tensor = key.split(".")
+                bag = self.embedding_bags[name]
+                (bag.weight if tensor == WEIGHT else getattr(bag, tensor)).copy_(rows)
+
+    def slot_rows(self, name: str, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Restore table ``name``'s map from ``saved`` (as :meth:`table_state` returns it),
+        resize its rows to the map, and return its saved rows and optimizer state in that
+        slot layout (the zero row at zero, other unused rows at the initial state)."""
+        index = [c.name for c in self.embedding_bag_configs()].index(name)
+        table = self.dynamic[name]
+        key_state = {
+            key: saved[f"{DYNAMIC}.{name}.{key}"]
+            for key in KEY_STATE + ADMISSION_STATE
+            if f"{DYNAMIC}.{name}.{key}" in saved
+        }
+        slots = table.load_key_state(key_state)
+        self.resize_table(index, table.rows)
+        bag = self.embedding_bags[name]
+        targets = {WEIGHT: (bag.weight, 0.0)}
+        for state in self.optimizer.states if self.optimizer else {}:
+            targets[state] = (getattr(bag, state), self.optimizer.initial_state(state))
+        out = {}
+        for key, (live, fill) in targets.items():
+            if f"{TABLES}.{name}.{key}" not in saved:
+                continue
+            rows = torch.full_like(live, fill)
+            rows[slots] = saved[f"{TABLES}.{name}.{key}"].to(device=rows.device, dtype=rows.dtype)
+            if key == WEIGHT:
+                rows[table.zero_row] = 0
+            out[f"{TABLES}.{name}.{key}"] = rows
+        return out
+
+    def take_delta(self) -> dict[str, TableDelta]:
+        """Per dynamic table, what changed since the previous call (or since the collection
+        was built or loaded): the keys trained since then (a row changes only when its key is
+        trained) with their rows and last steps now, and the keys that lost their row since
+        (evicted, expired) and have none now. The next call starts from now.
+
+        Deletions are recorded only once deltas are taken: from the first call on, one int64
+        per key that loses its row until the next call (a collection whose deltas are never
+        taken records nothing). Call it once right after building or loading to start (the
+        trainer does, with ``checkpoint.delta_every_steps``); the first call after a load
+        without that warns if keys left unrecorded. Take deltas between training steps.
+
+        Returns:
+            table name -> :class:`~recsys.embedding.interface.TableDelta` (tensors on the
+            collection's device; rows in the table's dtype).
+        """
+        step = int(self.dynamic_step)
+        deltas = {}
         for name, table in self.dynamic.items():
-            keys.append(f"{TABLES}.{name}.{WEIGHT}")
-            keys += [
-                f"{TABLES}.{name}.{state}"
-                for state in (self.optimizer.states if self.optimizer else {})
-            ]
-            keys += [f"{DYNAMIC}.{name}.{k}" for k in table.state_names()]
-        return keys
+            keys, slots = table.changed_keys()
+            rows = self.embedding_bags[name].weight.detach()[slots]
+            last_seen = table.map.last_seen[slots]
+            deltas[name] = TableDelta(keys, rows, last_seen, table.deleted_keys())
+            table.start_delta(step)
+        return deltas
 
 
 def _options_by_table(
@@ -304,17 +380,11 @@ def _positions(spans: dict[str, slice], features: list[str]) -> slice | torch.Te
 
 
 def _save_key_layout(module: DynamicEmbeddingBagCollection, state_dict, prefix, local_metadata):
-    """state_dict post-hook: each dynamic table's rows and state in ascending key order, with
-    its key state, instead of its slots."""
-    for name, table in module.dynamic.items():
-        slots, key_state = table.key_state()
-        bag = module.embedding_bags[name]
-        base = f"{prefix}{TABLES}.{name}."
-        state_dict[base + WEIGHT] = bag.weight.detach()[slots]
-        for state in module.optimizer.states if module.optimizer else {}:
-            state_dict[base + state] = getattr(bag, state)[slots]
-        for key, value in key_state.items():
-            state_dict[f"{prefix}{DYNAMIC}.{name}.{key}"] = value
+    """state_dict post-hook: each dynamic table's rows and state in key order, with its key
+    state, instead of its slots."""
+    for name in module.dynamic:
+        for key, value in module.table_state(name).items():
+            state_dict[prefix + key] = value
 
 
 def _load_key_layout(
@@ -323,30 +393,19 @@ def _load_key_layout(
     """load_state_dict pre-hook: restore each dynamic table's map from its saved keys, size its
     rows to the saved capacity, and turn its saved rows into its slot layout (the tables'
     own loading then copies them in). Optimizer state a checkpoint lacks starts fresh."""
-    for index, config in enumerate(module.embedding_bag_configs()):
-        name = config.name
-        if name not in module.dynamic:
-            continue
-        table = module.dynamic[name]
-        saved = {
-            key: state_dict.pop(f"{prefix}{DYNAMIC}.{name}.{key}")
-            for key in KEY_STATE + ADMISSION_STATE
-            if f"{prefix}{DYNAMIC}.{name}.{key}" in state_dict
-        }
-        if "keys" not in saved:
+    for name in module.dynamic:
+        names = module.table_state_keys(name)
+        saved = {key: state_dict.pop(prefix + key) for key in names if prefix + key in state_dict}
+        if f"{DYNAMIC}.{name}.keys" not in saved:
+            state_dict.update({prefix + key: value for key, value in saved.items()})
             continue  # missing keys: reported by the table's own loading (shapes differ)
-        slots = table.load_key_state(saved)
-        module.resize_table(index, table.rows)
-        bag = module.embedding_bags[name]
-        base = f"{prefix}{TABLES}.{name}."
-        targets = {WEIGHT: (bag.weight, 0.0)}
-        for state in module.optimizer.states if module.optimizer else {}:
-            targets[state] = (getattr(bag, state), module.optimizer.initial_state(state))
-        for key, (live, fill) in targets.items():
-            if base + key not in state_dict:
-                continue
-            rows = torch.full_like(live, fill)
-            rows[slots] = state_dict[base + key].to(device=rows.device, dtype=rows.dtype)
-            if key == WEIGHT:
-                rows[table.zero_row] = 0
-            state_dict[base + key] = rows
+        rows = module.slot_rows(name, saved)
+        state_dict.update({prefix + key: value for key, value in rows.items()})
+
+
+def _start_delta_at_load(module: DynamicEmbeddingBagCollection, incompatible_keys) -> None:
+    """load_state_dict post-hook: the loaded state is the baseline of the next delta (see
+    :meth:`DynamicEmbeddingBagCollection.take_delta`)."""
+    step = int(module.dynamic_step)
+    for table in module.dynamic.values():
+        table.start_delta(step, loaded=True)

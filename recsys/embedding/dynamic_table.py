@@ -13,22 +13,38 @@ ever seen.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig
 
+from recsys.embedding.key_routing import KeyRouting, decode_layout, encode_layout
 from recsys.embedding.row_init import initial_rows
 from recsys.embedding.slot_map import AdmissionCounter, Insertion, ScorePolicy, SlotMap
+from recsys.ops.slot_map import EMPTY_KEY
 
 __all__ = ["DynamicTable", "DynamicTableOptions"]
 
 # Bytes per slot of the map itself: key, score, last step seen (int64 each).
 MAP_BYTES_PER_SLOT = 24
 # What a dynamic table saves beside its rows (see DynamicTable.key_state).
-KEY_STATE = ("keys", "scores", "last_seen", "num_buckets")
-ADMISSION_STATE = ("admission_keys", "admission_counts", "admission_buckets")
+KEY_STATE = ("keys", "scores", "last_seen", "bucket_counts", "num_buckets", "layout")
+ADMISSION_STATE = (
+    "admission_keys",
+    "admission_counts",
+    "admission_bucket_counts",
+    "admission_buckets",
+)
+# How each saved tensor splits over the parts of a sharded table: one entry per key (ordered
+# by routing bucket; the bucket counts say how many per bucket), one per routing bucket, one
+# per part, or the same everywhere.
+KEYED = {"keys": "bucket_counts", "scores": "bucket_counts", "last_seen": "bucket_counts"}
+KEYED |= {"admission_keys": "admission_bucket_counts"}
+KEYED |= {"admission_counts": "admission_bucket_counts"}
+PER_BUCKET = ("bucket_counts", "admission_bucket_counts")
+PER_PART = ("num_buckets", "admission_buckets")
 # A cap of "no cap": more slots than any machine holds; the map only allocates what it uses.
 UNCAPPED = 1 << 40
 
@@ -63,6 +79,9 @@ class DynamicTableOptions:
     [2**20, 2**24])."""
     ttl_steps: int = 0
     """Drop the row of a key not seen for more than this many training steps (0: never)."""
+    routing_buckets: int = 4096
+    """Global buckets the table's keys are hashed into when it is split over ranks (see
+    :mod:`recsys.embedding.key_routing`); fixed for the table's life."""
     init_bound: float | None = None
     """New rows are uniform in ``[-init_bound, init_bound)`` from a generator keyed by
     (seed, table, key); None: ``sqrt(1 / num_embeddings)``, TorchRec's default."""
@@ -74,11 +93,13 @@ class DynamicTableOptions:
             "admit_after": self.admit_after >= 0,
             "admission_capacity": self.admission_capacity >= 0,
             "ttl_steps": self.ttl_steps >= 0,
+            "routing_buckets": self.routing_buckets >= 1,
         }
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(
-                    f"dynamic table option {name}={getattr(self, name)!r}; expected >= 0"
+                    f"dynamic table option {name}={getattr(self, name)!r}; expected "
+                    f">= {1 if name == 'routing_buckets' else 0}"
                 )
         if self.init_bound is not None and not (
             math.isfinite(self.init_bound) and self.init_bound >= 0
@@ -147,6 +168,7 @@ class DynamicTable(nn.Module):
             backend=backend,
             name=config.name,
         )
+        self.routing = KeyRouting(options.routing_buckets)
         self.admission = None
         if options.admit_after > 1:
             self.admission = AdmissionCounter(
@@ -157,6 +179,12 @@ class DynamicTable(nn.Module):
                 backend=backend,
                 name=config.name,
             )
+        # Deltas (see start_delta): the dynamic step of the baseline, the keys that lost their
+        # row since (None: not recording), and without recording, the count of departures
+        # (evictions and expirations) at a load.
+        self._delta_step = 0
+        self._deleted: list[torch.Tensor] | None = None
+        self._untracked_from: int | None = None
 
     def budget(self, row_bytes: int) -> None:
         """Rows now cost ``row_bytes`` (weights and optimizer state): with a memory budget,
@@ -178,9 +206,10 @@ class DynamicTable(nn.Module):
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """The row of each id (any shape, duplicates allowed), the zero row for ids without
-        one; nothing changes."""
-        slots = self.map.find(ids)
-        return torch.where(slots >= 0, slots, self.zero_row)
+        one; nothing changes. Each distinct id is looked up once (batches repeat hot ids)."""
+        keys, inverse = torch.unique(ids, return_inverse=True)
+        slots = self.map.find(keys)
+        return torch.where(slots >= 0, slots, self.zero_row)[inverse]
 
     def assign(self, ids: torch.Tensor, step: int) -> tuple[torch.Tensor, Insertion, torch.Tensor]:
         """Give the keys of a training batch their rows: expire stale keys, count the unseen
@@ -192,6 +221,7 @@ class DynamicTable(nn.Module):
             ascending).
         """
         if self.options.ttl_steps:
+            self._record_expiring(step)
             self.map.expire(step, self.options.ttl_steps)
         keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         admit = None
@@ -200,12 +230,74 @@ class DynamicTable(nn.Module):
             admit = ~unseen
             admit[unseen] = self.admission.admit(keys[unseen], counts[unseen], step)
         insertion = self.map.insert(keys, counts, step, admit)
+        self._record_deleted(insertion.evicted)
         slots = torch.where(insertion.slots >= 0, insertion.slots, self.zero_row)
         return slots[inverse], insertion, keys
 
     def fresh_rows(self, keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The initial rows ``[len(keys), dim]`` of ``keys``: a function of (seed, table, key)."""
         return initial_rows(keys, self.seed, self.dim, self.bound, dtype)
+
+    def changed_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys ascending, their slots) of the live keys trained since the delta baseline
+        (:meth:`start_delta`): those last seen at a later step. A row changes only when its
+        key is trained, so these are the rows inserted or updated since."""
+        changed = (self.map.keys != EMPTY_KEY) & (self.map.last_seen > self._delta_step)
+        slots = changed.nonzero().squeeze(1)
+        keys, order = torch.sort(self.map.keys[slots])
+        return keys, slots[order]
+
+    def deleted_keys(self) -> torch.Tensor:
+        """[m] int64, ascending: the keys recorded as losing their row (evicted or expired)
+        since the delta baseline that have none now (a key evicted and inserted again is
+        among :meth:`changed_keys` instead). Recording starts at the first
+        :meth:`start_delta` that is not a load's; a load before it warns here when keys left
+        the table unrecorded."""
+        if self._deleted is None and self._untracked_from is not None:
+            lost = self._departures() - self._untracked_from
+            if lost:
+                warnings.warn(
+                    f"dynamic table '{self.name}': {lost} key(s) lost their row after it was "
+                    "loaded and before its first delta was taken, unrecorded: this delta does "
+                    "not list them as deleted. Take a delta right after loading (the trainer "
+                    "does) to record deletions",
+                    stacklevel=3,
+                )
+        if not self._deleted:
+            return self.map.keys[:0]
+        recorded = torch.unique(torch.cat(self._deleted))
+        return recorded[self.map.find(recorded) < 0]
+
+    def start_delta(self, step: int, *, loaded: bool = False) -> None:
+        """Make dynamic step ``step`` the baseline of the next delta and forget the deletions
+        recorded so far. Deletions are recorded from the first call that is not ``loaded`` on
+        (one int64 per key that loses its row between two deltas; a table whose deltas are
+        never taken records nothing); ``loaded``: the table's state was just loaded."""
+        self._delta_step = step
+        if loaded and self._deleted is None:
+            self._untracked_from = self._departures()
+            return
+        self._deleted, self._untracked_from = [], None
+
+    def _departures(self) -> int:
+        """Keys that lost their row since the map was built: evictions and expirations."""
+        stats = self.map.stats()
+        return int(stats["evictions"] + stats["expirations"])
+
+    def _record_deleted(self, keys: torch.Tensor) -> None:
+        if self._deleted is None or not len(keys):
+            return
+        self._deleted.append(keys)
+        if len(self._deleted) > 64:  # few tensors, each key once
+            self._deleted = [torch.unique(torch.cat(self._deleted))]
+
+    def _record_expiring(self, step: int) -> None:
+        """Record the keys :meth:`SlotMap.expire` is about to drop (its rule), while their
+        slots still hold them."""
+        if self._deleted is not None:
+            keys, last_seen = self.map.keys, self.map.last_seen
+            stale = (keys != EMPTY_KEY) & (step - last_seen > self.options.ttl_steps)
+            self._record_deleted(keys[stale])
 
     def stats(self) -> dict[str, float]:
         """The map's counters (size, capacity, load_factor, hits, inserts, evictions, ...),
@@ -215,32 +307,76 @@ class DynamicTable(nn.Module):
             stats.update({f"admission_{k}": v for k, v in self.admission.stats().items()})
         return stats
 
+    def layout(self) -> dict[str, object]:
+        """What a checkpoint records of how the table places keys: its routing (function,
+        seed, bucket count) and score policy. Loading a checkpoint of another layout is a
+        ValueError."""
+        return {**self.routing.describe(), "score": self.map.policy.name}
+
     def state_names(self) -> tuple[str, ...]:
         """The names of the tensors :meth:`key_state` saves."""
         return KEY_STATE + (ADMISSION_STATE if self.admission is not None else ())
 
     def key_state(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(where each live key's row is, the table's key state for a checkpoint), keys
-        ascending (the order of the rows its collection saves): ``keys``, ``scores``,
-        ``last_seen``, ``num_buckets`` and, with admission, ``admission_keys`` /
-        ``admission_counts`` / ``admission_buckets`` (see :meth:`state_names`)."""
+        """(where each live key's row is, the table's key state for a checkpoint), keys in
+        (routing bucket, key) order (the order of the rows its collection saves; see
+        :mod:`recsys.embedding.key_routing`): ``keys``, ``scores``, ``last_seen``,
+        ``bucket_counts`` (keys per routing bucket), ``num_buckets`` ([1]: the map's buckets),
+        ``layout`` and, with admission, the counter's ``admission_keys`` /
+        ``admission_counts`` (in the same order), ``admission_bucket_counts`` and
+        ``admission_buckets`` (see :meth:`state_names`)."""
         keys, slots = self.map.entries()
+        order, counts = self.routing.key_order(keys)
+        slots = slots[order]
         state = {
-            "keys": keys,
+            "keys": keys[order],
             "scores": self.map.scores[slots],
             "last_seen": self.map.last_seen[slots],
-            "num_buckets": torch.tensor(self.map.num_buckets, dtype=torch.int64),
+            "bucket_counts": counts,
+            "num_buckets": torch.tensor([self.map.num_buckets], dtype=torch.int64),
+            "layout": encode_layout(self.layout()),
         }
         if self.admission is not None:
-            state["admission_keys"], state["admission_counts"] = self.admission.state()
-            state["admission_buckets"] = torch.tensor(self.admission.num_buckets)
+            keys, counts = self.admission.state()
+            order, per_bucket = self.routing.key_order(keys)
+            state["admission_keys"], state["admission_counts"] = keys[order], counts[order]
+            state["admission_bucket_counts"] = per_bucket
+            state["admission_buckets"] = torch.tensor([self.admission.num_buckets])
         return slots, state
 
     def load_key_state(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Put back what :meth:`key_state` saved; returns the new slot of each saved key."""
+        """Put back what :meth:`key_state` saved, in any key order, into a map of the saved
+        ``num_buckets`` (of several parts: their sum; doubled while a bucket would overflow);
+        returns the new slot of each saved key.
+
+        Raises:
+            ValueError: the checkpoint's layout differs from this table's, or its keys do
+                not fit in ``max_capacity``."""
+        if "layout" in state:
+            self.check_layout(decode_layout(state["layout"]))
         if self.admission is not None and "admission_keys" in state:
-            buckets = int(state["admission_buckets"]) if "admission_buckets" in state else None
-            self.admission.restore(state["admission_keys"], state["admission_counts"], buckets)
+            buckets = state.get("admission_buckets")
+            self.admission.restore(
+                state["admission_keys"],
+                state["admission_counts"],
+                int(buckets.sum()) if buckets is not None else None,
+            )
+        buckets = min(int(state["num_buckets"].sum()), self.map.max_buckets)
         return self.map.restore(
-            int(state["num_buckets"]), state["keys"], state["scores"], state["last_seen"]
+            buckets, state["keys"], state["scores"], state["last_seen"], grow=True
         )
+
+    def check_layout(self, saved: dict[str, object]) -> None:
+        """Raise ValueError naming every difference between a checkpoint's layout of this
+        table and the table's own."""
+        mine = self.layout()
+        differ = [
+            f"{key} {saved.get(key)!r} there, {value!r} here"
+            for key, value in mine.items()
+            if saved.get(key) != value
+        ]
+        if differ:
+            raise ValueError(
+                f"dynamic table '{self.name}': the checkpoint places keys differently: "
+                f"{'; '.join(differ)}; load it with the options it was saved with"
+            )

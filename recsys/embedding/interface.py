@@ -17,6 +17,8 @@ to this layout; no other module reads the names of a collection's submodules.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +30,47 @@ from recsys.embedding.optim import FusedOptimizer
 WEIGHT = "weight"
 OPTIMIZER_STEP = "optimizer_step"
 TABLES = "embedding_bags"
+
+
+@dataclass(frozen=True)
+class TableDelta:
+    """What changed in one dynamic table since its previous delta (see
+    :meth:`EmbeddingCollectionInterface.take_delta`).
+
+    Attributes:
+        keys: [n] int64, the keys inserted or updated since the previous delta, ascending.
+        weights: [n, dim] their rows now.
+        last_seen: [n] int64, the step each key was last trained on.
+        deleted: [m] int64, ascending: keys that had a row at the previous delta (or got one
+            since) and have none now (evicted, expired or removed).
+    """
+
+    keys: torch.Tensor
+    weights: torch.Tensor
+    last_seen: torch.Tensor
+    deleted: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """What a collection may learn of a checkpoint before it is loaded (see
+    :meth:`EmbeddingCollectionInterface.load_targets`).
+
+    Attributes:
+        shapes: every key the checkpoint holds (full, e.g. ``"model.sparse_arch.x"``) with its
+            shape (None: a plain value).
+        prefix: what the checkpoint's keys of this collection have before the collection's own.
+        read: reads small tensors by full key, whole (a collective: every rank asks for the
+            same keys); None where the checkpoint cannot be read ahead.
+    """
+
+    shapes: dict[str, torch.Size | None]
+    prefix: str
+    read: Callable[[list[str]], dict[str, torch.Tensor]] | None = None
+
+    def shape(self, key: str) -> torch.Size | None:
+        """The saved shape of the collection's ``key`` (None: not saved, or a plain value)."""
+        return self.shapes.get(self.prefix + key)
 
 
 class EmbeddingCollectionInterface(nn.Module):
@@ -96,11 +139,31 @@ class EmbeddingCollectionInterface(nn.Module):
         tables): the trainer logs them at every train event."""
         return {}
 
+    def take_delta(self) -> dict[str, TableDelta]:
+        """Per dynamic table this process holds (a sharded collection: its own keys), what
+        changed since the previous call (or since the collection was built or loaded); the
+        next call starts from now. Empty for fixed tables."""
+        return {}
+
     def variable_state_keys(self) -> list[str]:
         """State keys (relative to the collection) whose size changes as the collection
         trains (a dynamic table's keys and rows): a checkpoint of them is loaded into tensors
         of its own sizes (see :func:`state_to_load`). None for fixed tables."""
         return []
+
+    def load_targets(self, state: dict[str, Any], saved: SavedState, prefix: str) -> None:
+        """Make ``state`` (the model's state dict; this collection's keys under ``prefix``)
+        ready to load a checkpoint into: each :meth:`variable_state_keys` entry becomes an
+        empty tensor of the saved size, or is dropped where the checkpoint lacks it."""
+        for key in self.variable_state_keys():
+            if prefix + key not in state:
+                continue
+            shape = saved.shape(key)
+            if shape is None:
+                del state[prefix + key]
+                continue
+            live = state[prefix + key]
+            state[prefix + key] = torch.empty(tuple(shape), dtype=live.dtype, device=live.device)
 
     def weight_keys(self) -> list[str]:
         """The state keys of the table weights (relative to the collection)."""
@@ -154,23 +217,27 @@ def logical_optimizer_state(model: nn.Module, state: dict[str, Any]) -> dict[str
 
 
 def state_to_load(
-    model: nn.Module, saved_shapes: dict[str, torch.Size | None], prefix: str = ""
+    model: nn.Module,
+    saved_shapes: dict[str, torch.Size | None],
+    prefix: str = "",
+    read: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
-    """``model.state_dict()`` to load a checkpoint into, with each collection's variable-size
-    tensors (:meth:`~EmbeddingCollectionInterface.variable_state_keys`) replaced by empty
-    tensors of the sizes the checkpoint saved; ``model.load_state_dict`` then takes them.
+    """``model.state_dict()`` to load a checkpoint into: each collection's variable-size
+    entries made to the checkpoint's sizes (see
+    :meth:`~EmbeddingCollectionInterface.load_targets`); ``model.load_state_dict`` then takes
+    them.
 
     Args:
         model: the model being loaded.
         saved_shapes: the checkpoint's keys and shapes (``checkpoint_shapes``).
         prefix: what the checkpoint's keys have before the model's (``"model."``).
+        read: reads small tensors of the checkpoint by key (what a sharded dynamic table needs
+            to know before loading: its keys per routing bucket).
     """
     state = model.state_dict()
-    for full in variable_state_keys(model):
-        saved = saved_shapes.get(prefix + full)
-        if full in state and saved is not None:
-            live = state[full]
-            state[full] = torch.empty(tuple(saved), dtype=live.dtype, device=live.device)
+    for path, collection in embedding_collections(model).items():
+        where = state_prefix(path)
+        collection.load_targets(state, SavedState(saved_shapes, prefix + where, read), where)
     return state
 
 

@@ -520,6 +520,8 @@ class SlotMap:
         keys: torch.Tensor,
         scores: torch.Tensor,
         last_seen: torch.Tensor,
+        *,
+        grow: bool = False,
     ) -> torch.Tensor:
         """Clear the map, give it ``num_buckets`` buckets and put ``keys`` back with their
         scores and last steps (each bucket's keys in ascending key order).
@@ -529,6 +531,10 @@ class SlotMap:
             keys: [L] distinct int64 keys.
             scores: [L] int64.
             last_seen: [L] int64.
+            grow: double ``num_buckets`` while a bucket would get more keys than it has
+                slots (keys saved by maps of other sizes, or by several maps); past
+                ``max_buckets`` only if the keys need it, with a warning, and the cap grows
+                to that size.
 
         Returns:
             [L] int64 slot of each key, in the order given.
@@ -545,9 +551,25 @@ class SlotMap:
         keys = keys.to(self.device)
         check_keys(keys)
         _check_unique(torch.sort(keys).values, self.name)
-        layout = _empty_layout(num_buckets, self.bucket_size, self.device)
-        no_pins = torch.zeros_like(layout.keys, dtype=torch.bool)
-        slots, _, overflow = self._assign(layout, no_pins, keys)
+        while True:
+            layout = _empty_layout(num_buckets, self.bucket_size, self.device)
+            no_pins = torch.zeros_like(layout.keys, dtype=torch.bool)
+            slots, _, overflow = self._assign(layout, no_pins, keys)
+            if not (grow and len(overflow)):
+                break
+            # Past max_buckets only when the saved keys need it (keys saved by several maps
+            # land unevenly in one): they are all kept, and the cap becomes this size.
+            at_cap = num_buckets >= self.max_buckets
+            num_buckets = 2 * num_buckets if at_cap else min(2 * num_buckets, self.max_buckets)
+        if num_buckets > self.max_buckets:
+            warnings.warn(
+                f"table {self.name!r}: the {len(keys)} restored keys need {num_buckets} buckets "
+                f"of {self.bucket_size} (one of them would overflow at max_capacity "
+                f"{self.max_capacity}); all are kept and the table's cap is now "
+                f"{num_buckets * self.bucket_size} rows",
+                stacklevel=2,
+            )
+            self.max_buckets = num_buckets
         if len(overflow):
             bucket, needed, available = overflow[0].tolist()
             raise ValueError(
@@ -646,9 +668,10 @@ class AdmissionCounter:
         self, keys: torch.Tensor, counts: torch.Tensor, num_buckets: int | None = None
     ) -> None:
         """Replace the counts with ``keys`` / ``counts`` (as :meth:`state` returns them), in a
-        map of ``num_buckets`` (:attr:`num_buckets` when they were saved; default: now)."""
-        buckets = num_buckets or self._map.num_buckets
-        self._map.restore(buckets, keys, counts, torch.zeros_like(counts))
+        map of ``num_buckets`` (:attr:`num_buckets` when they were saved; default: now),
+        doubled while a bucket would overflow."""
+        buckets = min(num_buckets or self._map.num_buckets, self._map.max_buckets)
+        self._map.restore(buckets, keys, counts, torch.zeros_like(counts), grow=True)
 
     def stats(self) -> dict[str, int]:
         """counted (keys counted now), capacity, admitted, forgotten (counted keys evicted by

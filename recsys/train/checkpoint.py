@@ -31,8 +31,7 @@ import random
 import re
 import shutil
 import warnings
-import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -47,11 +46,12 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from recsys._files import write_failure
+from recsys._files import file_checksum, fsync_path, write_failure
 from recsys.config import Config, load_config, to_toml
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.interface import state_to_load
 from recsys.train.models import build_model
+from recsys.train.ranks import all_gather, barrier, from_first_rank, is_distributed
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
@@ -59,7 +59,6 @@ BEST = "best"
 CONFIG_FILE = "config.toml"
 SPEC_FILE = "spec.json"
 CHECKSUMS_FILE = "checksums.json"
-_BLOCK = 16 << 20  # bytes read at a time when checksumming
 
 
 class CheckpointError(ValueError):
@@ -98,12 +97,12 @@ def save_checkpoint(
     directory = Path(directory)
     final = directory / f"step_{step:08d}"
     tmp = directory / f".tmp-step_{step:08d}"
-    is_main = not _distributed() or dist.get_rank() == 0
+    is_main = not is_distributed() or dist.get_rank() == 0
     if is_main:
         directory.mkdir(parents=True, exist_ok=True)
         for stale in [*directory.glob(".tmp-step_*"), *directory.glob(".old-step_*")]:
             shutil.rmtree(stale, ignore_errors=True)  # left by a save that crashed
-    _barrier()
+    barrier()
     with _quiet_dcp():
         try:
             dcp.save(state, checkpoint_id=tmp)
@@ -117,9 +116,9 @@ def save_checkpoint(
             _write_synced(tmp / CONFIG_FILE, to_toml(config))
         if spec is not None:
             _write_synced(tmp / SPEC_FILE, json.dumps(asdict(spec), indent=1) + "\n")
-    _barrier()
-    names = _from_first_rank(sorted(p.name for p in tmp.iterdir() if p.is_file()))
-    sums = dict(_gather_list([(name, _checksum(tmp / name)) for name in _my_share(names)]))
+    barrier()
+    names = from_first_rank(sorted(p.name for p in tmp.iterdir() if p.is_file()))
+    sums = dict(_gather_list([(name, _checksum_fields(tmp / name)) for name in _my_share(names)]))
     if is_main:
         manifest = {"algorithm": "crc32", "files": dict(sorted(sums.items()))}
         _write_synced(tmp / CHECKSUMS_FILE, json.dumps(manifest, indent=1) + "\n")
@@ -139,8 +138,8 @@ def save_checkpoint(
             ]
             for old in older[: max(len(older) - (keep - 1), 0)]:
                 shutil.rmtree(old, ignore_errors=True)
-        _fsync_dir(directory)
-    _barrier()
+        fsync_path(directory)
+    barrier()
     return final
 
 
@@ -273,6 +272,27 @@ def checkpoint_shapes(path: str | Path) -> dict[str, torch.Size | None]:
     }
 
 
+def tensor_reader(path: str | Path) -> Callable[[list[str]], dict[str, torch.Tensor]]:
+    """A reader of whole tensors of checkpoint ``path`` by (flattened) key, for what a model
+    must know before it is loaded (see :func:`recsys.embedding.interface.state_to_load`).
+    Each call is a collective under torch.distributed: every rank asks for the same keys."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+    def read(keys: list[str]) -> dict[str, torch.Tensor]:
+        state = {}
+        for key in keys:
+            meta = metadata.get(key)
+            if not isinstance(meta, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint '{path}' holds no tensor {key!r}")
+            state[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        if keys:
+            with _quiet_dcp():
+                dcp.load(state, checkpoint_id=path)
+        return state
+
+    return read
+
+
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """Committed checkpoints in ``directory``, oldest first."""
     directory = Path(directory)
@@ -375,7 +395,8 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Modul
     verify_checkpoint(path)  # before its sidecars are trusted
     config, spec = read_config(path), read_spec(path)
     model = build_model(config.model, spec, torch.device(device), seed=config.run.seed)
-    state = {"model": state_to_load(model, checkpoint_shapes(path), "model.")}
+    shapes = checkpoint_shapes(path)
+    state = {"model": state_to_load(model, shapes, "model.", tensor_reader(path))}
     load_checkpoint(path, state, verify=False)
     model.load_state_dict(state["model"])
     return model.eval()
@@ -425,12 +446,8 @@ def _step_of(checkpoint: Path) -> int:
     return int(_STEP_DIR.match(checkpoint.name).group(1))
 
 
-def _checksum(path: Path) -> dict[str, int]:
-    crc, size = 0, 0
-    with path.open("rb") as f:
-        while block := f.read(_BLOCK):
-            crc = zlib.crc32(block, crc)
-            size += len(block)
+def _checksum_fields(path: Path) -> dict[str, int]:
+    size, crc = file_checksum(path)
     return {"bytes": size, "crc32": crc}
 
 
@@ -442,33 +459,21 @@ def _verify_file(directory: Path, name: str, expected: dict[str, int]) -> str | 
     size = path.stat().st_size
     if size != expected["bytes"]:
         return f"'{name}' is {size:,} bytes, {expected['bytes']:,} when saved (truncated?)"
-    if _checksum(path)["crc32"] != expected["crc32"]:
+    if file_checksum(path)[1] != expected["crc32"]:
         return f"'{name}' does not match the checksum recorded when it was saved (corrupt)"
     return None
 
 
 def _my_share(names: Any) -> list[str]:
     """This rank's share of a list of file names (all of them in one process)."""
-    if not _distributed():
+    if not is_distributed():
         return list(names)
     return list(names)[dist.get_rank() :: dist.get_world_size()]
 
 
-def _from_first_rank(value: Any) -> Any:
-    if not _distributed():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _gather_list(part: list[Any]) -> list[Any]:
     """Every rank's list concatenated in rank order (on every rank)."""
-    if not _distributed():
-        return part
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, part)
-    return [item for p in parts for item in p]
+    return [item for p in all_gather(part) for item in p]
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -488,26 +493,9 @@ def _point_latest(directory: Path, target: Path, name: str = LATEST) -> None:
 
 def point_best(checkpoint: Path) -> None:
     """Link ``<checkpoints dir>/best`` to ``checkpoint`` (atomically; rank 0 only)."""
-    if not _distributed() or dist.get_rank() == 0:
+    if not is_distributed() or dist.get_rank() == 0:
         _point_latest(checkpoint.parent, checkpoint, BEST)
-        _fsync_dir(checkpoint.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
+        fsync_path(checkpoint.parent)
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

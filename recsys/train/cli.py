@@ -6,6 +6,7 @@
     recsys preprocess --format criteo --input train.txt.gz --output data/criteo     # ETL
     recsys export --checkpoint runs/dlrm --output model.pt2              # torch.export program
     recsys predict --model model.pt2 --input test.parquet --output scores.parquet
+    recsys predict --model base.pt2 --deltas runs/dlrm/deltas --input ... --output ...
     recsys report runs/a runs/b [--output compare.png]      # loss / AUC / speed of runs, PNG
 
 User errors (a missing file, a config typo, bad input data) print one ``recsys: error: ...`` line
@@ -186,6 +187,13 @@ def _add_predict(commands: argparse._SubParsersAction) -> None:
         "--format", help="with --transform: criteo | parquet | csv, if not the training data's"
     )
     score.add_argument(
+        "--deltas",
+        metavar="DIR",
+        help="the deltas directory (<run dir>/deltas) of the run the model was exported from: "
+        "score with its dynamic tables brought forward by the deltas written after the "
+        "exported checkpoint (dense layers stay the export's)",
+    )
+    score.add_argument(
         "--batch-size", type=int, default=8192, help="rows per forward call (default 8192)"
     )
 
@@ -287,10 +295,12 @@ def _predict(args: argparse.Namespace) -> None:
         transform=args.transform,
         data=args.data,
         format=args.format,
+        deltas=args.deltas,
     )
+    tables = "" if report.deltas_step is None else f", dynamic tables at step {report.deltas_step}"
     print(
         f"recsys: scored {report.rows:,} rows of {report.files} file(s) into {report.output} "
-        f"({', '.join(report.columns)}) in {report.seconds:.1f} s"
+        f"({', '.join(report.columns)}{tables}) in {report.seconds:.1f} s"
     )
 
 

@@ -126,3 +126,23 @@ def dynamic_stat_fields(model: nn.Module) -> dict[str, float]:
         for table, stats in collection.dynamic_stats().items()
         for name, value in stats.items()
     }
+
+
+def key_balance(model: nn.Module) -> str:
+    """A text table of how the keys of every sharded dynamic table spread over the ranks:
+    keys per rank and the fullest rank over the mean ("" when no table is sharded by key).
+    A collective under torchrun (every rank calls it; the counts come from every rank)."""
+    lines = []
+    for collection in embedding_collections(model).values():
+        for table, stats in collection.dynamic_stats().items():
+            ranks = sorted(
+                (int(name.removeprefix("size_rank")), value)
+                for name, value in stats.items()
+                if name.startswith("size_rank")
+            )
+            if ranks:
+                per_rank = " ".join(f"{int(value):,}" for _, value in ranks)
+                lines.append(f"  {table}: {per_rank}  (max/mean {stats['size_max_over_mean']:.3f})")
+    if not lines:
+        return ""
+    return "\n".join(["keys per rank of the dynamic tables (rank 0, 1, ...):", *lines])

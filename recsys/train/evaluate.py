@@ -44,6 +44,7 @@ from recsys.train.checkpoint import (
     load_checkpoint,
     read_spec,
     resolve_checkpoint,
+    tensor_reader,
     verify_checkpoint,
 )
 from recsys.train.metrics import BinaryMetrics
@@ -355,7 +356,8 @@ def _load_model(
     if info.world_size > 1:
         model.requires_grad_(False)  # nothing to all-reduce: parallelize skips DDP
         model = parallelize_from_config(model, config, device)
-    state = {"model": state_to_load(model, checkpoint_shapes(path), "model."), "step": 0}
+    shapes, read = checkpoint_shapes(path), tensor_reader(path)
+    state = {"model": state_to_load(model, shapes, "model.", read), "step": 0}
     load_checkpoint(path, state, verify=False)  # verified by evaluate_checkpoint
     model.load_state_dict(state["model"])
     return model.eval(), int(state["step"])

@@ -21,6 +21,15 @@ The archive also carries the checkpoint's ``spec.json`` (feature names, table si
 and ``config.toml`` (the training config) as extra files. Ids are not checked inside the
 program (an id outside its table is an error from ``F.embedding_bag``); :func:`predict` checks
 them first and names the column.
+
+Dynamic tables are looked up in a frozen map inside the program: per table a constant of map
+keys (``num_buckets`` buckets of ``bucket_size`` slots, fixed in the graph) and its rows. The
+extra file ``dynamic.json`` records the checkpoint's step and, per dynamic table, the names of
+those tensors in the program, so that ``recsys predict --deltas`` (``load_exported(path,
+deltas=...)``) can bring the tables forward with the deltas written after that step (see
+:mod:`recsys.train.deltas`): it rebuilds each table's keys and rows in place, in the same map
+layout, and fails naming the table when its keys no longer fit (the table grew past the
+exported map: export a later checkpoint). Dense layers and fixed tables stay the export's.
 """
 
 from __future__ import annotations
@@ -57,8 +66,20 @@ from recsys.train.checkpoint import (
     read_spec,
     resolve_checkpoint,
 )
+from recsys.train.deltas import (
+    DYNAMIC_FILE,
+    apply_exported_deltas,
+    checkpoint_step,
+    exported_dynamic_tables,
+)
 
-__all__ = ["InferenceModule", "PredictReport", "export_model", "load_exported", "predict"]
+__all__ = [
+    "InferenceModule",
+    "PredictReport",
+    "export_model",
+    "load_exported",
+    "predict",
+]
 
 
 class InferenceModule(nn.Module):
@@ -113,8 +134,9 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
     model = load_model(checkpoint, device="cpu").requires_grad_(False)
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
     num_sparse = len(spec.sparse_names)
+    module = InferenceModule(model, spec)
     program = torch.export.export(
-        InferenceModule(model, spec),
+        module,
         _example_inputs(spec),
         dynamic_shapes={
             "dense": {0: batch},
@@ -123,6 +145,8 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
         },
     )
     extra_files = {name: (checkpoint / name).read_text() for name in (SPEC_FILE, CONFIG_FILE)}
+    dynamic = exported_dynamic_tables(program, module, checkpoint_step(checkpoint))
+    extra_files[DYNAMIC_FILE] = json.dumps(dynamic, indent=1) + "\n"
     # Serialized in memory, then written by Python: torch's zip writer, writing to a full disk
     # itself, raises from its destructor and aborts the process.
     archive = io.BytesIO()
@@ -154,16 +178,25 @@ def _example_inputs(spec: DatasetSpec) -> tuple[torch.Tensor, torch.Tensor, torc
     )
 
 
-def load_exported(path: str | Path) -> tuple[nn.Module, DatasetSpec]:
+def load_exported(
+    path: str | Path, deltas: str | Path | None = None
+) -> tuple[nn.Module, DatasetSpec]:
     """Load a file written by :func:`export_model`.
+
+    Args:
+        path: the ``.pt2`` file.
+        deltas: a deltas directory (``<run dir>/deltas``) of the run the export's checkpoint
+            is from: its dynamic tables are brought forward by the deltas after that
+            checkpoint (:func:`~recsys.train.deltas.apply_exported_deltas`).
 
     Returns:
         The program as a module, ``(dense, values, lengths) -> probabilities [B, T]`` (see the
         module docstring), and the dataset spec it was trained with.
 
     Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: a file that :func:`export_model` did not write.
+        FileNotFoundError: no file at ``path`` (or no ``deltas`` directory).
+        ValueError: a file that :func:`export_model` did not write; deltas that do not apply
+            (see :func:`~recsys.train.deltas.apply_exported_deltas`).
 
     Example::
 
@@ -171,6 +204,15 @@ def load_exported(path: str | Path) -> tuple[nn.Module, DatasetSpec]:
         with torch.no_grad():
             scores = model(dense, values, lengths)  # [B, len(spec.label_names)]
     """
+    module, spec, dynamic = _load_program(path)
+    if deltas is not None:
+        apply_exported_deltas(module, dynamic, deltas, path)
+    return module, spec
+
+
+def _load_program(path: str | Path) -> tuple[nn.Module, DatasetSpec, dict | None]:
+    """:func:`load_exported` without deltas, and the export's ``dynamic.json`` (None when it
+    predates deltas)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"exported model not found: '{path}' (`recsys export` writes one)")
@@ -181,10 +223,13 @@ def load_exported(path: str | Path) -> tuple[nn.Module, DatasetSpec]:
             f"{SPEC_FILE} inside)"
         )
     extra_files = {SPEC_FILE: "", CONFIG_FILE: ""}
+    if _archive_has(path, f"extra/{DYNAMIC_FILE}"):  # exports before deltas have none
+        extra_files[DYNAMIC_FILE] = ""
     program = torch.export.load(path, extra_files=extra_files)
     fields = json.loads(extra_files[SPEC_FILE])
     spec = DatasetSpec.from_json(fields)
-    return program.module(), spec
+    dynamic = json.loads(extra_files[DYNAMIC_FILE]) if DYNAMIC_FILE in extra_files else None
+    return program.module(), spec, dynamic
 
 
 def _archive_text(path: Path, member: str) -> str:
@@ -211,6 +256,8 @@ class PredictReport:
     files: int
     columns: list[str]
     seconds: float
+    deltas_step: int | None = None
+    """With deltas: the step the dynamic tables were brought to."""
 
 
 def predict(
@@ -223,6 +270,7 @@ def predict(
     transform: bool = False,
     data: str | Path | None = None,
     format: str | None = None,
+    deltas: str | Path | None = None,
 ) -> PredictReport:
     """Score parquet files with an exported model and write the scores as parquet.
 
@@ -253,6 +301,10 @@ def predict(
             is no longer at the ``data.path`` of the model's config.
         format: with ``transform``, the raw input's format (``criteo``, ``parquet``, ``csv``)
             when it differs from the one the training data was preprocessed from.
+        deltas: the deltas directory of the run the model was exported from: score with its
+            dynamic tables at the last delta after the export's checkpoint
+            (:func:`~recsys.train.deltas.apply_exported_deltas`; the dense layers stay the
+            export's).
 
     Raises:
         FileNotFoundError: no model file, or no input file.
@@ -270,7 +322,10 @@ def predict(
     if not transform and (data is not None or format is not None):
         raise ValueError("data and format describe raw input: they need transform")
     start = time.perf_counter()
-    model, spec = load_exported(model_path)
+    model, spec, dynamic = _load_program(model_path)
+    deltas_step = None
+    if deltas is not None:
+        deltas_step = apply_exported_deltas(model, dynamic, deltas, model_path)
     output = Path(output)
     inputs = _input_files(str(input), parquet=not transform)
     for file in inputs:
@@ -293,7 +348,8 @@ def predict(
             _check_vocabulary(inputs, spec)
             files = inputs
         rows, scores = _score(model, spec, files, output, batch_size)
-    return PredictReport(output, rows, len(inputs), scores, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return PredictReport(output, rows, len(inputs), scores, seconds, deltas_step)
 
 
 def _score(

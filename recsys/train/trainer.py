@@ -6,7 +6,9 @@ Events go to ``<run dir>/metrics.jsonl``:
 - train: ``{"split": "train", "step", "epoch", "loss", "samples_per_s", "time"}``, the loss
   averaged over the steps since the previous train event, samples/s over all ranks;
 - eval: ``{"split": "valid" | "test", "step", "auc", "logloss", "num_samples", "time"}`` plus
-  ``oracle_auc`` on synthetic data and per-task ``auc_<task>`` for multi-task models.
+  ``oracle_auc`` on synthetic data and per-task ``auc_<task>`` for multi-task models;
+- delta (``checkpoint.delta_every_steps``): ``{"split": "delta", "step", "since", "rows",
+  "deletions", "bytes", "path"}``, what the delta of the dynamic tables holds (over all ranks).
 """
 
 from __future__ import annotations
@@ -59,9 +61,12 @@ from recsys.train.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
+    tensor_reader,
     verify_checkpoint,
 )
-from recsys.train.dynamic_tables import dynamic_stat_fields
+from recsys.train.delta_writer import DeltaWriter
+from recsys.train.deltas import DELTAS_DIR
+from recsys.train.dynamic_tables import dynamic_stat_fields, key_balance
 from recsys.train.evaluate import eval_line, evaluate_split
 from recsys.train.finetune import freeze, init_from_checkpoint
 from recsys.train.metrics import MetricsLogger
@@ -154,6 +159,9 @@ class _Run:
         )
         if resume is not None:
             self.logger.log("resume", self.step, checkpoint=str(resume))
+        self.deltas = DeltaWriter(self.run_dir / DELTAS_DIR, ckpt.delta_every_steps)
+        if stale := self.deltas.start(_unwrap(self.model), self.step):  # written after step
+            self._print(f"removed {len(stale)} stale delta(s) after step {self.step}")
 
     def _build_model(self, resume: Path | None) -> nn.Module:
         """The model, fine-tuned from ``checkpoint.init_from`` (unless resuming), with its
@@ -322,6 +330,8 @@ class _Run:
             window.pause(self._validate)
         if self._checkpoint_due(cfg.checkpoint) and self._saved_now() is None:
             window.pause(self.save)
+        if self.deltas.due(self.step):
+            window.pause(self._write_delta)
         if signals.requested():
             progress.close()
             self._stop(signals.name)
@@ -354,6 +364,11 @@ class _Run:
         checkpoint = None
         if cfg.checkpoint.save_final:
             checkpoint = self._saved_now() or self.save()
+        if self.deltas.due(self.step, now=True):
+            self._write_delta()
+        balance = key_balance(_unwrap(self.model)) if self.info.world_size > 1 else ""
+        if balance:
+            self._print(balance)
         trained = self.step - self.start_step  # this process's steps, not the resumed ones
         samples_per_s = (
             trained * train_cfg.batch_size * self.info.world_size / window.train_time
@@ -441,9 +456,18 @@ class _Run:
     def _checkpoint_due(self, config: CheckpointConfig) -> bool:
         return config.every_steps > 0 and self.step % config.every_steps == 0
 
+    def _write_delta(self) -> None:
+        """Write the dynamic tables' changes since the previous delta (collective); log a
+        ``delta`` event: since, rows, deletions, bytes, path."""
+        report = self.deltas.write(_unwrap(self.model), self.step)
+        self.logger.log("delta", self.step, **report.fields())
+
     def save(self) -> Path:
         """Checkpoint everything a resumed run needs to continue exactly (see
-        :meth:`_training_state`) under <run dir>/checkpoints."""
+        :meth:`_training_state`) under <run dir>/checkpoints. With deltas, the delta of this
+        step goes first: the deltas of a run resumed from any checkpoint chain on."""
+        if self.deltas.due(self.step, now=True):
+            self._write_delta()
         path = save_checkpoint(
             self.run_dir / "checkpoints",
             self.step,
@@ -503,7 +527,9 @@ class _Run:
         if "best" in state and "best.step" not in checkpoint_shapes(path):
             del state["best"]  # saved without keep_best / early stopping: the best starts over
         state["optimizers"], live = self._optimizer_states()
-        state["model"] = state_to_load(_unwrap(self.model), checkpoint_shapes(path), "model.")
+        state["model"] = state_to_load(
+            _unwrap(self.model), checkpoint_shapes(path), "model.", tensor_reader(path)
+        )
         load_checkpoint(path, state, verify=False)  # verified by _find_resume
         _unwrap(self.model).load_state_dict(state["model"])
         for name, optimizer in self.optimizers.items():

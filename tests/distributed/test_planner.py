@@ -426,3 +426,47 @@ def test_per_row_optimizer_state_is_never_column_wise():
     plan = plan_sharding(MIXED, 4, optimizer_states={"sum": "element"})
     kinds = {s.sharding_type for c in plan.collections.values() for s in c.values()}
     assert ShardingType.COLUMN_WISE in kinds
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic tables
+
+
+def test_dynamic_tables_are_key_wise_over_every_rank_and_budget_their_cap():
+    tables = [table("user", 1024, 16), table("item", 50_000, 16)]
+    plan = plan_sharding({"": tables}, 4, dynamic_rows={"user": 1_000_000})
+    user = plan[""]["user"]
+    assert user.sharding_type == ShardingType.KEY_WISE
+    assert sorted(user.ranks) == [0, 1, 2, 3]
+    assert [s.num_rows for s in user.shards] == [250_000] * 4  # its cap, not its initial rows
+    assert plan[""]["item"].sharding_type != ShardingType.KEY_WISE
+    text = plan.describe()
+    assert "<=1000000 x 16" in text and "KEY_WISE" in text
+    # uncapped: its initial rows are budgeted
+    uncapped = plan_sharding({"": tables}, 2, dynamic_rows={"user": 0})
+    assert [s.num_rows for s in uncapped[""]["user"].shards] == [512, 512]
+
+
+def test_a_dynamic_cap_beyond_memory_is_an_error_naming_the_table():
+    tables = [table("user", 1024, 16)]
+    with pytest.raises(ValueError, match="table 'user' \\(1000000 x 16"):
+        plan_sharding({"": tables}, 2, memory_per_rank=2**20, dynamic_rows={"user": 1_000_000})
+
+
+@pytest.mark.parametrize(
+    ("constraint", "dynamic", "message"),
+    [
+        ("user=row_wise", {"user": 0}, "a dynamic table \\(raw ids\\) is sharded KEY_WISE only"),
+        ("user=key_wise", {}, "KEY_WISE is for dynamic tables \\(raw ids\\) only"),
+    ],
+)
+def test_key_wise_constraints_must_match_the_table(constraint, dynamic, message):
+    with pytest.raises(ValueError, match=message):
+        plan_sharding(
+            {"": [table("user", 1024, 16)]},
+            2,
+            constraints=parse_constraints([constraint]),
+            dynamic_rows=dynamic,
+        )
+    with pytest.raises(ValueError, match="dynamic_rows name unknown tables"):
+        plan_sharding({"": [table("user", 1024, 16)]}, 2, dynamic_rows={"usr": 10})

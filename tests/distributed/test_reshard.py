@@ -72,12 +72,24 @@ def start(rank: int, world: int, args: list[str]) -> _Run:
 OPTIMIZERS = {
     "fused": ["--train.embedding_optimizer=rowwise_adagrad"],
     "torch": ["--train.embedding_optimizer=adagrad", "--train.fused_embedding_update=false"],
+    # Raw ids: every table dynamic, KEY_WISE over all ranks (no constraints), each rank's keys
+    # read back by routing bucket.
+    "dynamic": ["--train.embedding_optimizer=adagrad", "--data.synthetic.id_encoding=raw"],
 }
+# A dynamic table's map size per rank: its length is the number of ranks.
+PER_RANK = ("num_buckets", "admission_buckets")
+
+
+def plan_args(optimizer: list[str], plan: list[str]) -> list[str]:
+    """The sharding constraints, for fixed tables (dynamic ones are KEY_WISE)."""
+    if "--data.synthetic.id_encoding=raw" in optimizer:
+        return []
+    return [f"--distributed.constraints={toml_list(plan)}"]
 
 
 def _save_on_two(rank: int, world: int, run_dir: str, optimizer: list[str]) -> None:
-    plan = f"--distributed.constraints={toml_list(SAVE_PLAN)}"
-    args = [f"--run.dir={run_dir}", *TINY, *optimizer, plan, "--train.max_steps=6"]
+    plan = plan_args(optimizer, SAVE_PLAN)
+    args = [f"--run.dir={run_dir}", *TINY, *optimizer, *plan, "--train.max_steps=6"]
     run = start(rank, world, args)
     assert run.fit().checkpoint.name == "step_00000006"
     if rank == 0:
@@ -89,8 +101,8 @@ def _save_on_two(rank: int, world: int, run_dir: str, optimizer: list[str]) -> N
 def _resume_on_four(
     rank: int, world: int, run_dir: str, checkpoint: str, optimizer: list[str]
 ) -> None:
-    plan = f"--distributed.constraints={toml_list(LOAD_PLAN)}"
-    args = [f"--run.dir={run_dir}", *TINY, *optimizer, plan, "--train.max_steps=8"]
+    plan = plan_args(optimizer, LOAD_PLAN)
+    args = [f"--run.dir={run_dir}", *TINY, *optimizer, *plan, "--train.max_steps=8"]
     run = start(rank, world, [*args, f"--checkpoint.resume={checkpoint}"])
     assert run.step == 6
     torch.testing.assert_close(
@@ -102,13 +114,14 @@ def _resume_on_four(
     saved_state = {"model": _unwrap(run.model).state_dict(), "optimizers": {}}
     if "embedding" in run.optimizers:
         saved_state["optimizers"]["embedding"] = run._optimizer_states()[0]["embedding"]
+    flat = {k: v for k, v in flatten_state_dict(saved_state)[0].items() if not k.endswith(PER_RANK)}
     full = {
-        k: torch.empty(v.shape) if isinstance(v, ShardedTensor) else v.clone()
-        for k, v in flatten_state_dict(saved_state)[0].items()
+        k: torch.empty(v.shape, dtype=v.dtype) if isinstance(v, ShardedTensor) else v.clone()
+        for k, v in flat.items()
     }
     load_checkpoint(checkpoint, full)
     num_shards = 0
-    for key, value in flatten_state_dict(saved_state)[0].items():
+    for key, value in flat.items():
         if isinstance(value, ShardedTensor):
             for shard in value.local_shards():
                 (r0, *c0), (rows, *cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes

@@ -196,11 +196,16 @@ def test_a_batch_never_evicts_its_own_keys():
     ebc = _one_table(DynamicTableOptions(max_capacity=4, bucket_size=4))
     _bags(ebc, [1, 2, 3, 4])
     _bags(ebc, [1, 2, 5, 6])  # 5 and 6 evict 3 and 4, the only keys not in this batch
-    keys = ebc.state_dict()["dynamic.t.keys"].tolist()
+    keys = ebc.state_dict()["dynamic.t.keys"].sort().values.tolist()
     assert keys == [1, 2, 5, 6]
     with pytest.raises(ValueError, match="5 distinct keys.*at most 4 rows"):
         _bags(ebc, [1, 2, 5, 6, 7])  # five distinct keys for four slots
-    assert ebc.state_dict()["dynamic.t.keys"].tolist() == [1, 2, 5, 6]  # nothing changed
+    assert ebc.state_dict()["dynamic.t.keys"].sort().values.tolist() == [
+        1,
+        2,
+        5,
+        6,
+    ]  # nothing changed
 
 
 def test_more_distinct_keys_than_the_cap_is_an_error():
@@ -313,3 +318,31 @@ def test_mixed_fixed_and_dynamic_tables_and_stats():
     assert ebc.state_dict()["embedding_bags.user.weight"].shape == (16, DIM)
     with pytest.raises(ValueError, match="out of range|past|outside"):
         ebc(_kjt({**values, "u": torch.tensor([1, 16])}, lengths))
+
+
+def test_a_checkpoint_of_another_routing_or_score_policy_is_refused():
+    ebc = _one_table(DynamicTableOptions(routing_buckets=16))
+    _bags(ebc, [1, 2, 3, 40, -7])
+    state = ebc.state_dict()
+    # saved in (routing bucket, key) order, with the keys per bucket
+    keys, counts = state["dynamic.t.keys"], state["dynamic.t.bucket_counts"]
+    assert sorted(keys.tolist()) == [-7, 1, 2, 3, 40] and int(counts.sum()) == 5
+    routing = ebc.dynamic["t"].routing
+    assert routing.buckets(keys).tolist() == sorted(routing.buckets(keys).tolist())
+    other = _one_table(DynamicTableOptions(routing_buckets=32))
+    with pytest.raises(ValueError, match="routing_buckets 16 there, 32 here"):
+        other.load_state_dict(state_to_load_like(other, state))
+    lfu = _one_table(DynamicTableOptions(routing_buckets=16, score="lfu"))
+    with pytest.raises(ValueError, match="score 'lru' there, 'lfu' here"):
+        lfu.load_state_dict(state_to_load_like(lfu, state))
+    same = _one_table(DynamicTableOptions(routing_buckets=16))
+    same.load_state_dict(state_to_load_like(same, state))
+    assert torch.equal(same.state_dict()["dynamic.t.keys"], keys)
+
+
+def state_to_load_like(ebc, state: dict) -> dict:
+    """``state`` as a checkpoint would hand it to ``ebc`` (its own sizes)."""
+    target = state_to_load(ebc, {k: v.shape for k, v in state.items()})
+    for key, value in state.items():
+        target[key] = value
+    return target

@@ -15,7 +15,7 @@ from recsys.embedding.slot_map import (
     SlotMap,
     score_policy,
 )
-from recsys.ops.slot_map import EMPTY_KEY, RESERVED_KEY
+from recsys.ops.slot_map import EMPTY_KEY, RESERVED_KEY, bucket_of
 from tests.ops.test_slot_map import bucket_reference
 
 
@@ -440,3 +440,16 @@ def test_rehash_to_the_maximum_drops_the_lowest_unpinned_keys_of_a_full_bucket()
     assert slot_map.num_buckets == 3
     assert sorted(insertion.evicted.tolist()) == sorted(keys[1:3].tolist())
     assert sorted(slot_map.entries()[0].tolist()) == sorted([keys[0], keys[3], keys[4]])
+
+
+def test_restore_with_grow_keeps_keys_saved_by_several_maps_past_the_cap():
+    slot_map = SlotMap(8, 8, bucket_size=4, name="t")  # 2 buckets: at most 8 keys
+    keys = torch.arange(1, 9, dtype=torch.int64)
+    while int(torch.bincount(bucket_of(keys, 2), minlength=2).max()) <= 4:
+        keys = keys * 3 + 1  # until the 8 keys fall 5 / 3 into the 2 buckets
+    zeros = torch.zeros_like(keys)
+    with pytest.raises(ValueError, match="restore to more buckets"):
+        slot_map.restore(2, keys, zeros, zeros)
+    with pytest.warns(UserWarning, match="the 8 restored keys need [48] buckets"):
+        slots = slot_map.restore(2, keys, zeros, zeros, grow=True)
+    assert slot_map.max_capacity in (16, 32) and torch.equal(slot_map.find(keys), slots)

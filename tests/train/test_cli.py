@@ -235,25 +235,37 @@ def test_predict_passes_its_arguments(monkeypatch, tmp_path, capsys):
     def predict(model, input, output, batch_size, **options):
         calls.append(((model, input, output, batch_size), options))
         return SimpleNamespace(
-            rows=1234, files=2, output=Path(output), columns=["score_click"], seconds=0.5
+            rows=1234,
+            files=2,
+            output=Path(output),
+            columns=["score_click"],
+            seconds=0.5,
+            deltas_step=None if options["deltas"] is None else 40,
         )
 
     monkeypatch.setattr("recsys.train.export.predict", predict)
     argv = ["predict", "--model", "m.pt2", "--input", "in/", "--output", "s.parquet"]
     assert main(argv) == 0
-    extra = ["--batch-size", "300", "--transform", "--data", "d/", "--format", "csv"]
-    assert main([*argv, *extra, "--overwrite"]) == 0
-    defaults = {"overwrite": False, "transform": False, "data": None, "format": None}
-    assert calls == [
-        (("m.pt2", "in/", "s.parquet", 8192), defaults),
-        (
-            ("m.pt2", "in/", "s.parquet", 300),
-            {"overwrite": True, "transform": True, "data": "d/", "format": "csv"},
-        ),
-    ]
-    assert "recsys: scored 1,234 rows of 2 file(s) into s.parquet (score_click)" in (
+    assert "recsys: scored 1,234 rows of 2 file(s) into s.parquet (score_click) in" in (
         capsys.readouterr().out
     )
+    extra = ["--batch-size", "300", "--transform", "--data", "d/", "--format", "csv"]
+    assert main([*argv, *extra, "--overwrite", "--deltas", "runs/r/deltas"]) == 0
+    defaults = {"overwrite": False, "transform": False, "data": None, "format": None}
+    assert calls == [
+        (("m.pt2", "in/", "s.parquet", 8192), {**defaults, "deltas": None}),
+        (
+            ("m.pt2", "in/", "s.parquet", 300),
+            {
+                "overwrite": True,
+                "transform": True,
+                "data": "d/",
+                "format": "csv",
+                "deltas": "runs/r/deltas",
+            },
+        ),
+    ]
+    assert "(score_click, dynamic tables at step 40) in" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

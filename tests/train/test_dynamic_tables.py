@@ -10,9 +10,10 @@ from torchrec import KeyedJaggedTensor
 from recsys.config import DynamicConfig, load_config
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.interface import EmbeddingCollectionInterface
 from recsys.models import table_configs
 from recsys.train.checkpoint import load_model, read_spec
-from recsys.train.dynamic_tables import dynamic_features, dynamic_options
+from recsys.train.dynamic_tables import dynamic_features, dynamic_options, key_balance
 from recsys.train.export import export_model, load_exported
 from recsys.train.finetune import init_from_checkpoint
 from recsys.train.models import build_model
@@ -160,3 +161,23 @@ def test_export_carries_the_frozen_map(run, tmp_path):
         with torch.no_grad():
             expected = torch.sigmoid(model(dense, kjt))
         assert torch.equal(program(dense, values, lengths), expected)
+
+
+def test_key_balance_lists_keys_per_rank_of_sharded_dynamic_tables():
+    class Sharded(EmbeddingCollectionInterface):
+        def dynamic_stats(self):
+            return {
+                "t_user": {
+                    "size": 30.0,
+                    "size_rank0": 10.0,
+                    "size_rank1": 20.0,
+                    "size_max_over_mean": 4 / 3,
+                }
+            }
+
+    model = torch.nn.Sequential(Sharded())
+    assert key_balance(model) == (
+        "keys per rank of the dynamic tables (rank 0, 1, ...):\n"
+        "  t_user: 10 20  (max/mean 1.333)"
+    )
+    assert key_balance(torch.nn.Linear(1, 1)) == ""

@@ -1,0 +1,47 @@
+"""This process's place among the ranks of a torchrun job, and the small collectives the
+checkpoint and delta writers share: all of them also work in a plain one-process run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    """Whether a process group is up (torchrun)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank (0 in one process)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 in one process)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing in one process)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def all_gather(value: Any) -> list[Any]:
+    """Every rank's (picklable) ``value``, in rank order, on every rank."""
+    if not is_distributed():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def from_first_rank(value: Any) -> Any:
+    """Rank 0's ``value``, on every rank."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

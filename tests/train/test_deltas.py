@@ -1,0 +1,282 @@
+"""Deltas of dynamic tables in a run (checkpoint.delta_every_steps): a base checkpoint or export
+plus the deltas after it reproduce the final tables exactly, through evictions and expiry; an
+interrupted delta is never applied, a gap in the chain is an error, a resume removes the deltas
+the run it continues wrote after its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from recsys.config import load_config
+from recsys.data import build_dataset
+from recsys.data.batch import Batch
+from recsys.data.loader import BatchLoader
+from recsys.embedding.interface import TableDelta
+from recsys.ops.slot_map import bucket_of
+from recsys.train.checkpoint import load_model
+from recsys.train.cli import main
+from recsys.train.delta_writer import write_delta
+from recsys.train.deltas import (
+    DeltaInfo,
+    apply_deltas,
+    apply_exported_deltas,
+    delta_chain,
+    dynamic_table_rows,
+    list_deltas,
+    read_delta,
+    replay_deltas,
+)
+from recsys.train.export import export_model, load_exported, predict
+from recsys.train.trainer import train
+
+TINY = [
+    "--data.synthetic.cardinalities=[50,300,2000]",
+    "--data.synthetic.bag_sizes=[1,3,1]",
+    "--data.synthetic.num_dense=3",
+    "--data.synthetic.num_train_samples=1536",
+    "--data.synthetic.num_valid_samples=256",
+    "--data.synthetic.num_test_samples=512",
+    "--data.synthetic.id_encoding=raw",
+    "--train.batch_size=128",
+    "--train.log_every_steps=4",
+    "--train.progress_bar=false",
+    "--model.embedding_dim=8",
+    "--model.dense_arch_layer_sizes=[16,8]",
+    "--model.over_arch_layer_sizes=[16,1]",
+    # Only the tables train: a delta carries them, not the dense layers.
+    '--checkpoint.freeze=["dense_arch", "over_arch"]',
+    "--model.dynamic.initial_capacity=32",
+    "--model.dynamic.bucket_size=16",
+    "--model.dynamic.max_capacity=256",  # cat_1 and cat_2 evict
+    '--model.dynamic.overrides=["cat_0.ttl_steps=3"]',  # cat_0 expires
+    "--checkpoint.every_steps=4",
+    "--checkpoint.delta_every_steps=3",
+    "--checkpoint.keep=0",
+    "--run.device=cpu",
+]
+STEPS = 12  # checkpoints at 4, 8, 12; deltas every 3 steps and at every checkpoint
+DELTAS = [(3, 0), (4, 3), (6, 4), (8, 6), (9, 8), (12, 9)]  # (step, since)
+
+
+def _checkpoint(run_dir, step: int):
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(config overrides, TrainResult, run dir) of a raw-id run with deltas."""
+    run_dir = tmp_path_factory.mktemp("deltas") / "run"
+    overrides = [*TINY, f"--run.dir={run_dir}"]
+    return overrides, train(load_config(None, overrides)), run_dir
+
+
+def _assert_same_tables(got, expected):
+    assert sorted(got) == sorted(expected)
+    for name, (keys, rows) in expected.items():
+        assert torch.equal(got[name][0], keys), name
+        assert torch.equal(got[name][1], rows), name
+
+
+def test_base_and_deltas_reproduce_the_final_tables(run):
+    _, result, run_dir = run
+    assert result.steps == STEPS
+    final = dynamic_table_rows(load_model(result.checkpoint))
+    for base in (4, 8, 12):
+        _assert_same_tables(apply_deltas(_checkpoint(run_dir, base), run_dir / "deltas"), final)
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [e for e in events if e["split"] == "train"][-1]
+    assert last["dynamic/t_cat_2/evictions"] > 0 and last["dynamic/t_cat_0/expirations"] > 0
+    deltas = [e for e in events if e["split"] == "delta"]
+    assert [(e["step"], e["since"]) for e in deltas] == DELTAS
+    for event, info in zip(deltas, list_deltas(run_dir / "deltas"), strict=True):
+        assert event["rows"] == sum(t["rows"] for t in info.tables.values()) > 0
+        assert event["deletions"] == sum(t["deletions"] for t in info.tables.values())
+        assert event["bytes"] == sum(p.stat().st_size for p in info.path.glob("*.parquet"))
+    assert sum(e["deletions"] for e in deltas) > 0
+
+
+def test_delta_files_follow_the_documented_format(run):
+    _, _, run_dir = run
+    assert sorted(p.name for p in (run_dir / "deltas").iterdir()) == [
+        f"step_{s:08d}" for s, _ in DELTAS
+    ]
+    directory = run_dir / "deltas" / "step_00000009"
+    manifest = json.loads((directory / "delta.json").read_text())
+    assert (manifest["format"], manifest["version"]) == ("recsys-delta", 1)
+    assert (manifest["step"], manifest["since"], manifest["world_size"]) == (9, 8, 1)
+    entry = manifest["tables"]["t_cat_2"]
+    assert entry["dim"] == 8 and entry["deletions"] > 0
+    rows = pq.read_table(directory / "t_cat_2.rank00000.rows.parquet")
+    assert rows.schema.types == [pa.int64(), pa.int64(), pa.list_(pa.float32(), 8)]
+    assert rows.column_names == ["key", "step", "values"] and rows.num_rows == entry["rows"]
+    assert set(rows.column("step").to_pylist()) == {9}
+    deleted = pq.read_table(directory / "t_cat_2.rank00000.deleted.parquet")
+    assert deleted.column_names == ["key"] and deleted.num_rows == entry["deletions"]
+    delta = read_delta(list_deltas(run_dir / "deltas")[4])["t_cat_2"]
+    assert delta.keys.tolist() == sorted(rows.column("key").to_pylist())
+    assert not set(delta.keys.tolist()) & set(delta.deleted.tolist())
+
+
+def test_an_interrupted_delta_is_ignored(run, tmp_path):
+    _, _, run_dir = run
+    deltas = tmp_path / "deltas"
+    shutil.copytree(run_dir / "deltas", deltas)
+    (deltas / ".tmp-step_00000015").mkdir()  # a write in progress, or crashed
+    (deltas / ".tmp-step_00000015" / "t_cat_0.rank00000.rows.parquet").write_bytes(b"PAR1")
+    (deltas / "step_00000012" / "delta.json").unlink()  # never committed
+    with pytest.warns(UserWarning, match="step_00000012' ignored: no delta.json"):
+        assert [d.step for d in list_deltas(deltas)] == [3, 4, 6, 8, 9]
+    base = load_model(_checkpoint(run_dir, 8))
+    with pytest.warns(UserWarning, match="step_00000012' ignored"):
+        _, step = replay_deltas(dynamic_table_rows(base), 8, deltas)
+    assert step == 9  # not 12
+    shutil.rmtree(deltas / "step_00000012")
+    part = deltas / "step_00000009" / "t_cat_2.rank00000.rows.parquet"
+    part.write_bytes(part.read_bytes()[:-10])  # truncated: not the size the manifest says
+    with pytest.warns(UserWarning, match="step_00000009' ignored: 't_cat_2.rank00000.rows"):
+        assert [d.step for d in list_deltas(deltas)] == [3, 4, 6, 8]
+
+
+def test_a_gap_in_the_chain_is_an_error(run, tmp_path):
+    _, _, run_dir = run
+    deltas = tmp_path / "deltas"
+    shutil.copytree(run_dir / "deltas", deltas)
+    shutil.rmtree(deltas / "step_00000006")
+    message = (
+        "after base step 4, the next delta 'step_00000008' holds the changes of steps 7..8, "
+        "so those of steps 5..6 are missing"
+    )
+    with pytest.raises(ValueError, match=message):
+        apply_deltas(_checkpoint(run_dir, 4), deltas)
+    shutil.rmtree(deltas / "step_00000009")  # a later base: 12 starts at 9, after step 8
+    with pytest.raises(ValueError, match="after base step 8, .*'step_00000012'"):
+        apply_deltas(_checkpoint(run_dir, 8), deltas)
+
+
+def _info(step: int, since: int) -> DeltaInfo:
+    return DeltaInfo(Path(f"step_{step:08d}"), step, since, 1, {})
+
+
+def test_the_chain_starts_at_or_before_the_base_and_has_no_gap():
+    deltas = [_info(3, 0), _info(6, 3), _info(9, 6)]
+    for base, steps in [(0, [3, 6, 9]), (2, [3, 6, 9]), (3, [6, 9]), (5, [6, 9]), (9, [])]:
+        assert [d.step for d in delta_chain(deltas, base)] == steps
+    with pytest.raises(ValueError, match="after base step 2, .*'step_00000009'.*steps 3..6 are"):
+        delta_chain([_info(9, 6)], 2)
+    with pytest.raises(ValueError, match="after delta step 6, .*'step_00000009' .*steps 7..7"):
+        delta_chain([_info(3, 0), _info(6, 3), _info(9, 7)], 0)
+    with pytest.raises(ValueError, match="do not chain: after delta step 3, .* since step 2,"):
+        delta_chain([_info(3, 0), _info(9, 2)], 0)  # overlapping: of two runs
+
+
+def test_resume_removes_the_stale_deltas_and_continues_the_chain(run, tmp_path, capsys):
+    overrides, result, run_dir = run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, symlinks=True)
+    (copy / "deltas" / "step_00000006" / "stale").write_text("written by the crashed run")
+    (copy / "deltas" / ".tmp-step_00000015").mkdir()
+    resume = [f"--run.dir={copy}", f"--checkpoint.resume={_checkpoint(copy, 4)}"]
+    train(load_config(None, [*overrides, *resume]))
+    assert "removed 4 stale delta(s) after step 4" in capsys.readouterr().out
+    assert sorted(p.name for p in (copy / "deltas").iterdir()) == [
+        f"step_{s:08d}" for s, _ in DELTAS
+    ]
+    assert not (copy / "deltas" / "step_00000006" / "stale").exists()
+    # Written again, the first one after the resume starting at its step, 4.
+    assert [(d.step, d.since) for d in list_deltas(copy / "deltas")] == DELTAS
+    final = dynamic_table_rows(load_model(result.checkpoint))  # the resume is bitwise
+    for base in (4, 8):
+        _assert_same_tables(apply_deltas(_checkpoint(copy, base), copy / "deltas"), final)
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+    """(base export of step 8, final export, test split of the run)."""
+    overrides, result, run_dir = run
+    directory = tmp_path_factory.mktemp("exports")
+    base = export_model(_checkpoint(run_dir, 8), directory / "base.pt2")
+    final = export_model(result.checkpoint, directory / "final.pt2")
+    config = load_config(None, overrides)
+    test = Batch.concat(list(BatchLoader(build_dataset(config.data, config.run.seed), "test", 512)))
+    return base, final, test
+
+
+def _write_parquet(batch: Batch, path) -> None:
+    """The test split as predict reads it: cat_1 (bags of up to 3 raw ids) as a list column."""
+    lengths = batch.sparse.lengths().view(3, -1).numpy()
+    values = batch.sparse.values().split(batch.sparse.length_per_key())
+    columns = {f"int_{j}": batch.dense[:, j].numpy() for j in range(batch.dense.shape[1])}
+    for f in range(3):
+        ids = values[f].numpy()
+        if f == 1:
+            offsets = np.concatenate([[0], np.cumsum(lengths[f])]).astype(np.int32)
+            columns[f"cat_{f}"] = pa.ListArray.from_arrays(offsets, ids)
+        else:
+            columns[f"cat_{f}"] = ids
+    pq.write_table(pa.table(columns), path, row_group_size=200)
+
+
+def test_predict_with_deltas_equals_the_final_model(run, exported, tmp_path, capsys):
+    _, _, run_dir = run
+    base, final, test = exported
+    _write_parquet(test, tmp_path / "test.parquet")
+    expected = predict(final, tmp_path / "test.parquet", tmp_path / "final.parquet")
+    argv = ["predict", "--model", str(base), "--input", str(tmp_path / "test.parquet")]
+    argv += ["--deltas", str(run_dir / "deltas"), "--output", str(tmp_path / "scores.parquet")]
+    assert main(argv) == 0
+    assert "dynamic tables at step 12" in capsys.readouterr().out
+    (column,) = expected.columns
+    scores = pq.read_table(tmp_path / "scores.parquet").column(column).to_numpy()
+    reference = pq.read_table(expected.output).column(column).to_numpy()
+    assert len(scores) == 512 and np.array_equal(scores, reference)
+
+
+def _outgrowing_delta(directory, keys: torch.Tensor) -> None:
+    """A delta after step 8 giving table t_cat_0 the rows of ``keys``."""
+    rows = torch.randn(len(keys), 8)
+    empty = torch.zeros(0, dtype=torch.int64)
+    write_delta(directory, 9, 8, {"t_cat_0": TableDelta(keys, rows, keys * 0 + 9, empty)})
+
+
+def test_deltas_that_outgrow_the_exported_map_are_an_error(exported, tmp_path):
+    base, _, _ = exported
+    model, _ = load_exported(base)
+    info = json.loads(_archive_member(base, "dynamic.json"))
+    table = info["tables"]["t_cat_0"]
+    capacity = table["num_buckets"] * table["bucket_size"]
+    _outgrowing_delta(tmp_path / "many", torch.arange(10**9, 10**9 + capacity + 1))
+    with pytest.raises(ValueError, match=f"'t_cat_0'.*map of {capacity} slots.*needs at least"):
+        apply_exported_deltas(model, info, tmp_path / "many", base)
+    candidates = torch.arange(10**9, 10**9 + 100 * capacity)
+    one_bucket = candidates[bucket_of(candidates, table["num_buckets"]) == 0]
+    _outgrowing_delta(tmp_path / "bucket", one_bucket[: table["bucket_size"] + 1])
+    with pytest.raises(ValueError, match="'t_cat_0'.*do not fit its buckets"):
+        apply_exported_deltas(model, info, tmp_path / "bucket", base)
+
+
+def _archive_member(path, name: str) -> str:
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        (member,) = [n for n in archive.namelist() if n.endswith(f"/extra/{name}")]
+        return archive.read(member).decode()
+
+
+def test_delta_every_steps_is_validated():
+    with pytest.raises(ValueError, match="delta_every_steps"):
+        load_config(None, ["--checkpoint.delta_every_steps=-1"])
+
+
+def test_deltas_without_a_dynamic_table_are_an_error(tmp_path):
+    fixed = [o for o in TINY if "dynamic" not in o and "id_encoding" not in o]
+    config = load_config(None, [*fixed, f"--run.dir={tmp_path}"])
+    with pytest.raises(ValueError, match="delta_every_steps = 3, but the model has no dynamic"):
+        train(config)

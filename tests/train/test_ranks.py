@@ -1,0 +1,11 @@
+"""The rank helpers in one process (the checkpoint and delta tests run them on gloo ranks)."""
+
+from recsys.train import ranks
+
+
+def test_one_process_is_rank_0_of_1_and_collectives_return_its_own_value():
+    assert not ranks.is_distributed()
+    assert (ranks.rank(), ranks.world_size()) == (0, 1)
+    assert ranks.all_gather({"a": 1}) == [{"a": 1}]
+    assert ranks.from_first_rank([3]) == [3]
+    ranks.barrier()
