@@ -1,6 +1,7 @@
 """What every process of ``bench_sharding.py`` builds the same way: the run's :class:`Setup`,
 the tables, the global batches and upstream gradient, the unsharded collection every provider
-starts from, and recsys's sharding plans (by hand, or by ``plan_sharding``).
+starts from, recsys's sharding plans (by hand, or by ``plan_sharding``), and the timed
+:class:`Provider` with its training step and checks.
 
 Shapes: B samples per rank, W ranks, F features (one table each), D the embedding dim, L_f the
 ids of feature f in a global batch.
@@ -12,11 +13,16 @@ import collections
 import dataclasses
 import itertools
 import os
+import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from _harness import REPO_ROOT, zipf_ids
 
 from recsys import EmbeddingBagConfig, KeyedJaggedTensor  # recsys quiets torchrec's import
+from recsys.distributed.comm import CommStats
 from recsys.distributed.plan import (
     ShardingType,
     TableSharding,
@@ -30,11 +36,17 @@ from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import Adagrad
 
 RECIPE = REPO_ROOT / "configs" / "dlrm_synthetic.toml"
-SHARDINGS = ("data_parallel", "table_wise", "row_wise", "column_wise", "planner")
+RECSYS, TORCHREC, SINGLE = "recsys_sharded", "torchrec_dmp", "single_process"
+KEY_WISE = "key_wise"  # the dynamic tables' case (see _sharding_dynamic.py)
+SHARDINGS = ("data_parallel", "table_wise", "row_wise", "column_wise", "planner", KEY_WISE)
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 COMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}  # per value, for plan_sharding
 LR, EPS = 0.05, 1e-10
 NUM_BATCHES = 4
+# Largest forward difference from the unsharded collection before training, relative to the
+# sample's largest |pooled| value (int8: per-row codecs, recsys' symmetric, TorchRec's with a
+# bias).
+CHECK_TOLERANCE = {"fp32": 1e-5, "fp16": 1e-3, "bf16": 8e-3, "int8": 1e-2}
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]  # per feature: bag lengths [W*B], ids [L_f]
 
@@ -65,10 +77,14 @@ class Setup:
     def global_batch(self) -> int:
         return self.world_size * self.batch_size
 
-    def config(self, sharding: str) -> str:
-        """The CSV ``config`` column of a sharded provider (``sharding="none"``: one process)."""
+    def config(self, sharding: str, dynamic: bool = False) -> str:
+        """The CSV ``config`` column of a sharded provider (``sharding="none"``: one process);
+        ``dynamic`` (implied by ``key_wise``): the tables are dynamic, keyed by raw keys."""
         bags = [str(m) if m == 1 else f"0..{m}" for m in self.bag_sizes]
         bags = [f"{bag}x{len(list(group))}" for bag, group in itertools.groupby(bags)]
+        ids = "zipf1"
+        if dynamic or sharding == KEY_WISE:
+            ids = "zipf1 as raw int64 keys, dynamic tables"
         if sharding == "none":
             where = f"batch={self.global_batch} processes=1"
         else:
@@ -80,7 +96,7 @@ class Setup:
             f"sharding={sharding} tables={len(self.cardinalities)} "
             f"rows={min(self.cardinalities)}..{max(self.cardinalities)} "
             f"(total {sum(self.cardinalities)}) dim={self.dim} pooling=sum "
-            f"bags={','.join(bags)} ids=zipf1 {where} optim=adagrad(lr={LR})"
+            f"bags={','.join(bags)} ids={ids} {where} optim=adagrad(lr={LR})"
         )
 
 
@@ -187,3 +203,108 @@ def recsys_plan(
     )
     kinds = [ShardingType(s.sharding_type).name for s in plan[""].values()]
     return plan[""], f"plan_sharding: {count_kinds(kinds)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The timed thing on a rank, its step and its checks
+
+
+def make_step(
+    forward: Callable[[KeyedJaggedTensor], torch.Tensor],
+    kjts: list[KeyedJaggedTensor],
+    upstream: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Callable[[], None]:
+    """Forward on the next batch, backward of sum(pooled * upstream) (the fused update runs in
+    it), then ``optimizer``'s step for tables with dense gradients, if any."""
+    counter = itertools.count()
+
+    def step() -> None:
+        pooled = forward(kjts[next(counter) % len(kjts)])  # [B, F*D]
+        (pooled * upstream).sum().backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def relative_difference(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest |out - expected|, relative to each sample's largest |expected| value."""
+    expected = expected.float().cpu()
+    scale = expected.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [B, 1]
+    return ((out.float().cpu() - expected).abs() / scale).max().item()
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: message's first line (at file:line function < caller < its caller)``."""
+    text = (str(error).strip().splitlines() or [""])[0][:200]
+    frames = traceback.extract_tb(error.__traceback__)[-3:]
+    where = " < ".join(
+        f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in reversed(frames)
+    )
+    return f"{type(error).__name__}: {text} (at {where})"
+
+
+@dataclasses.dataclass
+class Provider:
+    """One timed thing on this rank.
+
+    ``forward`` maps a KJT to [B, F*D] pooled vectors whose column j is column ``columns[j]``
+    of the unsharded collection's output (``columns`` None: the same order); ``comm_stats``
+    counts its bytes (recsys only). ``initial``: its own output on the check batch before
+    training, for a provider whose rows do not start as the unsharded collection's (it is
+    checked against that only, and not compared with recsys). ``key_stats``: for dynamic
+    tables, a collective returning the key counts of every rank (see ``_sharding_dynamic``);
+    ``warm_stats`` is what it returned once warmed up."""
+
+    forward: Callable[[KeyedJaggedTensor], torch.Tensor]
+    step: Callable[[], None]
+    columns: torch.Tensor | None = None
+    comm_stats: CommStats | None = None
+    note: str = ""
+    initial: torch.Tensor | None = None
+    key_stats: Callable[[], dict[str, Any]] | None = None
+    warm_stats: dict[str, Any] | None = None
+
+    def ordered(self, unsharded_order: torch.Tensor) -> torch.Tensor:
+        """``unsharded_order``'s columns in this provider's order."""
+        return unsharded_order if self.columns is None else unsharded_order[:, self.columns]
+
+    def before_training(self, expected: torch.Tensor) -> torch.Tensor:
+        """Its output on the check batch before training: ``initial``, or the unsharded
+        collection's ``expected`` in its column order."""
+        return self.initial if self.initial is not None else self.ordered(expected)
+
+
+def check_forward(
+    provider: Provider, kjt: KeyedJaggedTensor, expected: torch.Tensor, precision: str
+) -> None:
+    """Raise AssertionError unless ``provider``'s forward on ``kjt`` is ``expected`` (the
+    unsharded collection's) within the precision's tolerance."""
+    with torch.no_grad():
+        difference = relative_difference(provider.forward(kjt), provider.ordered(expected))
+    if difference > CHECK_TOLERANCE[precision]:
+        raise AssertionError(
+            f"{precision}: the forward differs from the unsharded collection by {difference:.2e} "
+            f"of a sample's largest value (tolerance {CHECK_TOLERANCE[precision]:.0e})"
+        )
+
+
+def build_on_every_rank(
+    build: Callable[[], Provider], world_size: int
+) -> tuple[Provider | None, str | None]:
+    """``build()`` on every rank (a peer's provider), and the first rank's error if any rank
+    raised (then no rank times it): (provider, None) or (None, the error described). A
+    collective."""
+    provider, error = None, None
+    try:
+        provider = build()
+    except Exception as e:  # any peer failure is reported instead of timed
+        error = describe_error(e)
+        if dist.get_rank() == 0:
+            traceback.print_exc()
+    errors = [None] * world_size
+    dist.all_gather_object(errors, error)
+    error = next((e for e in errors if e), None)
+    return (None, error) if error else (provider, None)

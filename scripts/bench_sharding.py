@@ -2,7 +2,8 @@
 
 The step time and the bytes each rank exchanges per step of ``ShardedEmbeddingBagCollection``,
 for each sharding type, with and without quantized communication, against the unsharded
-collection in one process and TorchRec's DistributedModelParallel.
+collection in one process and TorchRec's DistributedModelParallel; and the same for dynamic
+tables (raw 64-bit keys, sharded KEY_WISE), with each rank's key count.
 
 Collection (Criteo-shaped, from ``configs/dlrm_synthetic.toml``): 26 tables, one per
 categorical feature, with the recipe's cardinalities (times ``--rows-scale``), dim ``--dim``
@@ -41,20 +42,31 @@ Providers, on the same tables and batches:
   before the ranks start (so it is not timed in alternation with them; its ``notes`` carry the
   load average). What a user without sharding runs; ``vs single`` is its p50 over a provider's
   p50 (> 1: the sharded step is faster).
+- ``key_wise`` (dynamic tables; ``_sharding_dynamic.py`` has the details): the ids become raw
+  keys spread over the whole int64 range, every table is dynamic (no cap), and
+  ``recsys_sharded`` shards them KEY_WISE (a key's rank by a mixing hash into 4096 routing
+  buckets); ``single_process`` (dynamic) steps the same dynamic collection on the global batch,
+  and its p50 is the ``vs single`` of these rows; the peer is ``torchrec_mch_dmp``, TorchRec's
+  ``ManagedCollisionEmbeddingBagCollection`` (MCH, ROW_WISE) under DMP. The warmup runs every
+  batch at least once, so every key has its row and the timed steps are all hits (the notes
+  count the keys inserted while timed). ``notes`` add the keys each rank holds (summed over
+  tables), their max / mean and the worst table's, and, when ``row_wise`` ran too, the p50
+  over the fixed tables' recsys row_wise p50.
 
 Checks: before timing, each provider's forward matches the unsharded collection on the same
-batch (tolerance by precision); after timing, its output has moved (the update ran, else the
-case is reported as failed), and a TorchRec fp32 provider's output is compared with recsys's
-fp32 one after the same steps (the relative difference is in ``notes``).
+batch (tolerance by precision; not for ``torchrec_mch_dmp``, whose rows start elsewhere); after
+timing, its output has moved (the update ran, else the case is reported as failed), and a
+TorchRec fp32 provider's output is compared with recsys's fp32 one after the same steps (the
+relative difference is in ``notes``; fixed tables only).
 
 Timing: within one sharding type, the providers (every precision, recsys and TorchRec) are
-built, warmed up (``--warmup``), then timed in alternation for ``--steps`` rounds. A timed step
-is ``barrier; step; barrier`` on every rank (after a CUDA synchronize), and its time is the
-slowest rank's. We report p20 / p50 / p80 over the steps; samples/s is the global batch over
-the p50. Bytes: the rank's ``comm_stats`` per timed step (``input``: counts, bag lengths and
-ids sent in the input dist; ``forward``: pooled vectors; ``backward``: their gradients and the
-data-parallel tables' gradient all-reduce), averaged over ranks; ``notes`` also give the
-busiest rank's total.
+built, warmed up (``--warmup``; ``key_wise``: at least 4), then timed in alternation for
+``--steps`` rounds. A timed step is ``barrier; step; barrier`` on every rank (after a CUDA
+synchronize), and its time is the slowest rank's. We report p20 / p50 / p80 over the steps;
+samples/s is the global batch over the p50. Bytes: the rank's ``comm_stats`` per timed step
+(``input``: counts, bag lengths and ids sent in the input dist; ``forward``: pooled vectors;
+``backward``: their gradients and the data-parallel tables' gradient all-reduce), averaged over
+ranks; ``notes`` also give the busiest rank's total.
 
 Run: ``python scripts/bench_sharding.py [--quick | --full] [--world-size W] [--shardings ...]
 [--precisions ...] [--batch-size B] [--dim D] [--rows-scale X] [--steps N] [--no-torchrec]
@@ -70,7 +82,6 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import itertools
 import json
 import logging
 import math
@@ -80,9 +91,7 @@ import statistics
 import tempfile
 import time
 import tomllib
-import traceback
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -100,61 +109,39 @@ from _harness import (
     time_fn,
     write_rows,
 )
+from _sharding_dynamic import balance_note, key_wise_group, time_single_dynamic, warmup_steps
 from _sharding_setup import (
+    KEY_WISE,
     PRECISIONS,
     RECIPE,
+    RECSYS,
     SHARDINGS,
+    SINGLE,
+    TORCHREC,
     Batch,
+    Provider,
     Setup,
+    build_on_every_rank,
+    check_forward,
     inputs,
     kjt_rows,
+    make_step,
     recsys_plan,
+    relative_difference,
     unsharded_collection,
 )
 from _sharding_torchrec import output_columns, torchrec_dmp
 
 from recsys import KeyedJaggedTensor  # recsys quiets torchrec's import
-from recsys.distributed.comm import CommStats
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 
 TOPIC = "sharding"
 OP = "sharded_ebc_step"
 PASS = "fwd_bwd_adagrad"
-RECSYS, TORCHREC, SINGLE = "recsys_sharded", "torchrec_dmp", "single_process"
-# Largest forward difference from the unsharded collection before training, relative to the
-# sample's largest |pooled| value (int8: per-row codecs, recsys' symmetric, TorchRec's with a
-# bias).
-CHECK_TOLERANCE = {"fp32": 1e-5, "fp16": 1e-3, "bf16": 8e-3, "int8": 1e-2}
-# After warmup + timed steps the output must have moved by more than this (same measure).
+# After warmup + timed steps the output must have moved by more than this (relative to the
+# sample's largest |pooled| value before training).
 MIN_TRAINED = 0.1
-
-
-def make_step(
-    forward: Callable[[KeyedJaggedTensor], torch.Tensor],
-    kjts: list[KeyedJaggedTensor],
-    upstream: torch.Tensor,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> Callable[[], None]:
-    """Forward on the next batch, backward of sum(pooled * upstream) (the fused update runs in
-    it), then ``optimizer``'s step for tables with dense gradients, if any."""
-    counter = itertools.count()
-
-    def step() -> None:
-        pooled = forward(kjts[next(counter) % len(kjts)])  # [B, F*D]
-        (pooled * upstream).sum().backward()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
-def relative_difference(out: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest |out - expected|, relative to each sample's largest |expected| value."""
-    expected = expected.float().cpu()
-    scale = expected.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [B, 1]
-    return ((out.float().cpu() - expected).abs() / scale).max().item()
 
 
 def timing_of(samples_ms: list[float]) -> Timing:
@@ -163,16 +150,6 @@ def timing_of(samples_ms: list[float]) -> Timing:
         return Timing(samples_ms[0], samples_ms[0], samples_ms[0], repeats=1)
     deciles = statistics.quantiles(samples_ms, n=10, method="inclusive")
     return Timing(deciles[1], deciles[4], deciles[7], repeats=len(samples_ms))
-
-
-def describe_error(error: BaseException) -> str:
-    """``Type: message's first line (at file:line function < caller < its caller)``."""
-    text = (str(error).strip().splitlines() or [""])[0][:200]
-    frames = traceback.extract_tb(error.__traceback__)[-3:]
-    where = " < ".join(
-        f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in reversed(frames)
-    )
-    return f"{type(error).__name__}: {text} (at {where})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,37 +175,6 @@ def time_single_process(setup: Setup, device: torch.device) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Phase 2: the ranks
-
-
-@dataclasses.dataclass
-class Provider:
-    """One timed thing on this rank.
-
-    ``forward`` maps a KJT to [B, F*D] pooled vectors whose column j is column ``columns[j]``
-    of the unsharded collection's output (``columns`` None: the same order); ``comm_stats``
-    counts its bytes (recsys only)."""
-
-    forward: Callable[[KeyedJaggedTensor], torch.Tensor]
-    step: Callable[[], None]
-    columns: torch.Tensor | None = None
-    comm_stats: CommStats | None = None
-    note: str = ""
-
-    def ordered(self, unsharded_order: torch.Tensor) -> torch.Tensor:
-        """``unsharded_order``'s columns in this provider's order."""
-        return unsharded_order if self.columns is None else unsharded_order[:, self.columns]
-
-
-def check_forward(
-    provider: Provider, kjt: KeyedJaggedTensor, expected: torch.Tensor, precision: str
-) -> None:
-    with torch.no_grad():
-        difference = relative_difference(provider.forward(kjt), provider.ordered(expected))
-    if difference > CHECK_TOLERANCE[precision]:
-        raise AssertionError(
-            f"{precision}: the forward differs from the unsharded collection by {difference:.2e} "
-            f"of a sample's largest value (tolerance {CHECK_TOLERANCE[precision]:.0e})"
-        )
 
 
 def build_group(
@@ -267,8 +213,8 @@ def build_group(
                 "skipped: on gloo TorchRec sends bf16 as fp16 (its own fallback)"
             )
             continue
-        provider, error = None, None
-        try:
+
+        def build(precision: str = precision) -> Provider:
             dmp, optimizer, note = torchrec_dmp(setup, sharding, precision, unsharded, device)
             forward = lambda kjt, dmp=dmp: dmp(kjt).values()  # noqa: E731
             with torch.no_grad():
@@ -277,13 +223,9 @@ def build_group(
             step = make_step(forward, kjts, upstream[:, columns.to(device)], optimizer)
             provider = Provider(forward, step, columns=columns, note=note)
             check_forward(provider, kjts[0], expected, precision)
-        except Exception as e:  # any TorchRec failure is reported instead of timed
-            error = describe_error(e)
-            if dist.get_rank() == 0:
-                traceback.print_exc()
-        errors = [None] * setup.world_size
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
+            return provider
+
+        provider, error = build_on_every_rank(build, setup.world_size)
         if error:
             failed[(TORCHREC, precision)] = error
         else:
@@ -292,21 +234,24 @@ def build_group(
 
 
 def time_group(
-    providers: dict[tuple[str, str], Provider], setup: Setup, device: torch.device
+    providers: dict[tuple[str, str], Provider], setup: Setup, warmup: int, device: torch.device
 ) -> dict[tuple[str, str], list[float]]:
-    """Each timed step's slowest-rank time in ms, per provider; providers in alternation."""
+    """Each timed step's slowest-rank time in ms, per provider, after ``warmup`` untimed
+    steps; providers in alternation."""
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier()
 
-    for _ in range(setup.warmup):
+    for _ in range(warmup):
         for provider in providers.values():
             provider.step()
     for provider in providers.values():
         if provider.comm_stats is not None:
             provider.comm_stats.reset()
+        if provider.key_stats is not None:
+            provider.warm_stats = provider.key_stats()
     times = torch.zeros(len(providers), setup.steps, dtype=torch.float64)
     for s in range(setup.steps):
         for p, provider in enumerate(providers.values()):
@@ -328,27 +273,34 @@ def summarize_group(
     kjt: KeyedJaggedTensor,
     expected: torch.Tensor,
 ) -> list[dict]:
-    """One result per provider: timing, bytes per step (mean over ranks) and the checks after
-    training (did the output move; TorchRec fp32 against recsys fp32)."""
+    """One result per provider: timing, bytes per step (mean over ranks), the key balance of
+    dynamic tables and the checks after training (did the output move; TorchRec fp32 against
+    recsys fp32)."""
     counted_bytes = {
         key: {k: v / setup.steps for k, v in p.comm_stats.bytes.items()}
         for key, p in providers.items()
         if p.comm_stats is not None
     }  # before the forward below adds to them
+    balance = {
+        key: balance_note(p.warm_stats, p.key_stats(), warmup_steps(setup))
+        for key, p in providers.items()
+        if p.key_stats is not None
+    }  # a collective, in the same order on every rank
     with torch.no_grad():
         trained = {key: p.forward(kjt).float().cpu() for key, p in providers.items()}
     recsys_fp32 = trained.get((RECSYS, "fp32"))
     results = []
     for key, provider in providers.items():
         counted = counted_bytes.get(key)
-        moved = relative_difference(trained[key], provider.ordered(expected))
+        moved = relative_difference(trained[key], provider.before_training(expected))
         agreement = None
-        if key[0] != RECSYS and key[1] == "fp32" and recsys_fp32 is not None:
+        comparable = provider.initial is None and recsys_fp32 is not None
+        if key[0] != RECSYS and key[1] == "fp32" and comparable:
             agreement = relative_difference(trained[key], provider.ordered(recsys_fp32))
         per_rank = [None] * setup.world_size
         dist.all_gather_object(per_rank, (counted, moved, agreement))
         result = {"provider": key[0], "sharding": sharding, "precision": key[1]}
-        notes = [provider.note]
+        notes = [provider.note, balance.get(key, "")]
         moved = min(m for _, m, _ in per_rank)
         if moved < MIN_TRAINED:
             result["error"] = (
@@ -382,11 +334,18 @@ def run_rank(rank: int, setup: Setup, device: torch.device) -> list[dict]:
     for sharding in setup.shardings:
         if rank == 0:
             print(f"running {sharding}", flush=True)
-        providers, failed = build_group(
-            setup, sharding, unsharded, batches, kjts, upstream, expected, device
-        )
-        times = time_group(providers, setup, device)
-        results += summarize_group(setup, sharding, providers, times, kjts[0], expected)
+        if sharding == KEY_WISE:
+            providers, failed, check, before = key_wise_group(
+                setup, batches, upstream, rank, device
+            )
+            warmup = warmup_steps(setup)
+        else:
+            providers, failed = build_group(
+                setup, sharding, unsharded, batches, kjts, upstream, expected, device
+            )
+            check, before, warmup = kjts[0], expected, setup.warmup
+        times = time_group(providers, setup, warmup, device)
+        results += summarize_group(setup, sharding, providers, times, check, before)
         for (name, precision), error in failed.items():
             results.append(
                 {"provider": name, "sharding": sharding, "precision": precision, "error": error}
@@ -444,11 +403,50 @@ def run_ranks(setup: Setup) -> list[dict]:
 # Report
 
 
-def to_rows(setup: Setup, single: dict, results: list[dict], load: str) -> list[Row]:
+def is_dynamic(result: dict) -> bool:
+    return result["sharding"] == KEY_WISE or result.get("dynamic", False)
+
+
+def with_baselines(singles: list[dict], results: list[dict]) -> list[dict]:
+    """The single-process results, then the ranks', each with ``baseline``: the p50 of the
+    single-process run on the same kind of tables (fixed or dynamic; None: it did not run); a
+    recsys key_wise result also with ``fixed_p50``, the recsys row_wise p50 of its precision
+    (fixed tables; when that ran)."""
+    single_p50 = {is_dynamic(r): r["timing"]["p50_ms"] for r in singles}
+    row_wise = {
+        r["precision"]: r["timing"]["p50_ms"]
+        for r in results
+        if r["sharding"] == "row_wise" and r["provider"] == RECSYS and "timing" in r
+    }
+    out = []
+    for r in [*singles, *results]:
+        r = {**r, "baseline": single_p50.get(is_dynamic(r))}
+        if r["sharding"] == KEY_WISE and r["provider"] == RECSYS:
+            r["fixed_p50"] = row_wise.get(r["precision"])
+        out.append(r)
+    return out
+
+
+def fixed_note(r: dict) -> list[str]:
+    """A timed key_wise result's p50 against the fixed tables' row_wise one, if that ran."""
+    if r.get("fixed_p50") is None:
+        return []
+    return [f"{r['timing']['p50_ms'] / r['fixed_p50']:.2f}x the time of {RECSYS} row_wise"]
+
+
+def comparisons(r: dict) -> list[str]:
+    """A timed result's p50 against the single process and (key_wise) the fixed tables."""
+    notes = []
+    if r["provider"] != SINGLE and r["baseline"] is not None:
+        kind = " (dynamic tables)" if is_dynamic(r) else ""
+        notes.append(f"{r['baseline'] / r['timing']['p50_ms']:.2f}x {SINGLE}{kind}")
+    return notes + fixed_note(r)
+
+
+def to_rows(setup: Setup, singles: list[dict], results: list[dict], load: str) -> list[Row]:
     samples = setup.global_batch
-    single_p50 = single["timing"]["p50_ms"]
     rows = []
-    for r in [{"provider": SINGLE, "sharding": "none", "precision": "fp32", **single}, *results]:
+    for r in with_baselines(singles, results):
         notes = [r["note"]] if r.get("note") else []
         if "error" in r:
             nan = float("nan")
@@ -464,14 +462,15 @@ def to_rows(setup: Setup, single: dict, results: list[dict], load: str) -> list[
                     f"bytes/step/rank {counted} total={total:.0f} "
                     f"(busiest rank {r['busiest_rank_bytes']:.0f})"
                 )
+            notes += comparisons(r)
             if r["provider"] != SINGLE:
-                notes += [f"{single_p50 / timing.p50_ms:.2f}x {SINGLE}", load]
+                notes.append(load)
         rows.append(
             Row(
                 op=OP,
                 pass_=PASS,
                 provider=r["provider"],
-                config=setup.config(r["sharding"]),
+                config=setup.config(r["sharding"], is_dynamic(r)),
                 dtype=r["precision"],
                 timing=timing,
                 throughput=throughput,
@@ -482,14 +481,16 @@ def to_rows(setup: Setup, single: dict, results: list[dict], load: str) -> list[
     return rows
 
 
-def print_rows(setup: Setup, single: dict, results: list[dict]) -> None:
+def print_rows(setup: Setup, singles: list[dict], results: list[dict]) -> None:
     """One line per result; the bytes in MB (1e6) per step per rank, mean over ranks."""
-    single_p50 = single["timing"]["p50_ms"]
     header = ["sharding", "provider", "precision", "p50 ms", "p20-p80 ms", "samples/s"]
     header += ["in MB", "fwd MB", "bwd MB", "total MB", "vs single", "notes"]
     lines = []
-    for r in [{"provider": SINGLE, "sharding": "none", "precision": "fp32", **single}, *results]:
-        line = [r["sharding"], r["provider"], r["precision"]]
+    for r in with_baselines(singles, results):
+        sharding = r["sharding"] + (
+            " (dynamic)" if r["sharding"] == "none" and is_dynamic(r) else ""
+        )
+        line = [sharding, r["provider"], r["precision"]]
         if "error" in r:
             lines.append([*line, *["-"] * 8, r["error"]])
             continue
@@ -501,10 +502,11 @@ def print_rows(setup: Setup, single: dict, results: list[dict]) -> None:
             line += [f"{x:.3f}" for x in (*mb, sum(mb))]
         else:
             line += ["-"] * 4
-        line += [f"{single_p50 / t['p50_ms']:.2f}x", r.get("note", "")]
+        vs = f"{r['baseline'] / t['p50_ms']:.2f}x" if r["baseline"] is not None else "-"
+        line += [vs, "; ".join(n for n in [r.get("note", ""), *fixed_note(r)] if n)]
         lines.append(line)
     print(f"\n{setup.config('<sharding>')}")
-    print(f"vs single: {SINGLE} p50 / p50 (> 1: the sharded step is faster)")
+    print(f"vs single: {SINGLE} p50 / p50 on the same kind of tables (> 1: sharded is faster)")
     print(format_table(header, lines), flush=True)
 
 
@@ -570,15 +572,21 @@ def main() -> None:
     env = environment(device)
     print(f"device: {env['device']}\nversions: {env['versions']}\ncommit: {env['commit']}")
     started = time.perf_counter()
-    print(f"running {SINGLE} (batch {setup.global_batch})", flush=True)
-    single = time_single_process(setup, device)
+    singles = []
+    one = {"provider": SINGLE, "sharding": "none", "precision": "fp32"}
+    if any(sharding != KEY_WISE for sharding in setup.shardings):
+        print(f"running {SINGLE} (batch {setup.global_batch})", flush=True)
+        singles.append(one | time_single_process(setup, device))
+    if KEY_WISE in setup.shardings:
+        print(f"running {SINGLE} on dynamic tables (batch {setup.global_batch})", flush=True)
+        singles.append(one | time_single_dynamic(setup, device))
     results = run_ranks(setup)
     load = load_note()
-    print_rows(setup, single, results)
+    print_rows(setup, singles, results)
     print(f"\n{time.perf_counter() - started:.0f} s")
     if args.no_write:
         return
-    rows = to_rows(setup, single, results, load)
+    rows = to_rows(setup, singles, results, load)
     path = write_rows(TOPIC, rows, env, args.out_dir)
     print(f"{len(rows)} rows appended to {path}")
 
