@@ -3,6 +3,7 @@ checkpoint and delta writers share: all of them also work in a plain one-process
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -45,3 +46,17 @@ def from_first_rank(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def on_first_rank(check: Callable[[], Any]) -> None:
+    """Run ``check`` on the first rank; a ValueError it raises is raised on every rank (so no
+    rank waits in a collective for one that stopped)."""
+    error = None
+    if rank() == 0:
+        try:
+            check()
+        except ValueError as raised:
+            error = str(raised)
+    error = from_first_rank(error)
+    if error is not None:
+        raise ValueError(error)

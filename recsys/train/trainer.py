@@ -78,6 +78,7 @@ from recsys.train.optimizers import (
     task_loss_weights,
 )
 from recsys.train.progress import StepTimer, TrainWindow, summary_line
+from recsys.train.ranks import on_first_rank
 from recsys.train.run_dir import CONFIG_FILE, METRICS_FILE, check_run_dir, clear_previous_run
 from recsys.train.schedule import LRSchedule
 from recsys.train.stop import StopSignals, TrainingStopped
@@ -116,7 +117,7 @@ class _Run:
         self.run_dir = Path(config.run.dir)
         ckpt = config.checkpoint
         # Decided before anything is written, the same on every rank.
-        _on_first_rank(
+        on_first_rank(
             lambda: check_run_dir(
                 self.run_dir, continuing=self._continuing(), overwrite=config.run.overwrite
             )
@@ -582,11 +583,6 @@ class _Run:
             tqdm.write(message)
 
 
-def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
@@ -603,20 +599,3 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
-
-
-def _on_first_rank(check: Any) -> None:
-    """Run ``check`` on the first rank; a ValueError it raises is raised on every rank (so no
-    rank waits in a collective for one that stopped)."""
-    error = None
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        try:
-            check()
-        except ValueError as raised:
-            error = str(raised)
-    if torch.distributed.is_initialized():
-        box = [error]
-        torch.distributed.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise ValueError(error)
