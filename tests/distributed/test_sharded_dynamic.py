@@ -164,7 +164,6 @@ def test_dynamic_tables_match_one_process_on_two_ranks():
     run_ranks(2, _bad_plans_and_keys)
 
 
-@pytest.mark.slow
 def test_dynamic_tables_match_one_process_on_four_ranks():
     run_ranks(4, _matches_one_process)
 
