@@ -61,6 +61,7 @@ from _sharding_setup import (
     inputs,
     kjt_rows,
     make_step,
+    recsys_provider,
     table_configs,
 )
 from _sharding_torchrec import output_columns
@@ -230,20 +231,15 @@ def key_wise_group(
     kinds = count_kinds([ShardingType(s.sharding_type).name for s in plan.values()])
     providers, failed = {}, {}
     for precision in setup.precisions:
-        sharded = ShardedEmbeddingBagCollection(
+        provider = recsys_provider(
             unsharded,
             plan,
-            forward_precision=precision,
-            backward_precision=precision,
-            device=device,
-        )
-        forward = lambda kjt, sharded=sharded: sharded(kjt).values()  # noqa: E731
-        provider = Provider(
-            forward,
-            make_step(forward, kjts, upstream),
-            comm_stats=sharded.comm_stats,
+            precision,
+            kjts,
+            upstream,
+            device,
             note=f"{kinds}, {DynamicTableOptions().routing_buckets} routing buckets, no cap",
-            key_stats=lambda sharded=sharded: recsys_key_stats(sharded, world),
+            key_stats=lambda sharded: recsys_key_stats(sharded, world),
         )
         check_forward(provider, kjts[0], expected, precision)
         providers[(RECSYS, precision)] = provider

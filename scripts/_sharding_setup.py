@@ -32,6 +32,7 @@ from recsys.distributed.plan import (
     table_wise,
 )
 from recsys.distributed.planner import plan_sharding
+from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import Adagrad
 
@@ -275,6 +276,34 @@ class Provider:
         """Its output on the check batch before training: ``initial``, or the unsharded
         collection's ``expected`` in its column order."""
         return self.initial if self.initial is not None else self.ordered(expected)
+
+
+def recsys_provider(
+    unsharded,
+    plan: dict,
+    precision: str,
+    kjts: list[KeyedJaggedTensor],
+    upstream: torch.Tensor,
+    device: torch.device,
+    note: str = "",
+    key_stats: Callable | None = None,
+) -> Provider:
+    """``ShardedEmbeddingBagCollection(unsharded, plan)`` sending pooled vectors and their
+    gradients in ``precision``, as a Provider with ``note``; ``key_stats(sharded)``, if given,
+    becomes the provider's key statistics."""
+    sharded = ShardedEmbeddingBagCollection(
+        unsharded,
+        plan,
+        forward_precision=precision,
+        backward_precision=precision,
+        device=device,
+    )
+    forward = lambda kjt: sharded(kjt).values()  # noqa: E731
+    step = make_step(forward, kjts, upstream)
+    provider = Provider(forward, step, comm_stats=sharded.comm_stats, note=note)
+    if key_stats is not None:
+        provider.key_stats = lambda: key_stats(sharded)
+    return provider
 
 
 def check_forward(

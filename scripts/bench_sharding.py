@@ -127,13 +127,13 @@ from _sharding_setup import (
     kjt_rows,
     make_step,
     recsys_plan,
+    recsys_provider,
     relative_difference,
     unsharded_collection,
 )
 from _sharding_torchrec import output_columns, torchrec_dmp
 
 from recsys import KeyedJaggedTensor  # recsys quiets torchrec's import
-from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 
 TOPIC = "sharding"
@@ -195,16 +195,7 @@ def build_group(
     failed: dict[tuple[str, str], str] = {}
     for precision in precisions:
         plan, note = recsys_plan(setup, sharding, precision, tables, batches)
-        sharded = ShardedEmbeddingBagCollection(
-            unsharded,
-            plan,
-            forward_precision=precision,
-            backward_precision=precision,
-            device=device,
-        )
-        forward = lambda kjt, sharded=sharded: sharded(kjt).values()  # noqa: E731
-        step = make_step(forward, kjts, upstream)
-        provider = Provider(forward, step, comm_stats=sharded.comm_stats, note=note)
+        provider = recsys_provider(unsharded, plan, precision, kjts, upstream, device, note=note)
         check_forward(provider, kjts[0], expected, precision)
         providers[(RECSYS, precision)] = provider
     for precision in precisions if setup.torchrec else ():
