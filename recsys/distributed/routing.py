@@ -240,11 +240,11 @@ class ShardRouting:
         block = self.block[feature]
         rw = block > 0
         owner = torch.where(rw, values.long() // block.clamp(min=1), copy)
-        if self.any_key_wise:
-            key_wise = (self.key_buckets[feature] > 0).nonzero().squeeze(1)
-            f = feature[key_wise]
-            bucket = routing_bucket(values[key_wise], self.key_buckets[f])
-            owner[key_wise] = self.bucket_owner[self.bucket_base[f] + bucket]
+        if self.any_key_wise:  # elementwise over every id: no sync to select the keys
+            buckets = self.key_buckets[feature]
+            bucket = routing_bucket(values, buckets.clamp(min=1))
+            key_owner = self.bucket_owner[self.bucket_base[feature] + bucket]  # fixed ids: 0
+            owner = torch.where(buckets > 0, key_owner, owner)
         ids = torch.where(rw, values - owner.to(values.dtype) * block.to(values.dtype), values)
         key = self.stream_table[feature, owner] * batch_size + sample
         order = torch.sort(key, stable=True).indices

@@ -268,7 +268,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         lengths = features.lengths().view(len(self.routing.features), -1).sum(dim=1)
         feature = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths)
         key_wise = self.routing.key_buckets[feature] > 0
-        check_keys(values[key_wise], "ids of dynamic tables")
+        check_keys(values.masked_fill(~key_wise, 0), "ids of dynamic tables")
         return values.masked_fill(key_wise, 0)
 
     def _select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -430,6 +430,12 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             out[prefix + DYNAMIC_STEP] = self.shards.dynamic_step
         return out
 
+    def _state_keys(self) -> list[str]:
+        """The keys of :meth:`state_dict`, without building it (no collective, no sort of a
+        dynamic table's keys)."""
+        keys = list(logical_state(self, "", keep_vars=False)) + self.variable_state_keys()
+        return keys + ([DYNAMIC_STEP] if self._dynamic else [])
+
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ) -> None:
@@ -437,7 +443,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         this rank's): each rank copies its own shards' rows and columns. The internal
         submodules' own keys are never expected (see ``_hide_internal_keys``)."""
         self._load_prefix = prefix
-        expected = {prefix + key for key in self.state_dict()}
+        expected = {prefix + key for key in self._state_keys()}
         given = {key for key in state_dict if key.startswith(prefix)}
         missing_keys.extend(sorted(expected - given))
         unexpected_keys.extend(sorted(given - expected))

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 ROWS = "bucket_counts"  # the counts that split a table's rows (and its keys)
 # Per-bucket counts -> the per-key tensor whose length they sum to.
-COUNTED = {ROWS: "keys", "admission_bucket_counts": "admission_keys"}
+COUNTED = {counts: key for key, counts in KEYED.items() if key.endswith("keys")}
 
 
 def counts_of(key: str) -> str | None:

@@ -221,8 +221,7 @@ class DynamicTable(nn.Module):
             ascending).
         """
         if self.options.ttl_steps:
-            self._record_expiring(step)
-            self.map.expire(step, self.options.ttl_steps)
+            self._record_deleted(self.map.expire_keys(step, self.options.ttl_steps)[1])
         keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         admit = None
         if self.admission is not None:
@@ -290,14 +289,6 @@ class DynamicTable(nn.Module):
         self._deleted.append(keys)
         if len(self._deleted) > 64:  # few tensors, each key once
             self._deleted = [torch.unique(torch.cat(self._deleted))]
-
-    def _record_expiring(self, step: int) -> None:
-        """Record the keys :meth:`SlotMap.expire` is about to drop (its rule), while their
-        slots still hold them."""
-        if self._deleted is not None:
-            keys, last_seen = self.map.keys, self.map.last_seen
-            stale = (keys != EMPTY_KEY) & (step - last_seen > self.options.ttl_steps)
-            self._record_deleted(keys[stale])
 
     def stats(self) -> dict[str, float]:
         """The map's counters (size, capacity, load_factor, hits, inserts, evictions, ...),

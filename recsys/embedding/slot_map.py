@@ -508,11 +508,16 @@ class SlotMap:
         Returns:
             [E] int64 slots freed, ascending.
         """
+        return self.expire_keys(step, ttl)[0]
+
+    def expire_keys(self, step: int, ttl: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`expire`, returning (the slots freed, the keys they held)."""
         stale = (self.keys != EMPTY_KEY) & (step - self.last_seen > ttl)
         slots = stale.nonzero().squeeze(1)
+        keys = self.keys[slots]
         self._free(slots)
         self._stats["expirations"] += len(slots)
-        return slots
+        return slots, keys
 
     def restore(
         self,
