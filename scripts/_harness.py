@@ -278,7 +278,10 @@ def versions() -> str:
 def git_commit() -> str:
     """Short hash of HEAD, ``-dirty`` when anything outside benchmarks/results differs from it
     (untracked files included: an uncommitted bench script is not reproducible either);
-    ``unknown`` without git."""
+    ``unknown`` without git. ``RECSYS_COMMIT`` overrides it, for a copy of the tree without
+    ``.git`` (a GPU machine that receives the working tree, not the repository)."""
+    if os.environ.get("RECSYS_COMMIT"):
+        return os.environ["RECSYS_COMMIT"]
     try:
         commit = _git("rev-parse", "--short", "HEAD")
         status = _git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")

@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # Run the GPU tests and every benchmark on a CUDA machine in one call.
 #
-#   bash scripts/gpu_check.sh [OUT_DIR]        (OUT_DIR default: benchmarks/results)
+#   bash scripts/gpu_check.sh [OUT_DIR [STEP...]]   (OUT_DIR default: benchmarks/results)
+#
+# STEP names what to run, all of them by default: `gpu_tests` (pytest -m gpu), `device_tests`
+# (the op and embedding tests with CUDA as torch's default device, so the compiled kernels are
+# checked against the same float64 references as under the interpreter), `kernel_table`
+# (scripts/kernel_table.py) and one per benchmark (`bench_mlp`, ...). BENCH_ARGS is added to
+# every benchmark's command line (e.g. BENCH_ARGS=--quick). RECSYS_COMMIT names the commit in the
+# results where the tree arrived without .git (a GPU machine that receives a copy of it).
 #
 # For a machine with torch + triton preinstalled and no venv or network: uses `python3` from
 # PATH (override with PYTHON=...) and puts the repository on PYTHONPATH instead of installing it.
@@ -12,6 +19,8 @@ set -u
 
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-benchmarks/results}
+shift $(($# > 0 ? 1 : 0))
+STEPS=("$@")
 mkdir -p "$OUT_DIR" || exit 1
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 PYTHON=${PYTHON:-python3}
@@ -22,6 +31,14 @@ export TRITON_INTERPRET=0
 
 SUMMARY=()
 FAILED=0
+
+# wanted NAME: true when NAME was asked for (or no step was named).
+wanted() {
+    [ ${#STEPS[@]} -eq 0 ] && return 0
+    local s
+    for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done
+    return 1
+}
 
 # step NAME LOG COMMAND...: run COMMAND with its output in LOG and on screen; record the outcome.
 step() {
@@ -42,8 +59,12 @@ step() {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     echo "host: $(hostname)"
     echo "repo: $PWD"
-    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-        "$(git status --porcelain 2>/dev/null | grep -q . && echo '(dirty)')"
+    if [ -n "${RECSYS_COMMIT:-}" ]; then
+        echo "commit: $RECSYS_COMMIT"
+    else
+        echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+            "$(git status --porcelain 2>/dev/null | grep -q . && echo '(dirty)')"
+    fi
     echo
     nvidia-smi 2>&1 || echo "nvidia-smi: not available"
     echo
@@ -89,20 +110,37 @@ gpu_tests() {
     fi
     return "$rc"
 }
-if "$PYTHON" -c "import pytest" 2>/dev/null; then
-    step "pytest -m gpu" "$OUT_DIR/pytest_gpu.log" gpu_tests
-    if grep -q "^NO GPU TESTS" "$OUT_DIR/pytest_gpu.log"; then
-        SUMMARY[-1]="SKIP  pytest -m gpu (no test is marked gpu)"
-    fi
-else
-    SUMMARY+=("FAIL  pytest -m gpu (pytest is not installed for $PYTHON)")
+# The op and embedding tests again, on the GPU: CUDA is torch's default device (tests/conftest.py).
+device_tests() {
+    RECSYS_TEST_DEVICE=cuda "$PYTHON" -m pytest tests/ops tests/embedding -q -p no:cacheprovider \
+        -m "not slow and not gpu"
+}
+if ! "$PYTHON" -c "import pytest" 2>/dev/null; then
+    SUMMARY+=("FAIL  pytest (pytest is not installed for $PYTHON)")
     FAILED=1
+else
+    if wanted gpu_tests; then
+        step "pytest -m gpu" "$OUT_DIR/pytest_gpu.log" gpu_tests
+        if grep -q "^NO GPU TESTS" "$OUT_DIR/pytest_gpu.log"; then
+            SUMMARY[-1]="SKIP  pytest -m gpu (no test is marked gpu)"
+        fi
+    fi
+    if wanted device_tests; then
+        step "op and embedding tests on cuda" "$OUT_DIR/pytest_device.log" device_tests
+    fi
+fi
+if wanted kernel_table; then
+    step "kernel_table" "$OUT_DIR/kernel_table.log" "$PYTHON" scripts/kernel_table.py \
+        --out-dir "$OUT_DIR"
 fi
 
 for script in scripts/bench_*.py; do
     [ -e "$script" ] || continue
     topic=$(basename "$script" .py)
-    step "$topic --device cuda" "$OUT_DIR/$topic.log" "$PYTHON" "$script" --device cuda
+    wanted "$topic" || continue
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
+    step "$topic --device cuda" "$OUT_DIR/$topic.log" "$PYTHON" "$script" --device cuda \
+        ${BENCH_ARGS:-}
 done
 
 echo

@@ -3,6 +3,10 @@
 TRITON_INTERPRET=1 must be set before anything imports triton, so Triton kernels run on the CPU
 interpreter and every kernel test runs on a machine without a GPU. A caller that exports
 TRITON_INTERPRET=0 (scripts/gpu_check.sh on a GPU machine) gets compiled kernels instead.
+
+RECSYS_TEST_DEVICE=cuda makes CUDA torch's default device, so tests that build their tensors
+without naming a device (the op and embedding tests) run their compiled kernels on the GPU
+against the same float64 references (scripts/gpu_check.sh, step ``device_tests``).
 """
 
 import os
@@ -13,6 +17,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import pytest
 import torch
+
+if os.environ.get("RECSYS_TEST_DEVICE"):
+    torch.set_default_device(os.environ["RECSYS_TEST_DEVICE"])
 
 
 @pytest.fixture(autouse=True)
