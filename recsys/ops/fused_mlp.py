@@ -245,19 +245,34 @@ def _backward_kernel(
         tl.store(bias_partial_ptr + pid_m * N + cols, bias_sum, mask=in_cols)
 
 
-def _matmul_configs() -> list[triton.Config]:
-    """Tiles tried by the autotuner (per M, N, K and dtype); tl.dot needs each side >= 16."""
-    tiles = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps
-        (128, 256, 64, 3, 8),
-        (128, 128, 64, 3, 8),
-        (128, 128, 32, 4, 4),
-        (64, 128, 64, 4, 4),
-        (128, 64, 32, 4, 4),
-        (64, 64, 64, 4, 4),
-        (128, 32, 32, 4, 4),
-        (64, 32, 32, 5, 2),
-        (128, 16, 64, 4, 4),  # narrow outputs, such as the logit layer
-    ]
+# BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps. tl.dot needs each side >= 16.
+_TENSOR_CORE_TILES = (  # bf16 / fp16, and fp32 as TF32
+    (128, 256, 64, 3, 8),
+    (128, 128, 64, 3, 8),
+    (128, 128, 32, 4, 4),
+    (64, 128, 64, 4, 4),
+    (128, 64, 32, 4, 4),
+    (64, 64, 64, 4, 4),
+    (128, 32, 32, 4, 4),
+    (64, 32, 32, 5, 2),
+    (128, 16, 64, 4, 4),  # narrow outputs, such as the logit layer
+)
+# IEEE fp32 has no tensor-core path: tl.dot is FMAs on operands held in registers, and the tiles
+# above need more than 255 registers a thread. On sm_90 they spilled (up to 18 KB of stack a
+# thread) and took ptxas 4-20 s each, so autotuning a layer took minutes on an H100. These compile
+# with no spill in about 1.5 s (benchmarks/results/kernels.csv).
+_FMA_TILES = (
+    (128, 64, 16, 2, 8),
+    (64, 128, 16, 2, 8),
+    (64, 64, 32, 2, 4),
+    (64, 64, 16, 3, 4),
+    (32, 64, 32, 2, 4),
+    (64, 32, 16, 3, 2),
+)
+
+
+def _matmul_configs(tiles: tuple[tuple[int, int, int, int, int], ...]) -> list[triton.Config]:
+    """The autotuner's configs for ``tiles`` (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)."""
     return [
         triton.Config(
             {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8},
@@ -268,7 +283,10 @@ def _matmul_configs() -> list[triton.Config]:
     ]
 
 
-_forward_kernel_tuned = triton.autotune(configs=_matmul_configs(), key=["M", "N", "K"])(
+_forward_kernel_tuned = triton.autotune(
+    configs=_matmul_configs(_TENSOR_CORE_TILES), key=["M", "N", "K"]
+)(_forward_kernel)
+_forward_kernel_fma = triton.autotune(configs=_matmul_configs(_FMA_TILES), key=["M", "N", "K"])(
     _forward_kernel
 )
 # The interpreter runs one fixed tile: tuning would only multiply its (slow) runs.
@@ -352,7 +370,9 @@ def _forward(
         def grid(meta: dict) -> tuple[int]:
             return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-        _forward_kernel_tuned[grid](*args, **flags)
+        fma = x.dtype == torch.float32 and flags["INPUT_PRECISION"] == "ieee"
+        tuned = _forward_kernel_fma if fma else _forward_kernel_tuned
+        tuned[grid](*args, **flags)
     return out, pre, mask
 
 
