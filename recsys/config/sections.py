@@ -412,6 +412,11 @@ class TrainConfig:
     """Apply the embedding optimizer inside backward, to the touched rows only, building no
     table-sized gradient (on sharded tables too). Off: tables take dense gradients and the
     torch optimizer of the same name (rowwise_adagrad needs the fused update)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Precision of the dense layers: "bf16" / "fp16" run the model's forward under autocast
+    (tables keep their own dtype and pool in fp32; the loss is computed in fp32). fp16 adds
+    dynamic loss scaling: a step whose gradients overflow is skipped (dense optimizer and
+    fused embedding update alike) and halves the scale."""
     log_every_steps: Annotated[int, AtLeast1] = 100
     """Write a train event (loss, samples/s) every this many steps."""
     eval_every_steps: Annotated[int, AtLeast0] = 0

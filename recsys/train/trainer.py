@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
@@ -81,6 +80,7 @@ from recsys.train.progress import StepTimer, TrainWindow, summary_line
 from recsys.train.ranks import on_first_rank
 from recsys.train.run_dir import CONFIG_FILE, METRICS_FILE, check_run_dir, clear_previous_run
 from recsys.train.schedule import LRSchedule
+from recsys.train.step import TrainStep
 from recsys.train.stop import StopSignals, TrainingStopped
 
 
@@ -130,7 +130,10 @@ class _Run:
             self._print(f"{config.data.path}: {malformed.summary()}")
         self.model = self._build_model(resume)
         self.optimizers = build_optimizers(config.train, self.model)
-        self.task_weights = task_loss_weights(config.train, self.dataset.spec.num_tasks, device)
+        task_weights = task_loss_weights(config.train, self.dataset.spec.num_tasks, device)
+        self.train_step = TrainStep(
+            self.model, self.optimizers, config.train.precision, device, task_weights
+        )
         self.steps_per_epoch = self._steps_per_epoch()
         self.total_steps = self.steps_per_epoch * config.train.epochs
         if config.train.max_steps > 0:
@@ -419,23 +422,7 @@ class _Run:
         return prefetch
 
     def _train_step(self, batch: Batch, timer: StepTimer) -> torch.Tensor:
-        logits = self.model(batch.dense, batch.sparse)  # [B, T]
-        if self.task_weights is None:
-            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        else:
-            per_task = F.binary_cross_entropy_with_logits(
-                logits, batch.labels, reduction="none"
-            ).mean(dim=0)  # [T]
-            loss = (per_task * self.task_weights).sum()
-        timer.mark("forward")
-        for optimizer in self.optimizers.values():
-            optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        timer.mark("backward")
-        for optimizer in self.optimizers.values():
-            optimizer.step()
-        timer.mark("optimizer")
-        return loss.detach()
+        return self.train_step(batch, timer)
 
     @torch.no_grad()
     def evaluate(self, split: str) -> dict[str, Any]:
@@ -498,6 +485,7 @@ class _Run:
             "batch_size": self.config.train.batch_size,
             "world_size": self.info.world_size,
             "rng": {f"rank_{self.info.rank}": rng_state(self.device)},
+            **({"loss_scale": scale} if (scale := self.train_step.state_dict()) else {}),
             **({"best": self.best.state_dict()} if self.best else {}),
         }
 
@@ -527,6 +515,8 @@ class _Run:
             del state["rng"]  # a rank the saving run did not have: keeps its seeded RNG
         if "best" in state and "best.step" not in checkpoint_shapes(path):
             del state["best"]  # saved without keep_best / early stopping: the best starts over
+        if "loss_scale" in state and "loss_scale.scale" not in checkpoint_shapes(path):
+            del state["loss_scale"]  # saved by a run without fp16: the scale starts over
         state["optimizers"], live = self._optimizer_states()
         state["model"] = state_to_load(
             _unwrap(self.model), checkpoint_shapes(path), "model.", tensor_reader(path)
@@ -538,6 +528,8 @@ class _Run:
             set_optimizer_state_dict(self.model, [optimizer], live[name])
         if "best" in state:
             self.best.load_state_dict(state["best"])
+        if "loss_scale" in state:
+            self.train_step.load_state_dict(state["loss_scale"])
         if "rng" in state:
             set_rng_state(state["rng"][rng_key], self.device)
         self.step = state["step"]
