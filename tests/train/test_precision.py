@@ -11,6 +11,8 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from recsys.config import load_config
 from recsys.data.batch import Batch
+from recsys.distributed import planner as P
+from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import SGD, Adagrad
 from recsys.train.checkpoint import checkpoint_shapes, load_model
@@ -18,6 +20,7 @@ from recsys.train.precision import LossScaler, autocast
 from recsys.train.progress import StepTimer
 from recsys.train.step import TrainStep
 from recsys.train.trainer import train
+from tests.distributed.spawn import run_ranks
 from tests.train.test_resume import TINY, train_losses
 
 
@@ -61,7 +64,13 @@ def stepper(model: nn.Module, precision: str) -> TrainStep:
 
 
 def everything(model: nn.Module, step: TrainStep) -> dict[str, torch.Tensor]:
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {}
+    for key, value in model.state_dict().items():
+        shards = value.local_shards() if hasattr(value, "local_shards") else []
+        for i, shard in enumerate(shards):  # a sharded table: this rank's shards
+            state[f"{key}.shard{i}"] = shard.tensor.clone()
+        if not hasattr(value, "local_shards"):
+            state[key] = value.clone()
     for name, opt in step.optimizers.items():
         for i, s in enumerate(opt.state.values()):
             state |= {f"{name}.{i}.{k}": torch.as_tensor(v).clone() for k, v in s.items()}
@@ -168,3 +177,23 @@ def test_trainer_runs_at_low_precision_and_resumes_exactly(tmp_path, precision):
     assert {s: losses[s] for s in range(5, 9)} == train_losses(tmp_path / "b")
     for key, value in load_model(straight.checkpoint).state_dict().items():
         assert torch.equal(load_model(resumed.checkpoint).state_dict()[key], value), key
+
+
+def _overflow_on_one_rank(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = TinyModel(Adagrad(lr=0.1))
+    plan = {f"t{i}": P.row_wise(20, 8, world) for i in range(2)}
+    model.sparse = ShardedEmbeddingBagCollection(model.sparse, plan)
+    step = stepper(model, "fp16")
+    step(batch(rank), timer())
+    before = everything(model, step)
+    if rank == 1:
+        step.scaler.scale = 1e38  # only this rank's gradients overflow
+    step(batch(10 + rank), timer())
+    for key, value in before.items():
+        assert torch.equal(everything(model, step)[key], value), f"rank {rank}: {key} moved"
+    assert step.scaler.skipped_steps == 1, f"rank {rank} did not skip"
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    run_ranks(2, _overflow_on_one_rank)
