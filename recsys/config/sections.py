@@ -417,6 +417,10 @@ class TrainConfig:
     (tables keep their own dtype and pool in fp32; the loss is computed in fp32). fp16 adds
     dynamic loss scaling: a step whose gradients overflow is skipped (dense optimizer and
     fused embedding update alike) and halves the scale."""
+    compile: bool = False
+    """Run the dense part of the model (every submodule that holds no embedding table: MLPs,
+    interaction, cross network) under torch.compile; the tables stay eager. The first steps
+    pay for compilation; parameter names and checkpoints are unchanged."""
     log_every_steps: Annotated[int, AtLeast1] = 100
     """Write a train event (loss, samples/s) every this many steps."""
     eval_every_steps: Annotated[int, AtLeast0] = 0

@@ -11,6 +11,10 @@ environment variable ``RECSYS_BACKEND``) picks:
   otherwise). ``scripts/bench_embedding_bag.py`` measured its fused backward several times
   faster than the torch path's sort + ``F.embedding_bag`` reduction + ``index_copy_`` update.
 
+Under ``torch.compile`` (``train.compile``) "auto" is always the torch path: inductor fuses it
+and writes its own kernels, where the hand-written kernels would be opaque calls (or, launched
+from an autograd Function, a graph break).
+
 "auto" also takes the torch path for a call the op's Triton kernels cannot serve (a dtype or a size
 they do not take), whatever the device; ``backend="triton"`` for such a call is the op's error.
 
@@ -79,6 +83,8 @@ def resolve_backend(
     cpu_paths = cpu_paths or {}
     names = (*BACKENDS, *cpu_paths)
     requested = backend
+    if backend == "auto" and torch.compiler.is_compiling():
+        return "torch"  # under torch.compile, inductor writes the kernels of the torch path
     if backend == "auto":
         backend = os.environ.get("RECSYS_BACKEND", "auto")
         if backend not in names:

@@ -63,6 +63,7 @@ from recsys.train.checkpoint import (
     tensor_reader,
     verify_checkpoint,
 )
+from recsys.train.compiled import compile_dense
 from recsys.train.delta_writer import DeltaWriter
 from recsys.train.deltas import DELTAS_DIR
 from recsys.train.dynamic_tables import dynamic_stat_fields, key_balance
@@ -179,6 +180,8 @@ class _Run:
         configure_embedding_optimizer(self.config.train, model)
         if ckpt.freeze:
             self._print(f"frozen: {', '.join(freeze(model, ckpt.freeze))}")
+        if self.config.train.compile:
+            self._print(f"torch.compile: {', '.join(compile_dense(model))}")
         return self._parallelize(model)
 
     def _steps_per_epoch(self) -> int:
