@@ -435,6 +435,11 @@ class TrainConfig:
     """Samples per evaluation batch."""
     progress_bar: bool = True
     """Show a progress bar on rank 0 when the output is a terminal."""
+    pipeline: Literal["auto", "on", "off"] = "auto"
+    """Pipelined train step: while batch i trains, batch i+1 is on the device and its ids have
+    been through the sharded tables' input_dist (TorchRec's TrainPipelineSparseDist); the
+    losses are the plain loop's, bitwise. "auto": on under torchrun when some table is sharded
+    (not data_parallel), off in one process, where it has nothing to run ahead."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -145,6 +146,22 @@ class ReceivedIds:
     weights: torch.Tensor | None
 
 
+@dataclass
+class PendingIds:
+    """An input dist whose ids are still on their way (:func:`start_all_to_all_ids`): the
+    counts are known, the bags arrive in the background; :meth:`wait` returns them."""
+
+    received: ReceivedIds
+    works: list[Any]
+
+    def wait(self) -> ReceivedIds:
+        """Block until every bag has arrived; the bags."""
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.received
+
+
 def all_to_all_ids(
     lengths: torch.Tensor,
     values: torch.Tensor,
@@ -155,7 +172,27 @@ def all_to_all_ids(
     group: dist.ProcessGroup | None,
     stats: CommStats,
 ) -> ReceivedIds:
-    """Two-phase all-to-all of bags.
+    """Two-phase all-to-all of bags, waited for: :func:`start_all_to_all_ids` then
+    :meth:`PendingIds.wait` (same arguments)."""
+    pending = start_all_to_all_ids(
+        lengths, values, weights, batch_size, slots_per_rank, values_per_rank, group, stats
+    )
+    with stats.timed(values.device):
+        return pending.wait()
+
+
+def start_all_to_all_ids(
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    batch_size: int,
+    slots_per_rank: Sequence[int],
+    values_per_rank: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+) -> PendingIds:
+    """Two-phase all-to-all of bags: the counts are exchanged now (a small blocking
+    all-to-all), the lengths, ids and weights are sent without waiting for them.
 
     Args:
         lengths: [sum_d S_d * B] bag lengths, destination by destination (S_d slots of B bags).
@@ -165,7 +202,7 @@ def all_to_all_ids(
         values_per_rank: [W] int64, how many of ``values`` go to each rank.
 
     Returns:
-        The bags every rank sent to this one.
+        The bags every rank is sending to this one, once waited for.
     """
     with stats.timed(values.device):
         world, rank = len(slots_per_rank), dist.get_rank(group)
@@ -192,9 +229,7 @@ def all_to_all_ids(
         if weights is not None:
             recv_weights, work = all_to_all(weights, sent_values, num_values, group, async_op=True)
             works.append(work)
-        for work in works:
-            work.wait()
-        return ReceivedIds(batch_sizes, recv_lengths, recv_values, recv_weights)
+        return PendingIds(ReceivedIds(batch_sizes, recv_lengths, recv_values, recv_weights), works)
 
 
 def source_to_slot_major(

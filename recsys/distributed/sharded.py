@@ -21,6 +21,9 @@ growing, evicting) and the fused optimizer updates it; pooled partial sums come 
 ROW_WISE. Their state is saved by key (:mod:`recsys.distributed.sharded_dynamic`), and loads on
 any number of ranks.
 
+``prefetch_input`` runs input_dist ahead, for a forward that then starts at compute (the
+pipelined train step, :mod:`recsys.train.pipeline`).
+
 DATA_PARALLEL tables are replicated (:mod:`recsys.distributed.replicated`): each rank looks up
 its own batch with no communication. The routing tables live in
 :mod:`recsys.distributed.routing`, the checkpoint state in :mod:`recsys.distributed.sharded_state`.
@@ -52,11 +55,12 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from recsys.distributed.comm import (
     CommStats,
+    PendingIds,
     PooledLayout,
-    all_to_all_ids,
     check_precision,
     pooled_all_to_all,
     source_to_slot_major,
+    start_all_to_all_ids,
 )
 from recsys.distributed.plan import Shard, ShardingType, TableSharding, check_table_sharding
 from recsys.distributed.replicated import ReplicatedTables
@@ -92,6 +96,16 @@ class LocalBatch:
 
     features: KeyedJaggedTensor
     batch_sizes: list[int]
+
+
+MAX_PREFETCHED = 2  # batches kept with their input_dist done: the one training, the next
+
+
+@dataclass(frozen=True)
+class _Prefetched:
+    given: KeyedJaggedTensor  # the object prefetch_input had (forward must get this one)
+    features: KeyedJaggedTensor  # checked, in the collection's feature order
+    pending: PendingIds | None  # its input_dist, under way; None: no table exchanges ids
 
 
 class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
@@ -181,6 +195,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
                 parameter.requires_grad_(False)
         self._load_prefix = ""
         self.register_load_state_dict_post_hook(_hide_internal_keys)
+        self._prefetched: list[_Prefetched] = []
 
     def _build_shards(
         self,
@@ -231,7 +246,53 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool this rank's samples: KJT with (at least) the collection's features ->
         KeyedTensor [B, sum of the features' dims], keys in table order (as the unsharded
-        collection). A collective: every rank of the group must call it."""
+        collection). A collective: every rank of the group must call it. Given the very object
+        :meth:`prefetch_input` had, it starts at compute with the ids that input_dist sent."""
+        ready = self._take_prefetched(features)
+        if ready is None:
+            features = self._checked(features)
+            batch = self.input_dist(features) if self.routing.num_streams else None
+        else:
+            features = ready.features
+            batch = None if ready.pending is None else self.finish_input_dist(ready.pending)
+        received = None if batch is None else self.output_dist(self.compute(batch), batch)
+        pooled_dp = self.replicated(features) if self.replicated is not None else None
+        batch_size = features.stride()
+        lengths = features.lengths().view(len(self.routing.features), batch_size)
+        return KeyedTensor(
+            keys=self._embedding_names,
+            length_per_key=self._lengths_per_embedding,
+            values=self.routing.assemble(received, pooled_dp, lengths, batch_size),
+        )
+
+    def prefetch_input(self, features: KeyedJaggedTensor) -> None:
+        """Check ``features`` and run their input_dist now, for a forward of the same object
+        later (the newest :data:`MAX_PREFETCHED` are kept). Changes no table: a KEY_WISE key is
+        inserted by compute, on its owner. A collective, like forward.
+
+        Raises:
+            ValueError: a malformed input, as forward would.
+        """
+        checked = self._checked(features)
+        pending = self.start_input_dist(checked) if self.routing.num_streams else None
+        kept = self._prefetched[-(MAX_PREFETCHED - 1) :]
+        self._prefetched = [*kept, _Prefetched(features, checked, pending)]
+
+    def drop_prefetched(self) -> None:
+        """Forget the batches :meth:`prefetch_input` ran ahead (their forward will not come)."""
+        self._prefetched = []
+
+    def _take_prefetched(self, features: KeyedJaggedTensor) -> _Prefetched | None:
+        """The prefetched entry of this very ``features`` object, dropped with older ones."""
+        for position, entry in enumerate(self._prefetched):
+            if entry.given is features:
+                self._prefetched = self._prefetched[position + 1 :]
+                return entry
+        return None
+
+    def _checked(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``features`` in the collection's order, once checked: shape, weights, ids within the
+        fixed tables, no reserved key in a dynamic one."""
         input_weights(features, self._is_weighted)  # raises on a malformed input
         features = self._select(features)
         if self.validate:
@@ -246,18 +307,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
                 features.weights_or_none() if self._is_weighted else None,
                 self._features.features,
             )
-        received = None
-        if self.routing.num_streams:
-            batch = self.input_dist(features)
-            received = self.output_dist(self.compute(batch), batch)
-        pooled_dp = self.replicated(features) if self.replicated is not None else None
-        batch_size = features.stride()
-        lengths = features.lengths().view(len(self.routing.features), batch_size)
-        return KeyedTensor(
-            keys=self._embedding_names,
-            length_per_key=self._lengths_per_embedding,
-            values=self.routing.assemble(received, pooled_dp, lengths, batch_size),
-        )
+        return features
 
     def _fixed_ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """The ids to check against the table sizes: a dynamic table's keys (any int64 but the
@@ -279,11 +329,16 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
     def input_dist(self, features: KeyedJaggedTensor) -> LocalBatch:
         """Send every id to the ranks holding the shards it reads (a two-phase all-to-all) and
         receive the ids the other ranks send to this rank's shards."""
+        return self.finish_input_dist(self.start_input_dist(features))
+
+    def start_input_dist(self, features: KeyedJaggedTensor) -> PendingIds:
+        """Route the ids and send them; the counts are exchanged now, the ids in the
+        background (a prefetched batch's ids travel while the step before it runs)."""
         batch_size = features.stride()
         lengths = features.lengths().view(len(self.routing.features), batch_size)
         weights = features.weights_or_none() if self._is_weighted else None
         routed = self.routing.route(lengths, features.values(), weights, batch_size)
-        received = all_to_all_ids(
+        return start_all_to_all_ids(
             routed.send_lengths,
             routed.ids,
             routed.weights,
@@ -293,6 +348,11 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             self.process_group,
             self.comm_stats,
         )
+
+    def finish_input_dist(self, pending: PendingIds) -> LocalBatch:
+        """Wait for the ids :meth:`start_input_dist` sent; this rank's local batch."""
+        with self.comm_stats.timed(self._anchor.device):
+            received = pending.wait()
         local_lengths, local_values, local_weights = source_to_slot_major(
             received, self.routing.slots_per_rank[self.rank]
         )

@@ -77,6 +77,7 @@ from recsys.train.optimizers import (
     learning_rates,
     task_loss_weights,
 )
+from recsys.train.pipeline import TrainPipeline
 from recsys.train.progress import StepTimer, TrainWindow, summary_line
 from recsys.train.ranks import on_first_rank
 from recsys.train.run_dir import CONFIG_FILE, METRICS_FILE, check_run_dir, clear_previous_run
@@ -290,12 +291,12 @@ class _Run:
             self.device, lambda: sum(c.communication_seconds() for c in collections)
         )
         self.model.train()
+        pipeline = TrainPipeline(self.model, train_cfg.pipeline)  # batch i+1 ready during step i
         first_epoch, first_batch = self.data_position["epoch"], self.data_position["batch"]
         for epoch in range(first_epoch, train_cfg.epochs):
             start = first_batch if epoch == first_epoch else 0
-            for index, batch in enumerate(self._loader("train", epoch, start), start=start):
-                if self.step == total_steps:
-                    break
+            loader = self._loader("train", epoch, start)
+            for index, batch in pipeline.batches(loader, start, limit=total_steps - self.step):
                 window.timer.mark("data")
                 self.schedule.apply(self.step)  # before forward: fused updates run in backward
                 window.add(self._train_step(batch, window.timer))

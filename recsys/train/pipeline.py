@@ -1,0 +1,135 @@
+"""The pipelined train step (``train.pipeline``): while batch i trains, batch i+1 is already
+pulled from the loader, on the device (:class:`~recsys.data.loader.BatchLoader` builds, pins and
+copies batches ahead in a background thread with ``data.prefetch_batches``) and, under torchrun,
+its ids have been through every sharded collection's input_dist: the stage TorchRec's
+``TrainPipelineSparseDist`` runs ahead.
+
+One step, in the same order on every rank (so the ranks' collectives match)::
+
+    pull batch i+1; prefetch_input(i+1) on each sharded collection   (input_dist of i+1)
+    forward(i): compute -> output_dist (its input_dist ran one step earlier), dense layers
+    backward(i), optimizer step(i)
+
+Results are the plain loop's, bitwise: input_dist is a function of the batch's ids alone
+(routed by the plan and a key hash; no table is read or written: a KEY_WISE key is inserted by
+compute, on its owner) and draws no random numbers, and a batch depends only on (seed, epoch,
+position). A batch pulled ahead is not consumed: the trainer counts trained batches, so a
+checkpoint after step i resumes at batch i+1. Nothing is pulled past ``limit`` (max_steps) or
+across the end of an epoch; a stop after step i (early stopping, a signal) leaves the input_dist
+of batch i+1 done and unused, which changed nothing, and the collections forget it. One
+difference: a malformed batch i+1 (an id outside its table) is reported before step i trains.
+
+``train.pipeline = "auto"`` (the default) pipelines where a collection exchanges ids (torchrun
+with more than one rank, some table not DATA_PARALLEL). In one process there is no input_dist
+to run ahead, and holding one batch ahead adds nothing to the loader's own prefetching; "on"
+does it anyway, "off" is the plain loop.
+
+The exchange of batch i+1's ids overlaps step i: ``prefetch_input`` exchanges the counts (a
+small blocking all-to-all) and sends the lengths, ids and weights without waiting
+(:func:`recsys.distributed.comm.start_all_to_all_ids`); forward(i+1) waits for them. What it
+saves is measured by ``scripts/bench_train_step.py`` (``benchmarks/results/train_step.csv``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from itertools import islice
+
+from torch import nn
+
+from recsys.data.batch import Batch
+from recsys.distributed.sharded import ShardedEmbeddingBagCollection
+from recsys.embedding.interface import embedding_collections
+
+PIPELINE_MODES = ("auto", "on", "off")
+
+
+def sharded_collections(model: nn.Module) -> list[ShardedEmbeddingBagCollection]:
+    """``model``'s sharded collections whose forward exchanges ids (an input_dist to run
+    ahead): those with a table that is not DATA_PARALLEL."""
+    return [
+        collection
+        for collection in embedding_collections(model).values()
+        if isinstance(collection, ShardedEmbeddingBagCollection) and collection.routing.num_streams
+    ]
+
+
+def pipeline_enabled(mode: str, model: nn.Module) -> bool:
+    """Whether ``train.pipeline = mode`` pipelines the steps of ``model``: "on" always, "off"
+    never, "auto" when :func:`sharded_collections` finds a collection.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`PIPELINE_MODES`.
+    """
+    if mode not in PIPELINE_MODES:
+        raise ValueError(
+            f"train.pipeline = {mode!r}; expected one of {', '.join(map(repr, PIPELINE_MODES))}"
+        )
+    if mode == "auto":
+        return bool(sharded_collections(model))
+    return mode == "on"
+
+
+class TrainPipeline:
+    """Batches of an epoch for the train loop, each handed out once the next one is pulled and
+    its input_dist done (see the module docstring).
+
+    Args:
+        model: the model being trained (DDP-wrapped or not); its sharded collections get
+            :meth:`~recsys.distributed.sharded.ShardedEmbeddingBagCollection.prefetch_input`.
+        mode: ``train.pipeline``: "auto", "on" or "off".
+
+    Raises:
+        ValueError: an unknown ``mode``.
+
+    Example::
+
+        pipeline = TrainPipeline(model, "auto")
+        for index, batch in pipeline.batches(loader, start=done, limit=total_steps - step):
+            loss = step(batch)  # the model's forward is handed batch.sparse, as prefetched
+    """
+
+    def __init__(self, model: nn.Module, mode: str = "auto") -> None:
+        self.enabled = pipeline_enabled(mode, model)
+        self.collections = sharded_collections(model) if self.enabled else []
+
+    def batches(
+        self, loader: Iterable[Batch], start: int = 0, limit: int | None = None
+    ) -> Iterator[tuple[int, Batch]]:
+        """``(index, batch)`` pairs of ``loader`` like ``enumerate(loader, start)``, at most
+        ``limit`` of them (None: all); none is pulled beyond the limit. Enabled, batch i is
+        handed out after batch i+1 was pulled and went through input_dist. Closing the
+        iterator early (a ``break``) makes the collections forget a batch run ahead.
+
+        Args:
+            loader: the epoch's batches (a :class:`~recsys.data.loader.BatchLoader`).
+            start: the index of the first batch (batches of the epoch already trained).
+            limit: the most batches to hand out (the steps left before max_steps).
+        """
+        source = iter(loader)
+        batches = source if limit is None else islice(source, max(limit, 0))
+        try:
+            if not self.enabled:
+                yield from enumerate(batches, start=start)
+                return
+            ahead = self._pull(batches)
+            index = start
+            while ahead is not None:
+                current, ahead = ahead, self._pull(batches)
+                yield index, current
+                index += 1
+        finally:
+            for collection in self.collections:
+                collection.drop_prefetched()
+            close = getattr(source, "close", None)
+            if close is not None:  # a generator (BatchLoader's) stops its background thread
+                close()
+
+    def _pull(self, batches: Iterator[Batch]) -> Batch | None:
+        """The next batch with its input_dist done on every sharded collection (None: none
+        left)."""
+        batch = next(batches, None)
+        if batch is not None:
+            for collection in self.collections:
+                collection.prefetch_input(batch.sparse)
+        return batch
