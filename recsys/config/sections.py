@@ -438,8 +438,9 @@ class TrainConfig:
     pipeline: Literal["auto", "on", "off"] = "auto"
     """Pipelined train step: while batch i trains, batch i+1 is on the device and its ids have
     been through the sharded tables' input_dist (TorchRec's TrainPipelineSparseDist); the
-    losses are the plain loop's, bitwise. "auto": on under torchrun when some table is sharded
-    (not data_parallel), off in one process, where it has nothing to run ahead."""
+    losses are the plain loop's, bitwise. "auto": on under torchrun on CUDA when some table is
+    sharded (not data_parallel); off on CPU (no gain measured on 2 gloo ranks) and in one
+    process, where it has nothing to run ahead."""
 
 
 @dataclass

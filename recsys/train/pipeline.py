@@ -19,10 +19,11 @@ across the end of an epoch; a stop after step i (early stopping, a signal) leave
 of batch i+1 done and unused, which changed nothing, and the collections forget it. One
 difference: a malformed batch i+1 (an id outside its table) is reported before step i trains.
 
-``train.pipeline = "auto"`` (the default) pipelines where a collection exchanges ids (torchrun
-with more than one rank, some table not DATA_PARALLEL). In one process there is no input_dist
-to run ahead, and holding one batch ahead adds nothing to the loader's own prefetching; "on"
-does it anyway, "off" is the plain loop.
+``train.pipeline = "auto"`` (the default) pipelines on CUDA where a collection exchanges ids
+(torchrun with more than one rank, some table not DATA_PARALLEL). On CPU it is off: on 2 gloo
+ranks of a 2-core machine there is no idle core for the exchange to run on, and the pipelined
+step measured 0.95x the plain one (``benchmarks/results/train_step.csv``). In one process there
+is no input_dist to run ahead. "on" pipelines anyway, "off" is the plain loop.
 
 The exchange of batch i+1's ids overlaps step i: ``prefetch_input`` exchanges the counts (a
 small blocking all-to-all) and sends the lengths, ids and weights without waiting
@@ -56,7 +57,7 @@ def sharded_collections(model: nn.Module) -> list[ShardedEmbeddingBagCollection]
 
 def pipeline_enabled(mode: str, model: nn.Module) -> bool:
     """Whether ``train.pipeline = mode`` pipelines the steps of ``model``: "on" always, "off"
-    never, "auto" when :func:`sharded_collections` finds a collection.
+    never, "auto" when :func:`sharded_collections` finds a collection on a CUDA device.
 
     Raises:
         ValueError: ``mode`` is not one of :data:`PIPELINE_MODES`.
@@ -66,7 +67,7 @@ def pipeline_enabled(mode: str, model: nn.Module) -> bool:
             f"train.pipeline = {mode!r}; expected one of {', '.join(map(repr, PIPELINE_MODES))}"
         )
     if mode == "auto":
-        return bool(sharded_collections(model))
+        return any(c.device.type == "cuda" for c in sharded_collections(model))
     return mode == "on"
 
 

@@ -59,12 +59,15 @@ DYNAMIC = [
 ]
 RUNS = {
     "fixed_off": [*FIXED, "--train.pipeline=off"],
-    "fixed_auto": [*FIXED, "--train.pipeline=auto"],
+    "fixed_on": [*FIXED, "--train.pipeline=on"],
     "dynamic_off": [*DYNAMIC, "--train.pipeline=off"],
     "dynamic_on": [*DYNAMIC, "--train.pipeline=on"],
 }
 # A pipelined run stopped by max_steps, then resumed in the same run directory.
-INTERRUPTED = [["--train.max_steps=6"], ["--checkpoint.resume=latest"]]
+INTERRUPTED = [
+    ["--train.pipeline=on", "--train.max_steps=6"],
+    ["--train.pipeline=on", "--checkpoint.resume=latest"],
+]
 
 
 # --- The collection's hook ---------------------------------------------------------------------
@@ -153,7 +156,7 @@ def _train(rank: int, world: int, out: str) -> None:
     in_flight = _InFlight()
     in_flight.install()
     runs = list(RUNS.items())
-    runs += [("interrupted", [*FIXED, *args]) for args in INTERRUPTED]  # pipeline=auto
+    runs += [("interrupted", [*FIXED, *args]) for args in INTERRUPTED]
     most = {}
     for name, args in runs:
         in_flight.most = 0
@@ -203,10 +206,10 @@ def test_pipelined_training_equals_the_plain_loop_bitwise(runs, tables):
 def test_the_pipeline_runs_input_dist_one_batch_ahead(runs):
     in_flight = json.loads((runs / "in_flight.json").read_text())
     assert in_flight["fixed_off"] == in_flight["dynamic_off"] == 1
-    assert in_flight["fixed_auto"] == in_flight["dynamic_on"] == 2  # batch i+1 before compute(i)
+    assert in_flight["fixed_on"] == in_flight["dynamic_on"] == 2  # batch i+1 before compute(i)
 
 
 def test_a_pipelined_run_stopped_by_max_steps_resumes_exactly(runs):
-    resumed, straight = losses(runs / "interrupted"), losses(runs / "fixed_auto")
+    resumed, straight = losses(runs / "interrupted"), losses(runs / "fixed_on")
     assert resumed == straight  # steps 1-6, then 7-10 after the resume
-    assert_same_model(runs / "interrupted", runs / "fixed_auto")
+    assert_same_model(runs / "interrupted", runs / "fixed_on")

@@ -6,11 +6,14 @@ tests/distributed/test_pipeline.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
 
 from recsys.config import load_config
+from recsys.train import pipeline as pipeline_module
 from recsys.train.checkpoint import load_model
 from recsys.train.metrics import read_metrics
 from recsys.train.pipeline import TrainPipeline, pipeline_enabled
@@ -114,9 +117,13 @@ def test_off_is_the_plain_loop():
     assert recorder.events == ["pull 0", "train 0", "pull 1", "train 1", "pull 2", "train 2"]
 
 
-def test_modes():
+def test_modes(monkeypatch):
     model = nn.Linear(1, 1)  # no sharded collection: auto is off
     assert [pipeline_enabled(m, model) for m in ("auto", "on", "off")] == [False, True, False]
+    for device, expected in (("cpu", False), ("cuda", True)):  # auto: sharded tables on CUDA
+        found = [SimpleNamespace(device=torch.device(device))]
+        monkeypatch.setattr(pipeline_module, "sharded_collections", lambda model, f=found: f)
+        assert pipeline_enabled("auto", model) is expected
     with pytest.raises(ValueError, match="train.pipeline = 'yes'; expected one of 'auto'"):
         TrainPipeline(model, "yes")
     with pytest.raises(ValueError, match="'train.pipeline' must be one of 'auto', 'on', 'off'"):
