@@ -22,7 +22,7 @@ difference: a malformed batch i+1 (an id outside its table) is reported before s
 ``train.pipeline = "auto"`` (the default) pipelines on CUDA where a collection exchanges ids
 (torchrun with more than one rank, some table not DATA_PARALLEL). On CPU it is off: on 2 gloo
 ranks of a 2-core machine there is no idle core for the exchange to run on, and the pipelined
-step measured 0.95x the plain one (``benchmarks/results/train_step.csv``). In one process there
+step measured 0.83x the plain one (``benchmarks/results/train_step.csv``). In one process there
 is no input_dist to run ahead. "on" pipelines anyway, "off" is the plain loop.
 
 The exchange of batch i+1's ids overlaps step i: ``prefetch_input`` exchanges the counts (a
