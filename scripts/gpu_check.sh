@@ -131,7 +131,7 @@ else
 fi
 if wanted kernel_table; then
     step "kernel_table" "$OUT_DIR/kernel_table.log" "$PYTHON" scripts/kernel_table.py \
-        --out-dir "$OUT_DIR"
+        --jobs "$(nproc)" --out-dir "$OUT_DIR"
 fi
 
 for script in scripts/bench_*.py; do

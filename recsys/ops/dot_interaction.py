@@ -274,12 +274,18 @@ def _dot_backward_kernel(
         )
 
 
-def _blocks(num_vectors: int, dim: int) -> tuple[int, int, int]:
-    """BLOCK_N, BLOCK_D and num_warps for N vectors of dim D (``tl.dot`` needs sides >= 16)."""
+def _blocks(num_vectors: int, dim: int, fp32: bool) -> tuple[int, int, int]:
+    """BLOCK_N, BLOCK_D and num_warps for N vectors of dim D (``tl.dot`` needs sides >= 16).
+    fp32 takes narrower tiles on more warps past N = 16: an exact fp32 ``tl.dot`` is FMAs on
+    operands held in registers, where the 16-bit tiles spilled 0.5-12 KB a thread on sm_80 /
+    sm_90. The backward still spills for exact fp32 past N = 64 (benchmarks/results/kernels.csv
+    says why)."""
     block_n = max(16, triton.next_power_of_2(num_vectors))
-    block_d = max(16, min(triton.next_power_of_2(dim), 64 if block_n <= 32 else 32))
-    num_warps = 2 if block_n <= 32 else 4
-    return block_n, block_d, num_warps
+    if fp32 and block_n > 16:
+        widest, num_warps = (32, 4) if block_n <= 32 else (16, 8)
+    else:
+        widest, num_warps = (64, 2) if block_n <= 32 else (32, 4)
+    return block_n, max(16, min(triton.next_power_of_2(dim), widest)), num_warps
 
 
 def _forward_triton(
@@ -296,7 +302,7 @@ def _forward_triton(
     out = torch.empty(B, W, dtype=dense.dtype, device=dense.device)
     if B == 0:
         return out
-    block_n, block_d, num_warps = _blocks(N, D)
+    block_n, block_d, num_warps = _blocks(N, D, dense.dtype == torch.float32)
     _dot_forward_kernel[(B,)](
         dense,
         sparse,
@@ -335,7 +341,7 @@ def _backward_triton(
     grad_sparse = torch.empty_like(sparse)
     if B == 0:
         return grad_dense, grad_sparse
-    block_n, block_d, num_warps = _blocks(N, D)
+    block_n, block_d, num_warps = _blocks(N, D, dense.dtype == torch.float32)
     _dot_backward_kernel[(B,)](
         grad_out,
         dense,

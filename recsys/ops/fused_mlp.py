@@ -246,10 +246,12 @@ def _backward_kernel(
 
 
 # BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps. tl.dot needs each side >= 16.
+# (128, 128, 32, 4, 4) went: 128 accumulators a thread on 4 warps, where ptxas for sm_80 fell back
+# to 32 registers and 2.5 KB (relu) to 7 KB (gelu + dropout) of stack, in up to 33 s;
+# (128, 128, 64, 3, 8) covers that tile.
 _TENSOR_CORE_TILES = (  # bf16 / fp16, and fp32 as TF32
     (128, 256, 64, 3, 8),
     (128, 128, 64, 3, 8),
-    (128, 128, 32, 4, 4),
     (64, 128, 64, 4, 4),
     (128, 64, 32, 4, 4),
     (64, 64, 64, 4, 4),
@@ -260,7 +262,8 @@ _TENSOR_CORE_TILES = (  # bf16 / fp16, and fp32 as TF32
 # IEEE fp32 has no tensor-core path: tl.dot is FMAs on operands held in registers, and the tiles
 # above need more than 255 registers a thread. On sm_90 they spilled (up to 18 KB of stack a
 # thread) and took ptxas 4-20 s each, so autotuning a layer took minutes on an H100. These compile
-# with no spill in about 1.5 s (benchmarks/results/kernels.csv).
+# in about 2 s (at most 10) and do not spill without dropout; with it, at most 80 B
+# (benchmarks/results/kernels.csv).
 _FMA_TILES = (
     (128, 64, 16, 2, 8),
     (64, 128, 16, 2, 8),
