@@ -178,8 +178,8 @@ class DeferredEmbeddingGrads:
 
 
 def agree_overflow(found_inf: torch.Tensor) -> bool:
-    """Whether any rank found an overflow (one all-reduce under torchrun; a host sync)."""
+    """Whether any rank found an overflow (``found_inf`` is all-reduced in place under
+    torchrun; one host sync)."""
     if is_distributed():
-        found_inf = found_inf.clone()
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
     return bool(found_inf.item())

@@ -79,20 +79,22 @@ def assert_state_equal(sharded: ShardedEmbeddingBagCollection, reference, atol: 
     state = sharded.state_dict()
     assert set(state) == set(expected)
     for key, value in state.items():
-        if isinstance(value, ShardedTensor):
-            assert tuple(value.size()) == tuple(expected[key].shape), key
-            for shard in value.local_shards():
-                where = tuple(
-                    slice(o, o + n)
-                    for o, n in zip(
-                        shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True
-                    )
-                )
-                torch.testing.assert_close(
-                    shard.tensor, expected[key][where], atol=atol, rtol=0, msg=key
-                )
-        else:
-            torch.testing.assert_close(value, expected[key], atol=atol, rtol=0, msg=key)
+        assert_entry_equal(key, value, expected[key], atol)
+
+
+def assert_entry_equal(key: str, value, expected: torch.Tensor, atol: float) -> None:
+    """One state entry equals the reference's: a ShardedTensor by its local shards, each at its
+    offsets in the logical ``expected``."""
+    if not isinstance(value, ShardedTensor):
+        torch.testing.assert_close(value, expected, atol=atol, rtol=0, msg=key)
+        return
+    assert tuple(value.size()) == tuple(expected.shape), key
+    for shard in value.local_shards():
+        meta = shard.metadata
+        where = tuple(
+            slice(o, o + n) for o, n in zip(meta.shard_offsets, meta.shard_sizes, strict=True)
+        )
+        torch.testing.assert_close(shard.tensor, expected[where], atol=atol, rtol=0, msg=key)
 
 
 def train_and_compare(rank, world, kinds, make_optimizer, weighted, steps=3, batch=5):

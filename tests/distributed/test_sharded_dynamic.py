@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import PoolingType
 
@@ -23,7 +22,7 @@ from recsys.embedding.interface import state_to_load
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from recsys.train.checkpoint import checkpoint_shapes, tensor_reader
 from tests.distributed.spawn import run_ranks
-from tests.distributed.test_sharded import rows_of
+from tests.distributed.test_sharded import assert_entry_equal, rows_of
 
 # name, dim, initial rows, features, pooling, dynamic: two dynamic tables (one read by two
 # features, one mean-pooled) and a fixed one.
@@ -86,18 +85,7 @@ def assert_state_matches(sharded, reference) -> None:
     for key, value in state.items():
         if key.endswith(("num_buckets", "admission_buckets")):
             continue
-        if not isinstance(value, ShardedTensor):
-            torch.testing.assert_close(value, expected[key], atol=1e-6, rtol=0, msg=key)
-            continue
-        assert tuple(value.size()) == tuple(expected[key].shape), key
-        for shard in value.local_shards():
-            where = tuple(
-                slice(o, o + n)
-                for o, n in zip(
-                    shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True
-                )
-            )
-            torch.testing.assert_close(shard.tensor, expected[key][where], atol=1e-6, rtol=0)
+        assert_entry_equal(key, value, expected[key], atol=1e-6)
 
 
 def train_and_compare(rank, world, make_optimizer, steps=4, batch=5, **options) -> None:

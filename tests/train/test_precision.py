@@ -21,6 +21,7 @@ from recsys.train.progress import StepTimer
 from recsys.train.step import TrainStep
 from recsys.train.trainer import train
 from tests.distributed.spawn import run_ranks
+from tests.distributed.test_pipeline import local_state
 from tests.train.test_resume import TINY, train_losses
 
 
@@ -64,13 +65,7 @@ def stepper(model: nn.Module, precision: str) -> TrainStep:
 
 
 def everything(model: nn.Module, step: TrainStep) -> dict[str, torch.Tensor]:
-    state = {}
-    for key, value in model.state_dict().items():
-        shards = value.local_shards() if hasattr(value, "local_shards") else []
-        for i, shard in enumerate(shards):  # a sharded table: this rank's shards
-            state[f"{key}.shard{i}"] = shard.tensor.clone()
-        if not hasattr(value, "local_shards"):
-            state[key] = value.clone()
+    state = {key: value.clone() for key, value in local_state(model).items()}
     for name, opt in step.optimizers.items():
         for i, s in enumerate(opt.state.values()):
             state |= {f"{name}.{i}.{k}": torch.as_tensor(v).clone() for k, v in s.items()}
