@@ -60,6 +60,7 @@ from recsys.embedding.dynamic_table import (
     DynamicTable,
     DynamicTableOptions,
 )
+from recsys.embedding.inputs import feature_positions, feature_spans
 from recsys.embedding.interface import TABLES, WEIGHT, TableDelta
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.row_init import table_seed
@@ -187,7 +188,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
             return values
         if torch.compiler.is_exporting():
             return self._exported_rows(features)
-        spans = _feature_spans(features)
+        spans = feature_spans(features)
         out = values.clone()
         training = self.training and self.optimizer is not None
         if training:
@@ -196,7 +197,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         for index, config in enumerate(self._logical_configs):
             if config.name not in self.dynamic:
                 continue
-            where = _positions(spans, config.feature_names)
+            where = feature_positions(spans, config.feature_names)
             ids = values[where]
             table = self.dynamic[config.name]
             if not training:
@@ -229,7 +230,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         """What ``torch.export`` traces: every dynamic table's keys looked up in its frozen
         map with plain tensor ops (no check that reads values), the zero row for the rest."""
         values = features.values()
-        spans = _feature_spans(features)
+        spans = feature_spans(features)
         out = values
         for config in self._logical_configs:
             if config.name not in self.dynamic:
@@ -363,20 +364,6 @@ def _state_floats(optimizer: FusedOptimizer | None):
     """Floats of optimizer state per row of dimension ``dim``, as a function of ``dim``."""
     kinds = list(optimizer.states.values()) if optimizer is not None else []
     return lambda dim: sum(1 if kind == "row" else dim for kind in kinds)
-
-
-def _feature_spans(features: KeyedJaggedTensor) -> dict[str, slice]:
-    """Where in ``features.values()`` each key's ids are."""
-    offsets = features.offset_per_key()
-    return {key: slice(offsets[i], offsets[i + 1]) for i, key in enumerate(features.keys())}
-
-
-def _positions(spans: dict[str, slice], features: list[str]) -> slice | torch.Tensor:
-    """The positions of the ids of ``features``: a slice for one feature (a view, no copy),
-    else their indices."""
-    if len(features) == 1:
-        return spans[features[0]]
-    return torch.cat([torch.arange(spans[f].start, spans[f].stop) for f in features])
 
 
 def _save_key_layout(module: DynamicEmbeddingBagCollection, state_dict, prefix, local_metadata):

@@ -65,3 +65,17 @@ class FeatureOrder:
                 )
             self._cache[cache_key] = [position[f] for f in self.features]
         return self._cache[cache_key]
+
+
+def feature_spans(features: KeyedJaggedTensor) -> dict[str, slice]:
+    """Where in ``features.values()`` each key's ids are."""
+    offsets = features.offset_per_key()
+    return {key: slice(offsets[i], offsets[i + 1]) for i, key in enumerate(features.keys())}
+
+
+def feature_positions(spans: dict[str, slice], features: list[str]) -> slice | torch.Tensor:
+    """The positions of the ids of ``features`` (``spans`` from :func:`feature_spans`): a slice
+    for one feature (a view, no copy), else their indices."""
+    if len(features) == 1:
+        return spans[features[0]]
+    return torch.cat([torch.arange(spans[f].start, spans[f].stop) for f in features])

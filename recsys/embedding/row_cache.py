@@ -1,0 +1,266 @@
+"""The cache of a tiered table: the rows of a few keys in the packed buffers the fused kernels
+read, in front of a :class:`~recsys.embedding.row_store.RowStore` holding every row.
+
+A :class:`RowCache` of ``num_rows`` rows keeps, per cache row, the key it holds, a score (LRU:
+the ticket of the last batch that used it; LFU: how many ids used it), whether training changed
+it since it came from the store (dirty), and the ticket of the last batch that used it. Keys find
+their row through an id -> slot map (:class:`~recsys.embedding.slot_map.SlotMap`, growing: it
+never evicts on its own) and one int64 per map slot.
+
+:meth:`RowCache.prepare` gives a batch's distinct keys cache rows::
+
+    hits: their rows; misses: rows that are free, else the lowest-score rows not pinned
+          (dirty ones written back to the store first), filled from the store, or for a key
+          the store does not have, from the table's initial rows (lazy initialization)
+
+**Pinning.** Every batch gets a ticket; a row is pinned while the batch in flight or the batch
+being prepared uses it (ticket >= :attr:`RowCache.oldest_live`): prefetching batch i+1 while
+batch i trains never evicts a row of batch i, whose fused update is still to come. A batch
+needing more rows than the unpinned cache holds is a ValueError that names the minimum size.
+
+Evicted rows go back to the store exactly (bytes), and a row's value never depends on which
+cache row holds it, so a tiered table trains bitwise like the same table held whole in memory,
+whatever the cache size and policy: they change speed, not results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from recsys.embedding.row_store import RowStore
+from recsys.embedding.slot_map import SlotMap
+from recsys.ops.slot_map import EMPTY_KEY
+
+__all__ = ["CACHE_POLICIES", "RowCache", "RowCodec"]
+
+CACHE_POLICIES = ("lru", "lfu")
+UNCAPPED = 1 << 40
+
+
+class RowCodec:
+    """Packs rows of a table's packed buffers into store records and back: the weights' bytes
+    then each optimizer state's float32 bytes (see :mod:`recsys.embedding.row_store`).
+
+    Args:
+        tensors: returns the table's tensors now, each with one row per cache row: the weight
+            ``[rows, dim]`` then its optimizer states (``[rows]`` or ``[rows, dim]``). A function,
+            since the collection re-binds its views (a move, a new optimizer).
+    """
+
+    def __init__(self, tensors: Callable[[], list[torch.Tensor]]) -> None:
+        self.tensors = tensors
+        self.widths = [_row_bytes(t) for t in tensors()]
+        self.record_bytes = sum(self.widths)
+
+    def pack(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n, record_bytes] uint8 records of cache ``rows``, on the CPU."""
+        parts = [_as_bytes(t[rows].cpu()) for t in self.tensors()]
+        return torch.cat(parts, dim=1) if parts else torch.zeros(len(rows), 0, dtype=torch.uint8)
+
+    def unpack(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        """Write ``records`` [n, record_bytes] into cache ``rows``."""
+        start = 0
+        for tensor, width in zip(self.tensors(), self.widths, strict=True):
+            part = records[:, start : start + width].contiguous()
+            values = part.view(tensor.dtype).reshape((len(rows), *tensor.shape[1:]))
+            tensor[rows.to(tensor.device)] = values.to(tensor.device, non_blocking=True)
+            start += width
+
+    def encode(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Records of rows given as tensors (weights, then states), as :meth:`pack` makes."""
+        return torch.cat([_as_bytes(t.cpu()) for t in tensors], dim=1)
+
+
+def _row_bytes(tensor: torch.Tensor) -> int:
+    return (tensor[0].numel() if tensor.dim() > 1 else 1) * tensor.element_size()
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(len(tensor), -1).view(torch.uint8)
+
+
+class RowCache:
+    """The cache rows of one tiered table (see the module docstring).
+
+    Args:
+        num_rows: cache rows.
+        store: where every row lives.
+        codec: moves rows between the cache's buffers and records.
+        fresh: the initial records of keys (int64 [n] -> [n, record_bytes] uint8).
+        policy: ``"lru"`` or ``"lfu"``: which unpinned rows are evicted first.
+        device: where the cache's buffers are (its bookkeeping lives there too).
+        name: the table's name, for messages.
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        store: RowStore,
+        codec: RowCodec,
+        fresh: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        policy: str = "lru",
+        device: torch.device | str = "cpu",
+        name: str = "table",
+    ) -> None:
+        if policy not in CACHE_POLICIES:
+            raise ValueError(f"table {name!r}: cache policy {policy!r}; expected 'lru' or 'lfu'")
+        if codec.record_bytes != store.record_bytes:
+            raise ValueError(
+                f"table {name!r}: the store holds {store.record_bytes}-byte records, its rows "
+                f"take {codec.record_bytes}; expected the same"
+            )
+        self.num_rows, self.store, self.codec, self.fresh = num_rows, store, codec, fresh
+        self.policy, self.name = policy, name
+        self.device = torch.device(device)
+        self.next_ticket = 1
+        self.oldest_live = 1
+        self.stats = dict.fromkeys(
+            ("lookups", "hits", "misses", "fetched", "initialized", "evicted", "written_back"), 0
+        )
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every cached row (without writing any back: :meth:`flush` first)."""
+        self.index = SlotMap(max(self.num_rows, 1), UNCAPPED, device=self.device, name=self.name)
+        self.row_of = torch.full((self.index.capacity,), -1, dtype=torch.int64, device=self.device)
+        size = (self.num_rows,)
+        self.row_key = torch.full(size, EMPTY_KEY, dtype=torch.int64, device=self.device)
+        self.row_score = torch.zeros(size, dtype=torch.int64, device=self.device)
+        self.row_ticket = torch.zeros(size, dtype=torch.int64, device=self.device)
+        self.row_dirty = torch.zeros(size, dtype=torch.bool, device=self.device)
+
+    def rows_of(self, keys: torch.Tensor) -> torch.Tensor:
+        """The cache row of each key, -1 where not cached."""
+        slots = self.index.find(keys)
+        return torch.where(slots >= 0, self.row_of[slots.clamp(min=0)], -1)
+
+    def prepare(
+        self,
+        keys: torch.Tensor,
+        counts: torch.Tensor,
+        *,
+        train: bool,
+        admit: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        """Give a batch's distinct ``keys`` (int64 [U]; ``counts``: ids per key) cache rows.
+
+        Args:
+            train: the batch trains: its rows become dirty (the fused update writes them).
+            admit: for keys the store lacks, which get a fresh row (bool [n]; None: all).
+
+        Returns:
+            (the cache row of each key, -1 for a key without a row, the batch's ticket: pass it
+            to :meth:`begin` when the batch starts training).
+
+        Raises:
+            ValueError: the batch needs more rows than the cache has unpinned (the message
+                names the minimum ``cache_rows``).
+        """
+        ticket = self.next_ticket
+        self.next_ticket += 1
+        rows = self.rows_of(keys)
+        hit = rows >= 0
+        self.stats["lookups"] += len(keys)
+        self.stats["hits"] += int(hit.sum())
+        self._use(rows[hit], counts[hit], ticket, train)
+        missing = (~hit).nonzero().squeeze(1)
+        if len(missing):
+            rows[missing] = self._fill(keys[missing], counts[missing], ticket, train, admit)
+        return rows, ticket
+
+    def begin(self, ticket: int) -> None:
+        """The batch of ``ticket`` starts training: every earlier batch is done, so their rows
+        are no longer pinned."""
+        self.oldest_live = ticket
+
+    def _use(self, rows: torch.Tensor, counts: torch.Tensor, ticket: int, train: bool) -> None:
+        self.row_ticket[rows] = ticket
+        if self.policy == "lru":
+            self.row_score[rows] = ticket
+        else:
+            self.row_score[rows] += counts.to(self.device)
+        if train:
+            self.row_dirty[rows] = True
+
+    def _fill(self, keys, counts, ticket: int, train: bool, admit) -> torch.Tensor:
+        """Rows for the missing ``keys``: from the store, else fresh where admitted."""
+        self.stats["misses"] += len(keys)
+        records, present = self.store.read(keys)
+        take = present.clone()
+        absent = (~present).nonzero().squeeze(1)
+        if len(absent):
+            allowed = admit(keys[absent], counts[absent]) if admit is not None else None
+            chosen = absent if allowed is None else absent[allowed.cpu()]
+            if len(chosen):
+                records[chosen] = self.fresh(keys[chosen])
+                take[chosen] = True
+            self.stats["initialized"] += len(chosen)
+        self.stats["fetched"] += int(present.sum())
+        out = torch.full((len(keys),), -1, dtype=torch.int64, device=self.device)
+        wanted = take.nonzero().squeeze(1)
+        if not len(wanted):
+            return out
+        rows = self._free_rows(len(wanted), ticket)
+        self.codec.unpack(rows, records[wanted])
+        new_keys = keys[wanted].to(self.device)
+        insertion = self.index.insert(new_keys, torch.ones_like(new_keys), 0)
+        if insertion.moved is not None:
+            row_of = torch.full((self.index.capacity,), -1, dtype=torch.int64, device=self.device)
+            row_of[insertion.moved[1]] = self.row_of[insertion.moved[0]]
+            self.row_of = row_of
+        self.row_of[insertion.slots] = rows
+        self.row_key[rows] = new_keys
+        self.row_score[rows] = 0
+        self.row_dirty[rows] = False
+        self._use(rows, counts[wanted], ticket, train)
+        out[wanted.to(self.device)] = rows
+        return out
+
+    def _free_rows(self, count: int, ticket: int) -> torch.Tensor:
+        """``count`` rows to fill: free ones first, then evicted ones (lowest score first,
+        never a pinned one), written back when dirty."""
+        free = (self.row_key == EMPTY_KEY).nonzero().squeeze(1)
+        if len(free) >= count:
+            return free[:count]
+        needed = count - len(free)
+        pinned = self.row_ticket >= self.oldest_live
+        candidates = (~pinned & (self.row_key != EMPTY_KEY)).nonzero().squeeze(1)
+        if len(candidates) < needed:
+            self._raise_full(count, ticket)
+        scores = self.row_score[candidates]
+        victims = candidates[torch.topk(scores, needed, largest=False, sorted=False).indices]
+        self.evict(victims)
+        return torch.cat([free, victims])
+
+    def evict(self, rows: torch.Tensor) -> None:
+        """Write back the dirty ones of cache ``rows`` and free them all."""
+        self.write_back(rows[self.row_dirty[rows]])
+        self.index.remove(self.row_key[rows])
+        self.row_key[rows] = EMPTY_KEY
+        self.row_dirty[rows] = False
+        self.stats["evicted"] += len(rows)
+
+    def write_back(self, rows: torch.Tensor) -> None:
+        """Copy cache ``rows`` to the store; they are clean after."""
+        if len(rows):
+            self.store.write(self.row_key[rows].cpu(), self.codec.pack(rows))
+            self.row_dirty[rows] = False
+            self.stats["written_back"] += len(rows)
+
+    def flush(self) -> None:
+        """Write every dirty row back: the store then holds the whole table."""
+        self.write_back(self.row_dirty.nonzero().squeeze(1))
+
+    def _raise_full(self, count: int, ticket: int) -> None:
+        mine = int((self.row_ticket == ticket).sum())
+        pinned = (self.row_ticket >= self.oldest_live) & (self.row_ticket != ticket)
+        others = int((pinned & (self.row_key != EMPTY_KEY)).sum())
+        need = count + mine + others
+        raise ValueError(
+            f"tiered table {self.name!r}: its cache of {self.num_rows} rows is too small: this "
+            f"batch needs {count + mine} distinct rows and {others} more are pinned by the batch "
+            f"in flight; set cache_rows >= {need} (or cache_mb to match)"
+        )

@@ -1,0 +1,285 @@
+"""Backing stores of tiered tables: every row of a table (weights and optimizer state side by side
+in one record) in host memory or in a file on local disk, behind the table's cache.
+
+A store holds **records**: ``record_bytes`` bytes per row, the row's weights in the table's dtype
+followed by its optimizer state in float32 (see :class:`~recsys.embedding.row_cache.RowCodec`),
+so a row's weights and state always move between tiers together. It is addressed by int64 keys:
+
+- :class:`FixedStore` (fixed tables): the key is the row number in ``[0, num_rows)``; record
+  ``k`` of a :class:`RecordArray` of ``num_rows`` records is row ``k``'s.
+- :class:`KeyedStore` (dynamic tables): any int64 key; an in-memory index (a
+  :class:`~recsys.embedding.slot_map.SlotMap` and one int64 per key, 32 bytes a key) gives each
+  stored key its record in an array that grows (doubling) as keys arrive. Records stay on disk;
+  only the keys are in memory. Measured against RocksDB (``rocksdict``) and LMDB on the same
+  batches in ``benchmarks/results/kv_store.csv`` (``scripts/bench_kv_store.py``).
+
+A row the store never received is **absent** (``read`` says so): its table initializes it
+lazily from (seed, table, key). Each record carries one more byte, 1 once written, so a fresh
+file of zeros (sparse: untouched rows take no disk) holds only absent rows and a 40 GB table needs
+no 40 GB write before its first step.
+
+Two record arrays: :class:`HostRecords` (a tensor, in pinned memory when the table's cache is on
+CUDA) and :class:`DiskRecords` (a memory-mapped file). A disk store's mapping is dropped from the
+process's resident memory after every call (``madvise(MADV_DONTNEED)``: its pages stay in the
+kernel's page cache, which the kernel reclaims under pressure), so a table far larger than RAM
+trains within a small resident budget.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from recsys.embedding.slot_map import SlotMap
+
+__all__ = ["DiskRecords", "FixedStore", "HostRecords", "KeyedStore", "RecordArray", "RowStore"]
+
+UNCAPPED = 1 << 40
+
+
+class RecordArray:
+    """``num_records`` records of ``width`` bytes, read and written by record number."""
+
+    width: int
+    num_records: int
+
+    def read(self, index: torch.Tensor) -> torch.Tensor:
+        """[n, width] uint8: the records ``index`` (int64 [n]), a copy."""
+        raise NotImplementedError
+
+    def write(self, index: torch.Tensor, records: torch.Tensor) -> None:
+        """Store ``records`` [n, width] uint8 at ``index`` (int64 [n], distinct)."""
+        raise NotImplementedError
+
+    def grow(self, num_records: int) -> None:
+        """Hold ``num_records`` records (more than now); the new ones all zeros."""
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        """Every record back to zeros."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Make the writes durable (a no-op in memory)."""
+
+    def resident_bytes(self) -> int:
+        """Bytes of this array in the process's memory."""
+        return 0
+
+
+class HostRecords(RecordArray):
+    """Records in a host tensor (pinned when ``pin``: the source of a CUDA cache's copies)."""
+
+    def __init__(self, num_records: int, width: int, *, pin: bool = False) -> None:
+        self.width, self.num_records, self.pin = width, num_records, pin
+        self.data = self._zeros(num_records)
+
+    def _zeros(self, num_records: int) -> torch.Tensor:
+        data = torch.zeros(num_records, self.width, dtype=torch.uint8)
+        return data.pin_memory() if self.pin else data
+
+    def read(self, index: torch.Tensor) -> torch.Tensor:
+        return self.data[index.cpu()]
+
+    def write(self, index: torch.Tensor, records: torch.Tensor) -> None:
+        self.data[index.cpu()] = records.cpu()
+
+    def grow(self, num_records: int) -> None:
+        data = self._zeros(num_records)
+        data[: self.num_records] = self.data
+        self.data, self.num_records = data, num_records
+
+    def clear(self) -> None:
+        self.data.zero_()
+
+    def resident_bytes(self) -> int:
+        return self.data.numel()
+
+
+class DiskRecords(RecordArray):
+    """Records in the file ``path`` (created sparse: untouched records take no disk), memory
+    mapped; the mapping leaves resident memory after every call (see the module docstring)."""
+
+    def __init__(self, path: str | Path, num_records: int, width: int) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.width, self.num_records = width, 0
+        with open(self.path, "wb"):
+            pass  # a new table: whatever the file held belongs to no checkpoint
+        self._map: mmap.mmap | None = None
+        self.grow(num_records)
+
+    def _array(self) -> np.ndarray:
+        return np.frombuffer(self._map, dtype=np.uint8).reshape(self.num_records, self.width)
+
+    def read(self, index: torch.Tensor) -> torch.Tensor:
+        if not len(index):
+            return torch.zeros(0, self.width, dtype=torch.uint8)
+        order = index.cpu().numpy()
+        records = torch.from_numpy(self._array()[order])  # fancy indexing copies
+        self._release()
+        return records
+
+    def write(self, index: torch.Tensor, records: torch.Tensor) -> None:
+        if len(index):
+            self._array()[index.cpu().numpy()] = records.cpu().numpy()
+            self._release()
+
+    def _release(self) -> None:
+        self._map.madvise(mmap.MADV_DONTNEED)
+
+    def grow(self, num_records: int) -> None:
+        self._close()
+        os.truncate(self.path, max(num_records, 1) * self.width)
+        self.num_records = num_records
+        self._open()
+
+    def clear(self) -> None:
+        self._close()
+        os.truncate(self.path, 0)  # holes read as zeros and take no disk
+        os.truncate(self.path, max(self.num_records, 1) * self.width)
+        self._open()
+
+    def flush(self) -> None:
+        self._map.flush()
+
+    def _open(self) -> None:
+        with open(self.path, "r+b") as file:
+            self._map = mmap.mmap(file.fileno(), max(self.num_records, 1) * self.width)
+
+    def _close(self) -> None:
+        if self._map is not None:
+            self._map.flush()
+            self._map.close()
+            self._map = None
+
+    def disk_bytes(self) -> int:
+        """Bytes the file takes on disk (its allocated blocks, not its length)."""
+        return os.stat(self.path).st_blocks * 512
+
+
+class RowStore:
+    """Every row of one table, as records by int64 key (see the module docstring)."""
+
+    def __init__(self, records: RecordArray) -> None:
+        self.records = records
+        self.record_bytes = records.width - 1  # the last byte: 1 where written
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def read(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The records of ``keys`` (int64 [n], distinct): ``(records [n, record_bytes] uint8,
+        present [n] bool)``; an absent key's record is zeros."""
+        raise NotImplementedError
+
+    def write(self, keys: torch.Tensor, records: torch.Tensor) -> None:
+        """Store ``records`` [n, record_bytes] uint8 as the rows of ``keys`` (distinct)."""
+        raise NotImplementedError
+
+    def items(self, chunk_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every stored ``(keys, records)``, keys ascending, at most ``chunk_rows`` at a time:
+        the table streamed without holding it whole."""
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        """Forget every row."""
+        raise NotImplementedError
+
+    def _read_records(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raw = self.records.read(index)
+        self.bytes_read += raw.numel()
+        return raw[:, : self.record_bytes], raw[:, self.record_bytes] == 1
+
+    def _write_records(self, index: torch.Tensor, records: torch.Tensor) -> None:
+        flag = torch.ones(len(index), 1, dtype=torch.uint8)
+        self.records.write(index, torch.cat([records.cpu(), flag], dim=1))
+        self.bytes_written += len(index) * self.records.width
+
+
+class FixedStore(RowStore):
+    """The rows of a fixed table of ``records.num_records`` rows; key = row number."""
+
+    def read(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._read_records(keys)
+
+    def write(self, keys: torch.Tensor, records: torch.Tensor) -> None:
+        self._write_records(keys, records)
+
+    def items(self, chunk_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for start in range(0, self.records.num_records, chunk_rows):
+            rows = torch.arange(start, min(start + chunk_rows, self.records.num_records))
+            records, present = self._read_records(rows)
+            if bool(present.any()):
+                yield rows[present], records[present]
+
+    def clear(self) -> None:
+        self.records.clear()
+
+
+class KeyedStore(RowStore):
+    """The rows of a dynamic table: any int64 key, its record found through an in-memory index
+    (a growing :class:`~recsys.embedding.slot_map.SlotMap` and the record of each map slot);
+    records are appended, the array doubling when full."""
+
+    def __init__(self, records: RecordArray, name: str) -> None:
+        super().__init__(records)
+        self.name = name
+        self._reset()
+
+    def _reset(self) -> None:
+        self.index = SlotMap(1024, UNCAPPED, bucket_size=32, name=self.name, backend="torch")
+        self.record_of = torch.full((self.index.capacity,), -1, dtype=torch.int64)
+        self.num_stored = 0
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """The record of each key, -1 where absent."""
+        slots = self.index.find(keys.cpu())
+        return torch.where(slots >= 0, self.record_of[slots.clamp(min=0)], -1)
+
+    def read(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        where = self.find(keys)
+        present = where >= 0
+        records = torch.zeros(len(keys), self.record_bytes, dtype=torch.uint8)
+        if bool(present.any()):
+            records[present] = self._read_records(where[present])[0]
+        return records, present
+
+    def write(self, keys: torch.Tensor, records: torch.Tensor) -> None:
+        keys = keys.cpu()
+        where = self.find(keys)
+        new = where < 0
+        if bool(new.any()):
+            where[new] = self._add(keys[new])
+        self._write_records(where, records)
+
+    def _add(self, keys: torch.Tensor) -> torch.Tensor:
+        """Give new ``keys`` the next records (growing the array), indexed."""
+        first = self.num_stored
+        self.num_stored += len(keys)
+        if self.num_stored > self.records.num_records:
+            self.records.grow(max(self.num_stored, 2 * self.records.num_records))
+        insertion = self.index.insert(keys, torch.ones_like(keys), 0)
+        if insertion.moved is not None:
+            record_of = torch.full((self.index.capacity,), -1, dtype=torch.int64)
+            record_of[insertion.moved[1]] = self.record_of[insertion.moved[0]]
+            self.record_of = record_of
+        added = torch.arange(first, self.num_stored)
+        self.record_of[insertion.slots] = added
+        return added
+
+    def items(self, chunk_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        keys, slots = self.index.entries()
+        order = torch.argsort(keys)
+        keys, where = keys[order], self.record_of[slots[order]]
+        for start in range(0, len(keys), chunk_rows):
+            part = slice(start, start + chunk_rows)
+            yield keys[part], self._read_records(where[part])[0]
+
+    def clear(self) -> None:
+        self.records.clear()
+        self._reset()

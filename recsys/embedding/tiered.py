@@ -1,0 +1,520 @@
+"""TieredEmbeddingBagCollection: tables larger than memory, a cache where the kernels run in front
+of a store in host memory or on local disk, prefetched one batch ahead.
+
+Each table has a storage tier (:class:`StorageOptions`):
+
+- ``"device"``: the whole table in the collection's packed buffers (as an EmbeddingBagCollection).
+- ``"host"``: every row in host memory (pinned when the collection is on CUDA), a cache of
+  ``cache_rows`` rows in the packed buffers on the collection's device.
+- ``"disk"``: every row in a file under ``path`` (:mod:`recsys.embedding.row_store`), the cache
+  in the collection's device memory (on a CPU-only machine, in RAM).
+
+A fixed tiered table's ids are row numbers in ``[0, num_embeddings)``; a dynamic one (named in
+``dynamic``) takes any int64 key, admitted as :class:`~recsys.embedding.dynamic_table.
+DynamicTableOptions` say, and keeps every key it admits (no cap, no expiry: the store is the
+table). Both read through the same id -> slot map in front of the packed buffers::
+
+    ids -> unique -> cache (hit | miss: evict cold rows, dirty ones written back; read the
+           row from the store, or initialize it) -> cache rows -> fused lookup + fused update
+
+- **Exact.** A row's weights and optimizer state move together, as bytes, so a tiered table
+  trains bitwise like the same table held whole in memory (tests compare every fused
+  optimizer, fixed and dynamic), whatever the cache size and policy.
+- **Lazy, deterministic initial rows.** A row the store never held starts from
+  :func:`~recsys.embedding.row_init.initial_rows` of (seed, table, row or key) and the
+  optimizer's initial state: no write of the whole table before the first step, and the same
+  row wherever and whenever it is first touched. (A fixed tiered table therefore ignores its
+  config's ``init_fn``; its bound is TorchRec's default, ``sqrt(1 / num_embeddings)``.)
+- **Prefetch.** :meth:`TieredEmbeddingBagCollection.prefetch` prepares the next batch's rows in
+  a background thread while the current batch trains (the trainer's pipeline calls it); rows of
+  the batch in flight are pinned and never evicted under it. A batch needing more rows than the
+  cache has is a ValueError naming the minimum ``cache_rows``.
+- **Checkpoints** stream a tiered table in chunks (:meth:`save_tiered`, :meth:`load_tiered`);
+  ``state_dict()`` holds its other state but not its rows, which no memory could hold.
+- **Counters**: :meth:`tiered_stats` (hits, misses, rows fetched, initialized, evicted, written
+  back, bytes read and written, seconds a forward waited for its prefetch).
+
+Example::
+
+    ebc = TieredEmbeddingBagCollection(
+        [EmbeddingBagConfig(name="ads", embedding_dim=64, num_embeddings=500_000_000,
+                            feature_names=["ad_id"])],
+        storage=StorageOptions(tier="disk", cache_rows=2_000_000, path="/nvme/tables"),
+        optimizer=RowWiseAdagrad(lr=0.05),
+    )
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.inputs import feature_positions, feature_spans
+from recsys.embedding.optim import FusedOptimizer
+from recsys.embedding.row_cache import CACHE_POLICIES, RowCache, RowCodec
+from recsys.embedding.row_init import initial_rows, table_seed
+from recsys.embedding.row_store import DiskRecords, FixedStore, HostRecords, KeyedStore
+from recsys.embedding.slot_map import AdmissionCounter
+from recsys.embedding.tables import table_dtype
+from recsys.embedding.tiered_files import TieredFiles
+from recsys.ops.slot_map import check_keys
+
+__all__ = ["TIERS", "StorageOptions", "TieredEmbeddingBagCollection"]
+
+TIERS = ("device", "host", "disk")
+
+
+@dataclass
+class StorageOptions:
+    """Where one table's rows live, and its cache."""
+
+    tier: str = "device"
+    """``"device"`` (whole in the packed buffers), ``"host"`` or ``"disk"`` (a cache in front)."""
+    cache_rows: int = 0
+    """Rows of the cache (host and disk tiers); 0: from ``cache_mb``."""
+    cache_mb: float = 0.0
+    """MiB of the cache's rows and optimizer state, when ``cache_rows`` is 0."""
+    policy: str = "lru"
+    """Which unpinned rows leave the cache first: least recently (lru) or often (lfu) used."""
+    path: str = ""
+    """Directory of the disk tier's files (one per table)."""
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ValueError(f"storage tier {self.tier!r}; expected one of {list(TIERS)}")
+        if self.policy not in CACHE_POLICIES:
+            raise ValueError(f"storage policy {self.policy!r}; expected 'lru' or 'lfu'")
+        if self.cache_rows < 0 or self.cache_mb < 0 or not math.isfinite(self.cache_mb):
+            raise ValueError(
+                f"storage cache_rows={self.cache_rows}, cache_mb={self.cache_mb}; expected >= 0"
+            )
+        if self.tier != "device" and not (self.cache_rows or self.cache_mb):
+            raise ValueError(f"storage tier {self.tier!r} needs cache_rows or cache_mb > 0")
+        if self.tier == "disk" and not self.path:
+            raise ValueError("storage tier 'disk' needs a path (a directory on local disk)")
+
+    def rows(self, record_bytes: int) -> int:
+        """Cache rows for rows of ``record_bytes`` bytes (weights and optimizer state)."""
+        return self.cache_rows or max(int(self.cache_mb * 2**20) // record_bytes, 1)
+
+
+class TieredEmbeddingBagCollection(EmbeddingBagCollection):
+    """An EmbeddingBagCollection whose tables may live in host memory or on disk behind a cache.
+
+    Args:
+        tables: the tables (``num_embeddings``: a fixed table's rows; a dynamic table's
+            initial-row bound is ``sqrt(1 / num_embeddings)`` unless its options set one).
+        storage: :class:`StorageOptions` for every table, or a dict table name -> options (the
+            others are ``"device"``).
+        optimizer: the fused optimizer (tiered rows carry its state; required).
+        dynamic: table name -> :class:`DynamicTableOptions` of the tiered tables keyed by raw
+            ids (only ``admit_after``, ``admission_capacity``, ``bucket_size`` and
+            ``init_bound`` apply: a tiered dynamic table keeps every key it admits).
+        is_weighted, device, backend, validate: as for EmbeddingBagCollection.
+        seed: a row's initial value is a function of (seed, table, row or key).
+
+    Raises:
+        ValueError: a bad option (named), a table named twice, a dynamic table that is not
+            tiered, or no fused optimizer.
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        storage: StorageOptions | dict[str, StorageOptions],
+        optimizer: FusedOptimizer,
+        dynamic: dict[str, DynamicTableOptions] | None = None,
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        *,
+        seed: int = 0,
+        backend: str = "auto",
+        validate: bool = True,
+    ) -> None:
+        if not isinstance(optimizer, FusedOptimizer):
+            raise ValueError(
+                f"optimizer={optimizer!r}; a tiered table is trained by a fused optimizer "
+                "(its rows and their state move between tiers together)"
+            )
+        options = _storage_by_table(tables, storage)
+        dynamic = dict(dynamic or {})
+        untiered = [name for name in dynamic if options[name].tier == "device"]
+        if untiered:
+            raise ValueError(
+                f"dynamic tables {untiered} have storage tier 'device' in a tiered collection; "
+                "give them tier 'host' or 'disk' (or use DynamicEmbeddingBagCollection)"
+            )
+        tiered = {c.name: c for c in tables if options[c.name].tier != "device"}
+        self._record_bytes = {
+            name: _record_bytes(config, optimizer) for name, config in tiered.items()
+        }
+        cache_rows = {n: options[n].rows(self._record_bytes[n]) for n in tiered}
+        packed = [
+            replace(c, num_embeddings=cache_rows[c.name] + 1) if c.name in tiered else c
+            for c in tables
+        ]
+        for config in tables:
+            if not config.feature_names:
+                config.feature_names = [config.name]
+        super().__init__(
+            packed, is_weighted, device, backend=backend, validate=validate, optimizer=optimizer
+        )
+        self._logical_configs = tables
+        self.storage = options
+        self.seed = seed
+        self.dynamic_options = dynamic
+        self.caches: dict[str, RowCache] = {}
+        self.admission: dict[str, AdmissionCounter] = {}
+        for name, config in tiered.items():
+            self.caches[name] = self._build_cache(config, cache_rows[name], dynamic.get(name))
+        self._train_steps = 0
+        self._queue: list[_Prefetch] = []
+        self.prefetch_wait_seconds = 0.0
+        self.reset_parameters()
+        self.register_state_dict_post_hook(_drop_tiered_rows)
+        self.register_load_state_dict_post_hook(_allow_missing_tiered_rows)
+
+    def _build_cache(
+        self, config: EmbeddingBagConfig, rows: int, dynamic: DynamicTableOptions | None
+    ) -> RowCache:
+        name, options = config.name, self.storage[config.name]
+        width = self._record_bytes[name] + 1
+        size = config.num_embeddings if dynamic is None else 1024
+        if options.tier == "host":
+            records = HostRecords(size, width, pin=self.device.type == "cuda")
+        else:
+            records = DiskRecords(Path(options.path) / f"{name}.rows", size, width)
+        store = FixedStore(records) if dynamic is None else KeyedStore(records, name)
+        codec = RowCodec(lambda: self._table_tensors(name))
+        if dynamic is not None and dynamic.admit_after > 1:
+            self.admission[name] = AdmissionCounter(
+                dynamic.admit_after,
+                dynamic.admission_capacity or 1 << 20,
+                bucket_size=dynamic.bucket_size,
+                device=self.device,
+                name=name,
+            )
+        bound = (
+            dynamic.init_bound
+            if dynamic is not None and dynamic.init_bound is not None
+            else math.sqrt(1.0 / config.num_embeddings)
+        )
+        seed, dtype = table_seed(self.seed, name), table_dtype(config)
+        initial = [self.optimizer.initial_state(s) for s in self.optimizer.states]
+
+        def fresh(keys: torch.Tensor) -> torch.Tensor:
+            weights = initial_rows(keys.cpu(), seed, config.embedding_dim, bound, dtype)
+            states = [
+                torch.full((len(keys), *t.shape[1:]), value, dtype=t.dtype)
+                for value, t in zip(initial, self._table_tensors(name)[1:], strict=True)
+            ]
+            return codec.encode([weights, *states])
+
+        return RowCache(
+            rows, store, codec, fresh, policy=options.policy, device=self.device, name=name
+        )
+
+    def _table_tensors(self, name: str) -> list[torch.Tensor]:
+        """Table ``name``'s weight and optimizer-state views in the packed buffers."""
+        bag = self.embedding_bags[name]
+        return [bag.weight.data] + [getattr(bag, s) for s in self.optimizer.states]
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._logical_configs
+
+    def set_optimizer(self, optimizer: FusedOptimizer | None) -> None:
+        """As EmbeddingBagCollection's, once the tiered tables exist only with an optimizer of
+        the same state (their stored rows hold it).
+
+        Raises:
+            ValueError: another kind of optimizer for tiered tables."""
+        caches = getattr(self, "caches", {})
+        if caches and (optimizer is None or optimizer.states != self.optimizer.states):
+            raise ValueError(
+                f"tiered tables {list(caches)} store {type(self.optimizer).__name__}'s state "
+                f"in every row; cannot switch to {optimizer!r}. Change its learning rate "
+                "instead (collection.optimizer.lr = ...)"
+            )
+        super().set_optimizer(optimizer)
+
+    def reset_parameters(self) -> None:
+        """Device-tier tables from their ``init_fn``; tiered tables empty (every row back to
+        its initial value, lazily)."""
+        if self.device.type == "meta" or not hasattr(self, "caches"):
+            return
+        for config in self._logical_configs:
+            if config.name not in self.caches:
+                with torch.no_grad():
+                    config.init_fn(self.embedding_bags[config.name].weight)
+        for cache in self.caches.values():
+            cache.clear()
+            cache.store.clear()
+        for tensor in (t for n in self.caches for t in self._table_tensors(n)):
+            tensor.zero_()
+
+    def lookup_ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """The ids with every tiered table's ids replaced by their cache rows (prepared by
+        :meth:`prefetch` for this batch, else now)."""
+        values = features.values()
+        if not self.caches:
+            return values
+        train = self._trains()
+        if train:
+            self._train_steps += 1
+        prepared = self._take_prefetched(features)
+        if prepared is None:
+            prepared = self._prepare(features, train)
+        else:
+            self._admit_deferred(prepared, features, train)
+        out = values.clone()
+        for name, (where, rows, tickets) in prepared.items():
+            cache = self.caches[name]
+            cache.begin(min([*tickets, *self._pending_tickets(name)]))
+            out[where] = torch.where(rows >= 0, rows, cache.num_rows)
+        self._zero_spare_rows()
+        self._start_next()
+        return out
+
+    def _trains(self) -> bool:
+        return self.training and not self.is_frozen()
+
+    def _prepare(self, features: KeyedJaggedTensor, train: bool, *, defer: bool = False):
+        """Per tiered table: (positions of its ids, the cache row of each id, the batch's
+        tickets). ``defer``: keys of dynamic tables that neither the cache nor the store holds
+        get no row yet (:meth:`_admit_deferred` decides in the batch's forward, so admission
+        counts only batches that train)."""
+        values = features.values()
+        spans = feature_spans(features)
+        prepared = {}
+        for config in self._logical_configs:
+            if config.name not in self.caches:
+                continue
+            where = feature_positions(spans, config.feature_names)
+            ids = values[where]
+            self._check_ids(config, ids)
+            keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+            admit = self._admit(config.name, train and not defer)
+            rows, ticket = self.caches[config.name].prepare(keys, counts, train=train, admit=admit)
+            prepared[config.name] = (where, rows[inverse], [ticket])
+        return prepared
+
+    def _admit_deferred(self, prepared: dict, features: KeyedJaggedTensor, train: bool) -> None:
+        """Rows for the keys a prefetch left without one (new keys of dynamic tables)."""
+        if not train:
+            return
+        values = features.values()
+        for name, (where, rows, tickets) in prepared.items():
+            missing = rows < 0
+            if name not in self.dynamic_options or not bool(missing.any()):
+                continue
+            ids = values[where][missing]
+            keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+            cache = self.caches[name]
+            found, ticket = cache.prepare(keys, counts, train=True, admit=self._admit(name, True))
+            rows[missing] = found[inverse]
+            tickets.append(ticket)
+
+    def _admit(self, name: str, train: bool):
+        """Which keys the store lacks get a row: a fixed table's all; a dynamic table's while
+        training, past its admission count; none outside training."""
+        if name not in self.dynamic_options:
+            return None
+        if not train:
+            return lambda keys, counts: torch.zeros(len(keys), dtype=torch.bool)
+        if name not in self.admission:
+            return None
+        step = self._train_steps
+        return lambda keys, counts: self.admission[name].admit(keys, counts, step)
+
+    def _check_ids(self, config: EmbeddingBagConfig, ids: torch.Tensor) -> None:
+        if config.name in self.dynamic_options:
+            check_keys(ids, f"ids of dynamic table '{config.name}'")
+            return
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= config.num_embeddings):
+            bad = ids[(ids < 0) | (ids >= config.num_embeddings)][0].item()
+            raise ValueError(
+                f"table '{config.name}' (features {config.feature_names}): id {bad} is outside "
+                f"[0, {config.num_embeddings})"
+            )
+
+    def _zero_spare_rows(self) -> None:
+        """The row past each cache (ids without a row read it) back to zero and its state to
+        the initial value."""
+        with torch.no_grad():
+            for name, cache in self.caches.items():
+                tensors = self._table_tensors(name)
+                tensors[0][cache.num_rows] = 0
+                for state, tensor in zip(self.optimizer.states, tensors[1:], strict=True):
+                    tensor[cache.num_rows] = self.optimizer.initial_state(state)
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Queue a coming batch ``features`` (call it between steps, for the batches to train
+        next, in order). Its rows are prepared in a background thread that the forward of the
+        batch before it starts once its own rows are settled, so preparing batch i+1 overlaps
+        the lookup, dense layers and backward of batch i; the rows of batch i and of every
+        prepared batch are pinned meanwhile. Its forward then waits for the thread if needed."""
+        if not self.caches:
+            return
+        idle = not self._queue
+        self._queue.append(_Prefetch(features, self._trains()))
+        if idle:  # else the forward of the batch before it starts it
+            self._start_next()
+
+    def _start_next(self) -> None:
+        """Start the first queued batch's thread, once no other runs. The last batch looked up
+        may still be in flight (its backward to come), so its rows stay pinned."""
+        waiting = [p for p in self._queue if not p.started]
+        if not waiting or any(p.started and not p.done for p in self._queue):
+            return
+        batch = waiting[0]
+        for name, cache in self.caches.items():
+            cache.begin(min([cache.oldest_live, *self._pending_tickets(name)]))
+        batch.start(lambda: self._prepare(batch.features, batch.train, defer=True))
+
+    def _pending_tickets(self, name: str) -> list[int]:
+        """Table ``name``'s tickets of the batches prepared and not yet trained."""
+        return [t for p in self._queue if p.done for t in p.result[name][2]]
+
+    def wait_prefetch(self) -> None:
+        """Wait for the running prefetch thread (its result stays for its batch)."""
+        for batch in self._queue:
+            if batch.started:
+                batch.join()
+
+    def drop_prefetched(self) -> None:
+        """Forget queued batches that will not be trained (their rows merely stay cached)."""
+        self.wait_prefetch()
+        self._queue = []
+
+    def _take_prefetched(self, features: KeyedJaggedTensor) -> dict[str, tuple] | None:
+        """The prepared rows of ``features`` if it is the next queued batch (None: prepare
+        now). Another batch (an evaluation between steps) waits for the running thread and
+        leaves the queue to its batches."""
+        if not self._queue:
+            return None
+        head = self._queue[0]
+        if head.features is not features:
+            self.wait_prefetch()
+            return None
+        self._queue.pop(0)
+        if not head.started:
+            return None
+        start = time.perf_counter()
+        head.join()
+        self.prefetch_wait_seconds += time.perf_counter() - start
+        return head.result
+
+    def flush(self) -> None:
+        """Write every changed cached row back to its store (checkpoints do this first)."""
+        self.wait_prefetch()
+        for cache in self.caches.values():
+            cache.flush()
+
+    def tiered_stats(self) -> dict[str, dict[str, float]]:
+        """Per tiered table, its counters since the collection was built: ``lookups`` and
+        ``hits`` (distinct ids per batch), ``misses``, ``fetched`` (rows read from the store),
+        ``initialized`` (rows new to the store), ``evicted``, ``written_back``, ``bytes_read``
+        and ``bytes_written`` (of the store), ``cache_rows``, ``stored`` (rows in a dynamic
+        table's store), and ``prefetch_wait_s`` (the collection's: forwards waiting for their
+        prefetch)."""
+        out = {}
+        for name, cache in self.caches.items():
+            store = cache.store
+            out[name] = {
+                **cache.stats,
+                "bytes_read": store.bytes_read,
+                "bytes_written": store.bytes_written,
+                "cache_rows": cache.num_rows,
+                "prefetch_wait_s": self.prefetch_wait_seconds,
+            }
+            if isinstance(store, KeyedStore):
+                out[name]["stored"] = store.num_stored
+        return out
+
+    def tiered_files(self) -> TieredFiles:
+        """The streaming reader / writer of the tiered tables' rows for checkpoints."""
+        self.wait_prefetch()
+        layouts = {}
+        for name in self.caches:
+            names = ["weight", *self.optimizer.states]
+            layouts[name] = [
+                f"{n}:{str(t.dtype).removeprefix('torch.')}:{t[0].numel()}"
+                for n, t in zip(names, self._table_tensors(name), strict=True)
+            ]
+        return TieredFiles(dict(self.caches), layouts)
+
+    def tiered_state_keys(self) -> list[str]:
+        """The state_dict keys of the tiered tables' cache buffers, which ``state_dict()``
+        leaves out (their rows are saved by :meth:`tiered_files`)."""
+        states = list(self.optimizer.states) if self.optimizer is not None else []
+        return [f"embedding_bags.{n}.{k}" for n in self.caches for k in ["weight", *states]]
+
+
+class _Prefetch:
+    """One queued batch whose rows a background thread prepares."""
+
+    def __init__(self, features: KeyedJaggedTensor, train: bool) -> None:
+        self.features, self.train = features, train
+        self.result: dict | None = None
+        self.started = self.done = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, work) -> None:
+        self.started = True
+        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True)
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            self.result = work()
+        except BaseException as error:  # re-raised in the training thread by join
+            self._error = error
+
+    def join(self) -> None:
+        self._thread.join()
+        self.done = True
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def _record_bytes(config: EmbeddingBagConfig, optimizer: FusedOptimizer) -> int:
+    """Bytes of one row's weights and optimizer state (float32)."""
+    states = sum(1 if kind == "row" else config.embedding_dim for kind in optimizer.states.values())
+    return config.embedding_dim * table_dtype(config).itemsize + 4 * states
+
+
+def _storage_by_table(
+    tables: list[EmbeddingBagConfig], storage: StorageOptions | dict[str, StorageOptions]
+) -> dict[str, StorageOptions]:
+    names = [c.name for c in tables]
+    if isinstance(storage, StorageOptions):
+        return dict.fromkeys(names, storage)
+    unknown = [name for name in storage if name not in names]
+    if unknown:
+        raise ValueError(f"storage options for {unknown}, which are not tables; tables: {names}")
+    return {name: storage.get(name, StorageOptions()) for name in names}
+
+
+def _drop_tiered_rows(module: TieredEmbeddingBagCollection, state_dict, prefix, local_metadata):
+    """state_dict post-hook: a tiered table's cache buffers are not its state (its rows are
+    streamed by :meth:`TieredEmbeddingBagCollection.tiered_files`)."""
+    for key in module.tiered_state_keys():
+        state_dict.pop(prefix + key, None)
+
+
+def _allow_missing_tiered_rows(module: TieredEmbeddingBagCollection, incompatible) -> None:
+    """load_state_dict post-hook: a state without tiered tables' cache buffers is complete."""
+    dropped = module.tiered_state_keys()
+    for key in list(incompatible.missing_keys):
+        if any(key == k or key.endswith("." + k) for k in dropped):
+            incompatible.missing_keys.remove(key)
