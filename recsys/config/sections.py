@@ -338,6 +338,34 @@ class DynamicConfig:
 
 
 @dataclass
+class StorageConfig:
+    """Where the tables' rows live (see README, "Tables larger than memory"). ``device``: whole
+    in the compute device's memory. ``host`` / ``disk``: every row (weights and optimizer state)
+    in host memory or in a file on local disk, with a cache of the hot rows where the kernels
+    run, filled one batch ahead. Options apply to every table with at least ``min_rows`` rows
+    (and to every dynamic table); ``overrides`` change them per table."""
+
+    tier: Literal["device", "host", "disk"] = "device"
+    """Where a table's full rows live: device, host (a cache on the device in front) or disk."""
+    min_rows: Annotated[int, AtLeast0] = 0
+    """Only tables with at least this many rows take ``tier`` (smaller ones stay on the
+    device); dynamic tables always take it."""
+    cache_rows: Annotated[int, AtLeast0] = 0
+    """Rows of each tiered table's cache; 0: from ``cache_mb``. Size it from the hit rate the
+    train log prints (``tiered/<table>/hit_rate``); it must hold two batches' distinct ids."""
+    cache_mb: Annotated[float, AtLeast0] = 256.0
+    """MiB of each tiered table's cache (rows and optimizer state), when cache_rows is 0."""
+    policy: Literal["lru", "lfu"] = "lru"
+    """Which cached rows leave first: least recently (lru) or least often (lfu) used."""
+    path: str = ""
+    """Directory of the disk tier's files (one per table; sparse: only rows trained take
+    disk). "": ``<run dir>/tables``. Put it on a local SSD."""
+    overrides: list[str] = field(default_factory=list)
+    """Per-table options, ``"<feature>.<key>=<value>"`` (e.g. ``"cat_3.tier=device"``,
+    ``"cat_7.cache_rows=100000"``)."""
+
+
+@dataclass
 class ModelConfig:
     """Model architecture. Table sizes and the number of tasks come from the data, never from
     here. The keys below are shared by the models; a model's own options are in its section
@@ -373,6 +401,8 @@ class ModelConfig:
     """[model.mmoe]"""
     dynamic: DynamicConfig = field(default_factory=DynamicConfig)
     """[model.dynamic]: tables keyed by raw ids."""
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    """[model.storage]: tables in host memory or on disk behind a cache."""
 
 
 @dataclass

@@ -251,8 +251,11 @@ class RowCache:
             self.stats["written_back"] += len(rows)
 
     def flush(self) -> None:
-        """Write every dirty row back: the store then holds the whole table."""
-        self.write_back(self.row_dirty.nonzero().squeeze(1))
+        """Write every dirty row back: the store then holds the whole table. Rows of pinned
+        batches (prepared, or in flight) stay dirty: their update may be still to come."""
+        dirty = self.row_dirty.nonzero().squeeze(1)
+        self.write_back(dirty)
+        self.row_dirty[dirty[self.row_ticket[dirty] >= self.oldest_live]] = True
 
     def _raise_full(self, count: int, ticket: int) -> None:
         mine = int((self.row_ticket == ticket).sum())

@@ -232,7 +232,8 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
 
     def set_optimizer(self, optimizer: FusedOptimizer | None) -> None:
         """As EmbeddingBagCollection's, once the tiered tables exist only with an optimizer of
-        the same state (their stored rows hold it).
+        the same state (their stored rows hold it, and keep it: the cached rows are written
+        back first, and read again from the store).
 
         Raises:
             ValueError: another kind of optimizer for tiered tables."""
@@ -243,7 +244,12 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
                 f"in every row; cannot switch to {optimizer!r}. Change its learning rate "
                 "instead (collection.optimizer.lr = ...)"
             )
+        if caches:
+            self.drop_prefetched()  # their rows would be gone
+            self.flush()
         super().set_optimizer(optimizer)
+        for cache in caches.values():
+            cache.clear()
 
     def reset_parameters(self) -> None:
         """Device-tier tables from their ``init_fn``; tiered tables empty (every row back to

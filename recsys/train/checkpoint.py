@@ -75,6 +75,7 @@ def save_checkpoint(
     config: Config | None = None,
     spec: DatasetSpec | None = None,
     protect: int | None = None,
+    write_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save ``state`` (nested dicts of tensors and plain values) as ``directory/step_<step>``.
 
@@ -90,6 +91,8 @@ def save_checkpoint(
         config: the run's resolved config, written as ``config.toml`` in the checkpoint.
         spec: the dataset's spec, written as ``spec.json`` (what :func:`load_model` needs).
         protect: a step whose checkpoint ``keep`` never deletes (the best one).
+        write_files: writes this rank's own files into the directory being written (the
+            tiered tables' rows, streamed); they are checksummed and committed with the rest.
 
     Returns:
         The committed checkpoint directory.
@@ -111,6 +114,8 @@ def save_checkpoint(
             if failure is error:
                 raise
             raise failure from error
+    if write_files is not None:
+        write_files(tmp)
     if is_main:
         if config is not None:
             _write_synced(tmp / CONFIG_FILE, to_toml(config))

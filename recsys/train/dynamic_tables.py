@@ -58,7 +58,15 @@ def dynamic_options(
         ValueError: a bad ``tables`` or ``overrides`` entry (named).
     """
     features = dynamic_features(config, spec)
-    overrides = _parse_overrides(config.overrides, features)
+    overrides = parse_overrides(
+        config.overrides,
+        features,
+        "model.dynamic",
+        DynamicConfig(),
+        _OPTION_KEYS,
+        {"score": ("lru", "lfu")},
+        "a dynamic table",
+    )
     cardinality = dict(zip(spec.sparse_names, spec.cardinalities, strict=True))
     options = {}
     for table in tables:
@@ -75,45 +83,57 @@ def dynamic_options(
     return options
 
 
-def _parse_overrides(entries: list[str], features: list[str]) -> dict[str, dict[str, object]]:
-    """``["cat_3.max_capacity=100000", ...]`` -> ``{"cat_3": {"max_capacity": 100000}}``."""
+def parse_overrides(
+    entries: list[str],
+    features: list[str],
+    section: str,
+    defaults: object,
+    keys: list[str],
+    choices: dict[str, tuple[str, ...]] | None = None,
+    noun: str = "a table",
+) -> dict[str, dict[str, object]]:
+    """``["cat_3.max_capacity=100000", ...]`` -> ``{"cat_3": {"max_capacity": 100000}}``: the
+    per-table overrides of config ``section`` (e.g. ``"model.dynamic"``), each value of the
+    type of its field in ``defaults`` (a string field: one of ``choices[key]`` when given).
+
+    Raises:
+        ValueError: a malformed entry, a feature not in ``features``, a key not in ``keys``
+            or a value of the wrong type (each named)."""
     parsed: dict[str, dict[str, object]] = {}
     for entry in entries:
         target, _, text = entry.partition("=")
         feature, _, key = target.strip().rpartition(".")
+        where = f"{section}.overrides entry {entry!r}"
         if not text or not feature:
             raise ValueError(
-                f"model.dynamic.overrides entry {entry!r}; expected '<feature>.<key>=<value>', "
-                "e.g. 'cat_3.max_capacity=100000'"
+                f"{where}; expected '<feature>.<key>=<value>', e.g. 'cat_3.{keys[0]}=...'"
             )
         if feature not in features:
             raise ValueError(
-                f"model.dynamic.overrides entry {entry!r}: {quoted_with_hints([feature], features)}"
-                f" is not a dynamic table's feature; those are {features}"
+                f"{where}: {quoted_with_hints([feature], features)} is not {noun}'s feature; "
+                f"those are {features}"
             )
-        if key not in _OPTION_KEYS:
+        if key not in keys:
             raise ValueError(
-                f"model.dynamic.overrides entry {entry!r}: unknown key "
-                f"{quoted_with_hints([key], _OPTION_KEYS)}; expected one of {_OPTION_KEYS}"
+                f"{where}: unknown key {quoted_with_hints([key], keys)}; expected one of {keys}"
             )
-        parsed.setdefault(feature, {})[key] = _value(entry, key, text.strip())
+        allowed = (choices or {}).get(key)
+        parsed.setdefault(feature, {})[key] = _value(where, key, text.strip(), defaults, allowed)
     return parsed
 
 
-def _value(entry: str, key: str, text: str) -> object:
+def _value(where: str, key: str, text: str, defaults: object, allowed) -> object:
     """The override's value, of the type the key's default has."""
-    default = getattr(DynamicConfig(), key)
+    default = getattr(defaults, key)
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text
     if isinstance(default, float) and isinstance(value, int):
         value = float(value)
-    if type(value) is not type(default) or (key == "score" and value not in ("lru", "lfu")):
-        expected = "'lru' or 'lfu'" if key == "score" else type(default).__name__
-        raise ValueError(
-            f"model.dynamic.overrides entry {entry!r}: {key} = {text!r}; expected {expected}"
-        )
+    if type(value) is not type(default) or (allowed and value not in allowed):
+        expected = " or ".join(map(repr, allowed)) if allowed else type(default).__name__
+        raise ValueError(f"{where}: {key} = {text!r}; expected {expected}")
     return value
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ from recsys.config import ModelConfig
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.optim import FusedOptimizer
+from recsys.embedding.tiered import TieredEmbeddingBagCollection
 from recsys.models import (
     DCN,
     DLRM,
@@ -40,6 +43,7 @@ from recsys.models import (
     table_configs,
 )
 from recsys.train.dynamic_tables import dynamic_features, dynamic_options
+from recsys.train.tiered_tables import storage_options
 
 __all__ = ["MODELS", "ModelEntry", "build_model"]
 
@@ -73,7 +77,13 @@ class ModelEntry:
 
 
 def build_model(
-    config: ModelConfig, spec: DatasetSpec, device: torch.device, seed: int = 0
+    config: ModelConfig,
+    spec: DatasetSpec,
+    device: torch.device,
+    seed: int = 0,
+    *,
+    embedding_optimizer: FusedOptimizer | None = None,
+    run_dir: str | Path = ".",
 ) -> nn.Module:
     """Build ``config.name`` for a dataset with ``spec``, on ``device``.
 
@@ -81,8 +91,11 @@ def build_model(
         config: the ``[model]`` section.
         spec: the dataset's features, table sizes and tasks.
         device: where the parameters live.
-        seed: the run's seed (``run.seed``): dynamic tables draw a new key's initial row from
-            (seed, table, key).
+        seed: the run's seed (``run.seed``): dynamic and tiered tables draw a new row's initial
+            value from (seed, table, key).
+        embedding_optimizer: the fused optimizer of the tables; tiered tables
+            (``[model.storage]``) need it, since their stored rows hold its state.
+        run_dir: the run directory (a disk tier without a path keeps its files there).
 
     Returns:
         The model, with ``forward(dense_features, sparse_features) -> logits [B, T]``.
@@ -116,9 +129,17 @@ def build_model(
         config.pooling,
         config.embedding_dtype,
     )
-    collections = [_collection(tables, config, spec, device, seed)]
+    build = dict(
+        config=config,
+        spec=spec,
+        device=device,
+        seed=seed,
+        optimizer=embedding_optimizer,
+        run_dir=run_dir,
+    )
+    collections = [_collection(tables, **build)]
     if entry.linear:
-        collections.append(_collection(linear_table_configs(tables), config, spec, device, seed))
+        collections.append(_collection(linear_table_configs(tables), **build))
     return entry.module(
         *collections,
         dense_in_features=spec.num_dense,
@@ -135,9 +156,25 @@ def _collection(
     spec: DatasetSpec,
     device: torch.device,
     seed: int,
+    optimizer: FusedOptimizer | None,
+    run_dir: str | Path,
 ) -> EmbeddingBagCollection:
-    """The collection of ``tables``: dynamic when any of them is."""
+    """The collection of ``tables``: tiered when ``[model.storage]`` puts any of them off the
+    device, else dynamic when any of them is."""
     options = dynamic_options(config.dynamic, spec, tables)
+    storage = storage_options(
+        config.storage, tables, dynamic_features(config.dynamic, spec), run_dir
+    )
+    if storage:
+        if optimizer is None:
+            raise ValueError(
+                f"model.storage.tier = {config.storage.tier!r} needs the fused embedding update "
+                "(train.fused_embedding_update = true): a tiered table's stored rows hold its "
+                "optimizer state"
+            )
+        return TieredEmbeddingBagCollection(
+            tables, storage, optimizer, options, device=device, seed=seed
+        )
     if options:
         return DynamicEmbeddingBagCollection(tables, options, device=device, seed=seed)
     return EmbeddingBagCollection(tables, device=device)

@@ -11,6 +11,7 @@ from torch import nn
 from recsys.config import TrainConfig
 from recsys.embedding.interface import embedding_collections
 from recsys.embedding.optim import OPTIMIZERS as FUSED_OPTIMIZERS
+from recsys.embedding.optim import FusedOptimizer
 
 _OPTIMIZERS = {
     "adam": torch.optim.Adam,
@@ -20,21 +21,25 @@ _OPTIMIZERS = {
 }
 
 
+def fused_embedding_optimizer(config: TrainConfig) -> FusedOptimizer | None:
+    """The fused embedding optimizer ``[train]`` asks for (None without
+    ``fused_embedding_update``)."""
+    if not config.fused_embedding_update:
+        return None
+    return FUSED_OPTIMIZERS[config.embedding_optimizer](
+        lr=config.embedding_lr, stochastic_rounding=config.embedding_stochastic_rounding
+    )
+
+
 def configure_embedding_optimizer(config: TrainConfig, model: nn.Module) -> None:
     """With ``train.fused_embedding_update``, fuse the embedding optimizer into the backward of
     every embedding collection that is not frozen; call it before :func:`parallelize`, which
     hands the optimizer to the shards (a sharded collection refuses a new one). Otherwise check
     a torch optimizer of that name exists."""
     if config.fused_embedding_update:
-        fused = FUSED_OPTIMIZERS[config.embedding_optimizer]
         for collection in embedding_collections(model).values():
             if not collection.is_frozen():
-                collection.set_optimizer(
-                    fused(
-                        lr=config.embedding_lr,
-                        stochastic_rounding=config.embedding_stochastic_rounding,
-                    )
-                )
+                collection.set_optimizer(fused_embedding_optimizer(config))
     elif config.embedding_optimizer not in _OPTIMIZERS:
         raise ValueError(
             f"train.embedding_optimizer = {config.embedding_optimizer!r} only exists as a fused "

@@ -25,6 +25,11 @@ ranks of a 2-core machine there is no idle core for the exchange to run on, and 
 step measured 0.83x the plain one (``benchmarks/results/train_step.csv``). In one process there
 is no input_dist to run ahead. "on" pipelines anyway, "off" is the plain loop.
 
+Tiered tables (``[model.storage]``) are pipelined unless "off": pulling batch i+1 queues it on
+every tiered collection (:meth:`~recsys.embedding.tiered.TieredEmbeddingBagCollection.prefetch`),
+whose forward of batch i starts a thread bringing batch i+1's rows into the cache while batch i
+trains. Results are the plain loop's, bitwise (rows move exactly; batch i's rows are pinned).
+
 The exchange of batch i+1's ids overlaps step i: ``prefetch_input`` exchanges the counts (a
 small blocking all-to-all) and sends the lengths, ids and weights without waiting
 (:func:`recsys.distributed.comm.start_all_to_all_ids`); forward(i+1) waits for them. What it
@@ -41,6 +46,7 @@ from torch import nn
 from recsys.data.batch import Batch
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.interface import embedding_collections
+from recsys.train.tiered_tables import tiered_collections
 
 PIPELINE_MODES = ("auto", "on", "off")
 
@@ -91,8 +97,11 @@ class TrainPipeline:
     """
 
     def __init__(self, model: nn.Module, mode: str = "auto") -> None:
-        self.enabled = pipeline_enabled(mode, model)
-        self.collections = sharded_collections(model) if self.enabled else []
+        sharded = pipeline_enabled(mode, model)
+        self.collections = sharded_collections(model) if sharded else []
+        # Tiered tables prepare batch i+1's rows while batch i trains, unless "off".
+        self.tiered = tiered_collections(model) if mode != "off" else []
+        self.enabled = sharded or bool(self.tiered)
 
     def batches(
         self, loader: Iterable[Batch], start: int = 0, limit: int | None = None
@@ -120,7 +129,7 @@ class TrainPipeline:
                 yield index, current
                 index += 1
         finally:
-            for collection in self.collections:
+            for collection in [*self.collections, *self.tiered]:
                 collection.drop_prefetched()
             close = getattr(source, "close", None)
             if close is not None:  # a generator (BatchLoader's) stops its background thread
@@ -133,4 +142,6 @@ class TrainPipeline:
         if batch is not None:
             for collection in self.collections:
                 collection.prefetch_input(batch.sparse)
+            for collection in self.tiered:
+                collection.prefetch(batch.sparse)
         return batch

@@ -74,6 +74,7 @@ from recsys.train.models import build_model
 from recsys.train.optimizers import (
     build_optimizers,
     configure_embedding_optimizer,
+    fused_embedding_optimizer,
     learning_rates,
     task_loss_weights,
 )
@@ -84,6 +85,7 @@ from recsys.train.run_dir import CONFIG_FILE, METRICS_FILE, check_run_dir, clear
 from recsys.train.schedule import LRSchedule
 from recsys.train.step import TrainStep
 from recsys.train.stop import StopSignals, TrainingStopped
+from recsys.train.tiered_tables import TieredLog, tiered_collections
 
 
 @dataclass
@@ -165,6 +167,7 @@ class _Run:
         )
         if resume is not None:
             self.logger.log("resume", self.step, checkpoint=str(resume))
+        self.tiered_log = TieredLog(_unwrap(self.model))
         self.deltas = DeltaWriter(self.run_dir / DELTAS_DIR, ckpt.delta_every_steps)
         if stale := self.deltas.start(_unwrap(self.model), self.step):  # written after step
             self._print(f"removed {len(stale)} stale delta(s) after step {self.step}")
@@ -174,8 +177,18 @@ class _Run:
         embedding optimizer, frozen modules, and sharded over the ranks."""
         ckpt = self.config.checkpoint
         model = build_model(
-            self.config.model, self.dataset.spec, self.device, seed=self.config.run.seed
+            self.config.model,
+            self.dataset.spec,
+            self.device,
+            seed=self.config.run.seed,
+            embedding_optimizer=fused_embedding_optimizer(self.config.train),
+            run_dir=self.run_dir,
         )
+        if tiered_collections(model) and self.info.world_size > 1:
+            raise ValueError(
+                f"model.storage.tier = {self.config.model.storage.tier!r} runs in one process; "
+                f"this run has {self.info.world_size} ranks (tiered tables are not sharded yet)"
+            )
         if ckpt.init_from and resume is None:
             self._print(init_from_checkpoint(model, resolve_checkpoint(ckpt.init_from), ckpt))
         configure_embedding_optimizer(self.config.train, model)
@@ -318,7 +331,9 @@ class _Run:
         a stop when a signal arrived."""
         cfg, train_cfg, total_steps = self.config, self.config.train, self.total_steps
         if self.step % train_cfg.log_every_steps == 0 or self.step == total_steps:
+            steps = window.steps
             loss, rate, times = window.close(train_cfg.batch_size * self.info.world_size)
+            tiered = self.tiered_log.fields(steps)
             self.logger.log(
                 "train",
                 self.step,
@@ -328,11 +343,13 @@ class _Run:
                 **learning_rates(self.optimizers, self.model),
                 **times,
                 **dynamic_stat_fields(_unwrap(self.model)),
+                **tiered,
             )
             progress.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rate:,.0f}")
             if progress.disable:  # no bar: a log line instead
                 self._print(
                     f"step {self.step}/{total_steps}  loss {loss:.4f}  {rate:,.0f} samples/s"
+                    f"  {self.tiered_log.summary(tiered)}".rstrip()
                 )
         if train_cfg.eval_every_steps and self.step % train_cfg.eval_every_steps == 0:
             window.pause(self._validate)
@@ -468,10 +485,16 @@ class _Run:
             config=self.config,
             spec=self.dataset.spec,
             protect=self.best.step if self.best and self.config.checkpoint.keep_best else None,
+            write_files=self._save_tiered,
         )
         self._print(f"saved checkpoint {path}")
         self.last_checkpoint = path
         return path
+
+    def _save_tiered(self, directory: Path) -> None:
+        """Stream the tiered tables' rows into the checkpoint being written."""
+        for collection in tiered_collections(_unwrap(self.model)):
+            collection.tiered_files().save(directory)
 
     def _training_state(self) -> dict[str, Any]:
         """The model (sharded tables as ShardedTensors of their full shape, with their fused
@@ -527,6 +550,8 @@ class _Run:
         )
         load_checkpoint(path, state, verify=False)  # verified by _find_resume
         _unwrap(self.model).load_state_dict(state["model"])
+        for collection in tiered_collections(_unwrap(self.model)):
+            collection.tiered_files().load(path)
         for name, optimizer in self.optimizers.items():
             # load_checkpoint filled the live state in place, through the saved view of it
             set_optimizer_state_dict(self.model, [optimizer], live[name])
