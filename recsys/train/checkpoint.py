@@ -51,7 +51,9 @@ from recsys.config import Config, load_config, to_toml
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.interface import state_to_load
 from recsys.train.models import build_model
+from recsys.train.optimizers import fused_embedding_optimizer
 from recsys.train.ranks import all_gather, barrier, from_first_rank, is_distributed
+from recsys.train.tiered_tables import tiered_collections
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
@@ -389,7 +391,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Modul
     ``path`` is a checkpoint directory, or a run directory / its ``checkpoints/`` (their
     latest checkpoint). Works whatever world size and sharding plan the checkpoint was saved
     with: tables are read back whole. No optimizer is attached (the tables' optimizer states
-    are not read).
+    are not read; tiered tables keep theirs, in their rows, and load into host memory).
 
     Example::
 
@@ -399,11 +401,23 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Modul
     path = resolve_checkpoint(path)
     verify_checkpoint(path)  # before its sidecars are trusted
     config, spec = read_config(path), read_spec(path)
-    model = build_model(config.model, spec, torch.device(device), seed=config.run.seed)
+    if config.model.storage.tier == "disk":
+        # Never the training run's own files (a run may still be writing them): tiered tables
+        # load into host memory, which holds only the rows the checkpoint has.
+        config.model.storage.tier = "host"
+    model = build_model(
+        config.model,
+        spec,
+        torch.device(device),
+        seed=config.run.seed,
+        embedding_optimizer=fused_embedding_optimizer(config.train),
+    )
     shapes = checkpoint_shapes(path)
     state = {"model": state_to_load(model, shapes, "model.", tensor_reader(path))}
     load_checkpoint(path, state, verify=False)
     model.load_state_dict(state["model"])
+    for collection in tiered_collections(model):
+        collection.tiered_files().load(path)
     return model.eval()
 
 

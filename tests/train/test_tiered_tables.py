@@ -8,6 +8,8 @@ import json
 import pytest
 
 from recsys.config import load_config
+from recsys.train.checkpoint import load_model
+from recsys.train.tiered_tables import tiered_collections
 from recsys.train.trainer import train
 
 TINY = [
@@ -114,3 +116,16 @@ def test_storage_config_errors_are_named(tmp_path):
                 None, [*TINY, *DISK, f"--run.dir={tmp_path}", "--model.storage.cache_rows=100"]
             )
         )
+
+
+def test_load_model_reads_tiered_rows_without_touching_the_run(tiered_run):
+    result, run_dir = tiered_run
+    rows_file = run_dir / "tables" / "t_cat_2.rows"
+    before = rows_file.read_bytes()
+    model = load_model(result.checkpoint)
+    assert rows_file.read_bytes() == before  # the run's own store is left alone
+    collection = tiered_collections(model)[0]
+    assert collection.storage["t_cat_2"].tier == "host"
+    stored = sum(len(keys) for keys, _ in collection.caches["t_cat_2"].store.items(1 << 16))
+    saved = json.loads((result.checkpoint / "tiered.t_cat_2.json").read_text())["rows"]
+    assert stored == saved > 0
