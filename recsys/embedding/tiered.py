@@ -152,6 +152,17 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
                 f"dynamic tables {untiered} have storage tier 'device' in a tiered collection; "
                 "give them tier 'host' or 'disk' (or use DynamicEmbeddingBagCollection)"
             )
+        for name, table_options in dynamic.items():
+            unsupported = {
+                key: getattr(table_options, key)
+                for key in ("max_capacity", "memory_budget_mb", "ttl_steps")
+                if getattr(table_options, key)
+            }
+            if unsupported:
+                raise ValueError(
+                    f"dynamic table '{name}' is tiered, which keeps every key it admits: "
+                    f"{unsupported} is not supported there yet; expected 0 (or tier 'device')"
+                )
         tiered = {c.name: c for c in tables if options[c.name].tier != "device"}
         self._record_bytes = {
             name: _record_bytes(config, optimizer) for name, config in tiered.items()

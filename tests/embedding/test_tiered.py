@@ -196,3 +196,13 @@ def test_prefetch_never_evicts_a_pinned_row(tmp_path):
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
     assert sum(c.stats["evicted"] for c in tiered.caches.values()) > 0
+
+
+def test_unsupported_dynamic_options_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="'ttl_steps': 5"):
+        TieredEmbeddingBagCollection(
+            configs(),
+            StorageOptions(tier="host", cache_rows=64),
+            SGD(lr=0.1),
+            dynamic={"a": DynamicTableOptions(ttl_steps=5)},
+        )
