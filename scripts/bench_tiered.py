@@ -1,0 +1,681 @@
+"""Benchmark tiered tables: DLRM over tables larger than RAM, and step time and hit rate at cache
+sizes of 1%, 10% and 50% of the rows against the same tables held in memory.
+
+Every case trains ``recsys.models.DLRM`` (bottom MLP 13 -> 128 -> D, dot interaction, top MLP
+256 -> 128 -> 1; dense part under Adam, tables under the fused ``RowWiseAdagrad``) on the same
+synthetic log, in a subprocess of its own so that its peak RSS (``VmHWM``) is its own. The tiered
+cases run :class:`~recsys.embedding.tiered.TieredEmbeddingBagCollection` as the trainer does:
+``ebc.prefetch(next batch)`` after each forward, so the next batch's rows are prepared in the
+background while this one trains.
+
+Modes:
+
+- ``--sweep`` (default): ``--tables`` (4) tables of ``--rows`` (2M) rows, dim 64 (2.1 GiB of
+  weights and RowWiseAdagrad state in all: fits in RAM). ``memory``: the in-memory
+  ``EmbeddingBagCollection``; ``host`` and ``disk`` tiers at cache sizes ``--cache-fractions``
+  (1%, 10%, 50% of each table's rows). ``--warmup`` (20) untimed steps, then ``--steps`` (100)
+  timed ones; the counters are over the timed steps.
+- ``--large``: the larger-than-RAM run: ``--large-tables`` (8) tables of ``--large-rows`` (20M)
+  rows, dim 64: 160M rows x 261 bytes (256 of weights, 4 of RowWiseAdagrad state, 1 flag) =
+  38.9 GiB of logical table, 1.65x this machine's 23.5 GiB of RAM, tier ``disk`` in sparse files
+  under ``--dir`` (untouched rows take no disk), a cache of ``--large-cache-fraction`` (1%) of
+  each table's rows. ``--large-steps`` (300) steps, the first ``--warmup`` untimed. Its peak RSS
+  is checked against ``--rss-budget-gib`` (6): over it, the script says so and exits with
+  status 1 (after writing the row).
+
+Data (the same batches for every case of a mode): one id per table and sample (one-hot, as
+Criteo), ``--batch`` (4096) samples a step. Ids are Zipf(``--zipf`` = 1.05) ranks over the
+table's N rows, drawn by the inverse CDF of the continuous power law on [1, N+1) (no
+N-entry probability vector), then scrambled rank -> row by ``(rank * a + c) mod N`` (a coprime
+to N, per table) so the hot rows are spread over the file. Labels come from a planted model:
+``logit = 1.5 * z_ids + 0.75 * z_dense``, ``z_ids`` the sum over tables of a per-id effect
+``h(table, id)`` (a hash of the id mapped to [-1, 1]) scaled to unit variance, ``z_dense`` a fixed
+unit direction of the 13 N(0, 1) dense features; label ~ Bernoulli(sigmoid(logit)). After
+training, AUC on ``--eval-batches`` (20) held-out batches of the same distribution (the notes give
+the planted logit's own AUC on them, the ceiling: tail ids are seen too rarely to learn).
+
+Columns (besides device, versions, commit, timestamp, notes): ``step_ms_*`` percentiles of the
+timed steps (forward, the prefetch call, backward with the fused update, the dense optimizer);
+``hit_rate`` = hits / lookups (distinct ids per batch and table); ``fetched_per_step`` rows read
+back from the store, ``written_back_per_step`` dirty rows written to it on eviction (rows new to
+the store are initialized lazily and counted in the notes), ``prefetch_wait_ms_per_step`` the
+time forwards waited for their prefetch (not hidden behind compute); ``disk_gib_used`` the
+allocated blocks of the case's files (``du``) after the run; ``peak_rss_gib`` the worker's
+``VmHWM``. Sizes are GiB (2**30 bytes). The disk tier's pages live in the kernel's page cache,
+which is not the process's RSS (the store drops its mapping after every call); the notes give
+the RSS split at the end.
+
+Run: ``python scripts/bench_tiered.py [--sweep] [--large] [--quick] [--dir DIR]``. Rows are
+appended to ``benchmarks/results/tiered.csv`` (its own columns; device, versions and commit from
+``scripts/_harness.py``); ``--quick`` (tiny sizes, a few steps) writes no rows unless
+``--write``, and then marks them quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from _harness import environment, format_table, load_note, results_dir, summarize
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.optim import RowWiseAdagrad
+from recsys.embedding.tiered import StorageOptions, TieredEmbeddingBagCollection
+from recsys.models import DLRM
+
+TOPIC = "tiered"
+COLUMNS = (
+    "case",
+    "tier",
+    "tables",
+    "rows_total",
+    "logical_gib",
+    "cache_fraction",
+    "cache_rows",
+    "batch",
+    "steps",
+    "step_ms_p50",
+    "step_ms_p20",
+    "step_ms_p80",
+    "hit_rate",
+    "fetched_per_step",
+    "initialized_per_step",
+    "written_back_per_step",
+    "prefetch_wait_ms_per_step",
+    "disk_gib_used",
+    "peak_rss_gib",
+    "rss_budget_gib",
+    "auc",
+    "device",
+    "versions",
+    "commit",
+    "timestamp",
+    "notes",
+)
+GIB = 1 << 30
+NUM_DENSE = 13
+DIM = 64
+BOTTOM = [128, DIM]
+TOP = [256, 128, 1]
+ID_WEIGHT, DENSE_WEIGHT = 1.5, 0.75
+MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+@dataclasses.dataclass
+class Case:
+    """One worker's run (passed to the subprocess as JSON)."""
+
+    name: str
+    tier: str  # "memory" (EmbeddingBagCollection), "host" or "disk"
+    num_tables: int
+    rows: int  # per table
+    cache_fraction: float  # of each table's rows (tiered only)
+    batch: int
+    warmup: int
+    steps: int  # timed steps, after warmup
+    eval_batches: int
+    zipf: float
+    seed: int
+    threads: int
+    lr_embedding: float
+    lr_dense: float
+    directory: str  # disk tier: where the table files go (removed after the run)
+    rss_budget_gib: float = 0.0  # 0: none
+    madv_random: bool = True  # disk tier: advise the mappings MADV_RANDOM (see random_access)
+
+    @property
+    def cache_rows(self) -> int:
+        return max(int(self.rows * self.cache_fraction), 1) if self.tier != "memory" else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# data: Zipf ids, planted labels
+
+
+def zipf_ranks(num: int, num_rows: int, exponent: float, gen: torch.Generator) -> torch.Tensor:
+    """``num`` int64 ranks in [0, num_rows), P(rank r) ~ (r + 1) ** -exponent: the inverse CDF of
+    the continuous power law on [1, num_rows + 1), floored."""
+    u = torch.rand(num, generator=gen, dtype=torch.float64)
+    if abs(exponent - 1.0) < 1e-9:
+        x = torch.pow(num_rows + 1.0, u)
+    else:
+        a = 1.0 - exponent
+        x = torch.pow(1.0 + u * ((num_rows + 1.0) ** a - 1.0), 1.0 / a)
+    return (x.floor().long() - 1).clamp_(0, num_rows - 1)
+
+
+def scramble(ranks: torch.Tensor, num_rows: int, table: int) -> torch.Tensor:
+    """Rank -> row, a bijection of [0, num_rows): ``(rank * a + c) mod num_rows``, ``a`` coprime
+    to ``num_rows``; hot ranks land all over the table."""
+    a = (0x9E3779B1 + 2 * table * 0x632BE5AB) % num_rows or 1
+    while math.gcd(a, num_rows) != 1:
+        a += 1
+    c = (table * 0x5851F42D) % num_rows
+    return (ranks * a + c) % num_rows  # ranks, a < num_rows < 2**31: no int64 overflow
+
+
+def id_effect(ids: torch.Tensor, table: int) -> torch.Tensor:
+    """The planted effect of each id of ``table`` in [-1, 1] (splitmix64 of table and id)."""
+    with np.errstate(over="ignore"):
+        x = ids.numpy().astype(np.uint64) + np.uint64((table + 1) * 0x9E3779B97F4A7C15 & MASK64)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    unit = (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return torch.from_numpy(unit * 2.0 - 1.0)
+
+
+@dataclasses.dataclass
+class Batch:
+    dense: torch.Tensor  # [B, 13]
+    sparse: KeyedJaggedTensor  # one id per table and sample
+    labels: torch.Tensor  # [B, 1]
+    logits: torch.Tensor  # [B] the planted model's
+
+
+def make_batches(case: Case, num: int, seed: int) -> list[Batch]:
+    """``num`` batches of the case's data (the same for every case of a mode and seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    direction = torch.randn(NUM_DENSE, generator=torch.Generator().manual_seed(case.seed))
+    direction /= direction.norm()
+    keys = [f"f{t}" for t in range(case.num_tables)]
+    lengths = torch.ones(case.num_tables * case.batch, dtype=torch.int64)
+    batches = []
+    for _ in range(num):
+        ids = [
+            scramble(zipf_ranks(case.batch, case.rows, case.zipf, gen), case.rows, t)
+            for t in range(case.num_tables)
+        ]
+        effects = torch.stack([id_effect(v, t) for t, v in enumerate(ids)]).sum(0)
+        z_ids = effects / math.sqrt(case.num_tables / 3.0)  # each effect has variance 1/3
+        dense = torch.randn(case.batch, NUM_DENSE, generator=gen)
+        logits = ID_WEIGHT * z_ids.float() + DENSE_WEIGHT * (dense @ direction)
+        labels = torch.bernoulli(torch.sigmoid(logits), generator=gen).unsqueeze(1)
+        sparse = KeyedJaggedTensor(keys=keys, values=torch.cat(ids), lengths=lengths)
+        batches.append(Batch(dense, sparse, labels, logits))
+    return batches
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """ROC AUC by the rank formula (ties get their average rank)."""
+    scores, labels = scores.double().flatten(), labels.flatten() > 0.5
+    order = torch.argsort(scores)
+    sorted_scores = scores[order]
+    _, inverse, counts = torch.unique_consecutive(
+        sorted_scores, return_inverse=True, return_counts=True
+    )
+    ends = torch.cumsum(counts, 0).double()
+    average = (ends - (counts.double() - 1) / 2)[inverse]  # 1-based average rank of each tie
+    ranks = torch.empty_like(average)
+    ranks[order] = average
+    positives = int(labels.sum())
+    negatives = len(labels) - positives
+    if not positives or not negatives:
+        return float("nan")
+    total = float(ranks[labels].sum()) - positives * (positives + 1) / 2
+    return total / (positives * negatives)
+
+
+# ---------------------------------------------------------------------------------------------
+# worker: build, train, measure
+
+
+def build(case: Case) -> tuple[DLRM, EmbeddingBagCollection, torch.optim.Optimizer]:
+    """The model, its collection (tiered or in memory) and the dense optimizer."""
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{t}", embedding_dim=DIM, num_embeddings=case.rows, feature_names=[f"f{t}"]
+        )
+        for t in range(case.num_tables)
+    ]
+    optimizer = RowWiseAdagrad(lr=case.lr_embedding)
+    if case.tier == "memory":
+        ebc = EmbeddingBagCollection(tables, optimizer=optimizer)
+    else:
+        storage = StorageOptions(
+            tier=case.tier,
+            cache_rows=case.cache_rows,
+            path=case.directory if case.tier == "disk" else "",
+        )
+        ebc = TieredEmbeddingBagCollection(tables, storage, optimizer, seed=case.seed)
+        if case.tier == "disk" and case.madv_random and random_access(ebc) != case.num_tables:
+            raise RuntimeError("MADV_RANDOM workaround: a disk table has no mapping")
+    torch.manual_seed(case.seed)
+    model = DLRM(ebc, NUM_DENSE, BOTTOM, TOP)
+    table_params = {id(p) for p in ebc.parameters()}
+    dense = [p for p in model.parameters() if id(p) not in table_params and p.requires_grad]
+    return model, ebc, torch.optim.Adam(dense, lr=case.lr_dense)
+
+
+def random_access(ebc: TieredEmbeddingBagCollection) -> int:
+    """Advise every disk table's mapping ``MADV_RANDOM``; the number of mappings advised.
+
+    A workaround, until ``recsys.embedding.row_store.DiskRecords`` does it itself: without it
+    every page fault on the mapping reads around the faulting page (``read_ahead_kb``, 8 MiB on
+    this machine's disk), so each missed row pulls megabytes of the file into the page cache,
+    and tables larger than RAM thrash it (measured: 8 tables of 20M rows, ~2500 reads and 1250
+    writes each, 15-20 s a step against 0.3 s with the advice). Reaches into the store's
+    private ``_map`` (the mapping is re-made by ``clear`` and ``grow``; neither runs after
+    construction here)."""
+    advised = 0
+    for cache in ebc.caches.values():
+        mapping = getattr(cache.store.records, "_map", None)
+        if isinstance(mapping, mmap.mmap):
+            mapping.madvise(mmap.MADV_RANDOM)
+            advised += 1
+    return advised
+
+
+def counters(ebc: EmbeddingBagCollection) -> dict[str, float]:
+    """The tiered counters summed over tables (zeros in memory)."""
+    if not isinstance(ebc, TieredEmbeddingBagCollection):
+        return {}
+    totals: dict[str, float] = {}
+    for stats in ebc.tiered_stats().values():
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0) + value
+    totals["prefetch_wait_s"] = ebc.prefetch_wait_seconds  # the collection's, not per table
+    return totals
+
+
+def train(case: Case, model, ebc, dense_optimizer, batches: list[Batch]) -> dict:
+    """Train on ``batches`` (prefetching one ahead when tiered): step times (ms) of the timed
+    steps and the counters over them."""
+    tiered = isinstance(ebc, TieredEmbeddingBagCollection)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    model.train()
+    times, before, losses = [], {}, []
+    if tiered:
+        ebc.prefetch(batches[0].sparse)
+    for i, batch in enumerate(batches):
+        if i == case.warmup:
+            if tiered:
+                ebc.wait_prefetch()  # this batch's prefetch counts in the timed steps
+            before = counters(ebc)
+        start = time.perf_counter()
+        logits = model(batch.dense, batch.sparse)
+        if tiered and i + 1 < len(batches):
+            ebc.prefetch(batches[i + 1].sparse)
+        loss = loss_fn(logits, batch.labels)
+        dense_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        dense_optimizer.step()
+        if i >= case.warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+        losses.append(float(loss))
+        if (i + 1) % 50 == 0:
+            print(f"  step {i + 1}/{len(batches)} loss {sum(losses[-50:]) / 50:.4f}", flush=True)
+    after = counters(ebc)
+    return {"times": times, "counters": {k: after[k] - before.get(k, 0) for k in after}}
+
+
+def evaluate(model, ebc, batches: list[Batch]) -> tuple[float, float]:
+    """(the model's AUC, the planted logit's AUC) on held-out ``batches``."""
+    if isinstance(ebc, TieredEmbeddingBagCollection):
+        ebc.drop_prefetched()
+    model.eval()
+    scores = []
+    with torch.no_grad():
+        for batch in batches:
+            scores.append(model(batch.dense, batch.sparse).squeeze(1))
+    labels = torch.cat([b.labels.squeeze(1) for b in batches])
+    planted = torch.cat([b.logits for b in batches])
+    return auc(torch.cat(scores), labels), auc(planted, labels)
+
+
+def process_memory() -> dict[str, float]:
+    """GiB from /proc/self/status: peak RSS (VmHWM) and the RSS now, anonymous and file."""
+    fields = {"VmHWM": "peak", "RssAnon": "anon", "RssFile": "file"}
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in fields:
+                out[fields[key]] = int(line.split()[1]) * 1024 / GIB
+    return out
+
+
+def disk_used(directory: str) -> int:
+    """Bytes allocated under ``directory`` (as ``du``: blocks, not file lengths)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            total += os.stat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+def run_worker(case: Case) -> dict:
+    """Build, train and evaluate one case; its measurements."""
+    torch.set_num_threads(case.threads)
+    start = time.perf_counter()
+    batches = make_batches(case, case.warmup + case.steps, case.seed)
+    held_out = make_batches(case, case.eval_batches, case.seed + 1)
+    model, ebc, dense_optimizer = build(case)
+    setup_s = time.perf_counter() - start
+    print(f"  {case.name}: setup {setup_s:.1f} s", flush=True)
+    trained = train(case, model, ebc, dense_optimizer, batches)
+    train_s = time.perf_counter() - start - setup_s
+    model_auc, planted_auc = evaluate(model, ebc, held_out)
+    memory = process_memory()
+    disk = disk_used(case.directory) if case.tier == "disk" else 0
+    return {
+        "times": trained["times"],
+        "counters": trained["counters"],
+        "auc": model_auc,
+        "planted_auc": planted_auc,
+        "memory": memory,
+        "disk_bytes": disk,
+        "setup_s": setup_s,
+        "train_s": train_s,
+        "load": load_note(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# parent: cases, subprocesses, rows
+
+
+def record_bytes(case: Case) -> int:
+    """Bytes of one stored row: dim fp32 weights, RowWiseAdagrad's one float, one flag byte."""
+    return DIM * 4 + 4 + 1
+
+
+def run_case(case: Case) -> dict:
+    """Run ``case`` in a subprocess; its row (a failed run: a row whose notes say why)."""
+    print(f"{case.name}: tier={case.tier} cache={case.cache_rows} rows/table", flush=True)
+    if case.tier == "disk":
+        os.makedirs(case.directory, exist_ok=True)
+    command = [sys.executable, __file__, "--worker", json.dumps(dataclasses.asdict(case))]
+    start, result, output = time.perf_counter(), None, []
+    try:
+        with subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as worker:
+            for line in worker.stdout:  # progress as it comes
+                if line.startswith("RESULT "):
+                    result = json.loads(line[len("RESULT ") :])
+                else:
+                    output.append(line.rstrip())
+                    print(line, end="", flush=True)
+    finally:
+        if case.tier == "disk":
+            shutil.rmtree(case.directory, ignore_errors=True)
+    wall = time.perf_counter() - start
+    if result is None:
+        error = ([line for line in output if line.strip()] or ["no output"])[-1]
+        print(f"  FAILED ({wall:.0f} s, exit {worker.returncode}): {error}", flush=True)
+        return row_of(case, None, f"worker failed (exit {worker.returncode}): {error}")
+    print(f"  done in {wall:.0f} s", flush=True)
+    return row_of(case, result, "")
+
+
+def row_of(case: Case, result: dict | None, failure: str) -> dict:
+    """The CSV row of a case's result (None: failed, ``failure`` in the notes)."""
+    tiered = case.tier != "memory"
+    rows_total = case.num_tables * case.rows
+    row = {
+        "case": case.name,
+        "tier": case.tier,
+        "tables": f"{case.num_tables}x{case.rows}xD{DIM}",
+        "rows_total": rows_total,
+        "logical_gib": rows_total * record_bytes(case) / GIB,
+        "cache_fraction": case.cache_fraction if tiered else "",
+        "cache_rows": case.cache_rows * case.num_tables if tiered else "",
+        "batch": case.batch,
+        "steps": case.steps,
+        "rss_budget_gib": case.rss_budget_gib or "",
+    }
+    if result is None:
+        return {**row, "notes": failure, "failed": True}
+    timing, c = summarize(result["times"]), result["counters"]
+    steps = len(result["times"])
+    memory = result["memory"]
+    row.update(
+        step_ms_p50=timing.p50_ms,
+        step_ms_p20=timing.p20_ms,
+        step_ms_p80=timing.p80_ms,
+        hit_rate=c["hits"] / c["lookups"] if tiered and c["lookups"] else "",
+        fetched_per_step=c["fetched"] / steps if tiered else "",
+        initialized_per_step=c["initialized"] / steps if tiered else "",
+        written_back_per_step=c["written_back"] / steps if tiered else "",
+        prefetch_wait_ms_per_step=c["prefetch_wait_s"] * 1e3 / steps if tiered else "",
+        disk_gib_used=result["disk_bytes"] / GIB if case.tier == "disk" else "",
+        peak_rss_gib=memory["peak"],
+        auc=result["auc"],
+        notes=notes_of(case, result),
+        over_budget=bool(case.rss_budget_gib) and memory["peak"] > case.rss_budget_gib,
+    )
+    return row
+
+
+def notes_of(case: Case, result: dict) -> str:
+    """What else a reader needs: the setup, the planted AUC, the rest of the counters."""
+    c, memory = result["counters"], result["memory"]
+    steps = len(result["times"])
+    parts = [
+        f"DLRM bottom 13-{'-'.join(map(str, BOTTOM))} top {'-'.join(map(str, TOP))}, "
+        f"RowWiseAdagrad lr {case.lr_embedding} + Adam lr {case.lr_dense}",
+        f"zipf {case.zipf} one id per table and sample; warmup {case.warmup} steps untimed",
+        f"AUC on {case.eval_batches}x{case.batch} held-out samples; planted logit's AUC "
+        f"{result['planted_auc']:.4f}",
+        f"RSS at end anon {memory['anon']:.2f} GiB file {memory['file']:.2f} GiB",
+        f"setup {result['setup_s']:.0f} s, train {result['train_s']:.0f} s",
+        f"torch threads {case.threads}",
+        result["load"],
+    ]
+    if case.tier != "memory":
+        parts.insert(
+            3,
+            f"hit rate of rows seen before {reuse_hit_rate(c):.4f}; "
+            f"per step: lookups {c['lookups'] / steps:.0f} misses {c['misses'] / steps:.0f} "
+            f"initialized {c['initialized'] / steps:.0f} evicted {c['evicted'] / steps:.0f} "
+            f"MiB read {c['bytes_read'] / steps / 2**20:.2f} written "
+            f"{c['bytes_written'] / steps / 2**20:.2f}",
+        )
+    if case.tier == "disk":
+        advice = "MADV_RANDOM (bench workaround)" if case.madv_random else "library's (read-around)"
+        parts.append(f"dir {case.directory}; mmap advice {advice}")
+    if case.rss_budget_gib:
+        verdict = "OVER" if memory["peak"] > case.rss_budget_gib else "under"
+        parts.insert(0, f"peak RSS {memory['peak']:.2f} GiB {verdict} budget "
+                        f"{case.rss_budget_gib} GiB")  # fmt: skip
+    return "; ".join(parts)
+
+
+def reuse_hit_rate(c: dict[str, float]) -> float:
+    """Hits over the lookups of rows the table held before (first touches left out: no cache
+    size avoids those misses)."""
+    seen = c["lookups"] - c["initialized"]
+    return c["hits"] / seen if seen else float("nan")
+
+
+def sweep_cases(args: argparse.Namespace, base: dict) -> list[Case]:
+    cases = [Case(name="sweep_memory", tier="memory", cache_fraction=0.0, **base)]
+    for tier in ("host", "disk"):
+        for fraction in args.cache_fractions:
+            directory = os.path.join(args.dir, f"sweep_{tier}_{fraction:g}")
+            cases.append(
+                Case(
+                    name=f"sweep_{tier}_{fraction:g}",
+                    tier=tier,
+                    cache_fraction=fraction,
+                    **{**base, "directory": directory},
+                )  # fmt: skip
+            )
+    return cases
+
+
+def large_case(args: argparse.Namespace, base: dict) -> Case:
+    return Case(
+        name="large_disk",
+        tier="disk",
+        cache_fraction=args.large_cache_fraction,
+        rss_budget_gib=args.rss_budget_gib,
+        **{
+            **base,
+            "num_tables": args.large_tables,
+            "rows": args.large_rows,
+            "steps": args.large_steps - args.warmup,
+            "directory": os.path.join(args.dir, "large"),
+        },
+    )
+
+
+def write_csv(rows: list[dict], env: dict[str, str], out_dir: Path | None) -> Path:
+    """Append ``rows`` to ``<results dir>/tiered.csv`` (header when new).
+
+    Raises:
+        ValueError: the file exists with other columns (move it aside).
+    """
+    path = results_dir(out_dir) / f"{TOPIC}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new_file = not path.exists() or path.stat().st_size == 0
+    if not new_file:
+        with open(path, newline="") as f:
+            header = tuple(next(csv.reader(f), []))
+        if header != COLUMNS:
+            raise ValueError(f"{path} has columns {list(header)}; expected {list(COLUMNS)}")
+    with open(path, "a", newline="") as f:
+        writer = csv.writer(f)
+        if new_file:
+            writer.writerow(COLUMNS)
+        for row in rows:
+            full = {**env, **row}
+            writer.writerow([_format(full.get(c, "")) for c in COLUMNS])
+    return path
+
+
+def _format(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 1e6 else f"{value:.0f}"
+    return str(value)
+
+
+def print_rows(rows: list[dict]) -> None:
+    header = ["case", "cache rows", "step ms p50", "hit rate", "fetched/step", "new/step",
+              "written/step", "wait ms/step", "disk GiB", "peak RSS GiB", "AUC"]  # fmt: skip
+    keys = ["case", "cache_rows", "step_ms_p50", "hit_rate", "fetched_per_step",
+            "initialized_per_step", "written_back_per_step", "prefetch_wait_ms_per_step",
+            "disk_gib_used", "peak_rss_gib", "auc"]  # fmt: skip
+    lines = [[_short(r.get(k, "")) for k in keys] for r in rows]
+    print(format_table(header, lines))
+
+
+def _short(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("--sweep", action="store_true", help="cache-size sweep vs in memory (default mode)")
+    add("--large", action="store_true", help="the larger-than-RAM disk run")
+    add("--quick", action="store_true", help="tiny sizes, a few steps; no rows unless --write")
+    add("--write", action="store_true", help="with --quick: append the rows (marked quick)")
+    add("--dir", default=None, help="disk tier files (default: a new directory under /tmp)")
+    add("--tables", type=int, default=4, help="sweep: tables")
+    add("--rows", type=int, default=2_000_000, help="sweep: rows per table")
+    add("--cache-fractions", type=float, nargs="+", default=[0.01, 0.1, 0.5])
+    add("--large-tables", type=int, default=8)
+    add("--large-rows", type=int, default=20_000_000, help="large: rows per table")
+    add("--large-cache-fraction", type=float, default=0.01)
+    add("--large-steps", type=int, default=300, help="large: steps in all, warmup included")
+    add("--rss-budget-gib", type=float, default=6.0, help="large: peak RSS allowed")
+    add("--batch", type=int, default=4096)
+    add("--warmup", type=int, default=20, help="untimed steps")
+    add("--steps", type=int, default=100, help="sweep: timed steps")
+    add("--eval-batches", type=int, default=20)
+    add("--zipf", type=float, default=1.05)
+    add("--lr-embedding", type=float, default=0.05)
+    add("--lr-dense", type=float, default=3e-3)
+    add("--threads", type=int, default=1, help="torch threads (the prefetch thread is another)")
+    add("--seed", type=int, default=0)
+    add("--out-dir", type=Path, default=None, help="results directory")
+    add(
+        "--library-readahead",
+        action="store_true",
+        help="disk tier: leave the mappings as the library makes them (no MADV_RANDOM)",
+    )
+    add("--device", default="cpu", help="cpu only (the tiered tables' CPU path)")
+    add("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    for name in ("tables", "rows", "large_tables", "large_rows", "batch", "steps",
+                 "eval_batches", "threads"):  # fmt: skip
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}; expected >= 1")
+    if args.large_steps <= args.warmup:
+        raise ValueError(f"--large-steps={args.large_steps}; expected > --warmup={args.warmup}")
+    for fraction in [*args.cache_fractions, args.large_cache_fraction]:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"cache fraction {fraction}; expected in (0, 1]")
+    return args
+
+
+def quick_sizes(args: argparse.Namespace) -> None:
+    """--quick: tiny tables, a few steps."""
+    args.rows, args.large_rows, args.large_tables = 100_000, 200_000, 8
+    args.batch, args.warmup, args.steps, args.large_steps = 256, 3, 8, 16
+    args.eval_batches = 4
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker is not None:
+        result = run_worker(Case(**json.loads(args.worker)))
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    if args.device != "cpu":
+        raise SystemExit(f"--device {args.device}: this benchmark runs the CPU path only")
+    if args.quick:
+        quick_sizes(args)
+    own_dir = args.dir is None
+    args.dir = args.dir or tempfile.mkdtemp(prefix="bench_tiered_", dir="/tmp")
+    base = dict(
+        num_tables=args.tables, rows=args.rows, batch=args.batch, warmup=args.warmup,
+        steps=args.steps, eval_batches=args.eval_batches, zipf=args.zipf, seed=args.seed,
+        threads=args.threads, lr_embedding=args.lr_embedding, lr_dense=args.lr_dense,
+        directory="", madv_random=not args.library_readahead,
+    )  # fmt: skip
+    cases = sweep_cases(args, base) if args.sweep or not args.large else []
+    if args.large:
+        cases.append(large_case(args, base))
+    env = environment(torch.device("cpu"))
+    print(f"device: {env['device']}\nversions: {env['versions']}\ncommit: {env['commit']}")
+    print(f"disk tier files under {args.dir}", flush=True)
+    try:
+        rows = [run_case(case) for case in cases]
+    finally:
+        if own_dir:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    print_rows(rows)
+    if args.quick:
+        for row in rows:
+            row["case"] = "quick_" + row["case"]
+    if not args.quick or args.write:
+        path = write_csv(rows, env, args.out_dir)
+        print(f"\n{len(rows)} rows appended to {path}")
+    over = [r for r in rows if r.get("over_budget")]
+    for row in over:
+        print(f"\nFAILED: {row['case']}: peak RSS {row['peak_rss_gib']:.2f} GiB is over the "
+              f"budget of {row['rss_budget_gib']} GiB", file=sys.stderr)  # fmt: skip
+    failed = [r for r in rows if r.get("failed")]
+    if over or failed:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
