@@ -699,7 +699,7 @@ def parse_args() -> argparse.Namespace:
     add("--stores", nargs="+", choices=STORES, default=list(STORES))
     add("--num-keys", type=int, nargs="+", default=None, help="N (default 2M 8M; quick 200k)")
     add("--record-bytes", type=int, nargs="+", default=[68, 260], help="bytes per record")
-    add("--quick", action="store_true", help="N = 200k: a smoke run of seconds")
+    add("--quick", action="store_true", help="N = 200k: a smoke run of about half a minute")
     add("--full", action="store_true", help="the default sizes (accepted for make bench)")
     add("--device", default="cpu", help="accepted for gpu_check.sh; the stores are on the host")
     add("--batch", type=int, default=8192, help="U: distinct keys per get / put call")
