@@ -34,16 +34,21 @@ unit direction of the 13 N(0, 1) dense features; label ~ Bernoulli(sigmoid(logit
 training, AUC on ``--eval-batches`` (20) held-out batches of the same distribution (the notes give
 the planted logit's own AUC on them, the ceiling: tail ids are seen too rarely to learn).
 
-Columns (besides device, versions, commit, timestamp, notes): ``step_ms_*`` percentiles of the
-timed steps (forward, the prefetch call, backward with the fused update, the dense optimizer);
-``hit_rate`` = hits / lookups (distinct ids per batch and table); ``fetched_per_step`` rows read
-back from the store, ``written_back_per_step`` dirty rows written to it on eviction (rows new to
-the store are initialized lazily and counted in the notes), ``prefetch_wait_ms_per_step`` the
-time forwards waited for their prefetch (not hidden behind compute); ``disk_gib_used`` the
-allocated blocks of the case's files (``du``) after the run; ``peak_rss_gib`` the worker's
-``VmHWM``. Sizes are GiB (2**30 bytes). The disk tier's pages live in the kernel's page cache,
-which is not the process's RSS (the store drops its mapping after every call); the notes give
-the RSS split at the end.
+Columns (besides device, versions, commit, timestamp, notes): ``cache_rows`` summed over the
+tables; ``step_ms_*`` percentiles of the timed steps (forward, the prefetch call, backward with
+the fused update, the dense optimizer); ``hit_rate`` = hits / lookups (distinct ids per batch and
+table; a row's first touch is a miss at any cache size, so the notes also give the hit rate of
+rows seen before); ``fetched_per_step`` rows read back from the store, ``initialized_per_step``
+rows new to the table (initialized lazily, no read), ``written_back_per_step`` dirty rows written
+to the store on eviction, ``prefetch_wait_ms_per_step`` the time forwards waited for their
+prefetch (not hidden behind compute); ``disk_gib_used`` the allocated blocks of the case's files
+(``du``) after the run; ``peak_rss_gib`` the worker's ``VmHWM``. Sizes are GiB (2**30 bytes).
+The disk tier's pages live in the kernel's page cache, which is not the process's RSS (the store
+drops its mapping after every call); the notes give the RSS split at the end.
+
+Disk tier workaround: the script advises each table's mapping ``MADV_RANDOM`` (see
+:func:`random_access`; ``--library-readahead`` leaves it out). Without it, page faults read
+around (8 MiB here) and tables larger than RAM thrash the page cache: 15-20 s a step.
 
 Run: ``python scripts/bench_tiered.py [--sweep] [--large] [--quick] [--dir DIR]``. Rows are
 appended to ``benchmarks/results/tiered.csv`` (its own columns; device, versions and commit from
@@ -79,32 +84,11 @@ from recsys.models import DLRM
 
 TOPIC = "tiered"
 COLUMNS = (
-    "case",
-    "tier",
-    "tables",
-    "rows_total",
-    "logical_gib",
-    "cache_fraction",
-    "cache_rows",
-    "batch",
-    "steps",
-    "step_ms_p50",
-    "step_ms_p20",
-    "step_ms_p80",
-    "hit_rate",
-    "fetched_per_step",
-    "initialized_per_step",
-    "written_back_per_step",
-    "prefetch_wait_ms_per_step",
-    "disk_gib_used",
-    "peak_rss_gib",
-    "rss_budget_gib",
-    "auc",
-    "device",
-    "versions",
-    "commit",
-    "timestamp",
-    "notes",
+    *("case", "tier", "tables", "rows_total", "logical_gib", "cache_fraction", "cache_rows"),
+    *("batch", "steps", "step_ms_p50", "step_ms_p20", "step_ms_p80", "hit_rate"),
+    *("fetched_per_step", "initialized_per_step", "written_back_per_step"),
+    *("prefetch_wait_ms_per_step", "disk_gib_used", "peak_rss_gib", "rss_budget_gib", "auc"),
+    *("device", "versions", "commit", "timestamp", "notes"),
 )
 GIB = 1 << 30
 NUM_DENSE = 13
@@ -316,7 +300,7 @@ def train(case: Case, model, ebc, dense_optimizer, batches: list[Batch]) -> dict
         dense_optimizer.step()
         if i >= case.warmup:
             times.append((time.perf_counter() - start) * 1e3)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if (i + 1) % 50 == 0:
             print(f"  step {i + 1}/{len(batches)} loss {sum(losses[-50:]) / 50:.4f}", flush=True)
     after = counters(ebc)
@@ -389,9 +373,8 @@ def run_worker(case: Case) -> dict:
 # parent: cases, subprocesses, rows
 
 
-def record_bytes(case: Case) -> int:
-    """Bytes of one stored row: dim fp32 weights, RowWiseAdagrad's one float, one flag byte."""
-    return DIM * 4 + 4 + 1
+RECORD_BYTES = DIM * 4 + 4 + 1
+"""Bytes of one stored row: D fp32 weights, RowWiseAdagrad's one float, the store's flag byte."""
 
 
 def run_case(case: Case) -> dict:
@@ -432,7 +415,7 @@ def row_of(case: Case, result: dict | None, failure: str) -> dict:
         "tier": case.tier,
         "tables": f"{case.num_tables}x{case.rows}xD{DIM}",
         "rows_total": rows_total,
-        "logical_gib": rows_total * record_bytes(case) / GIB,
+        "logical_gib": rows_total * RECORD_BYTES / GIB,
         "cache_fraction": case.cache_fraction if tiered else "",
         "cache_rows": case.cache_rows * case.num_tables if tiered else "",
         "batch": case.batch,
@@ -491,8 +474,8 @@ def notes_of(case: Case, result: dict) -> str:
         parts.append(f"dir {case.directory}; mmap advice {advice}")
     if case.rss_budget_gib:
         verdict = "OVER" if memory["peak"] > case.rss_budget_gib else "under"
-        parts.insert(0, f"peak RSS {memory['peak']:.2f} GiB {verdict} budget "
-                        f"{case.rss_budget_gib} GiB")  # fmt: skip
+        budget = f"peak RSS {memory['peak']:.2f} GiB {verdict} budget {case.rss_budget_gib} GiB"
+        parts.insert(0, budget)
     return "; ".join(parts)
 
 
@@ -504,6 +487,7 @@ def reuse_hit_rate(c: dict[str, float]) -> float:
 
 
 def sweep_cases(args: argparse.Namespace, base: dict) -> list[Case]:
+    """In memory, then the host and disk tiers at each cache fraction."""
     cases = [Case(name="sweep_memory", tier="memory", cache_fraction=0.0, **base)]
     for tier in ("host", "disk"):
         for fraction in args.cache_fractions:
@@ -514,14 +498,15 @@ def sweep_cases(args: argparse.Namespace, base: dict) -> list[Case]:
                     tier=tier,
                     cache_fraction=fraction,
                     **{**base, "directory": directory},
-                )  # fmt: skip
+                )
             )
     return cases
 
 
 def large_case(args: argparse.Namespace, base: dict) -> Case:
+    """The larger-than-RAM disk run."""
     return Case(
-        name="large_disk",
+        name="large_disk" if not args.library_readahead else "large_disk_readahead",
         tier="disk",
         cache_fraction=args.large_cache_fraction,
         rss_budget_gib=args.rss_budget_gib,
@@ -653,6 +638,7 @@ def main() -> None:
     cases = sweep_cases(args, base) if args.sweep or not args.large else []
     if args.large:
         cases.append(large_case(args, base))
+    torch.set_num_threads(args.threads)  # the workers' count, which the device column names
     env = environment(torch.device("cpu"))
     print(f"device: {env['device']}\nversions: {env['versions']}\ncommit: {env['commit']}")
     print(f"disk tier files under {args.dir}", flush=True)
