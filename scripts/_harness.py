@@ -315,10 +315,14 @@ def results_dir(override: Path | None = None) -> Path:
     return Path(env) if env else DEFAULT_RESULTS_DIR
 
 
-def write_rows(
-    topic: str, rows: Sequence[Row], env: dict[str, str], out_dir: Path | None = None
+def append_csv(
+    topic: str,
+    columns: Sequence[str],
+    lines: Sequence[Sequence[object]],
+    out_dir: Path | None = None,
 ) -> Path:
-    """Append ``rows`` to ``<results dir>/<topic>.csv`` (header written when the file is new).
+    """Append ``lines`` (values in ``columns`` order) to ``<results dir>/<topic>.csv``, the
+    header written when the file is new.
 
     Raises:
         ValueError: the file exists with other columns (move it aside; rows never mix schemas).
@@ -329,37 +333,46 @@ def write_rows(
     if not new_file:
         with open(path, newline="") as f:
             header = next(csv.reader(f), [])
-        if tuple(header) != COLUMNS:
+        if tuple(header) != tuple(columns):
             raise ValueError(
-                f"{path} has columns {header}, this harness writes {list(COLUMNS)}; "
+                f"{path} has columns {header}, this script writes {list(columns)}; "
                 "move the old file aside"
             )
     with open(path, "a", newline="") as f:
         writer = csv.writer(f)
         if new_file:
-            writer.writerow(COLUMNS)
-        for row in rows:
-            writer.writerow(
-                [
-                    row.op,
-                    row.pass_,
-                    row.provider,
-                    row.config,
-                    row.dtype,
-                    f"{row.timing.p50_ms:.4f}",
-                    f"{row.timing.p20_ms:.4f}",
-                    f"{row.timing.p80_ms:.4f}",
-                    row.timing.repeats,
-                    "" if row.throughput is None else f"{row.throughput:.3f}",
-                    row.throughput_unit,
-                    env["device"],
-                    env["versions"],
-                    env["commit"],
-                    env["timestamp"],
-                    row.notes,
-                ]
-            )
+            writer.writerow(columns)
+        writer.writerows(lines)
     return path
+
+
+def write_rows(
+    topic: str, rows: Sequence[Row], env: dict[str, str], out_dir: Path | None = None
+) -> Path:
+    """Append ``rows`` to ``<results dir>/<topic>.csv`` in the harness's :data:`COLUMNS`
+    (see :func:`append_csv`)."""
+    lines = [
+        [
+            row.op,
+            row.pass_,
+            row.provider,
+            row.config,
+            row.dtype,
+            f"{row.timing.p50_ms:.4f}",
+            f"{row.timing.p20_ms:.4f}",
+            f"{row.timing.p80_ms:.4f}",
+            row.timing.repeats,
+            "" if row.throughput is None else f"{row.throughput:.3f}",
+            row.throughput_unit,
+            env["device"],
+            env["versions"],
+            env["commit"],
+            env["timestamp"],
+            row.notes,
+        ]
+        for row in rows
+    ]
+    return append_csv(topic, COLUMNS, lines, out_dir)
 
 
 def format_table(header: Sequence[str], lines: Sequence[Sequence[object]]) -> str:

@@ -52,7 +52,6 @@ not installed is skipped with a note.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -71,10 +70,10 @@ import numpy as np
 import torch
 from _harness import (
     Timing,
+    append_csv,
     environment,
     format_table,
     load_note,
-    results_dir,
     summarize,
     time_fn,
 )
@@ -630,29 +629,12 @@ def run_case(args, store: str, num_keys: int, record_bytes: int) -> list[dict]:
 
 
 def write_csv(results: list[dict], env: dict[str, str], out_dir: Path | None) -> Path:
-    """Append rows to ``<results dir>/kv_store.csv`` (header when new).
-
-    Raises:
-        ValueError: the file exists with other columns.
-    """
-    path = results_dir(out_dir) / f"{TOPIC}.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new_file = not path.exists() or path.stat().st_size == 0
-    if not new_file:
-        with open(path, newline="") as f:
-            header = tuple(next(csv.reader(f), []))
-        if header != COLUMNS:
-            raise ValueError(f"{path} has columns {list(header)}; expected {list(COLUMNS)}")
-    with open(path, "a", newline="") as f:
-        writer = csv.writer(f)
-        if new_file:
-            writer.writerow(COLUMNS)
-        for result in results:
-            row = {**env, **result}
-            writer.writerow(
-                [format(row[c], NUMBERS[c]) if c in NUMBERS else row[c] for c in COLUMNS]
-            )
-    return path
+    """Append rows to ``<results dir>/kv_store.csv`` (see ``_harness.append_csv``)."""
+    lines = []
+    for result in results:
+        row = {**env, **result}
+        lines.append([format(row[c], NUMBERS[c]) if c in NUMBERS else row[c] for c in COLUMNS])
+    return append_csv(TOPIC, COLUMNS, lines, out_dir)
 
 
 def print_results(results: list[dict]) -> None:

@@ -59,7 +59,6 @@ appended to ``benchmarks/results/tiered.csv`` (its own columns; device, versions
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import math
@@ -74,7 +73,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _harness import environment, format_table, load_note, results_dir, summarize
+from _harness import append_csv, environment, format_table, load_note, summarize
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
@@ -521,27 +520,9 @@ def large_case(args: argparse.Namespace, base: dict) -> Case:
 
 
 def write_csv(rows: list[dict], env: dict[str, str], out_dir: Path | None) -> Path:
-    """Append ``rows`` to ``<results dir>/tiered.csv`` (header when new).
-
-    Raises:
-        ValueError: the file exists with other columns (move it aside).
-    """
-    path = results_dir(out_dir) / f"{TOPIC}.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new_file = not path.exists() or path.stat().st_size == 0
-    if not new_file:
-        with open(path, newline="") as f:
-            header = tuple(next(csv.reader(f), []))
-        if header != COLUMNS:
-            raise ValueError(f"{path} has columns {list(header)}; expected {list(COLUMNS)}")
-    with open(path, "a", newline="") as f:
-        writer = csv.writer(f)
-        if new_file:
-            writer.writerow(COLUMNS)
-        for row in rows:
-            full = {**env, **row}
-            writer.writerow([_format(full.get(c, "")) for c in COLUMNS])
-    return path
+    """Append ``rows`` to ``<results dir>/tiered.csv`` (see ``_harness.append_csv``)."""
+    lines = [[_format({**env, **row}.get(c, "")) for c in COLUMNS] for row in rows]
+    return append_csv(TOPIC, COLUMNS, lines, out_dir)
 
 
 def _format(value) -> str:
