@@ -52,7 +52,6 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-from recsys._suggest import quoted_with_hints
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic_table import (
     ADMISSION_STATE,
@@ -65,7 +64,7 @@ from recsys.embedding.interface import TABLES, WEIGHT, TableDelta
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.row_init import table_seed
 from recsys.embedding.slot_map import Insertion
-from recsys.embedding.tables import table_dtype
+from recsys.embedding.tables import options_by_table, row_bytes
 from recsys.ops.slot_map import find_slots_torch
 
 __all__ = ["DYNAMIC", "DynamicEmbeddingBagCollection"]
@@ -99,18 +98,17 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         validate: bool = True,
         optimizer: FusedOptimizer | None = None,
     ) -> None:
-        options = _options_by_table(tables, dynamic)
+        options = options_by_table(tables, dynamic, DynamicTableOptions, "dynamic")
         for config in tables:
             if not config.feature_names:
                 config.feature_names = [config.name]
         where = torch.device(device) if device is not None else torch.empty(()).device
-        state_floats = _state_floats(optimizer)
         keyed = {
             c.name: DynamicTable(
                 c,
                 options[c.name],
                 table_seed(seed, c.name),
-                c.embedding_dim * table_dtype(c).itemsize + 4 * state_floats(c.embedding_dim),
+                row_bytes(c, optimizer),
                 where,
                 backend,
             )
@@ -139,11 +137,9 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         """As EmbeddingBagCollection's; a table's ``memory_budget_mb`` now counts this
         optimizer's state per row."""
         super().set_optimizer(optimizer)
-        state_floats = _state_floats(optimizer)
         for config in self._logical_configs if hasattr(self, DYNAMIC) else []:
             if config.name in self.dynamic:
-                row = config.embedding_dim * table_dtype(config).itemsize
-                self.dynamic[config.name].budget(row + 4 * state_floats(config.embedding_dim))
+                self.dynamic[config.name].budget(row_bytes(config, optimizer))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """As EmbeddingBagCollection's; a dynamic table cannot be one of them.
@@ -339,31 +335,6 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
             deltas[name] = TableDelta(keys, rows, last_seen, table.deleted_keys())
             table.start_delta(step)
         return deltas
-
-
-def _options_by_table(
-    tables: list[EmbeddingBagConfig], dynamic: DynamicTableOptions | dict[str, DynamicTableOptions]
-) -> dict[str, DynamicTableOptions]:
-    """The options of each dynamic table, by name (ValueError for a name that is no table)."""
-    names = [c.name for c in tables]
-    if isinstance(dynamic, DynamicTableOptions):
-        return dict.fromkeys(names, dynamic)
-    unknown = [name for name in dynamic if name not in names]
-    if unknown:
-        raise ValueError(
-            f"dynamic options for {quoted_with_hints(unknown, names)}, which are not tables of "
-            f"this collection; its tables are {names}"
-        )
-    for name, options in dynamic.items():
-        if not isinstance(options, DynamicTableOptions):
-            raise ValueError(f"dynamic['{name}'] = {options!r}; expected a DynamicTableOptions")
-    return dict(dynamic)
-
-
-def _state_floats(optimizer: FusedOptimizer | None):
-    """Floats of optimizer state per row of dimension ``dim``, as a function of ``dim``."""
-    kinds = list(optimizer.states.values()) if optimizer is not None else []
-    return lambda dim: sum(1 if kind == "row" else dim for kind in kinds)
 
 
 def _save_key_layout(module: DynamicEmbeddingBagCollection, state_dict, prefix, local_metadata):

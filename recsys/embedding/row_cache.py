@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from recsys.embedding.dynamic_table import UNCAPPED
 from recsys.embedding.row_store import RowStore
 from recsys.embedding.slot_map import SlotMap
 from recsys.ops.slot_map import EMPTY_KEY
@@ -36,7 +37,6 @@ from recsys.ops.slot_map import EMPTY_KEY
 __all__ = ["CACHE_POLICIES", "RowCache", "RowCodec"]
 
 CACHE_POLICIES = ("lru", "lfu")
-UNCAPPED = 1 << 40
 
 
 class RowCodec:

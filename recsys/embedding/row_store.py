@@ -35,11 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from recsys.embedding.dynamic_table import UNCAPPED
 from recsys.embedding.slot_map import SlotMap
 
 __all__ = ["DiskRecords", "FixedStore", "HostRecords", "KeyedStore", "RecordArray", "RowStore"]
-
-UNCAPPED = 1 << 40
 
 
 class RecordArray:
@@ -67,10 +66,6 @@ class RecordArray:
     def flush(self) -> None:
         """Make the writes durable (a no-op in memory)."""
 
-    def resident_bytes(self) -> int:
-        """Bytes of this array in the process's memory."""
-        return 0
-
 
 class HostRecords(RecordArray):
     """Records in a host tensor (pinned when ``pin``: the source of a CUDA cache's copies)."""
@@ -96,9 +91,6 @@ class HostRecords(RecordArray):
 
     def clear(self) -> None:
         self.data.zero_()
-
-    def resident_bytes(self) -> int:
-        return self.data.numel()
 
 
 class DiskRecords(RecordArray):
@@ -161,10 +153,6 @@ class DiskRecords(RecordArray):
             self._map.flush()
             self._map.close()
             self._map = None
-
-    def disk_bytes(self) -> int:
-        """Bytes the file takes on disk (its allocated blocks, not its length)."""
-        return os.stat(self.path).st_blocks * 512
 
 
 class RowStore:

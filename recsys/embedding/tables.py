@@ -13,6 +13,8 @@ from torchrec import EmbeddingBagConfig
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
+from recsys._suggest import quoted_with_hints
+
 # Pooling of a table -> the ops' pooling mode.
 POOLING_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 # Storage type of a table -> its torch dtype.
@@ -53,6 +55,36 @@ def pooling_mode(config: EmbeddingBagConfig) -> str:
 def element_bytes(config: EmbeddingBagConfig) -> int:
     """Bytes of one stored element of the table."""
     return table_dtype(config).itemsize
+
+
+def row_bytes(config: EmbeddingBagConfig, optimizer=None) -> int:
+    """Bytes of one row of the table: its weights, and a fused optimizer's float32 state (per
+    row or per element, see ``FusedOptimizer.states``; None: no state)."""
+    kinds = optimizer.states.values() if optimizer is not None else ()
+    states = sum(1 if kind == "row" else config.embedding_dim for kind in kinds)
+    return config.embedding_dim * table_dtype(config).itemsize + 4 * states
+
+
+def options_by_table(tables: list[EmbeddingBagConfig], options, kind: type, what: str) -> dict:
+    """Per-table options by table name: ``options`` is one ``kind`` for every table, or a dict
+    table name -> ``kind`` for some of them.
+
+    Raises:
+        ValueError: a name that is no table, or a value that is not a ``kind`` (each named,
+            ``what`` saying which options)."""
+    names = [c.name for c in tables]
+    if isinstance(options, kind):
+        return dict.fromkeys(names, options)
+    unknown = [name for name in options if name not in names]
+    if unknown:
+        raise ValueError(
+            f"{what} options for {quoted_with_hints(unknown, names)}, which are not tables of "
+            f"this collection; its tables are {names}"
+        )
+    for name, value in options.items():
+        if not isinstance(value, kind):
+            raise ValueError(f"{what}['{name}'] = {value!r}; expected a {kind.__name__}")
+    return dict(options)
 
 
 def output_keys(configs: list[EmbeddingBagConfig]) -> tuple[list[str], list[int]]:

@@ -63,7 +63,7 @@ from recsys.embedding.row_cache import CACHE_POLICIES, RowCache, RowCodec
 from recsys.embedding.row_init import initial_rows, table_seed
 from recsys.embedding.row_store import DiskRecords, FixedStore, HostRecords, KeyedStore
 from recsys.embedding.slot_map import AdmissionCounter
-from recsys.embedding.tables import table_dtype
+from recsys.embedding.tables import options_by_table, row_bytes, table_dtype
 from recsys.embedding.tiered_files import TieredFiles
 from recsys.ops.slot_map import check_keys
 
@@ -144,7 +144,8 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
                 f"optimizer={optimizer!r}; a tiered table is trained by a fused optimizer "
                 "(its rows and their state move between tiers together)"
             )
-        options = _storage_by_table(tables, storage)
+        given = options_by_table(tables, storage, StorageOptions, "storage")
+        options = {c.name: given.get(c.name, StorageOptions()) for c in tables}
         dynamic = dict(dynamic or {})
         untiered = [name for name in dynamic if options[name].tier == "device"]
         if untiered:
@@ -164,9 +165,7 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
                     f"{unsupported} is not supported there yet; expected 0 (or tier 'device')"
                 )
         tiered = {c.name: c for c in tables if options[c.name].tier != "device"}
-        self._record_bytes = {
-            name: _record_bytes(config, optimizer) for name, config in tiered.items()
-        }
+        self._record_bytes = {name: row_bytes(config, optimizer) for name, config in tiered.items()}
         cache_rows = {n: options[n].rows(self._record_bytes[n]) for n in tiered}
         packed = [
             replace(c, num_embeddings=cache_rows[c.name] + 1) if c.name in tiered else c
@@ -355,7 +354,10 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         if config.name in self.dynamic_options:
             check_keys(ids, f"ids of dynamic table '{config.name}'")
             return
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= config.num_embeddings):
+        if not len(ids):
+            return
+        low, high = torch.aminmax(ids)
+        if int(low) < 0 or int(high) >= config.num_embeddings:
             bad = ids[(ids < 0) | (ids >= config.num_embeddings)][0].item()
             raise ValueError(
                 f"table '{config.name}' (features {config.feature_names}): id {bad} is outside "
@@ -502,24 +504,6 @@ class _Prefetch:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-
-
-def _record_bytes(config: EmbeddingBagConfig, optimizer: FusedOptimizer) -> int:
-    """Bytes of one row's weights and optimizer state (float32)."""
-    states = sum(1 if kind == "row" else config.embedding_dim for kind in optimizer.states.values())
-    return config.embedding_dim * table_dtype(config).itemsize + 4 * states
-
-
-def _storage_by_table(
-    tables: list[EmbeddingBagConfig], storage: StorageOptions | dict[str, StorageOptions]
-) -> dict[str, StorageOptions]:
-    names = [c.name for c in tables]
-    if isinstance(storage, StorageOptions):
-        return dict.fromkeys(names, storage)
-    unknown = [name for name in storage if name not in names]
-    if unknown:
-        raise ValueError(f"storage options for {unknown}, which are not tables; tables: {names}")
-    return {name: storage.get(name, StorageOptions()) for name in names}
 
 
 def _drop_tiered_rows(module: TieredEmbeddingBagCollection, state_dict, prefix, local_metadata):

@@ -42,10 +42,6 @@ class TieredFiles:
     def __init__(self, caches: dict[str, RowCache], layouts: dict[str, list[str]]) -> None:
         self.caches, self.layouts = caches, layouts
 
-    def file_names(self) -> list[str]:
-        """The files :meth:`save` writes."""
-        return [f"tiered.{name}.{ext}" for name in self.caches for ext in ("json", "keys", "rows")]
-
     def save(self, directory: str | Path, chunk_rows: int = CHUNK_ROWS) -> None:
         """Write every table's stored rows under ``directory`` (fsynced), ``chunk_rows`` at a
         time."""
