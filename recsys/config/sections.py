@@ -351,10 +351,12 @@ class StorageConfig:
     """Only tables with at least this many rows take ``tier`` (smaller ones stay on the
     device); dynamic tables always take it."""
     cache_rows: Annotated[int, AtLeast0] = 0
-    """Rows of each tiered table's cache; 0: from ``cache_mb``. Size it from the hit rate the
-    train log prints (``tiered/<table>/hit_rate``); it must hold two batches' distinct ids."""
+    """Rows of each tiered table's cache (under torchrun: on each rank holding a shard of it);
+    0: from ``cache_mb``. Size it from the hit rate the train log prints
+    (``tiered/<table>/hit_rate``); it must hold two batches' distinct ids."""
     cache_mb: Annotated[float, AtLeast0] = 256.0
-    """MiB of each tiered table's cache (rows and optimizer state), when cache_rows is 0."""
+    """MiB of each tiered table's cache (rows and optimizer state; per rank under torchrun),
+    when cache_rows is 0."""
     policy: Literal["lru", "lfu"] = "lru"
     """Which cached rows leave first: least recently (lru) or least often (lfu) used."""
     path: str = ""

@@ -29,6 +29,7 @@ from recsys.embedding.interface import (
     embedding_collections,
     state_prefix,
 )
+from recsys.embedding.tiered import TieredEmbeddingBagCollection
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ def parallelize(
     *,
     forward_precision: str = "fp32",
     backward_precision: str = "fp32",
+    seed: int = 0,
     **planner_options: Any,
 ) -> nn.Module:
     """Make ``model`` train across the ranks of the initialized process group.
@@ -135,6 +137,8 @@ def parallelize(
         plan: where each table goes; see :mod:`recsys.distributed.planner`.
         forward_precision / backward_precision: quantized communication of pooled embeddings
             and of their gradients (``fp32``, ``fp16``, ``bf16``, ``int8``).
+        seed: the run's seed: tables on ``meta`` start each shard from their initial rows
+            of (seed, table, row), the same on any number of ranks.
 
     Returns:
         The model unchanged in a world of one, else the DDP-wrapped model.
@@ -153,6 +157,7 @@ def parallelize(
     if plan is None:
         states = next((dict(c.optimizer.states) for c in collections.values() if c.optimizer), None)
         planner_options.setdefault("dynamic_rows", dynamic_rows(collections))
+        planner_options.setdefault("tiered_rows", tiered_rows(collections))
         plan = plan_sharding(configs, world, optimizer_states=states, **planner_options)
     check_plan(plan, configs, world)
     # Embedding collectives get their own group, so they never interleave with DDP's.
@@ -166,6 +171,7 @@ def parallelize(
             forward_precision=forward_precision,
             backward_precision=backward_precision,
             device=device,
+            seed=seed,
         )
         _replace(model, path, sharded)
         ignored += _ignored_by_ddp(sharded, state_prefix(path))
@@ -211,6 +217,22 @@ def dynamic_rows(collections: dict[str, EmbeddingBagCollection]) -> dict[str, in
             for name, table in collection.dynamic.items():
                 cap = table.map.max_capacity
                 out[f"{path}:{name}" if path else name] = 0 if cap >= UNCAPPED else cap
+        if isinstance(collection, TieredEmbeddingBagCollection):  # a tiered one keeps every key
+            out.update(
+                {f"{path}:{name}" if path else name: 0 for name in collection.dynamic_options}
+            )
+    return out
+
+
+def tiered_rows(collections: dict[str, EmbeddingBagCollection]) -> dict[str, int]:
+    """``"<path>:<table>"`` (or the table's name for a bare collection) -> the cache rows of
+    each tiered table's shards, for :func:`plan_sharding`'s ``tiered_rows``."""
+    out = {}
+    for path, collection in collections.items():
+        if isinstance(collection, TieredEmbeddingBagCollection):
+            for name in collection.tiered_tables():
+                rows = collection.embedding_bags[name].weight.shape[0] - 1  # the spare row
+                out[f"{path}:{name}" if path else name] = rows
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torchrec import EmbeddingBagConfig
 
@@ -160,6 +160,14 @@ class _Table:
     constraint: TableConstraint
     dynamic: bool = False  # keyed by raw ids: KEY_WISE, ``rows`` its cap
     rows: int = 0  # rows to budget: num_embeddings, or a dynamic table's cap
+    cache_rows: int = 0  # a tiered table's cache rows per shard (0: not tiered)
+
+    def held(self, shard: Shard) -> Shard:
+        """What ``shard`` keeps in the device's memory: a tiered table's cache (and its spare
+        row), else the shard."""
+        if not self.cache_rows:
+            return shard
+        return replace(shard, num_rows=min(shard.num_rows, self.cache_rows + 1))
 
     @property
     def label(self) -> str:
@@ -172,7 +180,7 @@ class _Table:
 def _rank_bytes(sharding: TableSharding, table: _Table, states: dict[str, str], world: int):
     used = [0] * world
     for shard in sharding.shards:
-        used[shard.rank] += shard_bytes(shard, table.element_bytes, states)
+        used[shard.rank] += shard_bytes(table.held(shard), table.element_bytes, states)
     return used
 
 
@@ -355,9 +363,10 @@ def _table(
     constraints: dict[str, TableConstraint],
     world: int,
     dynamic_rows: dict[str, int],
+    tiered_rows: dict[str, int],
 ) -> _Table:
     """``config`` with its element size, pooling factor, (checked) constraint and, for a
-    dynamic table, its cap."""
+    dynamic table, its cap; for a tiered one, its cache rows (and TABLE_WISE or ROW_WISE)."""
     if config.data_type not in TABLE_DTYPES:
         valid = [t.name for t in TABLE_DTYPES]
         raise ValueError(f"table '{config.name}': data_type {config.data_type.name} not in {valid}")
@@ -367,9 +376,17 @@ def _table(
     label = f"{path}:{config.name}" if path else config.name
     cap = dynamic_rows.get(label, dynamic_rows.get(config.name))
     rows = cap or config.num_embeddings
-    table = _Table(path, config, element_bytes(config), pooling, constraint, cap is not None, rows)
-    ranks, where = constraint.ranks, f"table '{table.label}' constraint '{constraint}'"
-    kinds = constraint.sharding_types
+    cache = tiered_rows.get(label, tiered_rows.get(config.name, 0))
+    where = f"table '{label}' constraint '{constraint}'"
+    if cache and cap is None:
+        allowed = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE)
+        if set(constraint.sharding_types) - set(allowed):
+            raise ValueError(f"{where}: a tiered table (host or disk) is table_wise or row_wise")
+        constraint = replace(constraint, sharding_types=constraint.sharding_types or allowed)
+    table = _Table(
+        path, config, element_bytes(config), pooling, constraint, cap is not None, rows, cache
+    )
+    ranks, kinds = constraint.ranks, constraint.sharding_types
     if table.dynamic and kinds and ShardingType.KEY_WISE not in kinds:
         raise ValueError(f"{where}: a dynamic table (raw ids) is sharded KEY_WISE only")
     if not table.dynamic and ShardingType.KEY_WISE in kinds:
@@ -393,6 +410,7 @@ def plan_sharding(
     forward_comm_bytes: int = 4,
     backward_comm_bytes: int = 4,
     dynamic_rows: dict[str, int] | None = None,
+    tiered_rows: dict[str, int] | None = None,
 ) -> ShardingPlan:
     """Place every table on ``world_size`` ranks within ``memory_per_rank``, balancing an
     estimated per-rank cost.
@@ -438,6 +456,10 @@ def plan_sharding(
             the most rows each may hold (0: no cap, its ``num_embeddings`` is budgeted). A
             dynamic table is KEY_WISE over every rank, each budgeted its share of the cap;
             it costs like a ROW_WISE table.
+        tiered_rows: the tiered tables (``model.storage``: rows in host memory or on disk;
+            name or ``"<path>:<table>"``) -> the rows of each shard's cache, which is all a
+            shard keeps in the device's memory. A fixed tiered table is TABLE_WISE or
+            ROW_WISE, a dynamic one KEY_WISE.
 
     Returns:
         a plan that passes :func:`check_plan`, with sizes and costs for ``describe()``.
@@ -471,14 +493,17 @@ def plan_sharding(
     _check_known("sharding constraints", "tables", constraints, names)
     dynamic_rows = dynamic_rows or {}
     _check_known("dynamic_rows", "tables", dynamic_rows, names)
+    tiered_rows = tiered_rows or {}
+    _check_known("tiered_rows", "tables", tiered_rows, names)
     tables = [
-        _table(p, c, pooling_factors, constraints, world_size, dynamic_rows) for p, c in configs
+        _table(p, c, pooling_factors, constraints, world_size, dynamic_rows, tiered_rows)
+        for p, c in configs
     ]
     model = _CostModel(world_size, batch_size, *comm_bytes)
     ranks = _Ranks([0] * world_size, [0.0] * world_size, memory_per_rank)
 
     whole_costs = [model.whole_cost(t) for t in tables]
-    whole_bytes = [shard_bytes(t.whole(), t.element_bytes, states) for t in tables]
+    whole_bytes = [shard_bytes(t.held(t.whole()), t.element_bytes, states) for t in tables]
     total_cost, total_bytes = math.fsum(whole_costs) or 1.0, sum(whole_bytes) or 1
 
     def largest_first(i: int) -> tuple:  # by the larger of its shares of all bytes and all cost
@@ -489,7 +514,9 @@ def plan_sharding(
     for i in sorted(range(len(tables)), key=largest_first):
         table, ranks.unplaced = tables[i], ranks.unplaced - whole_costs[i]
         sharding = _place(table, ranks, model, states)
-        sizes = tuple(shard_bytes(s, table.element_bytes, states) for s in sharding.shards)
+        sizes = tuple(
+            shard_bytes(table.held(s), table.element_bytes, states) for s in sharding.shards
+        )
         dtype, state = table.config.data_type.name.lower(), _state_label(states)
         placed[table.path, table.config.name] = sharding, TableFootprint(dtype, state, sizes)
     plan = ShardingPlan(world_size, memory_per_rank=memory_per_rank, rank_costs=ranks.costs)

@@ -42,16 +42,14 @@ likewise, and ``optimizer_step``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
-from torchrec.modules.embedding_configs import PoolingType
 
 from recsys.distributed.comm import (
     CommStats,
@@ -62,29 +60,25 @@ from recsys.distributed.comm import (
     source_to_slot_major,
     start_all_to_all_ids,
 )
-from recsys.distributed.plan import Shard, ShardingType, TableSharding, check_table_sharding
+from recsys.distributed.plan import Shard, ShardingType, TableSharding
 from recsys.distributed.replicated import ReplicatedTables
 from recsys.distributed.routing import ShardRouting
+from recsys.distributed.shard_build import build_shards, checked_plan, dynamic_parts, tiered_of
 from recsys.distributed.sharded_dynamic import (
     key_wise_state,
     key_wise_stats,
     key_wise_targets,
     load_key_wise,
 )
-from recsys.distributed.sharded_state import (
-    load_logical,
-    logical_optimizer_state,
-    logical_state,
-    shard_of,
-)
+from recsys.distributed.sharded_state import load_logical, logical_optimizer_state, logical_state
 from recsys.embedding.collection import EmbeddingBagCollection, EmbeddingTable
-from recsys.embedding.dynamic import DYNAMIC, DYNAMIC_STEP, DynamicEmbeddingBagCollection
-from recsys.embedding.dynamic_table import UNCAPPED, DynamicTableOptions
+from recsys.embedding.dynamic import DYNAMIC, DYNAMIC_STEP
 from recsys.embedding.inputs import FeatureOrder, input_weights
 from recsys.embedding.interface import EmbeddingCollectionInterface, SavedState, TableDelta
 from recsys.embedding.key_routing import KeyRouting
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import output_keys, pooling_mode
+from recsys.embedding.tiered_files import TablePart, TieredFiles
 from recsys.ops.embedding_bag import validate_inputs
 from recsys.ops.slot_map import check_keys
 
@@ -106,6 +100,7 @@ class _Prefetched:
     given: KeyedJaggedTensor  # the object prefetch_input had (forward must get this one)
     features: KeyedJaggedTensor  # checked, in the collection's feature order
     pending: PendingIds | None  # its input_dist, under way; None: no table exchanges ids
+    local: LocalBatch | None = None  # its input_dist done (tiered shards prefetch its rows)
 
 
 class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
@@ -123,6 +118,9 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             vectors travel (see :mod:`recsys.distributed.comm` for the error of each).
         backward_precision: the same for their gradients.
         device: where the shards live (default: the module's device).
+        seed: from the ``meta`` device, the seed of the fixed tables' initial rows (default:
+            the module's own, for dynamic and tiered collections, else 0); see
+            :mod:`recsys.distributed.shard_build`.
 
     Example (under ``torchrun --nproc-per-node=2``, after ``dist.init_process_group``)::
 
@@ -141,6 +139,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         forward_precision: str = "fp32",
         backward_precision: str = "fp32",
         device: torch.device | None = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         self.process_group = process_group
@@ -154,12 +153,12 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             raise ValueError("the collection is on the meta device; pass device= for the shards")
         configs = module.embedding_bag_configs()
         self._configs = configs
-        dynamic = module.dynamic if isinstance(module, DynamicEmbeddingBagCollection) else {}
-        self.plan = _checked_plan(configs, plan, self.world_size, module.optimizer, set(dynamic))
-        self._dynamic = {
-            name: _part_options(table, len(self.plan[name].shards))
-            for name, table in dynamic.items()
-        }
+        self._tiered = tiered_of(module)
+        dynamic = dynamic_parts(module, plan)
+        self.plan = checked_plan(
+            configs, plan, self.world_size, module.optimizer, set(dynamic), set(self._tiered)
+        )
+        self._dynamic = dynamic
         self._is_weighted = module.is_weighted()
         self.validate = module.validate
         self.optimizer: FusedOptimizer | None = module.optimizer
@@ -173,9 +172,18 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             configs, self.plan, self.world_size, self.rank, device, routing_buckets=buckets
         )
         source = None if module.device.type == "meta" else module
-        self.shards = self._build_shards(module, source, device)
+        self.shards = build_shards(
+            module,
+            self.routing.local,
+            self.routing.kind,
+            self._dynamic,
+            device=device,
+            seed=getattr(module, "seed", 0) if seed is None else seed,
+            rank=self.rank,
+            num_shards={name: len(sharding.shards) for name, sharding in self.plan.items()},
+        )
         if source is not None:
-            for name in self._dynamic:  # each rank keeps the keys its routing buckets hold
+            for name in self.key_wise_tables():  # each rank keeps the keys its routing buckets hold
                 load_key_wise(self, name, source.table_state(name))
         replicated = [c for c in configs if self.is_replicated(c.name)]
         self.replicated = None
@@ -197,49 +205,6 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         self.register_load_state_dict_post_hook(_hide_internal_keys)
         self._prefetched: list[_Prefetched] = []
 
-    def _build_shards(
-        self,
-        module: EmbeddingBagCollection,
-        source: EmbeddingBagCollection | None,
-        device: torch.device,
-    ) -> EmbeddingBagCollection | None:
-        """This rank's shards as one local collection (None when it holds none), with the
-        source's rows, columns and optimizer state copied in."""
-        local = self.routing.local
-        if not local:
-            return None
-        configs = [
-            _shard_config(c, s, self.routing.kind[c.name], len(self.plan[c.name].shards))
-            for c, s in local
-        ]
-        options = {c.name: self._dynamic[c.name] for c in configs if c.name in self._dynamic}
-        common = {
-            "is_weighted": self._is_weighted,
-            "device": device,
-            "backend": module.backend,
-            "validate": False,  # ids were checked against the full tables before routing
-            "optimizer": module.optimizer,
-        }
-        if options:  # this rank's parts of the dynamic tables (and its fixed shards)
-            shards = DynamicEmbeddingBagCollection(configs, options, seed=module.seed, **common)
-        else:
-            shards = EmbeddingBagCollection(configs, **common)
-        if source is None:
-            return shards
-        with torch.no_grad():
-            for c, shard in local:
-                if c.name in options:
-                    continue  # copied by key once the shards are in place
-                target = shards.embedding_bags[c.name]
-                target.weight.copy_(shard_of(source.embedding_bags[c.name].weight, shard))
-                for name, buffer in target.named_buffers():
-                    buffer.copy_(shard_of(source.embedding_bags[c.name].get_buffer(name), shard))
-            if self.optimizer is not None:
-                shards.optimizer_step.copy_(source.optimizer_step)
-            if options:
-                shards.dynamic_step.copy_(source.dynamic_step)
-        return shards
-
     # -----------------------------------------------------------------------------------------
     # Forward: input_dist -> compute -> output_dist
 
@@ -254,7 +219,9 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             batch = self.input_dist(features) if self.routing.num_streams else None
         else:
             features = ready.features
-            batch = None if ready.pending is None else self.finish_input_dist(ready.pending)
+            batch = ready.local
+            if batch is None and ready.pending is not None:
+                batch = self.finish_input_dist(ready.pending)
         received = None if batch is None else self.output_dist(self.compute(batch), batch)
         pooled_dp = self.replicated(features) if self.replicated is not None else None
         batch_size = features.stride()
@@ -275,12 +242,74 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         """
         checked = self._checked(features)
         pending = self.start_input_dist(checked) if self.routing.num_streams else None
+        local = None
+        if self.caches and pending is not None:  # the ids now, for the rows' prefetch
+            local, pending = self.finish_input_dist(pending), None
+            self.shards.prefetch(local.features)
         kept = self._prefetched[-(MAX_PREFETCHED - 1) :]
-        self._prefetched = [*kept, _Prefetched(features, checked, pending)]
+        self._prefetched = [*kept, _Prefetched(features, checked, pending, local)]
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """For tiered tables: :meth:`prefetch_input`, whose ids then go to this rank's tiered
+        shards (:meth:`~recsys.embedding.tiered.TieredEmbeddingBagCollection.prefetch`), so
+        their rows come into the cache while the batch before trains. A collective."""
+        self.prefetch_input(features)
 
     def drop_prefetched(self) -> None:
         """Forget the batches :meth:`prefetch_input` ran ahead (their forward will not come)."""
         self._prefetched = []
+        if self.caches:
+            self.shards.drop_prefetched()
+
+    # -----------------------------------------------------------------------------------------
+    # Tiered tables: this rank's shards of them (see recsys.distributed.shard_build)
+
+    def tiered_tables(self) -> list[str]:
+        """The tables kept in host memory or on disk (their rows are not in ``state_dict``)."""
+        return list(self._tiered)
+
+    @property
+    def caches(self) -> dict:
+        """This rank's tiered shards' caches, by table (empty: no tiered table here)."""
+        return getattr(self.shards, "caches", {}) if self._tiered else {}
+
+    def tiered_stats(self) -> dict[str, dict[str, float]]:
+        """The tiered tables' counters (see ``TieredEmbeddingBagCollection.tiered_stats``)
+        summed over the ranks holding their shards (``prefetch_wait_s``: the longest rank's).
+        A collective: every rank calls it (the trainer does, at every train log event)."""
+        mine = self.shards.tiered_stats() if self.caches else {}
+        every: list[dict] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(every, mine, group=self.process_group)
+        out: dict[str, dict[str, float]] = {}
+        for stats in every:
+            for table, counters in stats.items():
+                total = out.setdefault(table, {})
+                for key, value in counters.items():
+                    merge = max if key == "prefetch_wait_s" else float.__add__
+                    total[key] = merge(float(total.get(key, 0.0)), float(value))
+        return out
+
+    def flush(self) -> None:
+        """Write this rank's changed cached rows back to their stores."""
+        if self.caches:
+            self.shards.flush()
+
+    def tiered_files(self) -> TieredFiles:
+        """This rank's part of the tiered tables' checkpoint files: its rows as rows of the
+        whole tables, its keys of the dynamic ones (a checkpoint loads on any number of ranks,
+        each keeping the rows it holds)."""
+        if not self.caches:
+            return TieredFiles({}, {})
+        parts = {}
+        for name in self.caches:
+            sharding, shard = self.plan[name], self.local_shard(name)
+            index, count = sharding.shards.index(shard), len(sharding.shards)
+            if name in self._dynamic:
+                owns = _owner_test(self.routing_of(name), count, index)
+                parts[name] = TablePart(owns=owns, index=index, count=count)
+            else:
+                parts[name] = TablePart(shard.row_offset, shard.num_rows, index=index, count=count)
+        return self.shards.tiered_files(parts)
 
     def _take_prefetched(self, features: KeyedJaggedTensor) -> _Prefetched | None:
         """The prefetched entry of this very ``features`` object, dropped with older ones."""
@@ -411,8 +440,11 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         return logical_optimizer_state(self, prefix, state)
 
     def key_wise_tables(self) -> list[str]:
-        """The dynamic (KEY_WISE) tables, in table order."""
-        return [c.name for c in self._configs if c.name in self._dynamic]
+        """The dynamic (KEY_WISE) tables held in memory, in table order (a tiered one keeps
+        its keys in its store, saved by :meth:`tiered_files`)."""
+        return [
+            c.name for c in self._configs if c.name in self._dynamic and c.name not in self._tiered
+        ]
 
     def routing_of(self, table: str) -> KeyRouting:
         """How dynamic ``table``'s keys are routed to its shards."""
@@ -433,8 +465,6 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
 
     def variable_state_keys(self) -> list[str]:
         """The dynamic tables' state keys (their sizes change as they train)."""
-        if not self._dynamic:
-            return []
         return [k for name in self.key_wise_tables() for k in self.shards.table_state_keys(name)]
 
     def load_targets(self, state: dict[str, Any], saved: SavedState, prefix: str) -> None:
@@ -486,7 +516,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         out = {} if destination is None else destination
         out.update(logical_state(self, prefix, keep_vars))
         out.update(key_wise_state(self, prefix))
-        if self._dynamic:
+        if self.key_wise_tables():
             out[prefix + DYNAMIC_STEP] = self.shards.dynamic_step
         return out
 
@@ -494,7 +524,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         """The keys of :meth:`state_dict`, without building it (no collective, no sort of a
         dynamic table's keys)."""
         keys = list(logical_state(self, "", keep_vars=False)) + self.variable_state_keys()
-        return keys + ([DYNAMIC_STEP] if self._dynamic else [])
+        return keys + ([DYNAMIC_STEP] if self.key_wise_tables() else [])
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
@@ -507,7 +537,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         given = {key for key in state_dict if key.startswith(prefix)}
         missing_keys.extend(sorted(expected - given))
         unexpected_keys.extend(sorted(given - expected))
-        dynamic: dict[str, dict[str, Any]] = {name: {} for name in self._dynamic}
+        dynamic: dict[str, dict[str, Any]] = {name: {} for name in self.key_wise_tables()}
         with torch.no_grad():
             for key in sorted(expected & given):
                 relative = key[len(prefix) :]
@@ -533,79 +563,10 @@ def _hide_internal_keys(module: ShardedEmbeddingBagCollection, incompatible) -> 
     ]
 
 
-def _shard_config(
-    config: EmbeddingBagConfig, shard: Shard, kind: ShardingType, parts: int
-) -> EmbeddingBagConfig:
-    """The local table holding ``shard`` (one of ``parts``): its rows and columns, the table's
-    features; row-wise and key-wise shards pool by sum (the mean divides the summed partials
-    at the sample's rank). A key-wise shard starts with its share of the table's initial rows
-    (it grows by itself)."""
-    one_owner = kind in (ShardingType.ROW_WISE, ShardingType.KEY_WISE)
-    rows = shard.num_rows
-    if kind == ShardingType.KEY_WISE:
-        rows = max(1, math.ceil(config.num_embeddings / parts))
-    return EmbeddingBagConfig(
-        name=config.name,
-        num_embeddings=rows,
-        embedding_dim=shard.num_cols,
-        feature_names=list(config.feature_names),
-        pooling=PoolingType.SUM if one_owner else config.pooling,
-        data_type=config.data_type,
-        init_fn=config.init_fn,
-    )
+def _owner_test(routing: KeyRouting, parts: int, part: int):
+    """A function marking the keys of a KEY_WISE table that shard ``part`` of ``parts`` holds."""
 
+    def owns(keys: torch.Tensor) -> torch.Tensor:
+        return routing.owners(parts, keys.device)[routing.buckets(keys)] == part
 
-def _part_options(table, parts: int) -> DynamicTableOptions:
-    """A dynamic table's options for one of ``parts`` parts: its share of the cap, and the
-    whole table's initial-row bound (a key starts from the same row wherever it lives)."""
-    cap = table.map.max_capacity
-    return replace(
-        table.options,
-        max_capacity=0 if cap >= UNCAPPED else math.ceil(cap / parts),
-        memory_budget_mb=0.0,  # folded into the cap
-        init_bound=table.bound,
-    )
-
-
-def _checked_plan(
-    configs: list[EmbeddingBagConfig],
-    plan: Mapping[str, TableSharding],
-    world_size: int,
-    optimizer: FusedOptimizer | None,
-    dynamic: set[str],
-) -> dict[str, TableSharding]:
-    names = [c.name for c in configs]
-    missing = [n for n in names if n not in plan]
-    extra = sorted(set(plan) - set(names))
-    if missing or extra:
-        raise ValueError(
-            f"the plan lacks tables {missing} and names unknown tables {extra}; the "
-            f"collection's tables are {names}"
-        )
-    row_state = optimizer is not None and "row" in optimizer.states.values()
-    for config in configs:
-        sharding = plan[config.name]
-        check_table_sharding(config, sharding, world_size)
-        key_wise = ShardingType(sharding.sharding_type) == ShardingType.KEY_WISE
-        if key_wise != (config.name in dynamic):
-            raise ValueError(
-                f"table '{config.name}' is {ShardingType(sharding.sharding_type).name} but "
-                + (
-                    "dynamic (raw ids): shard it KEY_WISE"
-                    if config.name in dynamic
-                    else "KEY_WISE is for dynamic tables (raw ids) only"
-                )
-            )
-        if key_wise and sorted(sharding.ranks) != list(range(world_size)):
-            raise ValueError(
-                f"dynamic table '{config.name}' is KEY_WISE on ranks {sharding.ranks}; "
-                f"expected every rank 0..{world_size - 1} (in any order)"
-            )
-        if row_state and ShardingType(sharding.sharding_type) == ShardingType.COLUMN_WISE:
-            raise ValueError(
-                f"table '{config.name}' is COLUMN_WISE but {type(optimizer).__name__} keeps one "
-                "accumulator per row, which column shards cannot share exactly; use "
-                "TABLE_WISE / ROW_WISE for it, or an optimizer with per-element state "
-                "(SGD, Adagrad, Adam)"
-            )
-    return dict(plan)
+    return owns

@@ -47,8 +47,8 @@ def logical_state(
     states = sharded.optimizer.states if sharded.optimizer is not None else {}
     for c in sharded.embedding_bag_configs():
         base = f"{prefix}{TABLES}.{c.name}."
-        if c.name in sharded.key_wise_tables():
-            continue  # saved by key: recsys.distributed.sharded_dynamic
+        if c.name in sharded.key_wise_tables() or c.name in sharded.tiered_tables():
+            continue  # saved by key (recsys.distributed.sharded_dynamic), or in tiered files
         if sharded.is_replicated(c.name):
             weight = sharded.replicated.weight(c.name)
             out[base + WEIGHT] = weight if keep_vars else weight.detach()

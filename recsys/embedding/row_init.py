@@ -14,17 +14,22 @@ with ``table_seed = mix64(seed * GOLDEN ^ crc32(table name))`` (the table's name
 position, so adding a table changes no other table's rows) and ``mix64`` the splitmix64
 finalizer of :mod:`recsys.ops.slot_map`. ``bound`` defaults to TorchRec's default init,
 ``sqrt(1 / num_embeddings)``.
+
+Fixed tables built on the ``meta`` device and materialized shard by shard (under torchrun) start
+from the same function of (seed, table, row) (:func:`fill_initial_rows`): a table starts the same
+whatever the number of ranks and the plan, and no two shards repeat each other's rows.
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import torch
 
 from recsys.ops.slot_map import mix64
 
-__all__ = ["initial_rows", "table_seed"]
+__all__ = ["fill_initial_rows", "initial_rows", "table_seed", "uniform_bound"]
 
 # 2**64 / golden ratio, as a signed int64 (wraparound arithmetic).
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -57,3 +62,33 @@ def initial_rows(
     top = (z >> 40) & ((1 << 24) - 1)
     uniform = top.to(torch.float64) / float(1 << 24)
     return (bound * (2.0 * uniform - 1.0)).to(dtype)
+
+
+CHUNK_ROWS = 1 << 16  # rows generated at a time (the generator's int64 temporaries are 8x dim)
+
+
+def fill_initial_rows(
+    weight: torch.Tensor, seed: int, bound: float, row_offset: int = 0, col_offset: int = 0
+) -> None:
+    """Fill ``weight`` [rows, cols], the block at (``row_offset``, ``col_offset``) of a table
+    whose generator key is ``seed``, with that block of the table's initial rows (row ``r`` of
+    the table is ``initial_rows([r], seed, col_offset + cols, bound)``), a chunk of rows at a
+    time."""
+    rows, cols = weight.shape
+    with torch.no_grad():
+        for start in range(0, rows, CHUNK_ROWS):
+            stop = min(start + CHUNK_ROWS, rows)
+            keys = torch.arange(row_offset + start, row_offset + stop, device=weight.device)
+            block = initial_rows(keys, seed, col_offset + cols, bound, weight.dtype)
+            weight[start:stop] = block[:, col_offset:]
+
+
+def uniform_bound(init_fn) -> float | None:
+    """``b`` when ``init_fn`` draws uniformly from ``[-b, b]`` (TorchRec's default init is
+    ``partial(torch.nn.init.uniform_, a=-b, b=b)``), else None (an init of its own)."""
+    if not isinstance(init_fn, functools.partial) or init_fn.func is not torch.nn.init.uniform_:
+        return None
+    low, high = init_fn.keywords.get("a"), init_fn.keywords.get("b")
+    if init_fn.args or low is None or high is None or low != -high:
+        return None
+    return float(high)

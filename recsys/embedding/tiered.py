@@ -64,10 +64,10 @@ from recsys.embedding.row_init import initial_rows, table_seed
 from recsys.embedding.row_store import DiskRecords, FixedStore, HostRecords, KeyedStore
 from recsys.embedding.slot_map import AdmissionCounter
 from recsys.embedding.tables import options_by_table, row_bytes, table_dtype
-from recsys.embedding.tiered_files import TieredFiles
+from recsys.embedding.tiered_files import TablePart, TieredFiles
 from recsys.ops.slot_map import check_keys
 
-__all__ = ["TIERS", "StorageOptions", "TieredEmbeddingBagCollection"]
+__all__ = ["TIERS", "RowBlock", "StorageOptions", "TieredEmbeddingBagCollection"]
 
 TIERS = ("device", "host", "disk")
 
@@ -106,6 +106,16 @@ class StorageOptions:
         return self.cache_rows or max(int(self.cache_mb * 2**20) // record_bytes, 1)
 
 
+@dataclass(frozen=True)
+class RowBlock:
+    """The rows of a fixed table that a collection's table holds when it is one block of a
+    larger table (a row-wise shard): its row ``r`` is the table's row ``offset + r``, which gives
+    its initial value (the table's, bound ``sqrt(1 / table_rows)``) and its key in checkpoints."""
+
+    offset: int
+    table_rows: int
+
+
 class TieredEmbeddingBagCollection(EmbeddingBagCollection):
     """An EmbeddingBagCollection whose tables may live in host memory or on disk behind a cache.
 
@@ -118,8 +128,11 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         dynamic: table name -> :class:`DynamicTableOptions` of the tiered tables keyed by raw
             ids (only ``admit_after``, ``admission_capacity``, ``bucket_size`` and
             ``init_bound`` apply: a tiered dynamic table keeps every key it admits).
-        is_weighted, device, backend, validate: as for EmbeddingBagCollection.
+        is_weighted, device, backend, validate: as for EmbeddingBagCollection. On the
+            ``meta`` device no store is made (a sharded collection builds each rank's part).
         seed: a row's initial value is a function of (seed, table, row or key).
+        blocks: table name -> :class:`RowBlock`, for fixed tables that are one block of a
+            larger table (default: each table whole).
 
     Raises:
         ValueError: a bad option (named), a table named twice, a dynamic table that is not
@@ -138,6 +151,7 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         seed: int = 0,
         backend: str = "auto",
         validate: bool = True,
+        blocks: dict[str, RowBlock] | None = None,
     ) -> None:
         if not isinstance(optimizer, FusedOptimizer):
             raise ValueError(
@@ -181,10 +195,15 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         self.storage = options
         self.seed = seed
         self.dynamic_options = dynamic
+        self.blocks = {
+            n: (blocks or {}).get(n, RowBlock(0, c.num_embeddings)) for n, c in tiered.items()
+        }
+        self._tiered = list(tiered)
         self.caches: dict[str, RowCache] = {}
         self.admission: dict[str, AdmissionCounter] = {}
         for name, config in tiered.items():
-            self.caches[name] = self._build_cache(config, cache_rows[name], dynamic.get(name))
+            if self.device.type != "meta":
+                self.caches[name] = self._build_cache(config, cache_rows[name], dynamic.get(name))
         self._train_steps = 0
         self._queue: list[_Prefetch] = []
         self.prefetch_wait_seconds = 0.0
@@ -212,16 +231,18 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
                 device=self.device,
                 name=name,
             )
+        block = self.blocks[name]
         bound = (
             dynamic.init_bound
             if dynamic is not None and dynamic.init_bound is not None
-            else math.sqrt(1.0 / config.num_embeddings)
+            else math.sqrt(1.0 / block.table_rows)
         )
         seed, dtype = table_seed(self.seed, name), table_dtype(config)
         initial = [self.optimizer.initial_state(s) for s in self.optimizer.states]
 
         def fresh(keys: torch.Tensor) -> torch.Tensor:
-            weights = initial_rows(keys.cpu(), seed, config.embedding_dim, bound, dtype)
+            rows = keys.cpu() + block.offset
+            weights = initial_rows(rows, seed, config.embedding_dim, bound, dtype)
             states = [
                 torch.full((len(keys), *t.shape[1:]), value, dtype=t.dtype)
                 for value, t in zip(initial, self._table_tensors(name)[1:], strict=True)
@@ -239,6 +260,11 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._logical_configs
+
+    def tiered_tables(self) -> list[str]:
+        """The tables in host memory or on disk (on the ``meta`` device too, where no store
+        exists yet)."""
+        return list(self._tiered)
 
     def set_optimizer(self, optimizer: FusedOptimizer | None) -> None:
         """As EmbeddingBagCollection's, once the tiered tables exist only with an optimizer of
@@ -286,6 +312,11 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         if train:
             self._train_steps += 1
         prepared = self._take_prefetched(features)
+        if prepared is None and not train:
+            # No batch is in flight under a forward that does not train (an evaluation comes
+            # between steps): only the prefetched batches' rows stay pinned.
+            for name, cache in self.caches.items():
+                cache.begin(min([cache.next_ticket, *self._pending_tickets(name)]))
         if prepared is None:
             prepared = self._prepare(features, train)
         else:
@@ -458,17 +489,27 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
                 out[name]["stored"] = store.num_stored
         return out
 
-    def tiered_files(self) -> TieredFiles:
-        """The streaming reader / writer of the tiered tables' rows for checkpoints."""
+    def tiered_files(self, parts: dict[str, TablePart] | None = None) -> TieredFiles:
+        """The streaming reader / writer of the tiered tables' rows for checkpoints.
+
+        Args:
+            parts: table -> which part of it this collection holds (a rank's shard; default:
+                a fixed table's :class:`RowBlock`, a dynamic table's every key).
+        """
         self.wait_prefetch()
-        layouts = {}
+        layouts, given, parts = {}, parts or {}, {}
         for name in self.caches:
             names = ["weight", *self.optimizer.states]
             layouts[name] = [
                 f"{n}:{str(t.dtype).removeprefix('torch.')}:{t[0].numel()}"
                 for n, t in zip(names, self._table_tensors(name), strict=True)
             ]
-        return TieredFiles(dict(self.caches), layouts)
+            if name in given:
+                parts[name] = given[name]
+            elif name not in self.dynamic_options:
+                rows = next(c.num_embeddings for c in self._logical_configs if c.name == name)
+                parts[name] = TablePart(self.blocks[name].offset, rows)
+        return TieredFiles(dict(self.caches), layouts, parts)
 
     def tiered_state_keys(self) -> list[str]:
         """The state_dict keys of the tiered tables' cache buffers, which ``state_dict()``

@@ -2,10 +2,16 @@
 
 Per tiered table ``<t>``, a checkpoint directory holds three files next to DCP's:
 
-- ``tiered.<t>.json``: ``{"rows": n, "record_bytes": r, "layout": [...]}``;
+- ``tiered.<t>.json``: ``{"table": "<t>", "part": 0, "parts": 1, "rows": n,
+  "record_bytes": r, "layout": [...]}``;
 - ``tiered.<t>.keys``: ``n`` little-endian int64 keys (a fixed table's row numbers), ascending;
 - ``tiered.<t>.rows``: ``n`` records of ``r`` bytes, the row's weights then its optimizer state
   (see :mod:`recsys.embedding.row_store`).
+
+A table sharded over ``P`` ranks writes one part per rank, ``tiered.<t>.part<j>of<P>.*``, each
+with the keys its rank holds, as keys of the whole table (a row-wise shard's rows renumbered
+back). Loading reads every part and keeps the keys the loading table (or rank) holds, so a
+checkpoint loads on any number of ranks, or in one process.
 
 Only rows the store holds are written (a row never touched keeps its lazy initial value), and
 the format does not depend on the tier: a table saved from disk loads into host memory and back.
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +33,34 @@ import torch
 
 from recsys.embedding.row_cache import RowCache
 
-__all__ = ["CHUNK_ROWS", "TieredFiles"]
+__all__ = ["CHUNK_ROWS", "TablePart", "TieredFiles"]
 
 CHUNK_ROWS = 1 << 16
+
+
+@dataclass(frozen=True)
+class TablePart:
+    """Which keys of a table one part of it (a rank's shard) holds, and how they are numbered.
+
+    A fixed table's part holds rows ``[offset, offset + rows)`` of the table as its rows
+    ``0 .. rows - 1``; a dynamic table's part holds the keys ``owns`` marks (None: every key),
+    under their own value. It is part ``index`` of the ``count`` parts the table is saved in
+    (one per shard)."""
+
+    offset: int = 0
+    rows: int | None = None
+    owns: Callable[[torch.Tensor], torch.Tensor] | None = None
+    index: int = 0
+    count: int = 1
+
+    def select(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask of the table's ``keys`` this part holds, their keys in this part)."""
+        if self.owns is not None:
+            return self.owns(keys), keys
+        mask = keys >= self.offset
+        if self.rows is not None:
+            mask &= keys < self.offset + self.rows
+        return mask, keys - self.offset
 
 
 class TieredFiles:
@@ -37,10 +70,20 @@ class TieredFiles:
         caches: table name -> its :class:`~recsys.embedding.row_cache.RowCache` (and store).
         layouts: table name -> what its record holds (e.g. ``["weight:float32:16",
             "sum:float32:1"]``), checked on load.
+        parts: table name -> the part of the table its cache holds (default: the whole).
     """
 
-    def __init__(self, caches: dict[str, RowCache], layouts: dict[str, list[str]]) -> None:
+    def __init__(
+        self,
+        caches: dict[str, RowCache],
+        layouts: dict[str, list[str]],
+        parts: dict[str, TablePart] | None = None,
+    ) -> None:
         self.caches, self.layouts = caches, layouts
+        self.parts = {name: (parts or {}).get(name, TablePart()) for name in caches}
+
+    def _stem(self, name: str, part: int, num_parts: int) -> str:
+        return f"tiered.{name}" if num_parts == 1 else f"tiered.{name}.part{part}of{num_parts}"
 
     def save(self, directory: str | Path, chunk_rows: int = CHUNK_ROWS) -> None:
         """Write every table's stored rows under ``directory`` (fsynced), ``chunk_rows`` at a
@@ -48,69 +91,97 @@ class TieredFiles:
         directory = Path(directory)
         for name, cache in self.caches.items():
             cache.flush()
-            rows = 0
+            part, rows = self.parts[name], 0
+            stem, offset = self._stem(name, part.index, part.count), part.offset
             with (
-                open(directory / f"tiered.{name}.keys", "wb") as keys_file,
-                open(directory / f"tiered.{name}.rows", "wb") as rows_file,
+                open(directory / f"{stem}.keys", "wb") as keys_file,
+                open(directory / f"{stem}.rows", "wb") as rows_file,
             ):
                 for keys, records in cache.store.items(chunk_rows):
-                    keys_file.write(keys.numpy().astype("<i8").tobytes())
+                    keys_file.write((keys + offset).numpy().astype("<i8").tobytes())
                     rows_file.write(records.numpy().tobytes())
                     rows += len(keys)
                 for file in (keys_file, rows_file):
                     file.flush()
                     os.fsync(file.fileno())
             header = {
+                "table": name,
+                "part": part.index,
+                "parts": part.count,
                 "rows": rows,
                 "record_bytes": cache.store.record_bytes,
                 "layout": self.layouts[name],
             }
-            with open(directory / f"tiered.{name}.json", "w") as file:
+            with open(directory / f"{stem}.json", "w") as file:
                 file.write(json.dumps(header) + "\n")
                 file.flush()
                 os.fsync(file.fileno())
 
     def load(self, directory: str | Path, chunk_rows: int = CHUNK_ROWS) -> None:
-        """Replace every table's rows by those saved under ``directory``.
+        """Replace every table's rows by those saved under ``directory`` (from every part of
+        it, the keys this collection's part holds).
 
         Raises:
-            FileNotFoundError: a table's files are missing (named).
+            FileNotFoundError: a table's files, or one of its parts, are missing (named).
             ValueError: a table was saved with another row layout (named, both layouts)."""
         directory = Path(directory)
         for name, cache in self.caches.items():
-            header_path = directory / f"tiered.{name}.json"
-            if not header_path.is_file():
-                raise FileNotFoundError(
-                    f"tiered table '{name}': the checkpoint '{directory}' has no "
-                    f"{header_path.name}; it was not saved with this table tiered"
-                )
-            header = json.loads(header_path.read_text())
-            if header["layout"] != self.layouts[name]:
-                raise ValueError(
-                    f"tiered table '{name}': the checkpoint's rows hold {header['layout']}, "
-                    f"this table's hold {self.layouts[name]}; load it with the same dim, dtype "
-                    "and fused optimizer"
-                )
+            headers = self._headers(directory, name)
+            for _, header in headers:
+                if header["layout"] != self.layouts[name]:
+                    raise ValueError(
+                        f"tiered table '{name}': the checkpoint's rows hold {header['layout']}, "
+                        f"this table's hold {self.layouts[name]}; load it with the same dim, "
+                        "dtype and fused optimizer"
+                    )
             cache.clear()
             cache.store.clear()
-            if header["rows"]:
-                self._stream_in(directory, name, header, chunk_rows)
+            for stem, header in headers:
+                if header["rows"]:
+                    self._stream_in(directory, name, stem, header, chunk_rows)
 
-    def _stream_in(self, directory: Path, name: str, header: dict, chunk_rows: int) -> None:
-        cache, width = self.caches[name], header["record_bytes"]
-        header_name = f"tiered.{name}.json"
-        keys = np.memmap(directory / f"tiered.{name}.keys", dtype="<i8", mode="r")
-        records = np.memmap(directory / f"tiered.{name}.rows", dtype=np.uint8, mode="r")
+    def _headers(self, directory: Path, name: str) -> list[tuple[str, dict]]:
+        """(file stem, header) of every part table ``name`` was saved in."""
+        single = directory / f"tiered.{name}.json"
+        if single.is_file():
+            return [(f"tiered.{name}", json.loads(single.read_text()))]
+        found = {}
+        for path in sorted(directory.glob(f"tiered.{name}.part*of*.json")):
+            header = json.loads(path.read_text())
+            if header.get("table") == name:
+                found[header["part"]] = (path.name.removesuffix(".json"), header)
+        if not found:
+            raise FileNotFoundError(
+                f"tiered table '{name}': the checkpoint '{directory}' has no {single.name} (nor "
+                "parts of it); it was not saved with this table tiered"
+            )
+        num_parts = next(iter(found.values()))[1]["parts"]
+        missing = [
+            self._stem(name, j, num_parts) + ".json" for j in range(num_parts) if j not in found
+        ]
+        if missing:
+            raise FileNotFoundError(
+                f"tiered table '{name}': the checkpoint '{directory}' lacks {missing} of its "
+                f"{num_parts} parts"
+            )
+        return [found[j] for j in range(num_parts)]
+
+    def _stream_in(
+        self, directory: Path, name: str, stem: str, header: dict, chunk_rows: int
+    ) -> None:
+        cache, width, part = self.caches[name], header["record_bytes"], self.parts[name]
+        keys = np.memmap(directory / f"{stem}.keys", dtype="<i8", mode="r")
+        records = np.memmap(directory / f"{stem}.rows", dtype=np.uint8, mode="r")
         records = records.reshape(-1, width)
         if len(keys) != header["rows"] or len(records) != header["rows"]:
             raise ValueError(
-                f"tiered table '{name}': {header_name} says {header['rows']} rows; "
+                f"tiered table '{name}': {stem}.json says {header['rows']} rows; "
                 f"the keys file has {len(keys)}, the rows file {len(records)}"
             )
         for start in range(0, len(keys), chunk_rows):
-            part = slice(start, start + chunk_rows)
-            cache.store.write(
-                torch.from_numpy(np.array(keys[part], dtype=np.int64)),
-                torch.from_numpy(np.array(records[part])),
-            )
+            chunk = slice(start, start + chunk_rows)
+            held, local = part.select(torch.from_numpy(np.array(keys[chunk], dtype=np.int64)))
+            if bool(held.any()):
+                rows = torch.from_numpy(np.array(records[chunk]))
+                cache.store.write(local[held], rows[held])
         del keys, records

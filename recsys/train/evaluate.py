@@ -49,6 +49,8 @@ from recsys.train.checkpoint import (
 )
 from recsys.train.metrics import BinaryMetrics
 from recsys.train.models import build_model
+from recsys.train.optimizers import fused_embedding_optimizer
+from recsys.train.tiered_tables import tiered_collections
 
 SPLITS = ("train", "valid", "test")
 _COMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
@@ -140,12 +142,13 @@ def prefetch_batches(config: DataConfig, device: torch.device) -> int:
 
 def parallelize_from_config(model: nn.Module, config: Config, device: torch.device) -> nn.Module:
     """:func:`~recsys.distributed.parallel.parallelize` with the run's ``[distributed]`` options
-    (placement constraints, memory per rank, communication precisions) and
-    ``train.batch_size``; the model unchanged in a world of one."""
+    (placement constraints, memory per rank, communication precisions), ``train.batch_size``
+    and ``run.seed``; the model unchanged in a world of one."""
     cfg = config.distributed
     return parallelize(
         model,
         device,
+        seed=config.run.seed,
         forward_precision=cfg.forward_precision,
         backward_precision=cfg.backward_precision,
         memory_per_rank=int(cfg.memory_per_rank_gb * 2**30),
@@ -352,14 +355,28 @@ def _load_model(
     """The checkpoint's model with its weights, its tables sharded over the ranks with the run's
     ``[distributed]`` options (no optimizer, no DDP); and the checkpoint's step. Collective
     under torchrun."""
-    model = build_model(config.model, spec, device, seed=config.run.seed)
-    if info.world_size > 1:
+    if config.model.storage.tier == "disk":
+        # Never the training run's own files (it may still be writing them): tiered tables
+        # load into host memory, which holds only the rows the checkpoint has.
+        config.model.storage.tier = "host"
+    sharded = info.world_size > 1
+    model = build_model(
+        config.model,
+        spec,
+        device,
+        seed=config.run.seed,
+        embedding_optimizer=fused_embedding_optimizer(config.train),
+        table_device=torch.device("meta") if sharded else None,  # each rank: its shards
+    )
+    if sharded:
         model.requires_grad_(False)  # nothing to all-reduce: parallelize skips DDP
         model = parallelize_from_config(model, config, device)
     shapes, read = checkpoint_shapes(path), tensor_reader(path)
     state = {"model": state_to_load(model, shapes, "model.", read), "step": 0}
     load_checkpoint(path, state, verify=False)  # verified by evaluate_checkpoint
     model.load_state_dict(state["model"])
+    for collection in tiered_collections(model):  # their rows: every part, those held here
+        collection.tiered_files().load(path)
     return model.eval(), int(state["step"])
 
 

@@ -84,6 +84,7 @@ def build_model(
     *,
     embedding_optimizer: FusedOptimizer | None = None,
     run_dir: str | Path = ".",
+    table_device: torch.device | None = None,
 ) -> nn.Module:
     """Build ``config.name`` for a dataset with ``spec``, on ``device``.
 
@@ -96,6 +97,9 @@ def build_model(
         embedding_optimizer: the fused optimizer of the tables; tiered tables
             (``[model.storage]``) need it, since their stored rows hold its state.
         run_dir: the run directory (a disk tier without a path keeps its files there).
+        table_device: where the tables go (default: ``device``); ``meta`` under torchrun,
+            where each rank then materializes only its shards
+            (:func:`recsys.distributed.parallel.parallelize`).
 
     Returns:
         The model, with ``forward(dense_features, sparse_features) -> logits [B, T]``.
@@ -132,7 +136,7 @@ def build_model(
     build = dict(
         config=config,
         spec=spec,
-        device=device,
+        device=device if table_device is None else table_device,
         seed=seed,
         optimizer=embedding_optimizer,
         run_dir=run_dir,
@@ -140,14 +144,18 @@ def build_model(
     collections = [_collection(tables, **build)]
     if entry.linear:
         collections.append(_collection(linear_table_configs(tables), **build))
-    return entry.module(
+    model = entry.module(
         *collections,
         dense_in_features=spec.num_dense,
         activation=config.activation,
         dropout=config.dropout,
         **shared,
         **options,
-    ).to(device)
+    )
+    if table_device is None:
+        return model.to(device)
+    # Everything but the tables left on the meta device (parallelize materializes those).
+    return model._apply(lambda t: t if t.is_meta else t.to(device))
 
 
 def _collection(

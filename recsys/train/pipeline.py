@@ -100,7 +100,9 @@ class TrainPipeline:
         sharded = pipeline_enabled(mode, model)
         self.collections = sharded_collections(model) if sharded else []
         # Tiered tables prepare batch i+1's rows while batch i trains, unless "off".
-        self.tiered = tiered_collections(model) if mode != "off" else []
+        # A sharded one prefetches its rows in prefetch_input when that runs.
+        tiered = tiered_collections(model) if mode != "off" else []
+        self.tiered = [c for c in tiered if not any(c is s for s in self.collections)]
         self.enabled = sharded or bool(self.tiered)
 
     def batches(

@@ -68,8 +68,13 @@ def storage_options(
 
 
 def tiered_collections(model: nn.Module) -> list[nn.Module]:
-    """``model``'s collections that hold tiered tables."""
-    return [c for c in embedding_collections(model).values() if getattr(c, "caches", None)]
+    """``model``'s collections that hold tiered tables (sharded ones too, on every rank,
+    whether or not the rank holds a shard of them)."""
+    return [
+        c
+        for c in embedding_collections(model).values()
+        if hasattr(c, "tiered_tables") and c.tiered_tables()
+    ]
 
 
 class TieredLog:

@@ -38,11 +38,9 @@ from recsys.data.loader import BatchLoader
 from recsys.distributed.parallel import (
     DistributedInfo,
     init_distributed,
-    parallelize,
     resolve_device,
     shutdown_distributed,
 )
-from recsys.distributed.planner import parse_constraints
 from recsys.embedding.interface import (
     embedding_collections,
     logical_optimizer_state,
@@ -63,18 +61,14 @@ from recsys.train.checkpoint import (
     tensor_reader,
     verify_checkpoint,
 )
-from recsys.train.compiled import compile_dense
 from recsys.train.delta_writer import DeltaWriter
 from recsys.train.deltas import DELTAS_DIR
 from recsys.train.dynamic_tables import dynamic_stat_fields, key_balance
 from recsys.train.evaluate import eval_line, evaluate_split
-from recsys.train.finetune import freeze, init_from_checkpoint
 from recsys.train.metrics import MetricsLogger
-from recsys.train.models import build_model
+from recsys.train.model_setup import setup_model
 from recsys.train.optimizers import (
     build_optimizers,
-    configure_embedding_optimizer,
-    fused_embedding_optimizer,
     learning_rates,
     task_loss_weights,
 )
@@ -132,7 +126,9 @@ class _Run:
         malformed = getattr(self.dataset, "malformed", None)
         if malformed is not None and malformed.count:
             self._print(f"{config.data.path}: {malformed.summary()}")
-        self.model = self._build_model(resume)
+        self.model = setup_model(
+            config, self.dataset.spec, device, info.world_size, self.run_dir, resume, self._print
+        )
         self.optimizers = build_optimizers(config.train, self.model)
         task_weights = task_loss_weights(config.train, self.dataset.spec.num_tasks, device)
         self.train_step = TrainStep(
@@ -171,32 +167,6 @@ class _Run:
         self.deltas = DeltaWriter(self.run_dir / DELTAS_DIR, ckpt.delta_every_steps)
         if stale := self.deltas.start(_unwrap(self.model), self.step):  # written after step
             self._print(f"removed {len(stale)} stale delta(s) after step {self.step}")
-
-    def _build_model(self, resume: Path | None) -> nn.Module:
-        """The model, fine-tuned from ``checkpoint.init_from`` (unless resuming), with its
-        embedding optimizer, frozen modules, and sharded over the ranks."""
-        ckpt = self.config.checkpoint
-        model = build_model(
-            self.config.model,
-            self.dataset.spec,
-            self.device,
-            seed=self.config.run.seed,
-            embedding_optimizer=fused_embedding_optimizer(self.config.train),
-            run_dir=self.run_dir,
-        )
-        if tiered_collections(model) and self.info.world_size > 1:
-            raise ValueError(
-                f"model.storage.tier = {self.config.model.storage.tier!r} runs in one process; "
-                f"this run has {self.info.world_size} ranks (tiered tables are not sharded yet)"
-            )
-        if ckpt.init_from and resume is None:
-            self._print(init_from_checkpoint(model, resolve_checkpoint(ckpt.init_from), ckpt))
-        configure_embedding_optimizer(self.config.train, model)
-        if ckpt.freeze:
-            self._print(f"frozen: {', '.join(freeze(model, ckpt.freeze))}")
-        if self.config.train.compile:
-            self._print(f"torch.compile: {', '.join(compile_dense(model))}")
-        return self._parallelize(model)
 
     def _steps_per_epoch(self) -> int:
         """Batches per epoch on each rank.
@@ -247,28 +217,6 @@ class _Run:
         for line in skipped:
             self._print(f"resume=latest: {line}")
         return path
-
-    def _parallelize(self, model: nn.Module) -> nn.Module:
-        """Shard the tables and DDP the rest when there are several ranks (see
-        :func:`recsys.distributed.parallel.parallelize`)."""
-        if self.info.world_size == 1:
-            return model
-        cfg = self.config.distributed
-        comm_bytes = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
-        model = parallelize(
-            model,
-            self.device,
-            forward_precision=cfg.forward_precision,
-            backward_precision=cfg.backward_precision,
-            memory_per_rank=int(cfg.memory_per_rank_gb * 2**30),
-            batch_size=self.config.train.batch_size,
-            constraints=parse_constraints(cfg.constraints),
-            forward_comm_bytes=comm_bytes[cfg.forward_precision],
-            backward_comm_bytes=comm_bytes[cfg.backward_precision],
-        )
-        if cfg.print_plan:
-            self._print(_unwrap(model).sharding_plan.describe())
-        return model
 
     def fit(self) -> TrainResult:
         """Train to ``total_steps``, evaluate on the test split, save the final checkpoint.

@@ -470,3 +470,31 @@ def test_key_wise_constraints_must_match_the_table(constraint, dynamic, message)
         )
     with pytest.raises(ValueError, match="dynamic_rows name unknown tables"):
         plan_sharding({"": [table("user", 1024, 16)]}, 2, dynamic_rows={"usr": 10})
+
+
+def test_tiered_tables_budget_their_cache_and_keep_whole_rows():
+    # 10M x 64 fp32 rows (+ a row-wise state) is 2.4 GiB, far over 64 MiB a rank; tiered, a
+    # shard keeps a cache of 100k rows (+ the spare row) on the device, 25.6 MB, so it fits,
+    # and only as TABLE_WISE or ROW_WISE (never split by column or replicated).
+    tables = {"": [table("big", 10_000_000, 64), table("small", 100, 8)]}
+    budget = 64 * 2**20
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_sharding(tables, 2, memory_per_rank=budget, optimizer_states=ROWWISE_ADAGRAD)
+    plan = plan_sharding(
+        tables,
+        2,
+        memory_per_rank=budget,
+        optimizer_states=ROWWISE_ADAGRAD,
+        tiered_rows={"big": 100_000},
+    )
+    check_plan(plan, tables, 2)
+    assert plan[""]["big"].sharding_type in (ShardingType.TABLE_WISE, ShardingType.ROW_WISE)
+    held = (100_000 + 1) * (64 * 4 + 4)
+    assert max(plan.footprints[""]["big"].shard_bytes) == held
+    with pytest.raises(ValueError, match="tiered table .* table_wise or row_wise"):
+        plan_sharding(
+            tables,
+            2,
+            tiered_rows={"big": 100_000},
+            constraints=parse_constraints(["big=column_wise"]),
+        )

@@ -16,6 +16,7 @@ from recsys.distributed import planner as P
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from recsys.embedding.row_init import initial_rows, table_seed
 from tests.distributed.spawn import run_ranks
 
 # name, dim, rows, features, pooling: odd dims, a 3-row table (fewer rows than 4 ranks), a
@@ -183,9 +184,17 @@ def _uneven_and_loading(rank: int, world: int) -> None:
     gathered = [torch.empty_like(replica) for _ in range(world)]
     torch.distributed.all_gather(gathered, replica)
     assert all(torch.equal(g, gathered[0]) for g in gathered)
-    bound = (1 / 13) ** 0.5  # t1 (13 rows, ROW_WISE): TorchRec's uniform(+-sqrt(1 / rows))
-    local_rows = built.shards.embedding_bags["t1"].weight
-    assert local_rows.abs().max() <= bound and local_rows.std() > 0
+    # Each shard holds its block of the table's initial rows, a function of (seed, table,
+    # row): t0 is TABLE_WISE, t1 (13 rows) ROW_WISE, t2 COLUMN_WISE; the bound is TorchRec's
+    # default init's, sqrt(1 / rows).
+    for name, rows, dim in [("t1", 13, 8), ("t0", 10, 4), ("t2", 7, 6)]:
+        if built.local_table(name) is None:
+            continue
+        shard = built.local_shard(name)
+        keys = torch.arange(shard.row_offset, shard.row_offset + shard.num_rows)
+        full = initial_rows(keys, table_seed(0, name), dim, (1 / rows) ** 0.5)
+        columns = slice(shard.col_offset, shard.col_offset + shard.num_cols)
+        assert torch.equal(built.local_table(name).weight, full[:, columns]), name
     # Bad input names the problem on the sending rank.
     bad = KeyedJaggedTensor(
         keys=FEATURES,

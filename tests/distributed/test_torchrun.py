@@ -13,7 +13,7 @@ import torch
 from recsys.config import load_config
 from recsys.data import build_dataset
 from recsys.data.loader import BatchLoader
-from recsys.train.checkpoint import latest_checkpoint, load_checkpoint
+from recsys.train.checkpoint import latest_checkpoint, load_checkpoint, load_model
 from recsys.train.metrics import BinaryMetrics, read_metrics
 from recsys.train.models import build_model
 
@@ -86,6 +86,46 @@ def test_two_rank_training(tmp_path):
     single = metrics.compute()
     assert single["auc"] == pytest.approx(test["auc"], abs=1e-6)
     assert single["logloss"] == pytest.approx(test["logloss"], abs=1e-6)
+
+
+def test_two_ranks_train_tiered_tables_and_one_process_loads_them(tmp_path):
+    """Disk-tier tables under torchrun: built on the meta device, each rank holds its shards'
+    rows in its own files and writes its part of the checkpoint; one process reads every part
+    back and scores the test split exactly as the two ranks did."""
+    done = run_torchrun(
+        [
+            "--nproc-per-node=2",
+            "-m",
+            "recsys",
+            "train",
+            f"--run.dir={tmp_path}",
+            *OVERRIDES,
+            "--model.storage.tier=disk",
+            "--model.storage.min_rows=400",
+            "--model.storage.cache_rows=900",
+            '--distributed.constraints=["t_cat_1=row_wise"]',
+            "--distributed.print_plan=true",
+        ]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "cache hit rate" in done.stdout
+    for rank in (0, 1):  # t_cat_1 is split by rows, t_cat_2 (500 rows) whole on one rank
+        assert (tmp_path / "tables" / f"rank{rank}" / "t_cat_1.rows").is_file()
+    checkpoint = tmp_path / "checkpoints" / "step_00000064"
+    assert (checkpoint / "tiered.t_cat_1.part1of2.rows").is_file()
+    assert (checkpoint / "tiered.t_cat_2.rows").is_file()
+    events = read_metrics(tmp_path / "metrics.jsonl")
+    (test,) = [e for e in events if e["split"] == "test"]
+    train = [e for e in events if e["split"] == "train"]
+    assert all(e["tiered/t_cat_1/hit_rate"] > 0 for e in train)
+    config = load_config(tmp_path / "config.toml")
+    dataset = build_dataset(config.data, config.run.seed)
+    model = load_model(checkpoint)
+    metrics = BinaryMetrics(dataset.spec.label_names, torch.device("cpu"))
+    with torch.no_grad():
+        for batch in BatchLoader(dataset, "test", 4096):
+            metrics.update(model(batch.dense, batch.sparse), batch.labels)
+    assert metrics.compute()["auc"] == pytest.approx(test["auc"], abs=1e-6)
 
 
 def two_ranks_and_one_process(tmp_path, extra: list[str]) -> dict[str, float]:

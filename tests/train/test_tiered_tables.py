@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from recsys.config import load_config
+from recsys.data import build_dataset
 from recsys.train.checkpoint import load_model
+from recsys.train.evaluate import evaluate_checkpoint
+from recsys.train.model_setup import setup_model
 from recsys.train.tiered_tables import tiered_collections
 from recsys.train.trainer import train
 
@@ -129,3 +133,26 @@ def test_load_model_reads_tiered_rows_without_touching_the_run(tiered_run):
     stored = sum(len(keys) for keys, _ in collection.caches["t_cat_2"].store.items(1 << 16))
     saved = json.loads((result.checkpoint / "tiered.t_cat_2.json").read_text())["rows"]
     assert stored == saved > 0
+
+
+def test_evaluate_scores_a_tiered_checkpoint_as_the_run_did(tiered_run):
+    result, run_dir = tiered_run
+    rows_file = run_dir / "tables" / "t_cat_2.rows"
+    before = rows_file.read_bytes()
+    scored = evaluate_checkpoint(result.checkpoint, split="test")
+    assert rows_file.read_bytes() == before
+    (test,) = [e for e in events(run_dir) if e["split"] == "test"]
+    assert scored.metrics["auc"] == pytest.approx(test["auc"], abs=1e-6)
+
+
+def test_fine_tuning_loads_the_tiered_rows(tiered_run, tmp_path):
+    result, _ = tiered_run
+    config = load_config(
+        None,
+        [*TINY, *DISK, f"--run.dir={tmp_path}", f"--checkpoint.init_from={result.checkpoint}"],
+    )
+    spec = build_dataset(config.data, config.run.seed).spec
+    model = setup_model(config, spec, torch.device("cpu"), 1, tmp_path, None, lambda line: None)
+    store = tiered_collections(model)[0].caches["t_cat_2"].store
+    saved = json.loads((result.checkpoint / "tiered.t_cat_2.json").read_text())["rows"]
+    assert sum(len(keys) for keys, _ in store.items(1 << 16)) == saved > 0

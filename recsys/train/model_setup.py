@@ -1,0 +1,89 @@
+"""The trained model of a run, ready for its first step: built from ``[model]`` (its tables on
+the ``meta`` device under torchrun, so no rank ever holds a table whole), fine-tuned from
+``checkpoint.init_from``, given its fused embedding optimizer and frozen modules, compiled, and
+sharded over the ranks (each rank materializing only its own shards)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from recsys.config import Config
+from recsys.data.batch import DatasetSpec
+from recsys.train.checkpoint import resolve_checkpoint
+from recsys.train.compiled import compile_dense
+from recsys.train.evaluate import parallelize_from_config
+from recsys.train.finetune import freeze, init_from_checkpoint
+from recsys.train.models import build_model
+from recsys.train.optimizers import configure_embedding_optimizer, fused_embedding_optimizer
+from recsys.train.tiered_tables import tiered_collections
+
+__all__ = ["setup_model"]
+
+
+def setup_model(
+    config: Config,
+    spec: DatasetSpec,
+    device: torch.device,
+    world_size: int,
+    run_dir: Path,
+    resume: Path | None,
+    say: Callable[[str], None],
+) -> nn.Module:
+    """The model, fine-tuned from ``checkpoint.init_from`` (unless resuming from ``resume``),
+    with its embedding optimizer, frozen modules, and sharded over ``world_size`` ranks (the
+    process group is initialized); ``say`` prints a line on the first rank."""
+    ckpt = config.checkpoint
+    fine_tune = bool(ckpt.init_from) and resume is None
+    model = build_model(
+        config.model,
+        spec,
+        device,
+        seed=config.run.seed,
+        embedding_optimizer=fused_embedding_optimizer(config.train),
+        run_dir=run_dir,
+        table_device=_table_device(config, world_size, fine_tune),
+    )
+    if fine_tune:
+        path = resolve_checkpoint(ckpt.init_from)
+        say(init_from_checkpoint(model, path, ckpt))
+        for collection in tiered_collections(model):  # their rows are in the tiered files
+            collection.tiered_files().load(path)
+    configure_embedding_optimizer(config.train, model)
+    if ckpt.freeze:
+        say(f"frozen: {', '.join(freeze(model, ckpt.freeze))}")
+    if config.train.compile:
+        say(f"torch.compile: {', '.join(compile_dense(model))}")
+    if world_size == 1:
+        return model
+    cfg = config.distributed
+    model = parallelize_from_config(model, config, device)
+    if cfg.print_plan:
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        say(inner.sharding_plan.describe())
+    return model
+
+
+def _table_device(config: Config, world_size: int, fine_tune: bool) -> torch.device | None:
+    """``meta`` under torchrun: each rank materializes only its shards (parallelize). A
+    fine-tuned run loads its checkpoint into whole tables first, which tiered tables cannot
+    hold.
+
+    Raises:
+        ValueError: checkpoint.init_from with tiered tables under torchrun."""
+    if world_size == 1:
+        return None
+    if not fine_tune:
+        return torch.device("meta")
+    tier = config.model.storage.tier
+    if tier != "device":
+        raise ValueError(
+            f"checkpoint.init_from with model.storage.tier = {tier!r} runs in one process "
+            f"(fine-tuning loads whole tables before sharding); this run has {world_size} "
+            "ranks. Resume instead (checkpoint.resume), which loads each rank's share"
+        )
+    return None
