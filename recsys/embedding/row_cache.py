@@ -5,7 +5,8 @@ A :class:`RowCache` of ``num_rows`` rows keeps, per cache row, the key it holds,
 the ticket of the last batch that used it; LFU: how many ids used it), whether training changed
 it since it came from the store (dirty), and the ticket of the last batch that used it. Keys find
 their row through an id -> slot map (:class:`~recsys.embedding.slot_map.SlotMap`, growing: it
-never evicts on its own) and one int64 per map slot.
+never evicts on its own) and one int64 per map slot. The rows holding no key are kept in a list,
+lowest first, so taking a free row never scans the cache.
 
 :meth:`RowCache.prepare` gives a batch's distinct keys cache rows::
 
@@ -131,6 +132,8 @@ class RowCache:
         self.row_score = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.row_ticket = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.row_dirty = torch.zeros(size, dtype=torch.bool, device=self.device)
+        # The rows holding no key (row_key == EMPTY_KEY), ascending: taken from the front.
+        self.free = torch.arange(self.num_rows, dtype=torch.int64, device=self.device)
 
     def rows_of(self, keys: torch.Tensor) -> torch.Tensor:
         """The cache row of each key, -1 where not cached."""
@@ -220,23 +223,34 @@ class RowCache:
         return out
 
     def _free_rows(self, count: int, ticket: int) -> torch.Tensor:
-        """``count`` rows to fill: free ones first, then evicted ones (lowest score first,
-        never a pinned one), written back when dirty."""
-        free = (self.row_key == EMPTY_KEY).nonzero().squeeze(1)
+        """``count`` rows to fill: free ones first (lowest first), then evicted ones (lowest
+        score first, never a pinned one), written back when dirty."""
+        free = self.free
         if len(free) >= count:
+            self.free = free[count:]
             return free[:count]
         needed = count - len(free)
-        pinned = self.row_ticket >= self.oldest_live
-        candidates = (~pinned & (self.row_key != EMPTY_KEY)).nonzero().squeeze(1)
+        unpinned = self.row_ticket < self.oldest_live
+        if len(free):  # free rows hold no key: not candidates
+            unpinned &= self.row_key != EMPTY_KEY
+        candidates = unpinned.nonzero().squeeze(1)
         if len(candidates) < needed:
             self._raise_full(count, ticket)
-        scores = self.row_score[candidates]
+        scores = self.row_score.index_select(0, candidates)
         victims = candidates[torch.topk(scores, needed, largest=False, sorted=False).indices]
-        self.evict(victims)
+        self._release(victims)
+        self.free = free[:0]
         return torch.cat([free, victims])
 
     def evict(self, rows: torch.Tensor) -> None:
-        """Write back the dirty ones of cache ``rows`` and free them all."""
+        """Write back the dirty ones of cache ``rows`` (distinct, each holding a key) and free
+        them all."""
+        self._release(rows)
+        self.free = torch.cat([self.free, rows.to(self.device)]).sort().values
+
+    def _release(self, rows: torch.Tensor) -> None:
+        """Evict ``rows``, written back when dirty, without listing them free (the caller
+        fills them)."""
         self.write_back(rows[self.row_dirty[rows]])
         self.index.remove(self.row_key[rows])
         self.row_key[rows] = EMPTY_KEY

@@ -14,9 +14,11 @@ so a row's weights and state always move between tiers together. It is addressed
   batches in ``benchmarks/results/kv_store.csv`` (``scripts/bench_kv_store.py``).
 
 A row the store never received is **absent** (``read`` says so): its table initializes it
-lazily from (seed, table, key). Each record carries one more byte, 1 once written, so a fresh
-file of zeros (sparse: untouched rows take no disk) holds only absent rows and a 40 GB table needs
-no 40 GB write before its first step.
+lazily from (seed, table, key). A fresh file of zeros (sparse: untouched rows take no disk) holds
+only absent rows, so a 40 GB table needs no 40 GB write before its first step. Each record carries
+one more byte, 1 once written (the file alone tells which rows it holds). The store keeps which
+rows are present in memory too (a :class:`RowBits` bit per row of a fixed table, the index of a
+dynamic one) and reads only those: a row's first use costs no read.
 
 Two record arrays: :class:`HostRecords` (a tensor, in pinned memory when the table's cache is on
 CUDA) and :class:`DiskRecords` (a memory-mapped file). A disk store's mapping is dropped from the
@@ -38,7 +40,15 @@ import torch
 from recsys.embedding.dynamic_table import UNCAPPED
 from recsys.embedding.slot_map import SlotMap
 
-__all__ = ["DiskRecords", "FixedStore", "HostRecords", "KeyedStore", "RecordArray", "RowStore"]
+__all__ = [
+    "DiskRecords",
+    "FixedStore",
+    "HostRecords",
+    "KeyedStore",
+    "RecordArray",
+    "RowBits",
+    "RowStore",
+]
 
 
 class RecordArray:
@@ -182,10 +192,10 @@ class RowStore:
         """Forget every row."""
         raise NotImplementedError
 
-    def _read_records(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_records(self, index: torch.Tensor) -> torch.Tensor:
         raw = self.records.read(index)
         self.bytes_read += raw.numel()
-        return raw[:, : self.record_bytes], raw[:, self.record_bytes] == 1
+        return raw[:, : self.record_bytes]
 
     def _write_records(self, index: torch.Tensor, records: torch.Tensor) -> None:
         flag = torch.ones(len(index), 1, dtype=torch.uint8)
@@ -193,24 +203,63 @@ class RowStore:
         self.bytes_written += len(index) * self.records.width
 
 
+class RowBits:
+    """One bit per row of ``num_rows``: which rows are set (all clear at first).
+
+    Bit ``r`` is bit ``r % 8`` of byte ``r // 8`` of :attr:`words` (uint8 [ceil(num_rows / 8)]),
+    so 20M rows take 2.5 MB."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.words = torch.zeros((num_rows + 7) // 8, dtype=torch.uint8)
+
+    def get(self, rows: torch.Tensor) -> torch.Tensor:
+        """bool [n]: whether each of ``rows`` (int64 [n]) is set."""
+        rows = rows.cpu()
+        return (self.words[rows >> 3].long() >> (rows & 7)) & 1 == 1
+
+    def set(self, rows: torch.Tensor) -> None:
+        """Set ``rows`` (int64 [n], repeats allowed)."""
+        rows = rows.cpu().numpy()
+        masks = np.left_shift(1, rows & 7).astype(np.uint8)
+        np.bitwise_or.at(self.words.numpy(), rows >> 3, masks)  # repeats OR, never add
+
+    def clear(self) -> None:
+        """Clear every row."""
+        self.words.zero_()
+
+
 class FixedStore(RowStore):
-    """The rows of a fixed table of ``records.num_records`` rows; key = row number."""
+    """The rows of a fixed table of ``records.num_records`` rows; key = row number. Which rows
+    were written is kept in :attr:`written` (a :class:`RowBits`): only those are read."""
+
+    def __init__(self, records: RecordArray) -> None:
+        super().__init__(records)
+        self.written = RowBits(records.num_records)
 
     def read(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._read_records(keys)
+        keys = keys.cpu()
+        present = self.written.get(keys)
+        if bool(present.all()):
+            return self._read_records(keys), present
+        records = torch.zeros(len(keys), self.record_bytes, dtype=torch.uint8)
+        if bool(present.any()):
+            records[present] = self._read_records(keys[present])
+        return records, present
 
     def write(self, keys: torch.Tensor, records: torch.Tensor) -> None:
         self._write_records(keys, records)
+        self.written.set(keys)
 
     def items(self, chunk_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for start in range(0, self.records.num_records, chunk_rows):
             rows = torch.arange(start, min(start + chunk_rows, self.records.num_records))
-            records, present = self._read_records(rows)
-            if bool(present.any()):
-                yield rows[present], records[present]
+            rows = rows[self.written.get(rows)]
+            if len(rows):
+                yield rows, self._read_records(rows)
 
     def clear(self) -> None:
         self.records.clear()
+        self.written.clear()
 
 
 class KeyedStore(RowStore):
@@ -238,7 +287,7 @@ class KeyedStore(RowStore):
         present = where >= 0
         records = torch.zeros(len(keys), self.record_bytes, dtype=torch.uint8)
         if bool(present.any()):
-            records[present] = self._read_records(where[present])[0]
+            records[present] = self._read_records(where[present])
         return records, present
 
     def write(self, keys: torch.Tensor, records: torch.Tensor) -> None:
@@ -270,7 +319,7 @@ class KeyedStore(RowStore):
         keys, where = keys[order], self.record_of[slots[order]]
         for start in range(0, len(keys), chunk_rows):
             part = slice(start, start + chunk_rows)
-            yield keys[part], self._read_records(where[part])[0]
+            yield keys[part], self._read_records(where[part])
 
     def clear(self) -> None:
         self.records.clear()
