@@ -23,16 +23,12 @@ Modes:
   is checked against ``--rss-budget-gib`` (6): over it, the script says so and exits with
   status 1 (after writing the row).
 
-Data (the same batches for every case of a mode): one id per table and sample (one-hot, as
-Criteo), ``--batch`` (4096) samples a step. Ids are Zipf(``--zipf`` = 1.05) ranks over the
-table's N rows, drawn by the inverse CDF of the continuous power law on [1, N+1) (no
-N-entry probability vector), then scrambled rank -> row by ``(rank * a + c) mod N`` (a coprime
-to N, per table) so the hot rows are spread over the file. Labels come from a planted model:
-``logit = 1.5 * z_ids + 0.75 * z_dense``, ``z_ids`` the sum over tables of a per-id effect
-``h(table, id)`` (a hash of the id mapped to [-1, 1]) scaled to unit variance, ``z_dense`` a fixed
-unit direction of the 13 N(0, 1) dense features; label ~ Bernoulli(sigmoid(logit)). After
-training, AUC on ``--eval-batches`` (20) held-out batches of the same distribution (the notes give
-the planted logit's own AUC on them, the ceiling: tail ids are seen too rarely to learn).
+Data (the same batches for every case of a mode; ``scripts/_tiered_data.py``): one id per table
+and sample (one-hot, as Criteo), ``--batch`` (4096) samples a step, ids Zipf(``--zipf`` = 1.05)
+over each table's rows (the hot rows spread over the table's file), labels from a planted model of
+the ids and the 13 dense features. After training, AUC on ``--eval-batches`` (20) held-out
+batches of the same distribution (the notes give the planted logit's own AUC on them, the
+ceiling: tail ids are seen too rarely to learn).
 
 Columns (besides device, versions, commit, timestamp, notes): ``cache_rows`` summed over the
 tables; ``step_ms_*`` percentiles of the timed steps (forward, the prefetch call, backward with
@@ -46,9 +42,9 @@ prefetch (not hidden behind compute); ``disk_gib_used`` the allocated blocks of 
 The disk tier's pages live in the kernel's page cache, which is not the process's RSS (the store
 drops its mapping after every call); the notes give the RSS split at the end.
 
-Disk tier workaround: the script advises each table's mapping ``MADV_RANDOM`` (see
-:func:`random_access`; ``--library-readahead`` leaves it out). Without it, page faults read
-around (8 MiB here) and tables larger than RAM thrash the page cache: 15-20 s a step.
+The disk tier's mapping is advised ``MADV_RANDOM`` by recsys itself
+(``recsys.embedding.row_store.DiskRecords``): without it, page faults read around (8 MiB here)
+and tables larger than RAM thrash the page cache: 15-20 s a step.
 
 Run: ``python scripts/bench_tiered.py [--sweep] [--large] [--quick] [--dir DIR]``. Rows are
 appended to ``benchmarks/results/tiered.csv`` (its own columns; device, versions and commit from
@@ -61,8 +57,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
-import mmap
 import os
 import shutil
 import subprocess
@@ -71,10 +65,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from _harness import append_csv, environment, format_table, load_note, summarize
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from _tiered_data import NUM_DENSE, Batch, LogSpec, auc, make_batches
+from torchrec import EmbeddingBagConfig
 
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import RowWiseAdagrad
@@ -90,12 +84,9 @@ COLUMNS = (
     *("device", "versions", "commit", "timestamp", "notes"),
 )
 GIB = 1 << 30
-NUM_DENSE = 13
 DIM = 64
 BOTTOM = [128, DIM]
 TOP = [256, 128, 1]
-ID_WEIGHT, DENSE_WEIGHT = 1.5, 0.75
-MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 @dataclasses.dataclass
@@ -118,99 +109,15 @@ class Case:
     lr_dense: float
     directory: str  # disk tier: where the table files go (removed after the run)
     rss_budget_gib: float = 0.0  # 0: none
-    madv_random: bool = True  # disk tier: advise the mappings MADV_RANDOM (see random_access)
 
     @property
     def cache_rows(self) -> int:
         return max(int(self.rows * self.cache_fraction), 1) if self.tier != "memory" else 0
 
-
-# ---------------------------------------------------------------------------------------------
-# data: Zipf ids, planted labels
-
-
-def zipf_ranks(num: int, num_rows: int, exponent: float, gen: torch.Generator) -> torch.Tensor:
-    """``num`` int64 ranks in [0, num_rows), P(rank r) ~ (r + 1) ** -exponent: the inverse CDF of
-    the continuous power law on [1, num_rows + 1), floored."""
-    u = torch.rand(num, generator=gen, dtype=torch.float64)
-    if abs(exponent - 1.0) < 1e-9:
-        x = torch.pow(num_rows + 1.0, u)
-    else:
-        a = 1.0 - exponent
-        x = torch.pow(1.0 + u * ((num_rows + 1.0) ** a - 1.0), 1.0 / a)
-    return (x.floor().long() - 1).clamp_(0, num_rows - 1)
-
-
-def scramble(ranks: torch.Tensor, num_rows: int, table: int) -> torch.Tensor:
-    """Rank -> row, a bijection of [0, num_rows): ``(rank * a + c) mod num_rows``, ``a`` coprime
-    to ``num_rows``; hot ranks land all over the table."""
-    a = (0x9E3779B1 + 2 * table * 0x632BE5AB) % num_rows or 1
-    while math.gcd(a, num_rows) != 1:
-        a += 1
-    c = (table * 0x5851F42D) % num_rows
-    return (ranks * a + c) % num_rows  # ranks, a < num_rows < 2**31: no int64 overflow
-
-
-def id_effect(ids: torch.Tensor, table: int) -> torch.Tensor:
-    """The planted effect of each id of ``table`` in [-1, 1] (splitmix64 of table and id)."""
-    with np.errstate(over="ignore"):
-        x = ids.numpy().astype(np.uint64) + np.uint64((table + 1) * 0x9E3779B97F4A7C15 & MASK64)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
-    unit = (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-    return torch.from_numpy(unit * 2.0 - 1.0)
-
-
-@dataclasses.dataclass
-class Batch:
-    dense: torch.Tensor  # [B, 13]
-    sparse: KeyedJaggedTensor  # one id per table and sample
-    labels: torch.Tensor  # [B, 1]
-    logits: torch.Tensor  # [B] the planted model's
-
-
-def make_batches(case: Case, num: int, seed: int) -> list[Batch]:
-    """``num`` batches of the case's data (the same for every case of a mode and seed)."""
-    gen = torch.Generator().manual_seed(seed)
-    direction = torch.randn(NUM_DENSE, generator=torch.Generator().manual_seed(case.seed))
-    direction /= direction.norm()
-    keys = [f"f{t}" for t in range(case.num_tables)]
-    lengths = torch.ones(case.num_tables * case.batch, dtype=torch.int64)
-    batches = []
-    for _ in range(num):
-        ids = [
-            scramble(zipf_ranks(case.batch, case.rows, case.zipf, gen), case.rows, t)
-            for t in range(case.num_tables)
-        ]
-        effects = torch.stack([id_effect(v, t) for t, v in enumerate(ids)]).sum(0)
-        z_ids = effects / math.sqrt(case.num_tables / 3.0)  # each effect has variance 1/3
-        dense = torch.randn(case.batch, NUM_DENSE, generator=gen)
-        logits = ID_WEIGHT * z_ids.float() + DENSE_WEIGHT * (dense @ direction)
-        labels = torch.bernoulli(torch.sigmoid(logits), generator=gen).unsqueeze(1)
-        sparse = KeyedJaggedTensor(keys=keys, values=torch.cat(ids), lengths=lengths)
-        batches.append(Batch(dense, sparse, labels, logits))
-    return batches
-
-
-def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """ROC AUC by the rank formula (ties get their average rank)."""
-    scores, labels = scores.double().flatten(), labels.flatten() > 0.5
-    order = torch.argsort(scores)
-    sorted_scores = scores[order]
-    _, inverse, counts = torch.unique_consecutive(
-        sorted_scores, return_inverse=True, return_counts=True
-    )
-    ends = torch.cumsum(counts, 0).double()
-    average = (ends - (counts.double() - 1) / 2)[inverse]  # 1-based average rank of each tie
-    ranks = torch.empty_like(average)
-    ranks[order] = average
-    positives = int(labels.sum())
-    negatives = len(labels) - positives
-    if not positives or not negatives:
-        return float("nan")
-    total = float(ranks[labels].sum()) - positives * (positives + 1) / 2
-    return total / (positives * negatives)
+    @property
+    def log(self) -> LogSpec:
+        """The synthetic log the case trains on."""
+        return LogSpec(self.num_tables, self.rows, self.batch, self.zipf, self.seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +134,7 @@ def build(case: Case) -> tuple[DLRM, EmbeddingBagCollection, torch.optim.Optimiz
     ]
     optimizer = RowWiseAdagrad(lr=case.lr_embedding)
     if case.tier == "memory":
+        torch.manual_seed(case.seed)  # the tables' init_fn draws from the global generator
         ebc = EmbeddingBagCollection(tables, optimizer=optimizer)
     else:
         storage = StorageOptions(
@@ -235,32 +143,11 @@ def build(case: Case) -> tuple[DLRM, EmbeddingBagCollection, torch.optim.Optimiz
             path=case.directory if case.tier == "disk" else "",
         )
         ebc = TieredEmbeddingBagCollection(tables, storage, optimizer, seed=case.seed)
-        if case.tier == "disk" and case.madv_random and random_access(ebc) != case.num_tables:
-            raise RuntimeError("MADV_RANDOM workaround: a disk table has no mapping")
     torch.manual_seed(case.seed)
     model = DLRM(ebc, NUM_DENSE, BOTTOM, TOP)
     table_params = {id(p) for p in ebc.parameters()}
     dense = [p for p in model.parameters() if id(p) not in table_params and p.requires_grad]
     return model, ebc, torch.optim.Adam(dense, lr=case.lr_dense)
-
-
-def random_access(ebc: TieredEmbeddingBagCollection) -> int:
-    """Advise every disk table's mapping ``MADV_RANDOM``; the number of mappings advised.
-
-    A workaround, until ``recsys.embedding.row_store.DiskRecords`` does it itself: without it
-    every page fault on the mapping reads around the faulting page (``read_ahead_kb``, 8 MiB on
-    this machine's disk), so each missed row pulls megabytes of the file into the page cache,
-    and tables larger than RAM thrash it (measured: 8 tables of 20M rows, ~2500 reads and 1250
-    writes each, 15-20 s a step against 0.3 s with the advice). Reaches into the store's
-    private ``_map`` (the mapping is re-made by ``clear`` and ``grow``; neither runs after
-    construction here)."""
-    advised = 0
-    for cache in ebc.caches.values():
-        mapping = getattr(cache.store.records, "_map", None)
-        if isinstance(mapping, mmap.mmap):
-            mapping.madvise(mmap.MADV_RANDOM)
-            advised += 1
-    return advised
 
 
 def counters(ebc: EmbeddingBagCollection) -> dict[str, float]:
@@ -345,8 +232,8 @@ def run_worker(case: Case) -> dict:
     """Build, train and evaluate one case; its measurements."""
     torch.set_num_threads(case.threads)
     start = time.perf_counter()
-    batches = make_batches(case, case.warmup + case.steps, case.seed)
-    held_out = make_batches(case, case.eval_batches, case.seed + 1)
+    batches = make_batches(case.log, case.warmup + case.steps, case.seed)
+    held_out = make_batches(case.log, case.eval_batches, case.seed + 1)
     model, ebc, dense_optimizer = build(case)
     setup_s = time.perf_counter() - start
     print(f"  {case.name}: setup {setup_s:.1f} s", flush=True)
@@ -469,8 +356,7 @@ def notes_of(case: Case, result: dict) -> str:
             f"{c['bytes_written'] / steps / 2**20:.2f}",
         )
     if case.tier == "disk":
-        advice = "MADV_RANDOM (bench workaround)" if case.madv_random else "library's (read-around)"
-        parts.append(f"dir {case.directory}; mmap advice {advice}")
+        parts.append(f"dir {case.directory}; mmap advice MADV_RANDOM (recsys DiskRecords)")
     if case.rss_budget_gib:
         verdict = "OVER" if memory["peak"] > case.rss_budget_gib else "under"
         budget = f"peak RSS {memory['peak']:.2f} GiB {verdict} budget {case.rss_budget_gib} GiB"
@@ -505,7 +391,7 @@ def sweep_cases(args: argparse.Namespace, base: dict) -> list[Case]:
 def large_case(args: argparse.Namespace, base: dict) -> Case:
     """The larger-than-RAM disk run."""
     return Case(
-        name="large_disk" if not args.library_readahead else "large_disk_readahead",
+        name="large_disk",
         tier="disk",
         cache_fraction=args.large_cache_fraction,
         rss_budget_gib=args.rss_budget_gib,
@@ -571,11 +457,6 @@ def parse_args() -> argparse.Namespace:
     add("--threads", type=int, default=1, help="torch threads (the prefetch thread is another)")
     add("--seed", type=int, default=0)
     add("--out-dir", type=Path, default=None, help="results directory")
-    add(
-        "--library-readahead",
-        action="store_true",
-        help="disk tier: leave the mappings as the library makes them (no MADV_RANDOM)",
-    )
     add("--device", default="cpu", help="cpu only (the tiered tables' CPU path)")
     add("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -613,8 +494,7 @@ def main() -> None:
     base = dict(
         num_tables=args.tables, rows=args.rows, batch=args.batch, warmup=args.warmup,
         steps=args.steps, eval_batches=args.eval_batches, zipf=args.zipf, seed=args.seed,
-        threads=args.threads, lr_embedding=args.lr_embedding, lr_dense=args.lr_dense,
-        directory="", madv_random=not args.library_readahead,
+        threads=args.threads, lr_embedding=args.lr_embedding, lr_dense=args.lr_dense, directory="",
     )  # fmt: skip
     cases = sweep_cases(args, base) if args.sweep or not args.large else []
     if args.large:
