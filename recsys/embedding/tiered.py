@@ -180,7 +180,13 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
                 )
         tiered = {c.name: c for c in tables if options[c.name].tier != "device"}
         self._record_bytes = {name: row_bytes(config, optimizer) for name, config in tiered.items()}
-        cache_rows = {n: options[n].rows(self._record_bytes[n]) for n in tiered}
+        # A fixed table's cache never needs more rows than the table has.
+        cache_rows = {
+            n: options[n].rows(self._record_bytes[n])
+            if n in dynamic
+            else min(options[n].rows(self._record_bytes[n]), c.num_embeddings)
+            for n, c in tiered.items()
+        }
         packed = [
             replace(c, num_embeddings=cache_rows[c.name] + 1) if c.name in tiered else c
             for c in tables

@@ -153,6 +153,18 @@ def test_cache_too_small_names_minimum(tmp_path):
         tiered(batches(1, batch=32)[0])
 
 
+def test_a_fixed_tables_cache_holds_at_most_its_rows(tmp_path):
+    # 256 MiB of cache for tables of 301 and 97 rows: each cache is its table's size, and a
+    # cache of every row trains as the table in memory does.
+    tiered = TieredEmbeddingBagCollection(
+        configs(), StorageOptions(tier="host", cache_mb=256), SGD(lr=0.1), seed=SEED
+    )
+    assert {name: cache.num_rows for name, cache in tiered.caches.items()} == ROWS
+    got = train(tiered, batches(4), prefetch=True)
+    want = train(in_memory_fixed(SGD(lr=0.1)), batches(4))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_prefetch_never_evicts_a_pinned_row(tmp_path):
     """The prefetch of batch i+1 runs while batch i's backward is held open: no row of batch i
     is evicted under it, and training still matches the in-memory table."""
