@@ -46,7 +46,11 @@ The disk tier's mapping is advised ``MADV_RANDOM`` by recsys itself
 (``recsys.embedding.row_store.DiskRecords``): without it, page faults read around (8 MiB here)
 and tables larger than RAM thrash the page cache: 15-20 s a step.
 
-Run: ``python scripts/bench_tiered.py [--sweep] [--large] [--quick] [--dir DIR]``. Rows are
+``--device cuda`` runs the same cases with the cache (and the in-memory tables) and the dense
+layers on the GPU: the host tier's table is then pinned host memory, and the notes add the
+device's peak memory.
+
+Run: ``python scripts/bench_tiered.py [--sweep] [--large] [--quick] [--device D] [--dir DIR]``. Rows are
 appended to ``benchmarks/results/tiered.csv`` (its own columns; device, versions and commit from
 ``scripts/_harness.py``); ``--quick`` (tiny sizes, a few steps) writes no rows unless
 ``--write``, and then marks them quick.
@@ -109,6 +113,7 @@ class Case:
     lr_dense: float
     directory: str  # disk tier: where the table files go (removed after the run)
     rss_budget_gib: float = 0.0  # 0: none
+    device: str = "cpu"  # cuda: the cache and the dense layers on the GPU, a host table pinned
 
     @property
     def cache_rows(self) -> int:
@@ -132,19 +137,21 @@ def build(case: Case) -> tuple[DLRM, EmbeddingBagCollection, torch.optim.Optimiz
         )
         for t in range(case.num_tables)
     ]
-    optimizer = RowWiseAdagrad(lr=case.lr_embedding)
+    optimizer, device = RowWiseAdagrad(lr=case.lr_embedding), torch.device(case.device)
     if case.tier == "memory":
         torch.manual_seed(case.seed)  # the tables' init_fn draws from the global generator
-        ebc = EmbeddingBagCollection(tables, optimizer=optimizer)
+        ebc = EmbeddingBagCollection(tables, optimizer=optimizer, device=device)
     else:
         storage = StorageOptions(
             tier=case.tier,
             cache_rows=case.cache_rows,
             path=case.directory if case.tier == "disk" else "",
         )
-        ebc = TieredEmbeddingBagCollection(tables, storage, optimizer, seed=case.seed)
+        ebc = TieredEmbeddingBagCollection(
+            tables, storage, optimizer, device=device, seed=case.seed
+        )
     torch.manual_seed(case.seed)
-    model = DLRM(ebc, NUM_DENSE, BOTTOM, TOP)
+    model = DLRM(ebc, NUM_DENSE, BOTTOM, TOP).to(device)
     table_params = {id(p) for p in ebc.parameters()}
     dense = [p for p in model.parameters() if id(p) not in table_params and p.requires_grad]
     return model, ebc, torch.optim.Adam(dense, lr=case.lr_dense)
@@ -185,6 +192,8 @@ def train(case: Case, model, ebc, dense_optimizer, batches: list[Batch]) -> dict
         loss.backward()
         dense_optimizer.step()
         if i >= case.warmup:
+            if batch.labels.is_cuda:
+                torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1e3)
         losses.append(float(loss.detach()))
         if (i + 1) % 50 == 0:
@@ -201,9 +210,9 @@ def evaluate(model, ebc, batches: list[Batch]) -> tuple[float, float]:
     scores = []
     with torch.no_grad():
         for batch in batches:
-            scores.append(model(batch.dense, batch.sparse).squeeze(1))
-    labels = torch.cat([b.labels.squeeze(1) for b in batches])
-    planted = torch.cat([b.logits for b in batches])
+            scores.append(model(batch.dense, batch.sparse).squeeze(1).cpu())
+    labels = torch.cat([b.labels.squeeze(1).cpu() for b in batches])
+    planted = torch.cat([b.logits.cpu() for b in batches])
     return auc(torch.cat(scores), labels), auc(planted, labels)
 
 
@@ -228,12 +237,22 @@ def disk_used(directory: str) -> int:
     return total
 
 
+def on_device(batches: list[Batch], device: str) -> list[Batch]:
+    """``batches`` moved to ``device`` (unchanged on the CPU)."""
+    if device == "cpu":
+        return batches
+    return [
+        Batch(b.dense.to(device), b.sparse.to(torch.device(device)), b.labels.to(device), b.logits)
+        for b in batches
+    ]
+
+
 def run_worker(case: Case) -> dict:
     """Build, train and evaluate one case; its measurements."""
     torch.set_num_threads(case.threads)
     start = time.perf_counter()
-    batches = make_batches(case.log, case.warmup + case.steps, case.seed)
-    held_out = make_batches(case.log, case.eval_batches, case.seed + 1)
+    batches = on_device(make_batches(case.log, case.warmup + case.steps, case.seed), case.device)
+    held_out = on_device(make_batches(case.log, case.eval_batches, case.seed + 1), case.device)
     model, ebc, dense_optimizer = build(case)
     setup_s = time.perf_counter() - start
     print(f"  {case.name}: setup {setup_s:.1f} s", flush=True)
@@ -241,6 +260,8 @@ def run_worker(case: Case) -> dict:
     train_s = time.perf_counter() - start - setup_s
     model_auc, planted_auc = evaluate(model, ebc, held_out)
     memory = process_memory()
+    if case.device != "cpu":
+        memory["device_peak"] = torch.cuda.max_memory_allocated() / GIB
     disk = disk_used(case.directory) if case.tier == "disk" else 0
     return {
         "times": trained["times"],
@@ -344,6 +365,11 @@ def notes_of(case: Case, result: dict) -> str:
         f"RSS at end anon {memory['anon']:.2f} GiB file {memory['file']:.2f} GiB",
         f"setup {result['setup_s']:.0f} s, train {result['train_s']:.0f} s",
         f"torch threads {case.threads}",
+        *(
+            [f"device memory peak {memory['device_peak']:.2f} GiB"]
+            if "device_peak" in memory
+            else []
+        ),
         result["load"],
     ]
     if case.tier != "memory":
@@ -457,7 +483,7 @@ def parse_args() -> argparse.Namespace:
     add("--threads", type=int, default=1, help="torch threads (the prefetch thread is another)")
     add("--seed", type=int, default=0)
     add("--out-dir", type=Path, default=None, help="results directory")
-    add("--device", default="cpu", help="cpu only (the tiered tables' CPU path)")
+    add("--device", default="cpu", help="cpu or cuda (the cache and dense layers on the GPU)")
     add("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     for name in ("tables", "rows", "large_tables", "large_rows", "batch", "steps",
@@ -485,8 +511,10 @@ def main() -> None:
         result = run_worker(Case(**json.loads(args.worker)))
         print("RESULT " + json.dumps(result), flush=True)
         return
-    if args.device != "cpu":
-        raise SystemExit(f"--device {args.device}: this benchmark runs the CPU path only")
+    if args.device not in ("cpu", "cuda") or (
+        args.device == "cuda" and not torch.cuda.is_available()
+    ):
+        raise SystemExit(f"--device {args.device}: expected cpu, or cuda on a machine with a GPU")
     if args.quick:
         quick_sizes(args)
     own_dir = args.dir is None
@@ -495,12 +523,13 @@ def main() -> None:
         num_tables=args.tables, rows=args.rows, batch=args.batch, warmup=args.warmup,
         steps=args.steps, eval_batches=args.eval_batches, zipf=args.zipf, seed=args.seed,
         threads=args.threads, lr_embedding=args.lr_embedding, lr_dense=args.lr_dense, directory="",
+        device=args.device,
     )  # fmt: skip
     cases = sweep_cases(args, base) if args.sweep or not args.large else []
     if args.large:
         cases.append(large_case(args, base))
     torch.set_num_threads(args.threads)  # the workers' count, which the device column names
-    env = environment(torch.device("cpu"))
+    env = environment(torch.device(args.device))
     print(f"device: {env['device']}\nversions: {env['versions']}\ncommit: {env['commit']}")
     print(f"disk tier files under {args.dir}", flush=True)
     try:
