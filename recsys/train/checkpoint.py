@@ -53,7 +53,7 @@ from recsys.embedding.interface import state_to_load
 from recsys.train.models import build_model
 from recsys.train.optimizers import fused_embedding_optimizer
 from recsys.train.ranks import all_gather, barrier, from_first_rank, is_distributed
-from recsys.train.tiered_tables import tiered_collections
+from recsys.train.tiered_tables import private_storage, tiered_collections
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
@@ -391,7 +391,8 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Modul
     ``path`` is a checkpoint directory, or a run directory / its ``checkpoints/`` (their
     latest checkpoint). Works whatever world size and sharding plan the checkpoint was saved
     with: tables are read back whole. No optimizer is attached (the tables' optimizer states
-    are not read; tiered tables keep theirs, in their rows, and load into host memory).
+    are not read; tiered tables keep theirs, in their rows, and load into their tier, a disk
+    tier in a temporary directory of the model's own).
 
     Example::
 
@@ -401,10 +402,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Modul
     path = resolve_checkpoint(path)
     verify_checkpoint(path)  # before its sidecars are trusted
     config, spec = read_config(path), read_spec(path)
-    if config.model.storage.tier == "disk":
-        # Never the training run's own files (a run may still be writing them): tiered tables
-        # load into host memory, which holds only the rows the checkpoint has.
-        config.model.storage.tier = "host"
+    tables = private_storage(config.model.storage)  # never the run's own files
     model = build_model(
         config.model,
         spec,
@@ -418,6 +416,8 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Modul
     model.load_state_dict(state["model"])
     for collection in tiered_collections(model):
         collection.tiered_files().load(path)
+    if tables is not None:
+        model.tiered_directory = tables  # removed with the model
     return model.eval()
 
 

@@ -50,7 +50,7 @@ from recsys.train.checkpoint import (
 from recsys.train.metrics import BinaryMetrics
 from recsys.train.models import build_model
 from recsys.train.optimizers import fused_embedding_optimizer
-from recsys.train.tiered_tables import tiered_collections
+from recsys.train.tiered_tables import private_storage, tiered_collections
 
 SPLITS = ("train", "valid", "test")
 _COMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
@@ -355,10 +355,7 @@ def _load_model(
     """The checkpoint's model with its weights, its tables sharded over the ranks with the run's
     ``[distributed]`` options (no optimizer, no DDP); and the checkpoint's step. Collective
     under torchrun."""
-    if config.model.storage.tier == "disk":
-        # Never the training run's own files (it may still be writing them): tiered tables
-        # load into host memory, which holds only the rows the checkpoint has.
-        config.model.storage.tier = "host"
+    tables = private_storage(config.model.storage)  # never the run's own files
     sharded = info.world_size > 1
     model = build_model(
         config.model,
@@ -377,6 +374,8 @@ def _load_model(
     model.load_state_dict(state["model"])
     for collection in tiered_collections(model):  # their rows: every part, those held here
         collection.tiered_files().load(path)
+    if tables is not None:
+        model.tiered_directory = tables  # removed with the model
     return model.eval(), int(state["step"])
 
 

@@ -7,6 +7,7 @@ without a ``path`` keeps its files under ``<run dir>/tables``.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import fields
 from pathlib import Path
 
@@ -18,7 +19,13 @@ from recsys.embedding.interface import embedding_collections
 from recsys.embedding.tiered import TIERS, StorageOptions
 from recsys.train.dynamic_tables import parse_overrides
 
-__all__ = ["TIERED_DIR", "TieredLog", "storage_options", "tiered_collections"]
+__all__ = [
+    "TIERED_DIR",
+    "TieredLog",
+    "private_storage",
+    "storage_options",
+    "tiered_collections",
+]
 
 TIERED_DIR = "tables"
 _OPTION_KEYS = [f.name for f in fields(StorageOptions) if f.name != "path"]
@@ -65,6 +72,19 @@ def storage_options(
         except ValueError as error:
             raise ValueError(f"model.storage for feature '{feature}': {error}") from None
     return options
+
+
+def private_storage(config: StorageConfig) -> tempfile.TemporaryDirectory | None:
+    """Point ``config``'s disk tier at a new temporary directory, for a model read back from a
+    checkpoint: never the training run's own files (a run may still be writing them), and a
+    table larger than RAM stays on disk (sparse: only the checkpoint's rows take space). The
+    directory goes when the returned object does: keep it as long as the model. None when no
+    table is tiered."""
+    if config.tier == "device" and not config.overrides:
+        return None
+    directory = tempfile.TemporaryDirectory(prefix="recsys-tables-")
+    config.path = directory.name
+    return directory
 
 
 def tiered_collections(model: nn.Module) -> list[nn.Module]:

@@ -4,6 +4,7 @@ their counters, and a killed run resumes bitwise from its last checkpoint."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,7 +130,9 @@ def test_load_model_reads_tiered_rows_without_touching_the_run(tiered_run):
     model = load_model(result.checkpoint)
     assert rows_file.read_bytes() == before  # the run's own store is left alone
     collection = tiered_collections(model)[0]
-    assert collection.storage["t_cat_2"].tier == "host"
+    private = collection.storage["t_cat_2"]  # on disk still, in a directory of the model's own
+    assert private.tier == "disk" and not Path(private.path).is_relative_to(run_dir)
+    assert Path(private.path, "t_cat_2.rows").is_file()
     stored = sum(len(keys) for keys, _ in collection.caches["t_cat_2"].store.items(1 << 16))
     saved = json.loads((result.checkpoint / "tiered.t_cat_2.json").read_text())["rows"]
     assert stored == saved > 0
