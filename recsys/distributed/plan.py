@@ -43,11 +43,14 @@ class TableFootprint:
         data_type: the weights' dtype, e.g. ``"fp32"``.
         optimizer_state: the fused optimizer's state, e.g. ``"sum per row"`` ("" for none).
         shard_bytes: bytes of weights and optimizer state of each shard, in shard order.
+        cache_rows: a tiered table's (rows in host memory or on disk) cache rows per shard,
+            which is all ``shard_bytes`` counts; 0: not tiered.
     """
 
     data_type: str
     optimizer_state: str
     shard_bytes: tuple[int, ...]
+    cache_rows: int = 0
 
 
 class ShardingType(str, enum.Enum):
@@ -295,7 +298,8 @@ def _table_line(path: str, name: str, sharding: TableSharding, footprint: TableF
     where, size = _rank_list(sharding.ranks), f"{rows} x {cols}"
     if kind == ShardingType.KEY_WISE:  # a dynamic table: at most its cap, hashed over ranks
         size = f"<={rows} x {cols}"
-    return [path or "(root)", name, size, footprint.data_type, kind.name, where, memory]
+    label = f"{kind.name} tiered" if footprint.cache_rows else kind.name
+    return [path or "(root)", name, size, footprint.data_type, label, where, memory]
 
 
 def _describe(plan: ShardingPlan) -> str:
@@ -335,5 +339,9 @@ def _describe(plan: ShardingPlan) -> str:
         header.append(
             "KEY_WISE: dynamic tables, keys hashed into routing buckets, each rank an even range; "
             "rows = the table's cap (uncapped: its initial rows)"
+        )
+    if any(f.cache_rows for footprints in plan.footprints.values() for f in footprints.values()):
+        header.append(
+            "tiered: rows in host memory or on disk (model.storage); memory = each shard's cache"
         )
     return "\n".join([*header, "", *_text_table(table_lines), "", *_text_table(rank_lines)])

@@ -518,7 +518,8 @@ def plan_sharding(
             shard_bytes(table.held(s), table.element_bytes, states) for s in sharding.shards
         )
         dtype, state = table.config.data_type.name.lower(), _state_label(states)
-        placed[table.path, table.config.name] = sharding, TableFootprint(dtype, state, sizes)
+        footprint = TableFootprint(dtype, state, sizes, table.cache_rows)
+        placed[table.path, table.config.name] = sharding, footprint
     plan = ShardingPlan(world_size, memory_per_rank=memory_per_rank, rank_costs=ranks.costs)
     for path, group in collections.items():  # in the caller's order, for describe()
         plan.collections[path] = {c.name: placed[path, c.name][0] for c in group}

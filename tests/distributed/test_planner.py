@@ -491,6 +491,9 @@ def test_tiered_tables_budget_their_cache_and_keep_whole_rows():
     assert plan[""]["big"].sharding_type in (ShardingType.TABLE_WISE, ShardingType.ROW_WISE)
     held = (100_000 + 1) * (64 * 4 + 4)
     assert max(plan.footprints[""]["big"].shard_bytes) == held
+    described = plan.describe()
+    assert "tiered: rows in host memory or on disk" in described
+    assert re.search(r"big .*_WISE tiered", described)
     with pytest.raises(ValueError, match="tiered table .* table_wise or row_wise"):
         plan_sharding(
             tables,
