@@ -50,10 +50,10 @@ and tables larger than RAM thrash the page cache: 15-20 s a step.
 layers on the GPU: the host tier's table is then pinned host memory, and the notes add the
 device's peak memory.
 
-Run: ``python scripts/bench_tiered.py [--sweep] [--large] [--quick] [--device D] [--dir DIR]``. Rows are
-appended to ``benchmarks/results/tiered.csv`` (its own columns; device, versions and commit from
-``scripts/_harness.py``); ``--quick`` (tiny sizes, a few steps) writes no rows unless
-``--write``, and then marks them quick.
+Run: ``python scripts/bench_tiered.py [--sweep] [--large] [--quick] [--device D] [--dir DIR]``.
+Rows are appended to ``benchmarks/results/tiered.csv`` (its own columns; device, versions and
+commit from ``scripts/_harness.py``); ``--quick`` (tiny sizes, a few steps) writes no rows
+unless ``--write``, and then marks them quick.
 """
 
 from __future__ import annotations
