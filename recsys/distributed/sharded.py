@@ -308,7 +308,13 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
                 owns = _owner_test(self.routing_of(name), count, index)
                 parts[name] = TablePart(owns=owns, index=index, count=count)
             else:
-                parts[name] = TablePart(shard.row_offset, shard.num_rows, index=index, count=count)
+                parts[name] = TablePart(
+                    shard.row_offset,
+                    shard.num_rows,
+                    index=index,
+                    count=count,
+                    table_rows=next(c.num_embeddings for c in self._configs if c.name == name),
+                )
         return self.shards.tiered_files(parts)
 
     def _take_prefetched(self, features: KeyedJaggedTensor) -> _Prefetched | None:

@@ -514,7 +514,8 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
                 parts[name] = given[name]
             elif name not in self.dynamic_options:
                 rows = next(c.num_embeddings for c in self._logical_configs if c.name == name)
-                parts[name] = TablePart(self.blocks[name].offset, rows)
+                block = self.blocks[name]
+                parts[name] = TablePart(block.offset, rows, table_rows=block.table_rows)
         return TieredFiles(dict(self.caches), layouts, parts)
 
     def tiered_state_keys(self) -> list[str]:

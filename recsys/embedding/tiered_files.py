@@ -42,24 +42,25 @@ CHUNK_ROWS = 1 << 16
 class TablePart:
     """Which keys of a table one part of it (a rank's shard) holds, and how they are numbered.
 
-    A fixed table's part holds rows ``[offset, offset + rows)`` of the table as its rows
-    ``0 .. rows - 1``; a dynamic table's part holds the keys ``owns`` marks (None: every key),
-    under their own value. It is part ``index`` of the ``count`` parts the table is saved in
-    (one per shard)."""
+    A fixed table's part holds rows ``[offset, offset + rows)`` of the table's ``table_rows``
+    as its rows ``0 .. rows - 1``; a dynamic table's part (``rows`` None) holds the keys
+    ``owns`` marks (None: every key), under their own value. It is part ``index`` of the
+    ``count`` parts the table is saved in (one per shard)."""
 
     offset: int = 0
     rows: int | None = None
     owns: Callable[[torch.Tensor], torch.Tensor] | None = None
     index: int = 0
     count: int = 1
+    table_rows: int | None = None
 
     def select(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask of the table's ``keys`` this part holds, their keys in this part)."""
         if self.owns is not None:
             return self.owns(keys), keys
-        mask = keys >= self.offset
-        if self.rows is not None:
-            mask &= keys < self.offset + self.rows
+        if self.rows is None:
+            return torch.ones_like(keys, dtype=torch.bool), keys
+        mask = (keys >= self.offset) & (keys < self.offset + self.rows)
         return mask, keys - self.offset
 
 
@@ -177,6 +178,11 @@ class TieredFiles:
             raise ValueError(
                 f"tiered table '{name}': {stem}.json says {header['rows']} rows; "
                 f"the keys file has {len(keys)}, the rows file {len(records)}"
+            )
+        if part.table_rows is not None and len(keys) and int(keys.max()) >= part.table_rows:
+            raise ValueError(
+                f"tiered table '{name}': the checkpoint holds row {int(keys.max())}, this table "
+                f"has {part.table_rows} rows; load it into a table at least as large"
             )
         for start in range(0, len(keys), chunk_rows):
             chunk = slice(start, start + chunk_rows)

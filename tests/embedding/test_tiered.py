@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from itertools import pairwise
 
 import pytest
@@ -143,6 +144,36 @@ def test_dynamic_tiered_matches_in_memory(optimizer, admit_after, tmp_path):
         ]
         want = tiered.caches[name].codec.encode([t[order] for t in tensors])
         assert torch.equal(records, want)
+    # Saved and loaded in one process, every key comes back (most keys here are negative).
+    (tmp_path / "checkpoint").mkdir()
+    tiered.tiered_files().save(tmp_path / "checkpoint")
+    loaded = TieredEmbeddingBagCollection(
+        configs(),
+        StorageOptions(tier="host", cache_rows=45),
+        OPTIMIZERS[optimizer](),
+        dynamic={"a": options, "b": options},
+        seed=SEED,
+    )
+    loaded.tiered_files().load(tmp_path / "checkpoint")
+    for name in ROWS:
+        saved_keys, saved = stored_rows(tiered, name)
+        keys, records = stored_rows(loaded, name)
+        assert bool((saved_keys < 0).any())
+        assert torch.equal(keys, saved_keys) and torch.equal(records, saved)
+
+
+def test_a_checkpoint_of_a_larger_fixed_table_is_refused(tmp_path):
+    tiered = TieredEmbeddingBagCollection(
+        configs(), StorageOptions(tier="host", cache_rows=60), SGD(lr=0.1), seed=SEED
+    )
+    train(tiered, batches(3))
+    tiered.tiered_files().save(tmp_path)
+    smaller = [replace(c, num_embeddings=10) if c.name == "a" else c for c in configs()]
+    shrunk = TieredEmbeddingBagCollection(
+        smaller, StorageOptions(tier="host", cache_rows=60), SGD(lr=0.1), seed=SEED
+    )
+    with pytest.raises(ValueError, match="tiered table 'a': the checkpoint holds row \\d+, this"):
+        shrunk.tiered_files().load(tmp_path)
 
 
 def test_cache_too_small_names_minimum(tmp_path):
