@@ -119,7 +119,7 @@ def parallelize(
     *,
     forward_precision: str = "fp32",
     backward_precision: str = "fp32",
-    seed: int = 0,
+    seed: int | None = None,
     **planner_options: Any,
 ) -> nn.Module:
     """Make ``model`` train across the ranks of the initialized process group.
@@ -137,8 +137,9 @@ def parallelize(
         plan: where each table goes; see :mod:`recsys.distributed.planner`.
         forward_precision / backward_precision: quantized communication of pooled embeddings
             and of their gradients (``fp32``, ``fp16``, ``bf16``, ``int8``).
-        seed: the run's seed: tables on ``meta`` start each shard from their initial rows
-            of (seed, table, row), the same on any number of ranks.
+        seed: the run's seed: sharded fixed tables on ``meta`` start each shard from their
+            initial rows of (seed, table, row), the same on any number of ranks (default: a
+            dynamic or tiered collection's own seed, else 0).
 
     Returns:
         The model unchanged in a world of one, else the DDP-wrapped model.

@@ -167,7 +167,9 @@ class _Table:
         row), else the shard."""
         if not self.cache_rows:
             return shard
-        return replace(shard, num_rows=min(shard.num_rows, self.cache_rows + 1))
+        # A dynamic table's part caches cache_rows whatever its share of the table.
+        rows = self.cache_rows + 1 if self.dynamic else min(shard.num_rows, self.cache_rows + 1)
+        return replace(shard, num_rows=rows)
 
     @property
     def label(self) -> str:

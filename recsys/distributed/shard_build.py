@@ -5,10 +5,11 @@ filled from that collection's rows or, from the ``meta`` device, initialized in 
 
 From the ``meta`` device nothing is ever held whole:
 
-- a fixed table with TorchRec's default (uniform) init starts each shard from
+- a sharded fixed table with TorchRec's default (uniform) init starts each shard from
   :func:`~recsys.embedding.row_init.fill_initial_rows`, a function of (seed, table, row): the
-  table starts the same on any number of ranks and under any plan (a custom ``init_fn`` is
-  applied to each shard as it is);
+  table starts the same on any number of ranks and under any sharded plan (a custom ``init_fn``
+  is applied to each shard as it is; a DATA_PARALLEL table takes its ``init_fn`` on rank 0,
+  broadcast);
 - a dynamic table starts empty (keys get their rows as they arrive);
 - a tiered table's shard is a :class:`~recsys.embedding.tiered.TieredEmbeddingBagCollection` of
   this rank's rows or keys, in its own store (a disk tier's files under ``<path>/rank<r>``),
@@ -21,6 +22,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torchrec import EmbeddingBagConfig
@@ -37,7 +39,8 @@ from recsys.embedding.tiered import RowBlock, TieredEmbeddingBagCollection
 
 __all__ = ["build_shards", "checked_plan", "dynamic_parts", "shard_config", "tiered_of"]
 
-# The sharding types a tiered table may take: its rows split by row, or whole on one rank.
+# The sharding types a tiered table may take: split by rows, whole on one rank, or (dynamic)
+# by key.
 TIERED_TYPES = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.KEY_WISE)
 
 
@@ -46,7 +49,9 @@ def tiered_of(module: EmbeddingBagCollection) -> list[str]:
     return module.tiered_tables() if isinstance(module, TieredEmbeddingBagCollection) else []
 
 
-def dynamic_parts(module: EmbeddingBagCollection, plan: Mapping[str, TableSharding]):
+def dynamic_parts(
+    module: EmbeddingBagCollection, plan: Mapping[str, TableSharding]
+) -> dict[str, DynamicTableOptions]:
     """Dynamic table -> its options for one of its ``len(plan[name].shards)`` parts: its share
     of the cap, and the whole table's initial-row bound (a key starts from the same row
     wherever it lives)."""
@@ -147,7 +152,7 @@ def _tiered_shards(
     configs: list[EmbeddingBagConfig],
     parts: dict[str, DynamicTableOptions],
     rank: int,
-    **common,
+    **common: Any,
 ) -> TieredEmbeddingBagCollection:
     """This rank's part of a tiered collection: its shards, each in a store of its own."""
     storage = {}

@@ -42,7 +42,7 @@ likewise, and ``optimizer_step``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,8 +234,10 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
 
     def prefetch_input(self, features: KeyedJaggedTensor) -> None:
         """Check ``features`` and run their input_dist now, for a forward of the same object
-        later (the newest :data:`MAX_PREFETCHED` are kept). Changes no table: a KEY_WISE key is
-        inserted by compute, on its owner. A collective, like forward.
+        later (the newest :data:`MAX_PREFETCHED` are kept). Changes no table's values: a
+        KEY_WISE key is inserted by compute, on its owner; this rank's tiered shards bring the
+        batch's rows into their caches (rows move exactly, see ``TieredEmbeddingBagCollection``).
+        A collective, like forward.
 
         Raises:
             ValueError: a malformed input, as forward would.
@@ -569,7 +571,9 @@ def _hide_internal_keys(module: ShardedEmbeddingBagCollection, incompatible) -> 
     ]
 
 
-def _owner_test(routing: KeyRouting, parts: int, part: int):
+def _owner_test(
+    routing: KeyRouting, parts: int, part: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function marking the keys of a KEY_WISE table that shard ``part`` of ``parts`` holds."""
 
     def owns(keys: torch.Tensor) -> torch.Tensor:

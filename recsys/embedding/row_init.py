@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -83,7 +85,7 @@ def fill_initial_rows(
             weight[start:stop] = block[:, col_offset:]
 
 
-def uniform_bound(init_fn) -> float | None:
+def uniform_bound(init_fn: Callable[[torch.Tensor], Any] | None) -> float | None:
     """``b`` when ``init_fn`` draws uniformly from ``[-b, b]`` (TorchRec's default init is
     ``partial(torch.nn.init.uniform_, a=-b, b=b)``), else None (an init of its own)."""
     if not isinstance(init_fn, functools.partial) or init_fn.func is not torch.nn.init.uniform_:

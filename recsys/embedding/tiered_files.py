@@ -118,18 +118,25 @@ class TieredFiles:
                 file.flush()
                 os.fsync(file.fileno())
 
-    def load(self, directory: str | Path, chunk_rows: int = CHUNK_ROWS) -> None:
+    def load(
+        self, directory: str | Path, chunk_rows: int = CHUNK_ROWS, *, weights_only: bool = False
+    ) -> None:
         """Replace every table's rows by those saved under ``directory`` (from every part of
         it, the keys this collection's part holds).
+
+        Args:
+            weights_only: take the saved weights and start every row's optimizer state fresh
+                (fine-tuning: the optimizer may differ; only the weights must match).
 
         Raises:
             FileNotFoundError: a table's files, or one of its parts, are missing (named).
             ValueError: a table was saved with another row layout (named, both layouts)."""
         directory = Path(directory)
+        compared = slice(0, 1) if weights_only else slice(None)
         for name, cache in self.caches.items():
             headers = self._headers(directory, name)
             for _, header in headers:
-                if header["layout"] != self.layouts[name]:
+                if header["layout"][compared] != self.layouts[name][compared]:
                     raise ValueError(
                         f"tiered table '{name}': the checkpoint's rows hold {header['layout']}, "
                         f"this table's hold {self.layouts[name]}; load it with the same dim, "
@@ -139,7 +146,7 @@ class TieredFiles:
             cache.store.clear()
             for stem, header in headers:
                 if header["rows"]:
-                    self._stream_in(directory, name, stem, header, chunk_rows)
+                    self._stream_in(directory, name, stem, header, chunk_rows, weights_only)
 
     def _headers(self, directory: Path, name: str) -> list[tuple[str, dict]]:
         """(file stem, header) of every part table ``name`` was saved in."""
@@ -168,7 +175,13 @@ class TieredFiles:
         return [found[j] for j in range(num_parts)]
 
     def _stream_in(
-        self, directory: Path, name: str, stem: str, header: dict, chunk_rows: int
+        self,
+        directory: Path,
+        name: str,
+        stem: str,
+        header: dict,
+        chunk_rows: int,
+        weights_only: bool,
     ) -> None:
         cache, width, part = self.caches[name], header["record_bytes"], self.parts[name]
         keys = np.memmap(directory / f"{stem}.keys", dtype="<i8", mode="r")
@@ -188,6 +201,10 @@ class TieredFiles:
             chunk = slice(start, start + chunk_rows)
             held, local = part.select(torch.from_numpy(np.array(keys[chunk], dtype=np.int64)))
             if bool(held.any()):
-                rows = torch.from_numpy(np.array(records[chunk]))
-                cache.store.write(local[held], rows[held])
+                keys_held, rows = local[held], torch.from_numpy(np.array(records[chunk]))[held]
+                if weights_only:  # the saved weights, the optimizer's initial state
+                    weights = cache.codec.widths[0]
+                    fresh = cache.fresh(keys_held)[:, weights:]
+                    rows = torch.cat([rows[:, :weights], fresh], dim=1)
+                cache.store.write(keys_held, rows)
         del keys, records

@@ -51,8 +51,11 @@ def setup_model(
     if fine_tune:
         path = resolve_checkpoint(ckpt.init_from)
         say(init_from_checkpoint(model, path, ckpt))
-        for collection in tiered_collections(model):  # their rows are in the tiered files
-            collection.tiered_files().load(path)
+        tiered = tiered_collections(model)
+        if tiered and world_size > 1:
+            raise ValueError(_FINE_TUNE_TIERED.format(world_size=world_size))
+        for collection in tiered:  # their weights are in the tiered files; states start fresh
+            collection.tiered_files().load(path, weights_only=True)
     configure_embedding_optimizer(config.train, model)
     if ckpt.freeze:
         say(f"frozen: {', '.join(freeze(model, ckpt.freeze))}")
@@ -79,11 +82,13 @@ def _table_device(config: Config, world_size: int, fine_tune: bool) -> torch.dev
         return None
     if not fine_tune:
         return torch.device("meta")
-    tier = config.model.storage.tier
-    if tier != "device":
-        raise ValueError(
-            f"checkpoint.init_from with model.storage.tier = {tier!r} runs in one process "
-            f"(fine-tuning loads whole tables before sharding); this run has {world_size} "
-            "ranks. Resume instead (checkpoint.resume), which loads each rank's share"
-        )
-    return None
+    if config.model.storage.tier != "device":
+        raise ValueError(_FINE_TUNE_TIERED.format(world_size=world_size))
+    return None  # tiered tables by overrides only: refused once built
+
+
+_FINE_TUNE_TIERED = (
+    "checkpoint.init_from with tiered tables (model.storage) runs in one process (fine-tuning "
+    "loads whole tables before sharding); this run has {world_size} ranks. Fine-tune in one "
+    "process, or resume (checkpoint.resume), which loads each rank's share"
+)

@@ -11,8 +11,9 @@ One step, in the same order on every rank (so the ranks' collectives match)::
     backward(i), optimizer step(i)
 
 Results are the plain loop's, bitwise: input_dist is a function of the batch's ids alone
-(routed by the plan and a key hash; no table is read or written: a KEY_WISE key is inserted by
-compute, on its owner) and draws no random numbers, and a batch depends only on (seed, epoch,
+(routed by the plan and a key hash; no table value is read or written: a KEY_WISE key is
+inserted by compute, on its owner, and tiered shards only move rows exactly between their cache
+and store) and draws no random numbers, and a batch depends only on (seed, epoch,
 position). A batch pulled ahead is not consumed: the trainer counts trained batches, so a
 checkpoint after step i resumes at batch i+1. Nothing is pulled past ``limit`` (max_steps) or
 across the end of an epoch; a stop after step i (early stopping, a signal) leaves the input_dist

@@ -501,3 +501,11 @@ def test_tiered_tables_budget_their_cache_and_keep_whole_rows():
             tiered_rows={"big": 100_000},
             constraints=parse_constraints(["big=column_wise"]),
         )
+
+
+def test_a_dynamic_tiered_table_budgets_its_whole_cache_on_every_rank():
+    # KEY_WISE over 2 ranks, 1000 initial rows (500 a part), a cache of 4096 rows on each.
+    tables = {"": [table("keys", 1000, 16)]}
+    plan = plan_sharding(tables, 2, dynamic_rows={"keys": 0}, tiered_rows={"keys": 4096})
+    assert plan[""]["keys"].sharding_type == ShardingType.KEY_WISE
+    assert plan.footprints[""]["keys"].shard_bytes == ((4096 + 1) * 16 * 4,) * 2

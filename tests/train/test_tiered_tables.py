@@ -156,6 +156,17 @@ def test_fine_tuning_loads_the_tiered_rows(tiered_run, tmp_path):
     )
     spec = build_dataset(config.data, config.run.seed).spec
     model = setup_model(config, spec, torch.device("cpu"), 1, tmp_path, None, lambda line: None)
-    store = tiered_collections(model)[0].caches["t_cat_2"].store
+    cache = tiered_collections(model)[0].caches["t_cat_2"]
     saved = json.loads((result.checkpoint / "tiered.t_cat_2.json").read_text())["rows"]
-    assert sum(len(keys) for keys, _ in store.items(1 << 16)) == saved > 0
+    assert sum(len(keys) for keys, _ in cache.store.items(1 << 16)) == saved > 0
+    # The checkpoint's weights; the optimizer state starts fresh, as for in-memory tables.
+    trained = load_model(result.checkpoint)
+    original = tiered_collections(trained)[0].caches["t_cat_2"].store
+    weights = cache.codec.widths[0]
+    for (keys, records), (saved_keys, saved_records) in zip(
+        cache.store.items(1 << 16), original.items(1 << 16), strict=True
+    ):
+        assert torch.equal(keys, saved_keys)
+        assert torch.equal(records[:, :weights], saved_records[:, :weights])
+        assert torch.equal(records[:, weights:], cache.fresh(keys)[:, weights:])
+        assert not torch.equal(records[:, weights:], saved_records[:, weights:])
