@@ -238,24 +238,19 @@ class RowCache:
             self._raise_full(count, ticket)
         scores = self.row_score.index_select(0, candidates)
         victims = candidates[torch.topk(scores, needed, largest=False, sorted=False).indices]
-        self._release(victims)
-        self.free = free[:0]
+        self.evict(victims)
+        self.free = free[:0]  # the free rows and the victims are all filled now
         return torch.cat([free, victims])
 
     def evict(self, rows: torch.Tensor) -> None:
         """Write back the dirty ones of cache ``rows`` (distinct, each holding a key) and free
         them all."""
-        self._release(rows)
-        self.free = torch.cat([self.free, rows.to(self.device)]).sort().values
-
-    def _release(self, rows: torch.Tensor) -> None:
-        """Evict ``rows``, written back when dirty, without listing them free (the caller
-        fills them)."""
         self.write_back(rows[self.row_dirty[rows]])
         self.index.remove(self.row_key[rows])
         self.row_key[rows] = EMPTY_KEY
         self.row_dirty[rows] = False
         self.stats["evicted"] += len(rows)
+        self.free = torch.cat([self.free, rows.to(self.device)]).sort().values
 
     def write_back(self, rows: torch.Tensor) -> None:
         """Copy cache ``rows`` to the store; they are clean after."""
