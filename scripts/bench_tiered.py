@@ -16,8 +16,8 @@ Modes:
   (1%, 10%, 50% of each table's rows). ``--warmup`` (20) untimed steps, then ``--steps`` (100)
   timed ones; the counters are over the timed steps.
 - ``--large``: the larger-than-RAM run: ``--large-tables`` (8) tables of ``--large-rows`` (20M)
-  rows, dim 64: 160M rows x 261 bytes (256 of weights, 4 of RowWiseAdagrad state, 1 flag) =
-  38.9 GiB of logical table, 1.65x this machine's 23.5 GiB of RAM, tier ``disk`` in sparse files
+  rows, dim 64: 160M rows x 260 bytes (256 of weights, 4 of RowWiseAdagrad state) =
+  38.7 GiB of logical table, 1.65x this machine's 23.5 GiB of RAM, tier ``disk`` in sparse files
   under ``--dir`` (untouched rows take no disk), a cache of ``--large-cache-fraction`` (1%) of
   each table's rows. ``--large-steps`` (300) steps, the first ``--warmup`` untimed. Its peak RSS
   is checked against ``--rss-budget-gib`` (6): over it, the script says so and exits with
@@ -280,8 +280,8 @@ def run_worker(case: Case) -> dict:
 # parent: cases, subprocesses, rows
 
 
-RECORD_BYTES = DIM * 4 + 4 + 1
-"""Bytes of one stored row: D fp32 weights, RowWiseAdagrad's one float, the store's flag byte."""
+RECORD_BYTES = DIM * 4 + 4
+"""Bytes of one stored row: D fp32 weights, RowWiseAdagrad's one float."""
 
 
 def run_case(case: Case) -> dict:

@@ -15,10 +15,10 @@ so a row's weights and state always move between tiers together. It is addressed
 
 A row the store never received is **absent** (``read`` says so): its table initializes it
 lazily from (seed, table, key). A fresh file of zeros (sparse: untouched rows take no disk) holds
-only absent rows, so a 40 GB table needs no 40 GB write before its first step. Each record carries
-one more byte, 1 once written (the file alone tells which rows it holds). The store keeps which
-rows are present in memory too (a :class:`RowBits` bit per row of a fixed table, the index of a
-dynamic one) and reads only those: a row's first use costs no read.
+only absent rows, so a 40 GB table needs no 40 GB write before its first step. The store keeps
+which rows are present in memory (a :class:`RowBits` bit per row of a fixed table, the index of
+a dynamic one) and reads only those: a row's first use costs no read. (The file is never read
+back by another store: a table's store starts empty, and a checkpoint's rows are loaded into it.)
 
 Two record arrays: :class:`HostRecords` (a tensor, in pinned memory when the table's cache is on
 CUDA) and :class:`DiskRecords` (a memory-mapped file). A disk store's mapping is dropped from the
@@ -170,7 +170,7 @@ class RowStore:
 
     def __init__(self, records: RecordArray) -> None:
         self.records = records
-        self.record_bytes = records.width - 1  # the last byte: 1 where written
+        self.record_bytes = records.width
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -198,8 +198,7 @@ class RowStore:
         return raw[:, : self.record_bytes]
 
     def _write_records(self, index: torch.Tensor, records: torch.Tensor) -> None:
-        flag = torch.ones(len(index), 1, dtype=torch.uint8)
-        self.records.write(index, torch.cat([records.cpu(), flag], dim=1))
+        self.records.write(index, records)
         self.bytes_written += len(index) * self.records.width
 
 

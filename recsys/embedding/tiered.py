@@ -221,7 +221,7 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         self, config: EmbeddingBagConfig, rows: int, dynamic: DynamicTableOptions | None
     ) -> RowCache:
         name, options = config.name, self.storage[config.name]
-        width = self._record_bytes[name] + 1
+        width = self._record_bytes[name]
         size = config.num_embeddings if dynamic is None else 1024
         if options.tier == "host":
             records = HostRecords(size, width, pin=self.device.type == "cuda")

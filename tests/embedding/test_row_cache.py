@@ -26,7 +26,7 @@ def initial(keys: torch.Tensor) -> list[torch.Tensor]:
 
 
 def make_store(tier: str, path) -> FixedStore:
-    width = RECORD_BYTES + 1
+    width = RECORD_BYTES
     if tier == "host":
         return FixedStore(HostRecords(NUM_KEYS, width))
     return FixedStore(DiskRecords(path / "t.rows", NUM_KEYS, width))
