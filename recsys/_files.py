@@ -92,9 +92,49 @@ def write_failure(error: BaseException, path: str | Path) -> BaseException:
     return error
 
 
+class NoSpaceError(OSError):
+    """ENOSPC for ``path``, knowing how many more bytes were needed and on which device:
+    ``no space left on DEVICE for PATH (needs N GiB)``."""
+
+    def __init__(self, path: str | Path, needed_bytes: int) -> None:
+        super().__init__(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        self.needed_bytes = needed_bytes
+        self.device = mount_device(Path(path))
+
+    def __str__(self) -> str:
+        free = _free_bytes(Path(self.filename))
+        return (
+            f"no space left on {self.device} for '{self.filename}' (needs "
+            f"{_gib(self.needed_bytes)} more, {_gib(free)} free)"
+        )
+
+
+def mount_device(path: Path) -> str:
+    """The device (and mount point) of the file system ``path`` is on, in words:
+    ``/dev/nvme0n1 (mounted at /nvme)``; the mount point alone when /proc/mounts is silent."""
+    mount = path.absolute()
+    while not mount.exists() or not os.path.ismount(mount):
+        if mount == mount.parent:
+            break
+        mount = mount.parent
+    device = None
+    with contextlib.suppress(OSError), open("/proc/mounts") as mounts:
+        for line in mounts:  # the last entry of a mount point is the one in effect
+            fields = line.split()
+            if len(fields) > 1 and fields[1] == str(mount):
+                device = fields[0]
+    return f"{device} (mounted at {mount})" if device else str(mount)
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**27 else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def describe_os_error(error: OSError) -> str:
     """One line for a user: what failed and on which path."""
     where = f"'{error.filename}'" if error.filename else "a file"
+    if isinstance(error, NoSpaceError):
+        return f"{error}; free some space and run again"
     if error.errno == errno.ENOSPC:
         return f"no space left on the device of {where}; free some space and run again"
     if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):

@@ -169,6 +169,7 @@ class CriteoDataset:
             cardinalities=(hash_buckets,) * NUM_CAT,
             label_names=(LABEL,),
         )
+        self.max_ids_per_sample = dict.fromkeys(CAT_COLUMNS, 1)  # one id per feature and line
         counts = np.column_stack(
             [table.column(c).fill_null(0).to_numpy() for c in INT_COLUMNS]
         ).astype(np.float32)

@@ -53,6 +53,10 @@ class ParquetDataset:
             id_encoding=self.metadata["id_encoding"],
         )
         self._multi_hot = {c["name"] for c in categorical if c["multi_hot"]}
+        # The most ids one sample has per feature, where known (a multi-hot bag has no bound).
+        self.max_ids_per_sample = {
+            name: 1 for name in self.spec.sparse_names if name not in self._multi_hot
+        }
         self._files: dict[Path, pq.ParquetFile] = {}
         self._chunks: dict[str, list[tuple[Path, int, int]]] = {}
         for split in SPLITS:

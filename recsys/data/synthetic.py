@@ -117,6 +117,8 @@ class SyntheticDataset:
             ),
             id_encoding=config.id_encoding,
         )
+        # The most ids one sample has per feature (its largest bag): what a cache must hold.
+        self.max_ids_per_sample = dict(zip(self.spec.sparse_names, self.bag_sizes, strict=True))
         self.num_ids = tuple(num_ids)
         """Per feature, the ids that can occur (over all days): the table sizes of ``index``."""
         self._train_days = _spread_over_days(config.num_train_samples, config.drift_days)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.dynamic_table import UNCAPPED, DynamicTableOptions
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.row_init import fill_initial_rows, table_seed, uniform_bound
+from recsys.embedding.row_store import store_directory
 from recsys.embedding.tiered import RowBlock, TieredEmbeddingBagCollection
 
 __all__ = ["build_shards", "checked_plan", "dynamic_parts", "shard_config", "tiered_of"]
@@ -158,8 +158,9 @@ def _tiered_shards(
     storage = {}
     for config in configs:
         options = module.storage[config.name]
-        if options.tier == "disk":
-            options = replace(options, path=str(Path(options.path) / f"rank{rank}"))
+        if options.tier == "disk":  # each rank's files in a directory of its own
+            base = store_directory(options.path)
+            options = replace(options, path=str(base / f"rank{rank}"))
         storage[config.name] = options
     tiered = set(module.tiered_tables())
     blocks = {

@@ -79,3 +79,20 @@ def feature_positions(spans: dict[str, slice], features: list[str]) -> slice | t
     if len(features) == 1:
         return spans[features[0]]
     return torch.cat([torch.arange(spans[f].start, spans[f].stop) for f in features])
+
+
+def sample_range(features: KeyedJaggedTensor, start: int, end: int) -> KeyedJaggedTensor:
+    """Samples ``[start, end)`` of ``features`` (every key's bags of them, weights too)."""
+    num_keys, batch_size = len(features.keys()), features.stride()
+    offsets = features.offsets()
+    first = torch.arange(num_keys, device=offsets.device) * batch_size + start
+    low, high = offsets[first].tolist(), offsets[first + (end - start)].tolist()
+    spans = [slice(a, b) for a, b in zip(low, high, strict=True)]
+    weights = features.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=features.keys(),
+        values=torch.cat([features.values()[span] for span in spans]),
+        weights=None if weights is None else torch.cat([weights[span] for span in spans]),
+        lengths=features.lengths().view(num_keys, batch_size)[:, start:end].reshape(-1),
+        stride=end - start,
+    )

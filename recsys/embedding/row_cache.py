@@ -35,9 +35,31 @@ from recsys.embedding.row_store import RowStore
 from recsys.embedding.slot_map import SlotMap
 from recsys.ops.slot_map import EMPTY_KEY
 
-__all__ = ["CACHE_POLICIES", "RowCache", "RowCodec"]
+__all__ = ["CACHE_POLICIES", "CacheTooSmallError", "RowCache", "RowCodec"]
 
 CACHE_POLICIES = ("lru", "lfu")
+
+
+class CacheTooSmallError(ValueError):
+    """A batch needs more cache rows than a tiered table's cache has free of pinned rows.
+
+    Attributes:
+        tables: table name -> (its cache rows, the distinct rows the batch needs there).
+        pinned: rows pinned by other batches (in flight, or prepared) when it was raised.
+    """
+
+    def __init__(self, tables: dict[str, tuple[int, int]], pinned: int = 0) -> None:
+        self.tables, self.pinned = tables, pinned
+        parts = [
+            f"'{name}' has {rows} rows, this batch needs {needed} (set its cache_rows >= "
+            f"{needed})"
+            for name, (rows, needed) in tables.items()
+        ]
+        others = f"; {pinned} more rows are pinned by other batches" if pinned else ""
+        super().__init__(
+            f"tiered table cache too small for one batch: {'; '.join(parts)}{others} (or "
+            "cache_mb to match)"
+        )
 
 
 class RowCodec:
@@ -266,13 +288,11 @@ class RowCache:
         self.write_back(dirty)
         self.row_dirty[dirty[self.row_ticket[dirty] >= self.oldest_live]] = True
 
+    def pinned_rows(self) -> int:
+        """Rows holding a key that a batch in flight or prepared uses."""
+        return int(((self.row_ticket >= self.oldest_live) & (self.row_key != EMPTY_KEY)).sum())
+
     def _raise_full(self, count: int, ticket: int) -> None:
         mine = int((self.row_ticket == ticket).sum())
-        pinned = (self.row_ticket >= self.oldest_live) & (self.row_ticket != ticket)
-        others = int((pinned & (self.row_key != EMPTY_KEY)).sum())
-        need = count + mine + others
-        raise ValueError(
-            f"tiered table {self.name!r}: its cache of {self.num_rows} rows is too small: this "
-            f"batch needs {count + mine} distinct rows and {others} more are pinned by the batch "
-            f"in flight; set cache_rows >= {need} (or cache_mb to match)"
-        )
+        others = self.pinned_rows() - mine
+        raise CacheTooSmallError({self.name: (self.num_rows, count + mine)}, others)

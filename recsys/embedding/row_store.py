@@ -29,6 +29,7 @@ trains within a small resident budget.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from collections.abc import Iterator
@@ -37,8 +38,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from recsys._files import NoSpaceError
 from recsys.embedding.dynamic_table import UNCAPPED
 from recsys.embedding.slot_map import SlotMap
+from recsys.embedding.store_lock import StoreLock
 
 __all__ = [
     "DiskRecords",
@@ -48,7 +51,10 @@ __all__ = [
     "RecordArray",
     "RowBits",
     "RowStore",
+    "store_directory",
 ]
+
+_PAGE = mmap.PAGESIZE
 
 
 class RecordArray:
@@ -68,6 +74,9 @@ class RecordArray:
     def grow(self, num_records: int) -> None:
         """Hold ``num_records`` records (more than now); the new ones all zeros."""
         raise NotImplementedError
+
+    def reserve(self, index: torch.Tensor) -> None:
+        """Make room for records ``index`` before their first write (a no-op in memory)."""
 
     def clear(self) -> None:
         """Every record back to zeros."""
@@ -105,15 +114,24 @@ class HostRecords(RecordArray):
 
 class DiskRecords(RecordArray):
     """Records in the file ``path`` (created sparse: untouched records take no disk), memory
-    mapped; the mapping leaves resident memory after every call (see the module docstring)."""
+    mapped; the mapping leaves resident memory after every call (see the module docstring).
+
+    The file is locked for the object's life (:class:`~recsys.embedding.store_lock.StoreLock`:
+    a second store of it, in this process or another, is refused before the file is touched).
+    Disk blocks are reserved (``posix_fallocate``) for records before their first write, so a
+    full disk is a :class:`~recsys._files.NoSpaceError` naming the device, the file and the bytes
+    needed, never a SIGBUS from a write into the mapping of a sparse file.
+    """
 
     def __init__(self, path: str | Path, num_records: int, width: int) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        store_directory(self.path.parent)
+        self._lock = StoreLock(self.path)
         self.width, self.num_records = width, 0
         with open(self.path, "wb"):
             pass  # a new table: whatever the file held belongs to no checkpoint
         self._map: mmap.mmap | None = None
+        self._fd: int | None = None
         self.grow(num_records)
 
     def _array(self) -> np.ndarray:
@@ -131,6 +149,23 @@ class DiskRecords(RecordArray):
         if len(index):
             self._array()[index.cpu().numpy()] = records.cpu().numpy()
             self._release()
+
+    def reserve(self, index: torch.Tensor) -> None:
+        """Allocate the disk blocks of records ``index`` (int64 [n]) before their first write.
+
+        Raises:
+            NoSpaceError: the file system cannot hold them (no record was written)."""
+        if not len(index):
+            return
+        runs = _page_runs(index.cpu().numpy(), self.width, self.num_records * self.width)
+        for number, (offset, length) in enumerate(runs):
+            try:
+                os.posix_fallocate(self._fd, offset, length)
+            except OSError as error:
+                if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                needed = sum(length for _, length in runs[number:])
+                raise NoSpaceError(self.path, needed) from None
 
     def _release(self) -> None:
         self._map.madvise(mmap.MADV_DONTNEED)
@@ -151,8 +186,8 @@ class DiskRecords(RecordArray):
         self._map.flush()
 
     def _open(self) -> None:
-        with open(self.path, "r+b") as file:
-            self._map = mmap.mmap(file.fileno(), max(self.num_records, 1) * self.width)
+        self._fd = os.open(self.path, os.O_RDWR)
+        self._map = mmap.mmap(self._fd, max(self.num_records, 1) * self.width)
         # Rows are read at random: without this a fault reads ahead megabytes of zeros around
         # each row, and a table larger than RAM thrashes the page cache (15-20 s a step vs
         # 0.3 s, scripts/bench_tiered.py --large).
@@ -163,6 +198,49 @@ class DiskRecords(RecordArray):
             self._map.flush()
             self._map.close()
             self._map = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        """Unmap and unlock the file (the object is unusable after)."""
+        self._close()
+        self._lock.release()
+
+
+def _page_runs(index: np.ndarray, width: int, file_bytes: int) -> list[tuple[int, int]]:
+    """The byte ranges (offset, length) of whole pages covering records ``index`` of ``width``
+    bytes, consecutive pages merged, clipped to the file."""
+    index = np.sort(index)
+    first = index * width // _PAGE
+    last = (index * width + width - 1) // _PAGE  # ascending, as the records are
+    breaks = np.nonzero(first[1:] > last[:-1] + 1)[0]  # a gap of at least one page
+    starts = np.concatenate([[0], breaks + 1])
+    stops = np.concatenate([breaks, [len(index) - 1]])
+    runs = []
+    for start, stop in zip(first[starts].tolist(), last[stops].tolist(), strict=True):
+        offset = start * _PAGE
+        runs.append((offset, min((stop + 1) * _PAGE, file_bytes) - offset))
+    return runs
+
+
+def store_directory(path: str | Path) -> Path:
+    """The directory ``path`` of a disk tier's files, created when missing, but only inside a
+    directory that exists: a path on a disk that is not mounted (``/nvme/tables`` without
+    ``/nvme``) must not become a directory on the root disk.
+
+    Raises:
+        FileNotFoundError: neither ``path`` nor its parent exists (both named).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        if not path.parent.is_dir():
+            raise FileNotFoundError(
+                f"storage path '{path}': its parent '{path.parent}' does not exist (a disk that "
+                "is not mounted?); expected an existing directory, or a new one inside one"
+            )
+        path.mkdir(exist_ok=True)
+    return path
 
 
 class RowStore:
@@ -246,6 +324,8 @@ class FixedStore(RowStore):
         return records, present
 
     def write(self, keys: torch.Tensor, records: torch.Tensor) -> None:
+        keys = keys.cpu()
+        self.records.reserve(keys[~self.written.get(keys)])
         self._write_records(keys, records)
         self.written.set(keys)
 
@@ -303,6 +383,11 @@ class KeyedStore(RowStore):
         self.num_stored += len(keys)
         if self.num_stored > self.records.num_records:
             self.records.grow(max(self.num_stored, 2 * self.records.num_records))
+        try:
+            self.records.reserve(torch.arange(first, self.num_stored))
+        except OSError:
+            self.num_stored = first
+            raise
         insertion = self.index.insert(keys, torch.ones_like(keys), 0)
         if insertion.moved is not None:
             record_of = torch.full((self.index.capacity,), -1, dtype=torch.int64)

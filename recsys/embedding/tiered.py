@@ -57,9 +57,9 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic_table import DynamicTableOptions
-from recsys.embedding.inputs import feature_positions, feature_spans
+from recsys.embedding.inputs import feature_positions, feature_spans, sample_range
 from recsys.embedding.optim import FusedOptimizer
-from recsys.embedding.row_cache import CACHE_POLICIES, RowCache, RowCodec
+from recsys.embedding.row_cache import CACHE_POLICIES, CacheTooSmallError, RowCache, RowCodec
 from recsys.embedding.row_init import initial_rows, table_seed
 from recsys.embedding.row_store import DiskRecords, FixedStore, HostRecords, KeyedStore
 from recsys.embedding.slot_map import AdmissionCounter
@@ -213,6 +213,7 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         self._train_steps = 0
         self._queue: list[_Prefetch] = []
         self.prefetch_wait_seconds = 0.0
+        self.prefetch_deferred = 0
         self.reset_parameters()
         self.register_state_dict_post_hook(_drop_tiered_rows)
         self.register_load_state_dict_post_hook(_allow_missing_tiered_rows)
@@ -308,6 +309,48 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         for tensor in (t for n in self.caches for t in self._table_tensors(n)):
             tensor.zero_()
 
+    def pooled_values(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """As EmbeddingBagCollection's. A batch that does not train (an evaluation) and has
+        more distinct rows than a cache holds is pooled in pieces of samples that fit, one after
+        the other (pooling reads only each sample's own rows): an evaluation batch may be
+        larger than the training batches the caches were sized for."""
+        evaluating = self.caches and not self._trains() and not torch.compiler.is_exporting()
+        if evaluating and not features.values().is_meta:
+            pieces = self._pieces_that_fit(features)
+            if len(pieces) > 1:
+                pool = super().pooled_values
+                return torch.cat([pool(piece) for piece in pieces])
+        return super().pooled_values(features)
+
+    def _pieces_that_fit(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
+        """``features`` whole when its rows fit in every cache beside the prefetched batches'
+        rows; else cut into runs of samples that fit (halving until they do; a single sample
+        is left whole). Cutting forgets the prefetched batches (each is then prepared by its
+        own forward): rows are pinned by ticket order, so the pieces' rows would stay pinned
+        behind theirs."""
+        self.wait_prefetch()
+
+        def fits(piece: KeyedJaggedTensor, room: dict[str, int]) -> bool:
+            tables = self._ids_by_table(piece)
+            return all(len(torch.unique(ids)) <= room[n] for n, (_, ids) in tables.items())
+
+        def split(piece: KeyedJaggedTensor, room: dict[str, int]) -> list[KeyedJaggedTensor]:
+            if piece.stride() == 1 or fits(piece, room):
+                return [piece]
+            half = piece.stride() // 2
+            first = sample_range(piece, 0, half)
+            return split(first, room) + split(sample_range(piece, half, piece.stride()), room)
+
+        room = {}
+        for name, cache in self.caches.items():
+            pending = self._pending_tickets(name)
+            pinned = int((cache.row_ticket >= min(pending)).sum()) if pending else 0
+            room[name] = cache.num_rows - pinned
+        if fits(features, room):
+            return [features]
+        self.drop_prefetched()
+        return split(features, {name: cache.num_rows for name, cache in self.caches.items()})
+
     def lookup_ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """The ids with every tiered table's ids replaced by their cache rows (prepared by
         :meth:`prefetch` for this batch, else now)."""
@@ -318,12 +361,11 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         if train:
             self._train_steps += 1
         prepared = self._take_prefetched(features)
-        if prepared is None and not train:
-            # No batch is in flight under a forward that does not train (an evaluation comes
-            # between steps): only the prefetched batches' rows stay pinned.
+        if prepared is None:
+            # Every batch looked up before is done (its update applied): only the prefetched
+            # batches' rows stay pinned while this one's rows are prepared.
             for name, cache in self.caches.items():
                 cache.begin(min([cache.next_ticket, *self._pending_tickets(name)]))
-        if prepared is None:
             prepared = self._prepare(features, train)
         else:
             self._admit_deferred(prepared, features, train)
@@ -344,20 +386,36 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         tickets). ``defer``: keys of dynamic tables that neither the cache nor the store holds
         get no row yet (:meth:`_admit_deferred` decides in the batch's forward, so admission
         counts only batches that train)."""
-        values = features.values()
-        spans = feature_spans(features)
-        prepared = {}
-        for config in self._logical_configs:
-            if config.name not in self.caches:
-                continue
-            where = feature_positions(spans, config.feature_names)
-            ids = values[where]
-            self._check_ids(config, ids)
+        prepared, tables = {}, self._ids_by_table(features)
+        for name, (where, ids) in tables.items():
             keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-            admit = self._admit(config.name, train and not defer)
-            rows, ticket = self.caches[config.name].prepare(keys, counts, train=train, admit=admit)
-            prepared[config.name] = (where, rows[inverse], [ticket])
+            admit = self._admit(name, train and not defer)
+            try:
+                rows, ticket = self.caches[name].prepare(keys, counts, train=train, admit=admit)
+            except CacheTooSmallError as error:
+                raise self._too_small(error, tables) from None
+            prepared[name] = (where, rows[inverse], [ticket])
         return prepared
+
+    def _ids_by_table(self, features: KeyedJaggedTensor) -> dict[str, tuple]:
+        """Per tiered table: (the positions of its ids in ``features.values()``, the ids),
+        after checking them."""
+        values, spans, out = features.values(), feature_spans(features), {}
+        for config in self._logical_configs:
+            if config.name in self.caches:
+                where = feature_positions(spans, config.feature_names)
+                out[config.name] = (where, values[where])
+                self._check_ids(config, out[config.name][1])
+        return out
+
+    def _too_small(self, error: CacheTooSmallError, tables: dict[str, tuple]):
+        """``error`` of one table, with every other table the batch does not fit in."""
+        found = dict(error.tables)
+        for name, (_, ids) in tables.items():
+            cache, needed = self.caches[name], len(torch.unique(ids))
+            if name not in found and needed > cache.num_rows - cache.pinned_rows():
+                found[name] = (cache.num_rows, needed)
+        return CacheTooSmallError(found, error.pinned)
 
     def _admit_deferred(self, prepared: dict, features: KeyedJaggedTensor, train: bool) -> None:
         """Rows for the keys a prefetch left without one (new keys of dynamic tables)."""
@@ -437,7 +495,7 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
 
     def _pending_tickets(self, name: str) -> list[int]:
         """Table ``name``'s tickets of the batches prepared and not yet trained."""
-        return [t for p in self._queue if p.done for t in p.result[name][2]]
+        return [t for p in self._queue if p.done and p.result for t in p.result[name][2]]
 
     def wait_prefetch(self) -> None:
         """Wait for the running prefetch thread (its result stays for its batch)."""
@@ -466,6 +524,8 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         start = time.perf_counter()
         head.join()
         self.prefetch_wait_seconds += time.perf_counter() - start
+        if head.deferred:
+            self.prefetch_deferred += 1
         return head.result
 
     def flush(self) -> None:
@@ -473,6 +533,17 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         self.wait_prefetch()
         for cache in self.caches.values():
             cache.flush()
+
+    def close(self) -> None:
+        """Let go of the stores' files (a disk tier's mappings and locks, so another
+        collection may use the same path); the tiered tables are unusable after. Call
+        :meth:`flush` first to keep their rows in the files."""
+        self.wait_prefetch()
+        self._queue = []
+        for cache in self.caches.values():
+            close = getattr(cache.store.records, "close", None)
+            if close is not None:
+                close()
 
     def tiered_stats(self) -> dict[str, dict[str, float]]:
         """Per tiered table, its counters since the collection was built: ``lookups`` and
@@ -490,6 +561,7 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
                 "bytes_written": store.bytes_written,
                 "cache_rows": cache.num_rows,
                 "prefetch_wait_s": self.prefetch_wait_seconds,
+                "prefetch_deferred": self.prefetch_deferred,
             }
             if isinstance(store, KeyedStore):
                 out[name]["stored"] = store.num_stored
@@ -531,7 +603,7 @@ class _Prefetch:
     def __init__(self, features: KeyedJaggedTensor, train: bool) -> None:
         self.features, self.train = features, train
         self.result: dict | None = None
-        self.started = self.done = False
+        self.started = self.done = self.deferred = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -543,6 +615,10 @@ class _Prefetch:
     def _run(self, work) -> None:
         try:
             self.result = work()
+        except CacheTooSmallError:
+            # The rows of the batch in flight leave no room: its own forward prepares it,
+            # once that batch is done (slower, same results).
+            self.deferred = True
         except BaseException as error:  # re-raised in the training thread by join
             self._error = error
 

@@ -7,6 +7,7 @@ without a ``path`` keeps its files under ``<run dir>/tables``.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import fields
 from pathlib import Path
@@ -14,14 +15,20 @@ from pathlib import Path
 from torch import nn
 from torchrec import EmbeddingBagConfig
 
+from recsys._files import mount_device
 from recsys.config import StorageConfig
 from recsys.embedding.interface import embedding_collections
-from recsys.embedding.tiered import TIERS, StorageOptions
+from recsys.embedding.row_store import DiskRecords, FixedStore
+from recsys.embedding.tiered import TIERS, StorageOptions, TieredEmbeddingBagCollection
 from recsys.train.dynamic_tables import parse_overrides
+from recsys.train.ranks import all_gather
 
 __all__ = [
     "TIERED_DIR",
     "TieredLog",
+    "check_cache_sizes",
+    "close_stores",
+    "disk_note",
     "private_storage",
     "storage_options",
     "tiered_collections",
@@ -58,6 +65,8 @@ def storage_options(
         {"tier": TIERS, "policy": ("lru", "lfu")},
     )
     path = config.path or str(Path(run_dir) / TIERED_DIR)
+    if not config.path and any(_tier(config, overrides, f) == "disk" for f in features):
+        Path(path).mkdir(parents=True, exist_ok=True)  # the run's own: no mount to check
     options = {}
     for table, feature in zip(tables, features, strict=True):
         big = table.num_embeddings >= config.min_rows or feature in dynamic
@@ -74,6 +83,10 @@ def storage_options(
     return options
 
 
+def _tier(config: StorageConfig, overrides: dict[str, dict], feature: str) -> str:
+    return overrides.get(feature, {}).get("tier", config.tier)
+
+
 def private_storage(config: StorageConfig) -> tempfile.TemporaryDirectory | None:
     """Point ``config``'s disk tier at a new temporary directory, for a model read back from a
     checkpoint: never the training run's own files (a run may still be writing them), and a
@@ -85,6 +98,90 @@ def private_storage(config: StorageConfig) -> tempfile.TemporaryDirectory | None
     directory = tempfile.TemporaryDirectory(prefix="recsys-tables-")
     config.path = directory.name
     return directory
+
+
+def close_stores(model: nn.Module) -> None:
+    """Let go of every tiered table's store files in ``model`` (sharded ones' local shards too):
+    a run that ends releases its disk tier's locks, so a next run in the same process may use
+    the same path."""
+    for module in model.modules():
+        if isinstance(module, TieredEmbeddingBagCollection):
+            module.close()
+
+
+def check_cache_sizes(
+    model: nn.Module, batch_size: int, world_size: int, max_ids_per_sample: dict[str, int]
+) -> None:
+    """Refuse, before the first step, every tiered table whose cache could not hold the
+    distinct rows of one training batch: at most ``batch_size`` x ``world_size`` samples (a
+    shard serves every rank's) times the table's features' most ids per sample, and at most
+    the rows it holds (a fixed table). A cache this large never fails a step: the next batch is
+    prepared ahead when both fit, else in its own forward (counted as ``prefetch_deferred``);
+    evaluation batches are pooled in pieces that fit. Features without a known bound (multi-hot
+    parquet columns) are checked batch by batch instead. A collective under torchrun: every
+    rank raises the same error.
+
+    Raises:
+        ValueError: naming every table too small, with the cache_rows that suffices.
+    """
+    samples, short = batch_size * world_size, {}
+    for module in model.modules():
+        if not isinstance(module, TieredEmbeddingBagCollection):
+            continue
+        for config in module.embedding_bag_configs():
+            cache = module.caches.get(config.name)
+            bags = [max_ids_per_sample.get(f) for f in config.feature_names]
+            if cache is None or None in bags:
+                continue
+            needed, why = samples * sum(bags), f"{samples} samples x {sum(bags)} id(s)"
+            if config.name not in module.dynamic_options and config.num_embeddings < needed:
+                needed, why = config.num_embeddings, "every row it holds"
+            if needed > cache.num_rows:
+                short[config.name] = (config.feature_names[0], cache.num_rows, needed, why)
+    found: dict[str, tuple] = {}
+    for part in all_gather(short):  # the largest need over the ranks' shards
+        for table, entry in part.items():
+            if table not in found or entry[2] > found[table][2]:
+                found[table] = entry
+    if not found:
+        return
+    lines = [
+        f"'{table}' has {rows} rows, needs {needed} ({why})"
+        for table, (_, rows, needed, why) in found.items()
+    ]
+    overrides = ", ".join(
+        f'"{feature}.cache_rows={needed}"' for feature, _, needed, _ in found.values()
+    )
+    raise ValueError(
+        f"model.storage: {len(found)} tiered table cache(s) cannot hold one training batch of "
+        f"{batch_size} x {world_size} rank(s): {'; '.join(lines)}. Set model.storage.cache_rows "
+        f"(or cache_mb) to at least {max(e[2] for e in found.values())}, or per table: "
+        f"--model.storage.overrides='[{overrides}]'"
+    )
+
+
+def disk_note(model: nn.Module) -> str:
+    """A line when the disk tier's fixed tables could outgrow the free space of their disk
+    ("" when they fit): rows are written as training first touches them, and a full disk stops
+    the run with a NoSpaceError naming the device."""
+    largest: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, TieredEmbeddingBagCollection):
+            for cache in module.caches.values():
+                records = cache.store.records
+                if isinstance(records, DiskRecords) and isinstance(cache.store, FixedStore):
+                    where = str(records.path.parent)
+                    largest[where] = largest.get(where, 0) + records.num_records * records.width
+    notes = []
+    for where, size in largest.items():
+        free = shutil.disk_usage(where).free
+        if size > free:
+            notes.append(
+                f"model.storage: the disk tier's tables in '{where}' can grow to "
+                f"{size / 2**30:.1f} GiB as training touches their rows; "
+                f"{mount_device(Path(where))} has {free / 2**30:.1f} GiB free"
+            )
+    return "\n".join(notes)
 
 
 def tiered_collections(model: nn.Module) -> list[nn.Module]:
@@ -101,7 +198,9 @@ class TieredLog:
     """The tiered tables' counters as log fields, per log window: ``tiered/<table>/hit_rate``
     (distinct ids of the window's batches found in the cache), ``fetched_per_step`` and
     ``written_back_per_step`` (rows), ``read_mb`` / ``written_mb`` (store bytes in the window),
-    ``prefetch_wait_ms_per_step`` (prefetch time not hidden behind compute), ``cache_rows``."""
+    ``prefetch_wait_ms_per_step`` (prefetch time not hidden behind compute), ``cache_rows``,
+    ``prefetch_deferred`` (batches whose rows did not fit beside the batch in flight's, so were
+    prepared in their own forward, not ahead)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.collections = tiered_collections(model)
@@ -133,6 +232,7 @@ class TieredLog:
                     * delta["prefetch_wait_s"]
                     / steps,
                     f"tiered/{table}/cache_rows": stats["cache_rows"],
+                    f"tiered/{table}/prefetch_deferred": delta["prefetch_deferred"],
                 }
             )
         self.last = now
@@ -142,6 +242,10 @@ class TieredLog:
         """One short line for the progress output: the lowest hit rate and the wait."""
         rates = [v for k, v in fields.items() if k.endswith("/hit_rate")]
         waits = [v for k, v in fields.items() if k.endswith("/prefetch_wait_ms_per_step")]
+        deferred = max([v for k, v in fields.items() if k.endswith("/prefetch_deferred")] or [0])
         if not rates:
             return ""
-        return f"cache hit rate >= {min(rates):.1%}  prefetch wait {max(waits):.1f} ms/step"
+        line = f"cache hit rate >= {min(rates):.1%}  prefetch wait {max(waits):.1f} ms/step"
+        if deferred:  # the cache holds one batch, not two: prefetch waits for the step
+            line += f"  {deferred:.0f} prefetch(es) deferred (raise cache_rows to overlap them)"
+        return line

@@ -79,7 +79,13 @@ from recsys.train.run_dir import CONFIG_FILE, METRICS_FILE, check_run_dir, clear
 from recsys.train.schedule import LRSchedule
 from recsys.train.step import TrainStep
 from recsys.train.stop import StopSignals, TrainingStopped
-from recsys.train.tiered_tables import TieredLog, tiered_collections
+from recsys.train.tiered_tables import (
+    TieredLog,
+    check_cache_sizes,
+    close_stores,
+    disk_note,
+    tiered_collections,
+)
 
 
 @dataclass
@@ -101,9 +107,13 @@ def train(config: Config) -> TrainResult:
     """
     device = resolve_device(config.run.device, int(os.environ.get("LOCAL_RANK", "0")))
     info = init_distributed(device)
+    run = None
     try:
-        return _Run(config, device, info).fit()
+        run = _Run(config, device, info)
+        return run.fit()
     finally:
+        if run is not None:
+            close_stores(run.model)
         shutdown_distributed()
 
 
@@ -129,6 +139,14 @@ class _Run:
         self.model = setup_model(
             config, self.dataset.spec, device, info.world_size, self.run_dir, resume, self._print
         )
+        check_cache_sizes(
+            self.model,
+            config.train.batch_size,
+            info.world_size,
+            getattr(self.dataset, "max_ids_per_sample", {}),
+        )
+        if note := disk_note(_unwrap(self.model)):
+            self._print(note)
         self.optimizers = build_optimizers(config.train, self.model)
         task_weights = task_loss_weights(config.train, self.dataset.spec.num_tasks, device)
         self.train_step = TrainStep(

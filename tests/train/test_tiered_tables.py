@@ -4,6 +4,8 @@ their counters, and a killed run resumes bitwise from its last checkpoint."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 
 from recsys.config import load_config
 from recsys.data import build_dataset
-from recsys.train.checkpoint import load_model
+from recsys.train.checkpoint import find_resumable, load_model, verify_checkpoint
 from recsys.train.evaluate import evaluate_checkpoint
 from recsys.train.model_setup import setup_model
 from recsys.train.tiered_tables import tiered_collections
@@ -115,12 +117,22 @@ def test_storage_config_errors_are_named(tmp_path):
                 [*TINY, *DISK, f"--run.dir={tmp_path}", "--train.fused_embedding_update=false"],
             )
         )
-    with pytest.raises(ValueError, match="cache_rows >= "):
+    # Refused before step 1, naming every table and the cache that suffices (t_cat_1: 300
+    # rows with bags of 3; t_cat_2: 512 samples of 1 id).
+    message = (
+        r"2 tiered table cache\(s\) cannot hold one training batch of 512 x 1 rank\(s\): "
+        r"'t_cat_1' has 100 rows, needs 300 \(every row it holds\); 't_cat_2' has 100 rows, "
+        r"needs 512 \(512 samples x 1 id\(s\)\)\. Set model.storage.cache_rows \(or cache_mb\) "
+        r"to at least 512, or per table: --model.storage.overrides="
+        r"'\[\"cat_1.cache_rows=300\", \"cat_2.cache_rows=512\"\]'"
+    )
+    with pytest.raises(ValueError, match=message):
         train(
             load_config(
                 None, [*TINY, *DISK, f"--run.dir={tmp_path}", "--model.storage.cache_rows=100"]
             )
         )
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing ran
 
 
 def test_load_model_reads_tiered_rows_without_touching_the_run(tiered_run):
@@ -170,3 +182,111 @@ def test_fine_tuning_loads_the_tiered_rows(tiered_run, tmp_path):
         assert torch.equal(records[:, :weights], saved_records[:, :weights])
         assert torch.equal(records[:, weights:], cache.fresh(keys)[:, weights:])
         assert not torch.equal(records[:, weights:], saved_records[:, weights:])
+
+
+def test_evaluation_batches_larger_than_the_cache_are_scored_in_pieces(tmp_path):
+    """The cache holds a training batch (512 ids of t_cat_2), not an evaluation batch of 4096
+    samples: evaluation pools it in pieces, scoring as a cache of every row does."""
+    larger = [
+        "--data.synthetic.num_valid_samples=4096",
+        "--train.eval_batch_size=4096",
+        "--train.max_steps=8",
+    ]
+    scores = {}
+    for cache in (600, 2000):
+        run_dir = tmp_path / str(cache)
+        train(
+            load_config(
+                None,
+                [
+                    *TINY,
+                    *DISK,
+                    *larger,
+                    f"--run.dir={run_dir}",
+                    f"--model.storage.cache_rows={cache}",
+                ],
+            )
+        )
+        scores[cache] = losses(run_dir)
+    assert scores[600] == scores[2000]
+    assert ("valid", 8) in scores[600]
+
+
+HOLDER = """
+import sys, time
+from recsys.embedding.row_store import DiskRecords
+records = DiskRecords(sys.argv[1], 100, 64)
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_on_the_same_store_is_refused(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(store / "t_cat_2.rows")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        overrides = [*TINY, *DISK, f"--run.dir={tmp_path / 'run'}", f"--model.storage.path={store}"]
+        with pytest.raises(ValueError, match=r"t_cat_2.rows' is in use by another run \(pid "):
+            train(load_config(None, overrides))
+        assert (store / "t_cat_2.rows").stat().st_size == 100 * 64  # not truncated
+    finally:
+        holder.kill()
+        holder.wait()
+    train(load_config(None, [*overrides, "--train.max_steps=2"]))  # the lock died with it
+
+
+def test_a_store_path_on_a_missing_mount_is_refused(tmp_path):
+    missing = tmp_path / "nvme" / "recsys"
+    overrides = [*TINY, *DISK, f"--run.dir={tmp_path / 'run'}", f"--model.storage.path={missing}"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        train(load_config(None, overrides))
+    assert not (tmp_path / "nvme").exists()
+
+
+def test_a_full_disk_stops_the_run_in_one_line_with_its_checkpoint_intact(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        run_dir = tmp_path / "run"
+        tiny = [o.replace("[50,300,2000]", "[50,300,200000]") for o in TINY]
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "recsys",
+                "train",
+                *tiny,
+                *DISK,
+                f"--run.dir={run_dir}",
+                f"--model.storage.path={mount / 'store'}",
+                "--checkpoint.every_steps=1",
+                "--train.eval_every_steps=0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])  # not 135: SIGBUS
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("recsys")]
+    assert line.startswith("recsys: error: no space left on tmpfs (mounted at ")
+    assert f" for '{mount / 'store'}/t_cat_2.rows' (needs " in line
+    latest, _ = find_resumable(run_dir)
+    assert latest is not None and int(latest.name.removeprefix("step_")) >= 1
+    verify_checkpoint(latest)
+    # The run goes on from it on a disk with room.
+    resumed = [*tiny, *DISK, f"--run.dir={run_dir}", f"--model.storage.path={tmp_path / 'big'}"]
+    result = train(load_config(None, [*resumed, "--checkpoint.resume=latest"]))
+    assert result.steps == 16
