@@ -91,8 +91,11 @@ class SyntheticConfig:
     """Number of dense (float) features; Criteo has 13. 0: a categorical-only log (Avazu-like);
     the teacher then has no dense term."""
     cardinalities: list[int] = field(default_factory=lambda: [1000] * 26)
-    """Number of distinct ids of each categorical feature; its length is the number of
-    categorical features (Criteo has 26)."""
+    """Number of distinct ids of each categorical feature, at most 2^40; its length is the
+    number of categorical features (Criteo has 26). The hidden teacher holds a table of per-id
+    parameters for a feature of up to 2^20 ids and derives them from hashes of the id above
+    that, so the data takes a few MB whatever the cardinality (a table larger than RAM trains
+    from the built-in data; beside such a feature the small ones draw other parameters)."""
     bag_sizes: list[int] = field(default_factory=list)
     """Per categorical feature, the largest number of ids in one sample's bag. 1 (or an empty
     list, for all features) means one-hot; m > 1 draws bag lengths uniformly from 0..m, so

@@ -30,6 +30,17 @@ are day D. :meth:`SyntheticDataset.day` draws any number of samples of one day, 
 their own. With ``drift_days = 0`` nothing of this applies and the data is bitwise what it was
 before drift existed.
 
+**Large tables**: a feature with more than ``MAX_TABLE_IDS`` = 2^20 ids has no tables: its
+E_f[id] ~ N(0, 1/K) and b_{t,f}[id] ~ N(0, importance_f^2) are drawn from hashes of (seed,
+feature, id), as with drift, and its Zipf ranks map to ids by the same affine bijection as
+small tables (exact up to ``MAX_IDS`` = 2^40 ids). The dataset then holds O(1) memory per such
+feature whatever its cardinality, so a table larger than RAM can be trained from the built-in
+data; generating its ids' parameters costs hashing time instead (about 6x slower chunks when
+every feature is hashed). Features up to the limit keep the tables drawn from the seed's main
+stream, so data whose features are all small is bitwise what it was before; a large feature
+draws no table from that stream, so beside one the small features' parameters are other draws
+(same distributions).
+
 **Raw ids** (``id_encoding = "raw"``): every id number n of feature f becomes the 64-bit key
 ``recsys.data.keys.synthetic_keys(f, n)`` after generation; features, teacher and labels are
 those of the ``index`` encoding. :meth:`SyntheticDataset.id_numbers` maps keys back.
@@ -57,11 +68,18 @@ from recsys.data.keys import synthetic_id_numbers, synthetic_keys
 from recsys.data.synthetic_drift import (
     DriftingIds,
     HashedTeacherTables,
+    affine_mod,
     coprime_multiplier,
     zipf_ranks,
 )
 
 CHUNK_SIZE = 8192
+MAX_TABLE_IDS = 1 << 20
+"""The largest feature (in ids) whose teacher parameters are tables (4 (K + T) bytes an id, 36
+with the defaults); those of larger ones come from hashes of the ids, in O(1) memory."""
+MAX_IDS = 1 << 40
+"""The most ids one feature can have (``index``: the rank -> id map is exact up to it; ``raw``:
+keys hold id numbers below it)."""
 SPLITS = ("train", "valid", "test")
 _CALIBRATION_STREAM = 1_000_003  # seed stream of the teacher's calibration sample
 _TASK_STREAM = 1_000_033  # seed streams of the teacher's tasks t >= 1: [seed, _TASK_STREAM, t]
@@ -101,10 +119,10 @@ class SyntheticDataset:
             for f, n in enumerate(config.cardinalities)
         ]
         raw = config.id_encoding == "raw"
-        if raw and max(num_ids) >= 1 << 40:
+        if max(num_ids) > MAX_IDS:
             raise ValueError(
-                f"data.synthetic: {max(num_ids):,} ids in one feature; raw keys hold id numbers "
-                "below 2^40 (lower cardinalities or drift_days)"
+                f"data.synthetic: {max(num_ids):,} ids in one feature; expected at most 2^40 = "
+                f"{MAX_IDS:,} (lower cardinalities or drift_days)"
             )
         self.spec = DatasetSpec(
             dense_names=tuple(f"int_{i}" for i in range(config.num_dense)),
@@ -269,7 +287,7 @@ class SyntheticDataset:
                 values.append(self.drift.sample(rng, f, day, int(bag.sum())))
             else:
                 rank = zipf_ranks(rng, n, self.config.zipf_alpha, int(bag.sum()))
-                values.append((rank * self._id_mult[f] + self._id_shift[f]) % n)
+                values.append(affine_mod(rank, self._id_mult[f], self._id_shift[f], n))
             lengths.append(bag)
         sparse = KeyedJaggedTensor(
             keys=list(self.spec.sparse_names),
@@ -282,26 +300,30 @@ class SyntheticDataset:
 class _Teacher:
     """The hidden model that defines each sample's click probability (see module docstring).
 
-    Per-task parameters are kept task by task ([n_f, 1] bias tables, an [N_dense, 1] dense
-    weight, a [1] interaction weight) and every task's logit is computed and calibrated as a
-    [B, 1] column on its own: a task's numbers are then bitwise the same for any number of
-    tasks (a [B, N] @ [N, T] matmul or a reduction over [B, T] may round differently per T).
+    Per-task parameters are kept task by task ([n_f, 1] bias tables of the tabled features, an
+    [N_dense, 1] dense weight, a [1] interaction weight) and every task's logit is computed and
+    calibrated as a [B, 1] column on its own: a task's numbers are then bitwise the same for any
+    number of tasks (a [B, N] @ [N, T] matmul or a reduction over [B, T] may round differently
+    per T).
     """
 
     def __init__(self, config: SyntheticConfig, rng: np.random.Generator, seed: int) -> None:
         dim = config.teacher_dim
-        hashed = config.drift_days > 0  # an open-ended id space: parameters from hashes
+        # An open-ended id space (drift) or a large feature: its parameters come from hashes.
+        tabled = [config.drift_days == 0 and n <= MAX_TABLE_IDS for n in config.cardinalities]
         self.embeddings = [
             torch.from_numpy(rng.normal(0.0, 1.0 / math.sqrt(dim), (n, dim))).float()
-            for n in ([] if hashed else config.cardinalities)
-        ]
+            if has_table
+            else None
+            for n, has_table in zip(config.cardinalities, tabled, strict=True)
+        ]  # [n_f, K] each; None: hashed
         # Features differ in how much they matter, as real ones do.
         importance = rng.uniform(0.0, 1.0, len(config.cardinalities))
-        self.hashed = HashedTeacherTables(seed, importance, dim) if hashed else None
+        self.hashed = None if all(tabled) else HashedTeacherTables(seed, importance, dim)
         # The main stream draws task 0 in the order the one-task teacher always has.
         biases = [
-            rng.normal(0.0, importance[f], (n, 1))
-            for f, n in enumerate([] if hashed else config.cardinalities)
+            rng.normal(0.0, importance[f], (n, 1)) if tabled[f] else None
+            for f, n in enumerate(config.cardinalities)
         ]
         self.dense_mu = torch.zeros(config.num_dense)  # set by calibrate()
         self.dense_proj = None
@@ -315,8 +337,8 @@ class _Teacher:
         for t in range(1, config.num_tasks):
             task_rng = np.random.default_rng(np.random.SeedSequence([seed, _TASK_STREAM, t]))
             biases = [
-                task_rng.normal(0.0, importance[f], (n, 1))
-                for f, n in enumerate([] if hashed else config.cardinalities)
+                task_rng.normal(0.0, importance[f], (n, 1)) if tabled[f] else None
+                for f, n in enumerate(config.cardinalities)
             ]
             if config.num_dense > 0:
                 dense_weight = task_rng.normal(0.0, 0.5, (config.num_dense, 1))
@@ -334,7 +356,7 @@ class _Teacher:
         bags = []  # (ids, offsets, each task's bias table) per feature
         for f, jt in enumerate(sparse.split([1] * len(sparse.keys()))):
             ids, offsets = jt.values().long(), jt.offsets().long()
-            if self.hashed is None:
+            if self.embeddings[f] is not None:
                 table, biases = self.embeddings[f], [task.biases[f] for task in self.tasks]
             else:  # tables over the batch's distinct ids; ids index them
                 ids, table, biases = self.hashed.tables(f, ids, len(self.tasks))
@@ -385,12 +407,16 @@ class _Teacher:
 
 
 class _TaskTerms:
-    """One task's first-order weights (none: hashed) and interaction weight (float32 tensors)."""
+    """One task's first-order weights (None for a hashed feature) and interaction weight
+    (float32 tensors)."""
 
     def __init__(
-        self, biases: list[np.ndarray], dense_weight: np.ndarray | None, interaction: np.ndarray
+        self,
+        biases: list[np.ndarray | None],
+        dense_weight: np.ndarray | None,
+        interaction: np.ndarray,
     ) -> None:
-        self.biases = [torch.from_numpy(b).float() for b in biases]  # [n_f, 1] each
+        self.biases = [None if b is None else torch.from_numpy(b).float() for b in biases]
         self.dense_weight = None if dense_weight is None else torch.from_numpy(dense_weight).float()
         self.interaction_weight = torch.from_numpy(interaction).float()  # [1]
 

@@ -20,7 +20,8 @@ O(rows): no per-day table over the ids.
 latent vector E_f[id] ~ N(0, 1/K) and first-order weight b_{t,f}[id] ~ N(0, importance_f^2) are
 normals drawn from splitmix64 hashes of (seed, stream, feature, id number), Box-Muller. The same
 id gets the same parameters on every day, in every chunk and process: a new id has a
-well-defined, learnable effect.
+well-defined, learnable effect. Stationary data draws the parameters of its features of more
+than 2^20 ids the same way (``recsys.data.synthetic``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _COHORT_SHIFT_STREAM = 0x5EED_C0
 _MULTIPLIER_STREAM = 1_000_037  # seed stream of the cohorts' multipliers: [seed, stream]
 _EMBEDDING_STREAM = 1
 _BIAS_STREAM = 2  # task t: _BIAS_STREAM + t
+_EXACT_PRODUCT = 1 << 31  # below it, rank * multiplier + shift < n^2 fits int64
 
 
 def coprime_multiplier(n: int, rng: np.random.Generator) -> int:
@@ -47,6 +49,22 @@ def coprime_multiplier(n: int, rng: np.random.Generator) -> int:
         m = int(rng.integers(1, n))
         if math.gcd(m, n) == 1:
             return m
+
+
+def affine_mod(rank: np.ndarray, multiplier: int, shift: int | np.ndarray, n: int) -> np.ndarray:
+    """(rank * multiplier + shift) mod n, exact for ranks, multiplier and shifts in [0, n) and
+    n <= 2^40 (int64 [N]). The product may pass int64 above n = 2^31: it is then reduced as
+    rank * multiplier - q n with q the float64 quotient (off by at most one below 2^40, so one
+    correction each way) in wrapping uint64 arithmetic, where the difference is exact."""
+    if n <= _EXACT_PRODUCT:
+        return (rank * multiplier + shift) % n
+    quotient = np.floor(rank.astype(np.float64) * float(multiplier) / float(n))
+    with np.errstate(over="ignore"):
+        product = rank.astype(np.uint64) * np.uint64(multiplier)
+        remainder = (product - quotient.astype(np.uint64) * np.uint64(n)).view(np.int64)
+    remainder = np.where(remainder < 0, remainder + n, remainder)  # in [-n, 2n) before
+    remainder = np.where(remainder >= n, remainder - n, remainder)
+    return (remainder + shift) % n
 
 
 def zipf_ranks(rng: np.random.Generator, n: int, alpha: float, size: int) -> np.ndarray:
@@ -114,7 +132,7 @@ class DriftingIds:
         cohort = day - age  # birth day, > -alive
         first = (cohort + alive - 1) * k
         shift = self._cohort_shift(feature, cohort)
-        return first + (rank * self.multipliers[feature] + shift) % k
+        return first + affine_mod(rank, self.multipliers[feature], shift, k)
 
     def _cohort_shift(self, feature: int, cohort: np.ndarray) -> np.ndarray:
         salt = np.uint64(hash_salt(self.seed, _COHORT_SHIFT_STREAM, feature))
