@@ -1,6 +1,6 @@
 """How a run reports its progress: the window of train steps between two log events (mean
-loss, samples/s, with evaluation and checkpoint time left out), where a step's time goes, and
-the one-line summary at the end of a run."""
+loss, samples/s, with evaluation, checkpoint and torch.compile's compilation time left out),
+where a step's time goes, and the one-line summary at the end of a run."""
 
 from __future__ import annotations
 
@@ -10,11 +10,49 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo
 
 # The parts of a step, in the order they happen: waiting for the batch, forward (with the
 # loss), backward (with the fused embedding update), the optimizers' step, and the time spent
 # in the embedding collectives (taken out of forward and backward, where they run).
 STEP_PARTS = ("data", "forward", "backward", "optimizer", "collectives")
+
+
+class _CompileClock:
+    """Seconds spent in torch.compile's compilations, from torch._dynamo's compile start / end
+    callbacks (a compilation nested in another counted once)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.depth = 0
+        self.since = 0.0
+
+    def started(self, *_: object) -> None:  # torch >= 2.6 passes the compilation's CallbackArgs
+        if self.depth == 0:
+            self.since = time.perf_counter()
+        self.depth += 1
+
+    def ended(self, *_: object) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.seconds += time.perf_counter() - self.since
+
+
+_COMPILE_CLOCK = _CompileClock()
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling under torch.compile so far: Dynamo's capture,
+    AOT autograd and code generation of every graph, and a backward graph compiled at its first
+    call. The first call starts counting (call it before anything compiles: :class:`StepTimer`
+    does); ``torch._dynamo.reset()`` drops every compile callback, and the next call registers
+    them again."""
+    handler = torch._dynamo.callback_handler
+    if _COMPILE_CLOCK.started not in handler.start_callbacks:
+        _COMPILE_CLOCK.depth = 0
+        handler.register_start_callback(_COMPILE_CLOCK.started)
+        handler.register_end_callback(_COMPILE_CLOCK.ended)
+    return _COMPILE_CLOCK.seconds
 
 
 class StepTimer:
@@ -24,42 +62,58 @@ class StepTimer:
     a part is the time its kernels took (one synchronization per part, a few per step).
     ``collectives`` is what ``comm_seconds()`` (the collections' running total) grew by during
     forward and backward; those parts are counted without it, so the parts add up to the step.
-    DDP's gradient all-reduce overlaps backward and is counted in backward.
+    DDP's gradient all-reduce overlaps backward and is counted in backward. Time spent compiling
+    (``compile_seconds()`` grew: torch.compile's first forward and backward, a recompilation) is
+    in no part: it is counted apart, as ``compile_s``.
     """
 
-    def __init__(self, device: torch.device, comm_seconds: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        comm_seconds: Callable[[], float],
+        compile_seconds: Callable[[], float] = compile_seconds,
+    ) -> None:
         self.device = device
         self.comm_seconds = comm_seconds
+        self.compile_seconds = compile_seconds
         self.totals = dict.fromkeys(STEP_PARTS, 0.0)
+        self.compiling = 0.0  # seconds compiling in this window
         self.steps = 0
         self._last = time.perf_counter()
         self._comm = comm_seconds()
+        self._compiled = compile_seconds()
 
     def start(self) -> None:
         """Restart the clock (at the start of a wait for the next batch)."""
         self._sync()
         self._last = time.perf_counter()
         self._comm = self.comm_seconds()
+        self._compiled = self.compile_seconds()
 
     def mark(self, part: str) -> None:
         """``part`` ended now: add the time since the last mark to it."""
         self._sync()
-        now, comm = time.perf_counter(), self.comm_seconds()
-        collectives = comm - self._comm
-        self.totals[part] += now - self._last - collectives
+        now, comm, compiled = time.perf_counter(), self.comm_seconds(), self.compile_seconds()
+        collectives, compiling = comm - self._comm, compiled - self._compiled
+        self.totals[part] += now - self._last - collectives - compiling
         self.totals["collectives"] += collectives
-        self._last, self._comm = now, comm
+        self.compiling += compiling
+        self._last, self._comm, self._compiled = now, comm, compiled
         if part == "optimizer":
             self.steps += 1
 
     def close(self) -> dict[str, float]:
         """Mean seconds per step of each part since the last close (``time_<part>``; no
-        ``time_collectives`` when nothing communicated), and start the next window."""
+        ``time_collectives`` when nothing communicated) and, when something compiled, the
+        seconds spent compiling (``compile_s``, in no part); start the next window."""
         steps = max(self.steps, 1)
         means = {f"time_{part}": total / steps for part, total in self.totals.items()}
         if self.totals["collectives"] == 0.0:
             del means["time_collectives"]
+        if self.compiling > 0.0:
+            means["compile_s"] = self.compiling
         self.totals = dict.fromkeys(STEP_PARTS, 0.0)
+        self.compiling = 0.0
         self.steps = 0
         return means
 
@@ -69,14 +123,21 @@ class StepTimer:
 
 
 class TrainWindow:
-    """Train loss and time since the last train event; time spent in eval or saving is not
-    counted as training time."""
+    """Train loss and time since the last train event; time spent in eval or saving, and time
+    spent compiling, is not counted as training time (``train_time``); the compilation time of
+    the train steps is counted apart (``compile_time``)."""
 
-    def __init__(self, device: torch.device, comm_seconds: Callable[[], float] = float) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        comm_seconds: Callable[[], float] = float,
+        compile_seconds: Callable[[], float] = compile_seconds,
+    ) -> None:
         self.loss = torch.zeros((), device=device)  # summed on device: no sync per step
-        self.timer = StepTimer(device, comm_seconds)
+        self.timer = StepTimer(device, comm_seconds, compile_seconds)
         self.steps = 0
         self.train_time = 0.0
+        self.compile_time = 0.0
         self.start = time.perf_counter()
 
     def add(self, loss: torch.Tensor) -> None:
@@ -84,16 +145,20 @@ class TrainWindow:
         self.steps += 1
 
     def close(self, samples_per_step: int) -> tuple[float, float, dict[str, float]]:
-        """Mean loss, samples/s and seconds per step of each part (:class:`StepTimer`) of the
-        window; starts the next one."""
+        """Mean loss, samples/s (compilation left out) and the :class:`StepTimer` fields
+        (seconds per step of each part, ``compile_s`` when something compiled) of the window;
+        starts the next one."""
         loss = float(self.loss) / max(self.steps, 1)  # waits for the device: time is honest
-        elapsed = time.perf_counter() - self.start
+        times = self.timer.close()
+        compiling = times.get("compile_s", 0.0)
+        elapsed = time.perf_counter() - self.start - compiling
         self.train_time += elapsed
+        self.compile_time += compiling
         rate = self.steps * samples_per_step / max(elapsed, 1e-9)
         self.loss.zero_()
         self.steps = 0
         self.start = time.perf_counter()
-        return loss, rate, self.timer.close()
+        return loss, rate, times
 
     def pause(self, work: Callable[[], Any]) -> None:
         """Run ``work`` without counting its time as training time."""
@@ -110,9 +175,12 @@ def summary_line(
     samples_per_s: float | None,
     trained: int,
     run_dir: Path,
+    compile_s: float = 0.0,
 ) -> str:
     """``recsys: <what> done | steps | test AUC (and the oracle's) | logloss | samples/s |
-    run dir``; ``trained``: the steps this process ran (fewer than ``steps`` after a resume)."""
+    compile time | run dir``; ``trained``: the steps this process ran (fewer than ``steps``
+    after a resume); ``compile_s``: the seconds its train steps spent compiling under
+    torch.compile (left out of samples/s; not shown when 0)."""
     line = f"recsys: {what} done | {steps} steps | test auc {test['auc']:.4f}"
     if "oracle_auc" in test:
         line += f" (oracle {test['oracle_auc']:.4f}, gap {test['oracle_auc'] - test['auc']:.4f})"
@@ -123,4 +191,6 @@ def summary_line(
         line += f"{samples_per_s:,.0f} samples/s"
         if trained != steps:
             line += f" over its {trained} step(s)"
+    if compile_s > 0.0:
+        line += f" | compile {compile_s:,.1f} s"
     return line + f" | {run_dir}"

@@ -7,20 +7,27 @@ run directory's name, or its path where two names clash):
 
 - loss against steps: the train loss of each log window (line) and the valid logloss (dots);
 - AUC against steps: valid AUC (line), the final test AUC (star) and, on synthetic data, the
-  oracle AUC of the same samples (dashed);
+  oracle AUC of the same samples (dashed; a level line at the test's oracle AUC for a run
+  without validation). The axis spans at least :data:`AUC_MIN_SPAN` (near-equal AUCs get
+  ticks of 4 decimals at most) with room above the points and, below them, for the legend;
 - training throughput (samples/s over all ranks) against steps;
 - where a step's time goes: one bar per run, the mean milliseconds per step spent waiting for
   data, in forward, backward, the optimizer step and (under torchrun) the embedding
   collectives, stacked (the trainer logs them as disjoint parts that add up to the step:
   ``time_<part>`` of the train events, :data:`recsys.train.progress.STEP_PARTS`). Runs logged
-  before those fields existed say "not logged" there; everything else works for them.
+  before those fields existed say "not logged" there; everything else works for them. The
+  time torch.compile spent compiling (``compile_s``) is in no bar (nor in samples/s): it is
+  written beside the run's name.
 
-A run resumed from a checkpoint (a ``resume`` event in its metrics.jsonl) is drawn as one run
-with a dotted vertical line at each resume step.
+Where runs draw the same values, each later run is drawn thinner and with smaller markers on
+top of the earlier ones, so every run stays visible. A run resumed from a checkpoint (a
+``resume`` event in its metrics.jsonl) is drawn as one run with a dotted vertical line at each
+resume step.
 
 The table has one row per run: steps, the last valid AUC and its step, test AUC and logloss,
 mean samples/s (total samples over total train time: what the run's summary line reports for
-a run that was not resumed) and the mean step-time breakdown in ms.
+a run that was not resumed), the seconds spent compiling (when some run compiled) and the mean
+step-time breakdown in ms.
 
 The PNG goes to ``--output`` (must end in ``.png``; an existing file there is replaced) or, by
 default, ``<first run dir>/report.png``. Drawing uses matplotlib's Agg canvas: no display is
@@ -41,7 +48,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import FuncFormatter, MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator, ScalarFormatter
 
 from recsys._files import write_bytes_atomic
 from recsys.train.metrics import read_metrics
@@ -52,6 +59,9 @@ REPORT_FILE = "report.png"
 # Colours of the step's parts (progress.STEP_PARTS: data, forward, backward, optimizer,
 # collectives), stacked in that order; the collectives also hatched.
 _PART_COLORS = ("#8da0cb", "#66c2a5", "#fc8d62", "#e5c494", "#b3b3b3")
+AUC_MIN_SPAN = 0.002
+"""The AUC axis spans at least this much: AUCs closer than that share a tick, and the ticks
+need 4 decimals at most."""
 
 
 @dataclass
@@ -86,6 +96,8 @@ class RunSummary:
         valid_auc, valid_step: the last valid AUC and the step it was measured at.
         test_auc, test_logloss: the last test evaluation.
         samples_per_s: total samples / total train time over the train events.
+        compile_s: seconds spent compiling under torch.compile (``compile_s`` of the train
+            events: in neither samples/s nor ``step_ms``).
         step_ms: mean milliseconds per step of each part whose ``time_<part>`` field the run
             logged, keyed by part (``data``, ``forward``, ``backward``, ``optimizer``,
             ``collectives``: :data:`recsys.train.progress.STEP_PARTS`).
@@ -98,6 +110,7 @@ class RunSummary:
     test_auc: float | None
     test_logloss: float | None
     samples_per_s: float | None
+    compile_s: float | None
     step_ms: dict[str, float]
 
 
@@ -187,6 +200,7 @@ def summarize(run: RunMetrics) -> RunSummary:
         timed = [(n, t) for n, t in times if t is not None]
         if timed:
             step_ms[part] = 1000 * sum(n * t for n, t in timed) / sum(n for n, _ in timed)
+    compiled = [c for e in run.train if (c := _number(e.get("compile_s"))) is not None]
     last_valid = run.valid[-1] if run.valid else {}
     last_test = run.test[-1] if run.test else {}
     all_steps = [int(e["step"]) for e in (*run.train, *run.valid, *run.test)]
@@ -198,6 +212,7 @@ def summarize(run: RunMetrics) -> RunSummary:
         test_auc=_number(last_test.get("auc")),
         test_logloss=_number(last_test.get("logloss")),
         samples_per_s=samples_per_s,
+        compile_s=sum(compiled) if compiled else None,
         step_ms=step_ms,
     )
 
@@ -208,9 +223,12 @@ def _cell(value: float | None, spec: str) -> str:
 
 def format_table(summaries: Sequence[RunSummary]) -> str:
     """The text table: one row per run, aligned columns, ``-`` for a value not logged; the
-    step-time columns (ms per step) appear when some run logged them."""
+    compile column (seconds) and the step-time columns (ms per step) appear when some run
+    logged them."""
     labels = [part for part in STEP_PARTS if any(part in s.step_ms for s in summaries)]
+    compiled = any(s.compile_s is not None for s in summaries)
     header = ["run", "steps", "valid auc", "at step", "test auc", "test logloss", "samples/s"]
+    header += ["compile s"] if compiled else []
     header += [f"{label} ms" for label in labels]
     rows = [header]
     for s in summaries:
@@ -218,6 +236,7 @@ def format_table(summaries: Sequence[RunSummary]) -> str:
         row += ["-" if s.valid_step is None else str(s.valid_step)]
         row += [_cell(s.test_auc, ".4f"), _cell(s.test_logloss, ".4f")]
         row += [_cell(s.samples_per_s, ",.0f")]
+        row += [_cell(s.compile_s, ",.1f")] if compiled else []
         row += [_cell(s.step_ms.get(label), ".2f") for label in labels]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -243,10 +262,20 @@ def _mark_resumes(ax: Axes, run: RunMetrics, color: str) -> None:
         ax.axvline(step, color=color, linestyle=":", linewidth=1.2, alpha=0.8)
 
 
+def _layer(index: int, count: int) -> float:
+    """How much wider than the last run's the lines and markers of run ``index`` are drawn:
+    1.8 for the first (drawn first, at the bottom) down to 1.0 for the last (on top), so runs
+    that draw the same values stay visible around each other."""
+    return 1.0 if count == 1 else 1.8 - 0.8 * index / (count - 1)
+
+
 def _draw_loss(ax: Axes, runs: Sequence[RunMetrics], colors: Sequence[str]) -> None:
-    for run, color in zip(runs, colors, strict=True):
-        ax.plot(*_series(run.train, "loss"), color=color, linewidth=1.6)
-        ax.plot(*_series(run.valid, "logloss"), color=color, linestyle="none", marker="o", ms=5)
+    for i, (run, color) in enumerate(zip(runs, colors, strict=True)):
+        size = _layer(i, len(runs))
+        ax.plot(*_series(run.train, "loss"), color=color, linewidth=1.6 * size)
+        ax.plot(
+            *_series(run.valid, "logloss"), color=color, linestyle="none", marker="o", ms=5 * size
+        )
         _mark_resumes(ax, run, color)
     styles = [
         Line2D([], [], color="gray", linewidth=1.6, label="train loss"),
@@ -258,38 +287,81 @@ def _draw_loss(ax: Axes, runs: Sequence[RunMetrics], colors: Sequence[str]) -> N
     ax.set(title="Loss", xlabel="step", ylabel="binary cross-entropy")
 
 
+def _oracle_series(run: RunMetrics) -> tuple[str, list[int], list[float]]:
+    """The oracle AUC to draw for ``run``: ("valid", steps, values) of its validations, or,
+    without any, ("test", [first step, test step], [value] * 2): a level line at the test's
+    oracle AUC over the run; ("", [], []) when neither was logged."""
+    steps, oracle = _series(run.valid, "oracle_auc")
+    if steps:
+        return "valid", steps, oracle
+    test_steps, test_oracle = _series(run.test, "oracle_auc")
+    if not test_steps:
+        return "", [], []
+    first = min(int(e["step"]) for e in (*run.train, *run.test))
+    return "test", [first, test_steps[-1]], [test_oracle[-1]] * 2
+
+
+def _auc_limits(values: list[float]) -> tuple[float, float]:
+    """y limits for AUCs: a span of at least :data:`AUC_MIN_SPAN` around them, 8% of it free
+    above the highest point and 25% below the lowest (where the legend goes)."""
+    low, high = min(values), max(values)
+    span = max(high - low, AUC_MIN_SPAN)
+    middle = (low + high) / 2
+    low, high = middle - span / 2, middle + span / 2
+    return low - 0.25 * span, high + 0.08 * span
+
+
 def _draw_auc(ax: Axes, runs: Sequence[RunMetrics], colors: Sequence[str]) -> None:
-    has_oracle = False
-    for run, color in zip(runs, colors, strict=True):
-        ax.plot(*_series(run.valid, "auc"), color=color, linewidth=1.6, marker="o", ms=4)
-        ax.plot(*_series(run.test, "auc"), color=color, linestyle="none", marker="*", ms=14)
-        steps, oracle = _series(run.valid, "oracle_auc")
-        if steps:
-            has_oracle = True
-            ax.plot(steps, oracle, color=color, linestyle="--", linewidth=1, alpha=0.7)
+    oracle_splits, values = set(), []
+    for i, (run, color) in enumerate(zip(runs, colors, strict=True)):
+        size = _layer(i, len(runs))
+        valid, test = _series(run.valid, "auc"), _series(run.test, "auc")
+        ax.plot(*valid, color=color, linewidth=1.6 * size, marker="o", ms=5 * size)
+        # under every valid marker (smaller, so both show where they meet)
+        ax.plot(*test, color=color, linestyle="none", marker="*", ms=13 * size, zorder=1.9)
+        split, steps, oracle = _oracle_series(run)
+        if split:
+            oracle_splits.add(split)
+            # a run of one step: a dash at its oracle AUC
+            dash = {"marker": "_", "ms": 16 * size} if len(set(steps)) == 1 else {}
+            ax.plot(steps, oracle, color=color, linestyle="--", linewidth=size, alpha=0.7, **dash)
+        values += valid[1] + test[1] + oracle
         _mark_resumes(ax, run, color)
     styles = [
-        Line2D([], [], color="gray", linewidth=1.6, marker="o", ms=4, label="valid"),
+        Line2D([], [], color="gray", linewidth=1.6, marker="o", ms=5, label="valid"),
         Line2D([], [], color="gray", linestyle="none", marker="*", ms=12, label="test (end)"),
     ]
-    if has_oracle:
-        styles.append(Line2D([], [], color="gray", linestyle="--", label="oracle (valid)"))
-    ax.legend(handles=styles, loc="lower right", fontsize=9)
+    if oracle_splits:
+        which = f" ({oracle_splits.pop()})" if len(oracle_splits) == 1 else ""
+        styles.append(Line2D([], [], color="gray", linestyle="--", label=f"oracle{which}"))
+    if values:
+        ax.set_ylim(*_auc_limits(values))
+    # Plain tick values (no offset like "+8.5e-1"); the minimum span keeps them to 4 decimals.
+    ax.yaxis.set_major_formatter(ScalarFormatter(useOffset=False))
+    ax.legend(handles=styles, loc="lower right", fontsize=9, ncols=len(styles))
     ax.set(title="AUC", xlabel="step", ylabel="AUC")
+
+
+def _rate_label(value: float, _position: object = None) -> str:
+    """A samples/s tick label: 2.5k, 80k, 1.25M (exact to the tick value, never rounded to a
+    neighbour); below 1,000 as it is."""
+    for scale, unit in ((1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.6g}{unit}"
+    return f"{value:.6g}"
 
 
 def _draw_throughput(ax: Axes, runs: Sequence[RunMetrics], colors: Sequence[str]) -> None:
     top = 0.0
-    for run, color in zip(runs, colors, strict=True):
+    for i, (run, color) in enumerate(zip(runs, colors, strict=True)):
+        size = _layer(i, len(runs))
         steps, rates = _series(run.train, "samples_per_s")
-        ax.plot(steps, rates, color=color, linewidth=1.6, marker=".")
+        ax.plot(steps, rates, color=color, linewidth=1.6 * size, marker=".", ms=6 * size)
         top = max([top, *rates])
         _mark_resumes(ax, run, color)
     ax.set_ylim(0, 1.08 * top or 1.0)  # from 0: heights compare as ratios
     if top >= 10_000:  # 80k rather than 80000; small rates as they are
-        ax.yaxis.set_major_formatter(
-            FuncFormatter(lambda value, _: f"{value / 1000:,.0f}k" if value else "0")
-        )
+        ax.yaxis.set_major_formatter(FuncFormatter(_rate_label))
     ax.set(title="Training throughput", xlabel="step", ylabel="samples/s (all ranks)")
 
 
@@ -336,7 +408,10 @@ def _draw_breakdown(ax: Axes, summaries: Sequence[RunSummary], colors: Sequence[
     widest = max(sum(s.step_ms.values()) for s in summaries)
     for row, (summary, color) in enumerate(zip(summaries, colors, strict=True)):
         _draw_step_bar(ax, row, summary, parts, widest)
-        ax.text(0, row - 0.26, summary.name, va="bottom", color=color, fontsize=9)
+        label = summary.name
+        if summary.compile_s is not None:
+            label += f"   (+ compile {summary.compile_s:,.1f} s, in no bar)"
+        ax.text(0, row - 0.26, label, va="bottom", color=color, fontsize=9)
     ax.set_yticks([])
     ax.set_ylim(len(summaries) - 0.5, -1.2)  # first run on top; room for the legend above
     ax.set_xlim(0, widest * 1.18)  # room for the totals

@@ -4,7 +4,9 @@ checkpoints. :func:`train` is what ``recsys train`` runs, on one process or unde
 Events go to ``<run dir>/metrics.jsonl``:
 
 - train: ``{"split": "train", "step", "epoch", "loss", "samples_per_s", "time"}``, the loss
-  averaged over the steps since the previous train event, samples/s over all ranks;
+  averaged over the steps since the previous train event, samples/s over all ranks, plus the
+  mean seconds per step of each part (``time_<part>``) and ``compile_s``, the seconds the window
+  spent compiling under torch.compile (left out of samples/s and the parts);
 - eval: ``{"split": "valid" | "test", "step", "auc", "logloss", "num_samples", "time"}`` plus
   ``oracle_auc`` on synthetic data and per-task ``auc_<task>`` for multi-task models;
 - delta (``checkpoint.delta_every_steps``): ``{"split": "delta", "step", "since", "rows",
@@ -368,7 +370,9 @@ class _Run:
         )
         result = TrainResult(self.run_dir, self.step, samples_per_s, test, checkpoint)
         what = f"{cfg.model.name} on {_data_name(cfg)}"
-        self._print(summary_line(what, self.step, test, samples_per_s, trained, self.run_dir))
+        compile_s = window.compile_time
+        line = summary_line(what, self.step, test, samples_per_s, trained, self.run_dir, compile_s)
+        self._print(line)
         return result
 
     def _stop(self, signal_name: str) -> None:

@@ -2,12 +2,23 @@
 TensorBoard event files (read back with TensorBoard's own reader).
 
 The gather across ranks (torchmetrics' sync on compute) needs several processes; it is covered
-by the multi-rank trainer tests, not here."""
+by the multi-rank trainer tests, not here. The README's ``tensorboard --logdir runs/`` is run as a
+user runs it, from the venv, and asked for a scalar over HTTP."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,3 +339,60 @@ def test_per_task_logloss_of_several_tasks_and_their_mean():
     single = BinaryMetrics(("click",), torch.device("cpu"))
     single.update(logits[:, :1], labels[:, :1])
     assert "logloss_click" not in single.compute()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tensorboard_command_serves_the_run_scalars(tmp_path):
+    """``tensorboard --logdir runs/`` (the README's command, from the venv's own bin) starts
+    and serves what a run's logger wrote: one scalar read back over HTTP on a local port, within
+    60 s. The process (and its data server) is always ended."""
+    logger = MetricsLogger(tmp_path / "runs" / "tiny" / "metrics.jsonl")
+    logger.log("train", 4, loss=0.625, samples_per_s=1000.0)
+    logger.log("train", 8, loss=0.5, samples_per_s=1000.0)
+    logger.close()
+    port = free_port()
+    command = [str(Path(sys.executable).parent / "tensorboard"), "--logdir", str(tmp_path / "runs")]
+    command += ["--port", str(port), "--host", "127.0.0.1"]
+    query = urllib.parse.urlencode({"tag": "train/loss", "run": f"tiny/{TENSORBOARD_DIR}"})
+    url = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?{query}"
+    log = tmp_path / "tensorboard.log"
+    with log.open("wb") as output:
+        # its own process group: ending it ends the data server it starts too
+        server = subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        points, deadline = None, time.monotonic() + 60.0
+        while points is None and time.monotonic() < deadline:
+            if server.poll() is not None:
+                pytest.fail(f"tensorboard exited with {server.returncode}:\n{log.read_text()}")
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    points = json.loads(response.read())
+            except (urllib.error.URLError, ConnectionError, json.JSONDecodeError):
+                time.sleep(0.5)  # not listening yet, or the run not loaded yet
+        assert points is not None, f"no answer from tensorboard in 60 s:\n{log.read_text()}"
+        # [[wall time, step, value], ...]; TensorBoard's scalars are float32
+        assert [(step, value) for _, step, value in points] == [(4, 0.625), (8, 0.5)]
+    finally:
+        end_group(server)
+
+
+def end_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the process group led by ``process`` (SIGKILL after 10 s); what already
+    exited is left alone."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break  # the whole group is gone
+        try:
+            process.wait(timeout=10)
+            break
+        except subprocess.TimeoutExpired:
+            continue

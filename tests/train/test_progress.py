@@ -1,14 +1,17 @@
-"""Where a step's time goes: the parts add up to the step, and collectives are taken out of
-the parts they ran in."""
+"""Where a step's time goes: the parts add up to the step, and collectives and torch.compile's
+compilation are taken out of the parts they ran in (compilation out of samples/s too)."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
+import recsys.train.model_setup
+from recsys.train.compiled import compile_dense
 from recsys.train.metrics import read_metrics
-from recsys.train.progress import STEP_PARTS, StepTimer
+from recsys.train.progress import STEP_PARTS, StepTimer, TrainWindow, compile_seconds
 from tests.train.test_resume import TINY, run
 
 
@@ -44,3 +47,75 @@ def test_the_parts_add_up_to_the_measured_step_time(tmp_path):
         assert abs(parts - step) <= 0.1 * step, (parts, step)
         assert event["lr_dense"] == 1e-3 and event["lr_embedding"] == 0.05
         assert "time_collectives" not in event  # one process: no collectives
+
+
+def test_compilation_is_counted_apart_from_the_parts_and_the_rate():
+    compiled = [0.0]
+    window = TrainWindow(torch.device("cpu"), compile_seconds=lambda: compiled[0])
+    for step in range(2):
+        window.timer.mark("data")
+        time.sleep(0.03)
+        if step == 0:  # the first forward also compiled for 25 ms
+            time.sleep(0.025)
+            compiled[0] += 0.025
+        window.timer.mark("forward")
+        window.timer.mark("backward")
+        window.timer.mark("optimizer")
+        window.add(torch.tensor(0.5))
+    started = window.start
+    _, rate, times = window.close(samples_per_step=100)
+    elapsed = time.perf_counter() - started
+    assert times["compile_s"] == pytest.approx(0.025)
+    assert 0.03 <= times["time_forward"] < 0.03 + 0.025 / 2  # the 25 ms are in no part
+    assert rate >= 200 / (elapsed - 0.025)  # nor in the rate
+    assert window.compile_time == pytest.approx(0.025)
+    assert "compile_s" not in window.close(100)[2]  # a window without compilation
+
+
+class TwoLayers(torch.nn.Module):
+    """A module of this file: Dynamo compiles a forward of user code (it skips torch's own
+    modules, nn.Sequential included, when they are compiled on their own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(x)))
+
+
+def test_compile_seconds_counts_a_real_compilation_once():
+    model = TwoLayers()
+    model.compile(backend="aot_eager")
+    before = compile_seconds()  # counts from here
+    model(torch.randn(4, 8)).sum().backward()  # forward and backward graphs
+    first = compile_seconds()
+    model(torch.randn(4, 8)).sum().backward()  # compiled already
+    assert first > before
+    assert compile_seconds() == first
+    torch._dynamo.reset()  # drops the callbacks; the next call puts them back
+    compile_seconds()
+    model(torch.randn(4, 8)).sum().backward()
+    assert compile_seconds() > first
+
+
+def test_train_compile_logs_compile_time_apart_from_throughput_and_parts(
+    tmp_path, monkeypatch, capsys
+):
+    """The first step of a compiled run compiles the dense part: its samples/s and step parts
+    are those of the step, the compilation is ``compile_s`` (and in the summary line)."""
+    monkeypatch.setattr(  # aot_eager: Dynamo and AOT autograd without code generation (fast)
+        recsys.train.model_setup,
+        "compile_dense",
+        lambda model: compile_dense(model, backend="aot_eager"),
+    )
+    run(tmp_path, *TINY, "--train.max_steps=3", "--train.compile=true")  # a window per step
+    events = [e for e in read_metrics(tmp_path / "metrics.jsonl") if e["split"] == "train"]
+    assert events[0]["compile_s"] > 0 and not any("compile_s" in e for e in events[1:])
+    step_seconds = [sum(v for k, v in e.items() if k.startswith("time_")) for e in events]
+    for event, seconds in zip(events, step_seconds, strict=True):
+        assert seconds == pytest.approx(512 / event["samples_per_s"], rel=0.1)  # TINY: batch 512
+    # The first step is about as long as the next ones (its first batch and first calls cost
+    # more): folded into it, the compilation would make it compile_s longer.
+    assert step_seconds[0] - min(step_seconds[1:]) < events[0]["compile_s"] / 2
+    assert f"| compile {events[0]['compile_s']:,.1f} s |" in capsys.readouterr().out

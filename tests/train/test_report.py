@@ -1,14 +1,19 @@
 """``recsys report``: the table's numbers from hand-made metrics.jsonl files (a plain run of an
-older format, a resumed run, a torchrun-like run with collectives), the PNG it writes for one
-and several runs, and its errors."""
+older format, a resumed run, a torchrun-like run with collectives, a compiled run), the PNG it
+writes for one and several runs, what its panels draw (tick labels, AUC axis and legend, the
+oracle line, the step-time bars), and its errors."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import matplotlib.image
+import numpy as np
 import pytest
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 
 from recsys.train.cli import main
 from recsys.train.report import (
@@ -16,6 +21,7 @@ from recsys.train.report import (
     format_table,
     load_run,
     output_path,
+    plot_report,
     run_names,
     summarize,
     write_report,
@@ -282,3 +288,150 @@ def test_every_help_ends_with_config_keys_and_an_example(command, keys, capsys):
         assert "docs/config.md" in out and "recsys config --reference" in out
     example = out[out.index("\nexample:\n") :].splitlines()[2]
     assert example.startswith(f"  recsys {command or 'train'} ")
+
+
+def draw(*run_dirs: Path) -> Figure:
+    """The report figure of ``run_dirs``, laid out as in the PNG."""
+    runs = [load_run(d) for d in run_dirs]
+    figure = plot_report(runs, [summarize(run) for run in runs])
+    figure.canvas.draw()
+    return figure
+
+
+def panel(figure: Figure, title: str) -> Axes:
+    return next(ax for ax in figure.axes if ax.get_title() == title)
+
+
+def test_throughput_ticks_say_their_value(tmp_path):
+    """2,500 samples/s is "2.5k" (was "2k"), 7,500 "7.5k" (was "8k"); every drawn tick label
+    reads back as its tick."""
+    run_dir = write_run(tmp_path / "fast", [train(100, 0.5, 16_500.0), train(200, 0.4, 17_000.0)])
+    speed = panel(draw(run_dir), "Training throughput")
+    label = speed.yaxis.get_major_formatter()
+    assert [label(v) for v in (0, 2_500, 7_500, 10_000, 80_000)] == [
+        "0", "2.5k", "7.5k", "10k", "80k",
+    ]  # fmt: skip
+    assert label(1_250_000) == "1.25M"
+    ticks = [t for t in speed.get_yticks() if 0 <= t <= speed.get_ylim()[1]]
+    assert any(t % 1000 for t in ticks)  # the case that was rounded: ticks 2.5k apart
+    for tick in ticks:
+        number, unit = re.fullmatch(r"([\d.]+)([kM]?)", label(tick)).groups()
+        assert float(number) * {"": 1, "k": 1e3, "M": 1e6}[unit] == pytest.approx(tick)
+
+
+def near_equal_runs(tmp_path) -> tuple[Path, Path]:
+    """Two runs whose AUCs differ in the 6th decimal, the same at step 200 and at the test; no
+    oracle (it would widen the axis)."""
+
+    def auc(split: str, step: int, value: float) -> dict:
+        return {"split": split, "step": step, "auc": value, "logloss": 0.4}
+
+    return tuple(
+        write_run(
+            tmp_path / name,
+            [
+                train(100, 0.5, 1000.0),
+                auc("valid", 100, 0.850004 + delta),
+                train(200, 0.4, 1000.0),
+                auc("valid", 200, 0.850003),
+                auc("test", 200, 0.850001),  # the lowest point, at the right end
+            ],
+        )
+        for name, delta in (("a", 0.0), ("b", 0.000002))
+    )
+
+
+def test_near_equal_aucs_get_ticks_of_at_most_4_decimals(tmp_path):
+    auc = panel(draw(*near_equal_runs(tmp_path)), "AUC")
+    labels = [t.get_text().replace("\u2212", "-") for t in auc.get_yticklabels() if t.get_text()]
+    assert len(labels) >= 3 and len(set(labels)) == len(labels)
+    assert all(re.fullmatch(r"0\.\d{1,4}", label) for label in labels), labels
+    assert auc.yaxis.get_offset_text().get_text() == ""  # no "+8.5e-1" above the axis
+
+
+def marker_boxes(ax: Axes) -> list[tuple[tuple[float, int], np.ndarray, float]]:
+    """(drawing order, display position, radius in pixels) of every marker drawn in ``ax``,
+    the markers drawn first first."""
+    to_pixels = ax.figure.dpi / 72
+    boxes = []
+    for index, line in enumerate(ax.get_lines()):
+        if line.get_marker() in ("None", None, ""):
+            continue
+        radius = line.get_markersize() * to_pixels / 2
+        for point in ax.transData.transform(line.get_xydata()):
+            boxes.append(((line.get_zorder(), index), point, radius))
+    return sorted(boxes, key=lambda box: box[0])
+
+
+def test_auc_markers_stay_inside_the_axes_clear_of_the_legend_and_of_each_other(tmp_path):
+    auc = panel(draw(*near_equal_runs(tmp_path)), "AUC")
+    frame = auc.get_window_extent()
+    legend = auc.get_legend().get_window_extent()
+    boxes = marker_boxes(auc)
+    assert len(boxes) == 6  # 2 runs x (2 valid + 1 test)
+    for _, (x, y), r in boxes:
+        assert frame.x0 <= x - r and x + r <= frame.x1 and frame.y0 <= y - r and y + r <= frame.y1
+        outside = x + r < legend.x0 or x - r > legend.x1 or y + r < legend.y0 or y - r > legend.y1
+        assert outside, ((x, y), legend)
+    # Where markers meet (both runs' at step 200, each run's valid and test), the one drawn
+    # later is smaller: both show.
+    met = 0
+    for i, (order_a, at_a, r_a) in enumerate(boxes):
+        for order_b, at_b, r_b in boxes[i + 1 :]:
+            if order_a != order_b and np.allclose(at_a, at_b, atol=2.0):
+                met += 1
+                assert r_b < r_a - 1.0, (at_a, r_a, r_b)
+    assert met >= 3
+
+
+def test_a_run_with_only_a_test_evaluation_gets_its_oracle_line(tmp_path):
+    run_dir = write_run(
+        tmp_path / "test_only",
+        [train(100, 0.5, 1000.0), train(200, 0.4, 1000.0), evaluation("test", 200, 0.76, 0.43)],
+    )
+    figure = draw(run_dir)
+    auc = panel(figure, "AUC")
+    dashed = [line for line in auc.get_lines() if line.get_linestyle() == "--"]
+    assert len(dashed) == 1  # the oracle AUC of the test samples, across the run
+    assert list(dashed[0].get_xdata()) == [100, 200]
+    assert list(dashed[0].get_ydata()) == [0.87, 0.87]
+    texts = [t.get_text() for t in auc.get_legend().get_texts()]
+    assert texts == ["valid", "test (end)", "oracle (test)"]
+
+
+@pytest.fixture
+def compiled(tmp_path) -> Path:
+    """A run under train.compile: its first window compiled for 40 s, which the trainer logs as
+    compile_s, apart from the step parts and samples/s."""
+    parts = {"data": 0.001, "forward": 0.005, "backward": 0.008, "optimizer": 0.001}
+    first = timed(100, 0.50, 2000.0, **parts)
+    first["compile_s"] = 40.0
+    return write_run(
+        tmp_path / "compiled",
+        [
+            first,
+            timed(200, 0.45, 2000.0, **parts),
+            evaluation("valid", 200, 0.74, 0.45),
+            evaluation("test", 200, 0.75, 0.44),
+        ],
+    )
+
+
+def test_compile_time_is_apart_from_the_step_time_bars(compiled, plain):
+    summary = summarize(load_run(compiled))
+    assert summary.compile_s == 40.0
+    assert summary.step_ms == pytest.approx(
+        {"data": 1.0, "forward": 5.0, "backward": 8.0, "optimizer": 1.0}
+    )
+    assert summary.samples_per_s == pytest.approx(2000.0)
+    header, compiled_row, plain_row = format_table([summary, summarize(load_run(plain))]).split(
+        "\n"
+    )[:3]
+    assert "samples/s  compile s  data ms" in header
+    assert compiled_row.split()[6:9] == ["2,000", "40.0", "1.00"]
+    assert plain_row.split()[6:8] == ["1,333", "-"]
+    breakdown = panel(draw(compiled), "Where a step's time goes (mean ms per step)")
+    widths = [patch.get_width() for patch in breakdown.patches]
+    assert sum(widths) == pytest.approx(15.0)  # the bar holds the step parts only
+    texts = [t.get_text() for t in breakdown.texts]
+    assert "compiled   (+ compile 40.0 s, in no bar)" in texts
