@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from recsys._files import file_checksum, fsync_path, write_failure
 from recsys.config import Config, load_config, to_toml
 from recsys.data.batch import DatasetSpec
+from recsys.embedding.dynamic_table import load_every_key
 from recsys.embedding.interface import state_to_load
 from recsys.train.models import build_model
 from recsys.train.optimizers import fused_embedding_optimizer
@@ -413,6 +414,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Modul
     shapes = checkpoint_shapes(path)
     state = {"model": state_to_load(model, shapes, "model.", tensor_reader(path))}
     load_checkpoint(path, state, verify=False)
+    load_every_key(model)  # scores as the run did, whatever the sharding
     model.load_state_dict(state["model"])
     for collection in tiered_collections(model):
         collection.tiered_files().load(path)

@@ -59,6 +59,7 @@ from recsys._suggest import quoted_with_hints
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.parquet import table_to_batch
 from recsys.data.prepared import file_fingerprint, new_directory_beside, read_metadata
+from recsys.ops.slot_map import check_keys
 from recsys.train.checkpoint import (
     CONFIG_FILE,
     SPEC_FILE,
@@ -370,6 +371,7 @@ def _score(
         with pq.ParquetWriter(tmp, schema) as writer, torch.no_grad():
             for piece, batch in _pieces(files, spec, labels, batch_size):
                 values, lengths = batch.sparse.values(), batch.sparse.lengths().long()
+                check_keys(values, "ids of the input")  # as training does: one rule for both
                 probabilities = model(batch.dense, values, lengths)  # [b, T]
                 out = {name: probabilities[:, t].numpy() for t, name in enumerate(scores)}
                 out |= {name: piece.column(name) for name in labels}

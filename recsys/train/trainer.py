@@ -65,7 +65,7 @@ from recsys.train.checkpoint import (
 )
 from recsys.train.delta_writer import DeltaWriter
 from recsys.train.deltas import DELTAS_DIR
-from recsys.train.dynamic_tables import dynamic_stat_fields, key_balance
+from recsys.train.dynamic_tables import dropped_note, dynamic_stat_fields, key_balance
 from recsys.train.evaluate import eval_line, evaluate_split
 from recsys.train.metrics import MetricsLogger
 from recsys.train.model_setup import setup_model
@@ -535,6 +535,8 @@ class _Run:
         self.last_checkpoint = path  # a run resumed at its last step has nothing left to save
         self.data_position = self._data_position(state)
         self._print(f"resumed from {path} at step {self.step}")
+        if note := dropped_note(_unwrap(self.model)):
+            self._print(note)
         epoch, done = self.data_position["epoch"], self.data_position["batch"]
         epochs, max_steps = self.config.train.epochs, self.config.train.max_steps
         left = self.steps_per_epoch * (epochs - epoch) - done  # batches of this run's size
