@@ -52,6 +52,7 @@ from recsys.train.best import best_validation
 from recsys.train.checkpoint import (
     LATEST,
     checkpoint_shapes,
+    checkpoint_step,
     find_resumable,
     load_checkpoint,
     point_best,
@@ -67,6 +68,7 @@ from recsys.train.delta_writer import DeltaWriter
 from recsys.train.deltas import DELTAS_DIR
 from recsys.train.dynamic_tables import dropped_note, dynamic_stat_fields, key_balance
 from recsys.train.evaluate import eval_line, evaluate_split
+from recsys.train.lineage import Lineage, new_run, read_lineage, resumed_run
 from recsys.train.metrics import MetricsLogger
 from recsys.train.model_setup import setup_model
 from recsys.train.optimizers import (
@@ -76,7 +78,7 @@ from recsys.train.optimizers import (
 )
 from recsys.train.pipeline import TrainPipeline
 from recsys.train.progress import StepTimer, TrainWindow, summary_line
-from recsys.train.ranks import on_first_rank
+from recsys.train.ranks import from_first_rank, on_first_rank
 from recsys.train.run_dir import CONFIG_FILE, METRICS_FILE, check_run_dir, clear_previous_run
 from recsys.train.schedule import LRSchedule
 from recsys.train.step import TrainStep
@@ -172,6 +174,7 @@ class _Run:
         if resume is not None:
             self._restore(resume)
         self.start_step = self.step  # steps before it were trained by an earlier process
+        self.lineage = from_first_rank(self._session_lineage(resume))  # one id on every rank
         # Everything above can fail on a bad config or data: only now is the run dir written.
         if info.is_main:
             self._write_run_dir()
@@ -184,7 +187,7 @@ class _Run:
         if resume is not None:
             self.logger.log("resume", self.step, checkpoint=str(resume))
         self.tiered_log = TieredLog(_unwrap(self.model))
-        self.deltas = DeltaWriter(self.run_dir / DELTAS_DIR, ckpt.delta_every_steps)
+        self.deltas = DeltaWriter(self.run_dir / DELTAS_DIR, ckpt.delta_every_steps, self.lineage)
         if stale := self.deltas.start(_unwrap(self.model), self.step):  # written after step
             self._print(f"removed {len(stale)} stale delta(s) after step {self.step}")
 
@@ -224,6 +227,17 @@ class _Run:
         checkpoint inside run.dir."""
         resume = self.config.checkpoint.resume
         return resume == LATEST or (bool(resume) and is_inside(resume, self.run_dir))
+
+    def _session_lineage(self, resume: Path | None) -> Lineage:
+        """This session's lineage (:mod:`recsys.train.lineage`): the resumed checkpoint's with
+        this session appended (a new run id when it has none), else a new run's, naming the
+        checkpoint a fine-tuned run starts from."""
+        if resume is not None:
+            return resumed_run(read_lineage(resume), self.step)
+        if not self.config.checkpoint.init_from:
+            return new_run()
+        parent = resolve_checkpoint(self.config.checkpoint.init_from)
+        return new_run(read_lineage(parent), checkpoint_step(parent))
 
     def _find_resume(self) -> Path | None:
         """The checkpoint to resume (None: a fresh start). ``latest`` goes back to the newest
@@ -456,6 +470,7 @@ class _Run:
             spec=self.dataset.spec,
             protect=self.best.step if self.best and self.config.checkpoint.keep_best else None,
             write_files=self._save_tiered,
+            lineage=self.lineage,
         )
         self._print(f"saved checkpoint {path}")
         self.last_checkpoint = path

@@ -218,11 +218,13 @@ def test_a_two_rank_checkpoint_loads_on_one_and_four_ranks(tmp_path: Path):
 
 
 def _train_with_deltas(rank: int, world: int, run_dir: str) -> None:
+    from recsys.train.ranks import all_gather
     from tests.distributed.test_reshard import start
     from tests.train.test_deltas import TINY
 
     chunks = ["--data.synthetic.num_train_samples=16384", "--train.max_steps=12"]  # a chunk each
     run = start(rank, world, [*TINY, *chunks, f"--run.dir={run_dir}"])
+    assert all_gather(run.lineage) == [run.lineage] * world  # the first rank's ids on every rank
     run.fit()
 
 
@@ -231,6 +233,7 @@ def test_deltas_of_two_ranks_rebuild_the_final_tables_from_any_base(tmp_path: Pa
     included. Every base checkpoint plus the deltas after it equals the final checkpoint."""
     from recsys.train.checkpoint import load_model
     from recsys.train.deltas import apply_deltas, dynamic_table_rows, list_deltas
+    from recsys.train.lineage import read_lineage
     from tests.train.test_deltas import DELTAS
 
     run_dir = tmp_path / "run"
@@ -240,6 +243,7 @@ def test_deltas_of_two_ranks_rebuild_the_final_tables_from_any_base(tmp_path: Pa
     infos = list_deltas(run_dir / "deltas")
     assert [(i.step, i.since) for i in infos] == DELTAS[: len(infos)]
     assert all(i.world_size == 2 for i in infos)
+    assert {i.lineage for i in infos} == {read_lineage(checkpoints[-1])}
     assert sum(t["deletions"] for i in infos for t in i.tables.values()) > 0
     for base in checkpoints:
         got = apply_deltas(base, run_dir / "deltas")
