@@ -148,7 +148,7 @@ def test_resumes_with_other_batch_sizes_train_each_sample_once(tmp_path, monkeyp
 
     def without_reshards(self):
         state = original_state(self)
-        del state["data_reshards"]
+        state.pop("data_reshards", None)
         return state
 
     monkeypatch.setattr(trainer_module._Run, "_train_step", recording)
