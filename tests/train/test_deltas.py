@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from torchrec import KeyedJaggedTensor
 
 from recsys.config import load_config
 from recsys.data import build_dataset
@@ -430,3 +431,19 @@ def test_checkpoints_and_deltas_without_lineage(run, tmp_path):
     # Only the first delta is unchecked: the next one continues it (the same lineage).
     with pytest.warns(UserWarning, match=r"delta\(s\) 'step_00000009' to base .*, step 8\)"):
         _assert_same_tables(apply_deltas(_checkpoint(old, 8), old), final)
+
+
+def test_predict_refuses_a_reserved_key_as_training_does(exported, tmp_path):
+    """-2^63 is refused by training (a reserved key); predict refused nothing and scored it as
+    an unknown id."""
+    base, _, test = exported
+    test = test.slice(0, 8)
+    values = test.sparse.values().clone()
+    values[0] = -(2**63)  # cat_0 of the first sample
+    sparse = KeyedJaggedTensor(
+        keys=test.sparse.keys(), values=values, lengths=test.sparse.lengths()
+    )
+    _write_parquet(Batch(test.dense, sparse, test.labels), tmp_path / "reserved.parquet")
+    with pytest.raises(ValueError, match=r"contain -9223372036854775808: .* are reserved"):
+        predict(base, tmp_path / "reserved.parquet", tmp_path / "scores.parquet")
+    assert not (tmp_path / "scores.parquet").exists()
