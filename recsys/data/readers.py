@@ -385,7 +385,7 @@ def _parquet_file(path: Path) -> pq.ParquetFile:
 def _require_columns(names: list[str], roles: Roles, path: Path) -> None:
     missing = [c for c in roles.all if c not in names]
     if missing:
-        hints = quoted_with_hints(missing, names)
+        hints = quoted_with_hints(missing, names, taken=roles.all)
         raise ValueError(f"'{path}' has no column(s) {hints}; its columns: {names}")
 
 

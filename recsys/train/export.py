@@ -523,10 +523,12 @@ def _open_input(path: Path, spec: DatasetSpec, labels: list[str]) -> pq.ParquetF
     except pa.ArrowInvalid as error:
         raise ValueError(f"'{path}' is not a readable parquet file: {error}") from None
     names = file.schema_arrow.names
-    missing = [name for name in (*spec.dense_names, *spec.sparse_names) if name not in names]
+    read = [*spec.dense_names, *spec.sparse_names]
+    missing = [name for name in read if name not in names]
     if missing:
+        hints = quoted_with_hints(missing, names, taken=[*read, *spec.label_names])
         raise ValueError(
-            f"'{path}' has no column(s) {quoted_with_hints(missing, names)}; the model reads "
+            f"'{path}' has no column(s) {hints}; the model reads "
             f"dense columns {list(spec.dense_names)} and categorical columns "
             f"{list(spec.sparse_names)}"
         )
