@@ -457,17 +457,27 @@ def _transformed(
     directory, fitted = dataset
     work = new_directory_beside(near, "transform")
     try:
-        report = preprocess(
-            PreprocessConfig(
-                apply=str(directory),
-                format=format or fitted["preprocess"]["format"],
-                input=input,
-                output=str(work / "data"),
-                valid_fraction=0.0,
-                test_fraction=0.0,
-                strict=True,
-            )
+        config = PreprocessConfig(
+            apply=str(directory),
+            format=format or fitted["preprocess"]["format"],
+            input=input,
+            output=str(work / "data"),
+            valid_fraction=0.0,
+            test_fraction=0.0,
+            strict=True,
         )
+        try:
+            report = preprocess(config)
+        except ValueError as error:
+            if format is not None:
+                raise
+            # The format was not given: say which one the input was read as, and how to name
+            # another (a CSV read as Criteo is otherwise "expected 40 tab-separated fields").
+            raise ValueError(
+                f"{error} (--transform read '{input}' as {config.format}, the format the "
+                "model's training data was preprocessed from; for input in another format "
+                "give --format criteo, parquet or csv)"
+            ) from None
         yield [
             report.output / "train" / name for name in report.metadata["splits"]["train"]["files"]
         ]
