@@ -4,6 +4,7 @@ that refuses it, and what overwriting deletes. Through the trainer: test_run_saf
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,21 @@ def test_clear_previous_run_deletes_only_what_recsys_wrote(old_run):
     assert sorted(p.name for p in old_run.iterdir()) == ["notes.txt"]
     assert previous_run(old_run) == []
     assert clear_previous_run(old_run) == []  # nothing left: a no-op
+
+
+def test_the_readme_quotes_the_refusal_as_recsys_prints_it(tmp_path, monkeypatch):
+    """The README's example of the error, rebuilt from the run it describes (one checkpoint and
+    events up to step 976 in runs/dlrm_synthetic), is what check_run_dir says."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    (quoted,) = [
+        line
+        for line in readme.splitlines()
+        if line.startswith("recsys: error: run directory 'runs/dlrm_synthetic' holds another run")
+    ]
+    monkeypatch.chdir(tmp_path)
+    run = Path("runs/dlrm_synthetic")
+    (run / "checkpoints" / "step_00000976").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(events(("train", 976)))
+    with pytest.raises(ValueError) as refused:
+        check_run_dir(run, continuing=False, overwrite=False)
+    assert f"recsys: error: {refused.value}" == quoted
