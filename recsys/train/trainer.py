@@ -77,7 +77,13 @@ from recsys.train.optimizers import (
 from recsys.train.pipeline import TrainPipeline
 from recsys.train.progress import StepTimer, TrainWindow, summary_line
 from recsys.train.ranks import on_first_rank
-from recsys.train.run_dir import CONFIG_FILE, METRICS_FILE, check_run_dir, clear_previous_run
+from recsys.train.run_dir import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    check_run_dir,
+    clear_previous_run,
+    fresh_start_note,
+)
 from recsys.train.schedule import LRSchedule
 from recsys.train.step import TrainStep
 from recsys.train.stop import StopSignals, TrainingStopped
@@ -236,6 +242,8 @@ class _Run:
         path, skipped = find_resumable(self.run_dir)
         for line in skipped:
             self._print(f"resume=latest: {line}")
+        if path is None:
+            self._print(fresh_start_note(self.run_dir))
         return path
 
     def fit(self) -> TrainResult:

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from recsys.train.run_dir import check_run_dir, clear_previous_run, previous_run
+from recsys.train.run_dir import (
+    check_run_dir,
+    clear_previous_run,
+    fresh_start_note,
+    previous_run,
+)
 
 
 def events(*pairs: tuple[str, int]) -> str:
@@ -100,3 +105,18 @@ def test_the_readme_quotes_the_refusal_as_recsys_prints_it(tmp_path, monkeypatch
     with pytest.raises(ValueError) as refused:
         check_run_dir(run, continuing=False, overwrite=False)
     assert f"recsys: error: {refused.value}" == quoted
+
+
+def test_a_fresh_start_names_close_runs_that_hold_checkpoints(tmp_path):
+    runs = tmp_path / "runs"
+    for name in ("dlrm_synthetic", "dlrm_synthetic_2", "other"):
+        (runs / name / "checkpoints" / "step_00000008").mkdir(parents=True)
+    (runs / "dlrm_synthetik").mkdir()  # close, but no checkpoint: nothing to resume there
+    note = fresh_start_note(runs / "dlrm_synthtic")
+    assert note.startswith(f"resume=latest: no checkpoint under {runs / 'dlrm_synthtic'}: ")
+    assert f"starting fresh (close names that hold checkpoints: {runs / 'dlrm_synthetic'}, " in note
+    assert str(runs / "dlrm_synthetik") not in note and str(runs / "other") not in note
+    assert fresh_start_note(runs / "zzz") == (
+        f"resume=latest: no checkpoint under {runs / 'zzz'}: starting fresh"
+    )
+    assert fresh_start_note(tmp_path / "nowhere" / "run").endswith("starting fresh")

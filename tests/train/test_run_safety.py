@@ -134,6 +134,22 @@ def test_resume_latest_follows_the_link(reference, tmp_path):
     assert_same_weights(tmp_path / "checkpoints" / "step_00000016", reference_result.checkpoint)
 
 
+def test_resume_latest_without_a_checkpoint_says_it_starts_fresh_and_offers_near_misses(
+    reference, capsys
+):
+    """A typo in run.name with resume=latest: one line says the run starts from scratch, and
+    names the run beside it (a close name) that holds checkpoints."""
+    reference_dir, _ = reference
+    typo = reference_dir.with_name(reference_dir.name + "_typo")
+    result = run(typo, "--checkpoint.resume=latest", "--train.max_steps=1")
+    assert result.steps == 1  # a fresh start, as asked
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if "starting fresh" in line]
+    assert line.startswith(f"resume=latest: no checkpoint under {typo}: starting fresh (")
+    assert f"close names that hold checkpoints: {reference_dir}" in line
+    assert "give its --run.name or --run.dir" in line
+
+
 # ------------------------------------------------------------------------------------------
 # 4, 5. Damaged checkpoints
 
