@@ -53,9 +53,11 @@ from recsys.train.checkpoint import (
     LATEST,
     checkpoint_shapes,
     find_resumable,
+    latest_checkpoint,
     load_checkpoint,
     point_best,
     read_config,
+    remove_uncommitted,
     resolve_checkpoint,
     rng_state,
     save_checkpoint,
@@ -255,7 +257,12 @@ class _Run:
         """
         try:
             with StopSignals(self.info.world_size) as signals:
-                return self._fit(signals)
+                try:
+                    return self._fit(signals)
+                except BaseException as error:  # after a second Ctrl-C: whatever it broke raised
+                    if signals.interrupted and not isinstance(error, TrainingStopped):
+                        self._interrupted()
+                    raise
         finally:
             self.logger.close()
 
@@ -388,6 +395,19 @@ class _Run:
         checkpoint = self._saved_now() or self.save()
         self.logger.log("stop", self.step, signal=signal_name, checkpoint=str(checkpoint))
         raise TrainingStopped(signal_name, self.step, checkpoint)
+
+    def _interrupted(self) -> None:
+        """A second Ctrl-C stopped the run wherever it was (a checkpoint save's DCP traceback is
+        not the user's business): log the stop, remove the save it cut short (one process: no
+        other rank writes there; under torchrun the next save or resume does) and raise
+        :class:`TrainingStopped` naming the latest committed checkpoint."""
+        directory = self.run_dir / "checkpoints"
+        if self.info.world_size == 1:
+            remove_uncommitted(directory)
+        latest = latest_checkpoint(directory)
+        checkpoint = str(latest) if latest else None
+        self.logger.log("stop", self.step, signal="SIGINT", checkpoint=checkpoint, interrupted=True)
+        raise TrainingStopped("SIGINT", self.step, latest, interrupted=True) from None
 
     def _saved_now(self) -> Path | None:
         """The checkpoint of the current step, when there is one already."""
