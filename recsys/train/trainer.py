@@ -5,8 +5,9 @@ Events go to ``<run dir>/metrics.jsonl``:
 
 - train: ``{"split": "train", "step", "epoch", "loss", "samples_per_s", "time"}``, the loss
   averaged over the steps since the previous train event, samples/s over all ranks, plus the
-  mean seconds per step of each part (``time_<part>``) and ``compile_s``, the seconds the window
-  spent compiling under torch.compile (left out of samples/s and the parts);
+  mean seconds per step of each part (``time_<part>``), ``compile_s``, the seconds the window
+  spent compiling under torch.compile (left out of samples/s and the parts), and with fp16
+  ``loss_scale`` and ``skipped_steps``;
 - eval: ``{"split": "valid" | "test", "step", "auc", "logloss", "num_samples", "time"}`` plus
   ``oracle_auc`` on synthetic data and per-task ``auc_<task>`` for multi-task models;
 - delta (``checkpoint.delta_every_steps``): ``{"split": "delta", "step", "since", "rows",
@@ -77,6 +78,7 @@ from recsys.train.optimizers import (
     task_loss_weights,
 )
 from recsys.train.pipeline import TrainPipeline
+from recsys.train.precision import precision_note
 from recsys.train.progress import StepTimer, TrainWindow, summary_line
 from recsys.train.ranks import on_first_rank
 from recsys.train.run_dir import (
@@ -162,6 +164,8 @@ class _Run:
         self.train_step = TrainStep(
             self.model, self.optimizers, config.train.precision, device, task_weights
         )
+        if note := precision_note(config.train.precision, device):
+            self._print(note)
         self.steps_per_epoch = self._steps_per_epoch()
         self.total_steps = self.steps_per_epoch * config.train.epochs
         if config.train.max_steps > 0:
@@ -324,6 +328,7 @@ class _Run:
                 loss=loss,
                 samples_per_s=rate,
                 **learning_rates(self.optimizers, self.model),
+                **self.train_step.log_fields(),
                 **times,
                 **dynamic_stat_fields(_unwrap(self.model)),
                 **tiered,
