@@ -292,6 +292,8 @@ class _Run:
         )
         self.model.train()
         pipeline = TrainPipeline(self.model, train_cfg.pipeline)  # batch i+1 ready during step i
+        if pipeline.note:
+            self._print(pipeline.note)
         first_epoch, first_batch = self.data_position["epoch"], self.data_position["batch"]
         for epoch in range(first_epoch, train_cfg.epochs):
             start = first_batch if epoch == first_epoch else 0
