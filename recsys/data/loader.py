@@ -10,23 +10,29 @@ chunks, each a :class:`~recsys.data.batch.Batch` of many rows:
 Each epoch the loader orders the chunks (a seeded permutation when shuffling), gives rank r the
 chunks r, r + W, r + 2W, ... of that order, permutes the rows of every ``shuffle_buffer_chunks``
 consecutive chunks when shuffling, and cuts the rows into batches of ``batch_size``. Everything
-is a function of (seed, epoch), so the position (epoch, batches done) is enough to resume.
-With ``drop_last`` (training) every rank yields the same number of full batches, so collective
-ops (DDP's all-reduce) never wait for a rank that ran out of data; the up to W x batch_size rows
-this leaves over are dropped from that epoch. Without it (evaluation) every row is read once.
+is a function of (seed, epoch), so the position (epoch, batches done) is enough to resume with
+the same ranks and batch size. With ``drop_last`` (training) every rank yields the same number of
+full batches, so collective ops (DDP's all-reduce) never wait for a rank that ran out of data;
+the up to W x batch_size rows this leaves over are dropped from that epoch. Without it
+(evaluation) every row is read once.
+
+A resume on another number of ranks or batch size passes ``reshards``, the layouts the epoch was
+read in before: the loader then reads exactly the rows of the epoch not yet trained, cut anew
+for this shape (:mod:`recsys.data.layout`).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from recsys.data.batch import Batch, DatasetSpec
+from recsys.data.layout import Reshard, Segment, epoch_layout
 
 
 class ChunkedDataset(Protocol):
@@ -59,6 +65,9 @@ class BatchLoader:
             rank's order) are permuted together before batches are cut.
         start_batch: resume inside the epoch: skip this many batches (the chunks they came
             from are not read). The data position of a run is (epoch, batches done).
+        reshards: with ``drop_last``, the layouts (ranks x batch size, batches done) this epoch
+            was read in before, oldest first (see :mod:`recsys.data.layout`); the loader reads
+            the rows none of them trained, and ``start_batch`` counts batches of this layout.
 
     Example::
 
@@ -82,6 +91,7 @@ class BatchLoader:
         device: torch.device | str | None = None,
         shuffle_buffer_chunks: int = 1,
         start_batch: int = 0,
+        reshards: Sequence[Reshard] = (),
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -108,16 +118,18 @@ class BatchLoader:
             )
         else:
             order = np.arange(num_chunks)
-        self.chunks = [int(c) for c in order[rank::world_size]]
-        rows = sum(dataset.chunk_rows(split, c) for c in self.chunks)
-        if drop_last:
-            rows_per_rank = [
-                sum(dataset.chunk_rows(split, int(c)) for c in order[r::world_size])
-                for r in range(world_size)
-            ]
-            self.num_batches = min(rows_per_rank) // batch_size
-        else:
-            self.num_batches = -(-rows // batch_size)
+        self.layout = epoch_layout(
+            order,
+            [dataset.chunk_rows(split, c) for c in range(num_chunks)],
+            world_size,
+            batch_size,
+            buffer_chunks=shuffle_buffer_chunks if shuffle else 1,
+            drop_last=drop_last,
+            reshards=reshards,
+        )
+        self.segments = self.layout.streams[rank]
+        self.chunks = list(dict.fromkeys(c for s in self.segments for c in s.chunks))
+        self.num_batches = self.layout.num_batches[rank]
         if not 0 <= start_batch <= self.num_batches:
             raise ValueError(f"start_batch {start_batch} outside [0, {self.num_batches}]")
         self.start_batch = start_batch
@@ -134,24 +146,30 @@ class BatchLoader:
             yield batch.to(self.device, non_blocking=pin) if self.device.type != "cpu" else batch
 
     def _pieces(self) -> Iterator[Batch]:
-        """This rank's rows of the epoch in order, as pieces of one shuffle buffer each, starting
-        ``start_batch * batch_size`` rows in (buffers before that point are not even read)."""
+        """This rank's rows of the epoch in order, as pieces of one segment each, starting
+        ``start_batch * batch_size`` rows in (segments before that point are not even read)."""
         skip = self.start_batch * self.batch_size
-        group_size = self.shuffle_buffer_chunks if self.shuffle else 1
-        for group_index, first in enumerate(range(0, len(self.chunks), group_size)):
-            group = self.chunks[first : first + group_size]
-            num_rows = sum(self.dataset.chunk_rows(self.split, c) for c in group)
-            if skip >= num_rows:
-                skip -= num_rows
+        built_key, built = None, None  # the last buffer read: a reshard may cut one in two
+        for segment in self.segments:
+            if skip >= segment.num_rows:
+                skip -= segment.num_rows
                 continue
-            piece = Batch.concat([self.dataset.chunk(self.split, c) for c in group])
-            if self.shuffle:
-                seed = np.random.SeedSequence([self.seed, self.epoch, group_index, 1])
-                order = np.random.default_rng(seed).permutation(num_rows)
-                piece = piece.take(torch.from_numpy(order))
-            if skip:
-                piece, skip = piece.slice(skip, num_rows), 0
+            if (segment.buffer, segment.chunks) != built_key:
+                built_key, built = (segment.buffer, segment.chunks), self._buffer(segment)
+            piece = built
+            start, skip = segment.start + skip, 0
+            if start or segment.end != len(piece):
+                piece = piece.slice(start, segment.end)
             yield piece
+
+    def _buffer(self, segment: Segment) -> Batch:
+        """The rows of ``segment``'s whole buffer: its chunks, permuted when shuffling."""
+        buffer = Batch.concat([self.dataset.chunk(self.split, c) for c in segment.chunks])
+        if self.shuffle:
+            seed = np.random.SeedSequence([self.seed, self.epoch, segment.buffer, 1])
+            order = np.random.default_rng(seed).permutation(len(buffer))
+            buffer = buffer.take(torch.from_numpy(order))
+        return buffer
 
     def _cpu_batches(self, pin: bool) -> Iterator[Batch]:
         produced = self.start_batch

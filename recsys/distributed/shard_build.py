@@ -50,11 +50,13 @@ def tiered_of(module: EmbeddingBagCollection) -> list[str]:
 
 
 def dynamic_parts(
-    module: EmbeddingBagCollection, plan: Mapping[str, TableSharding]
+    module: EmbeddingBagCollection, plan: Mapping[str, TableSharding], rank: int
 ) -> dict[str, DynamicTableOptions]:
-    """Dynamic table -> its options for one of its ``len(plan[name].shards)`` parts: its share
-    of the cap, and the whole table's initial-row bound (a key starts from the same row
-    wherever it lives)."""
+    """Dynamic table -> its options for ``rank``'s part of it (one of
+    ``len(plan[name].shards)``): its share of the cap in whole buckets (the table's buckets
+    dealt out, so the parts add up to the cap of the table in one process, on any number of
+    ranks), and the whole table's initial-row bound (a key starts from the same row wherever
+    it lives)."""
     if isinstance(module, TieredEmbeddingBagCollection):
         configs = {c.name: c for c in module.embedding_bag_configs()}
         return {
@@ -70,10 +72,14 @@ def dynamic_parts(
         return {}
     out = {}
     for name, table in module.dynamic.items():
-        cap, parts = table.map.max_capacity, len(plan[name].shards)
+        buckets, ranks = table.map.max_buckets, [s.rank for s in plan[name].shards]
+        part = ranks.index(rank) if rank in ranks else 0
+        share = buckets // len(ranks) + (part < buckets % len(ranks))
+        uncapped = table.map.max_capacity >= UNCAPPED
         out[name] = replace(
             table.options,
-            max_capacity=0 if cap >= UNCAPPED else math.ceil(cap / parts),
+            # At least one bucket: a part needs one (a cap under one bucket per rank is raised).
+            max_capacity=0 if uncapped else max(share, 1) * table.map.bucket_size,
             memory_budget_mb=0.0,  # folded into the cap
             init_bound=table.bound,
         )

@@ -154,7 +154,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         configs = module.embedding_bag_configs()
         self._configs = configs
         self._tiered = tiered_of(module)
-        dynamic = dynamic_parts(module, plan)
+        dynamic = dynamic_parts(module, plan, self.rank)
         self.plan = checked_plan(
             configs, plan, self.world_size, module.optimizer, set(dynamic), set(self._tiered)
         )

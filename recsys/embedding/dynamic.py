@@ -304,7 +304,9 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
             if f"{TABLES}.{name}.{key}" not in saved:
                 continue
             rows = torch.full_like(live, fill)
-            rows[slots] = saved[f"{TABLES}.{name}.{key}"].to(device=rows.device, dtype=rows.dtype)
+            values = saved[f"{TABLES}.{name}.{key}"]
+            kept = slots >= 0  # a key the cap left out has no row
+            rows[slots[kept]] = values.to(rows.device)[kept.to(values.device)].to(rows.dtype)
             if key == WEIGHT:
                 rows[table.zero_row] = 0
             out[f"{TABLES}.{name}.{key}"] = rows

@@ -25,7 +25,7 @@ from recsys.embedding.row_init import initial_rows
 from recsys.embedding.slot_map import AdmissionCounter, Insertion, ScorePolicy, SlotMap
 from recsys.ops.slot_map import EMPTY_KEY
 
-__all__ = ["DynamicTable", "DynamicTableOptions"]
+__all__ = ["DynamicTable", "DynamicTableOptions", "load_every_key"]
 
 # Bytes per slot of the map itself: key, score, last step seen (int64 each).
 MAP_BYTES_PER_SLOT = 24
@@ -184,6 +184,11 @@ class DynamicTable(nn.Module):
         # (evictions and expirations) at a load.
         self._delta_step = 0
         self._deleted: list[torch.Tensor] | None = None
+        self.dropped_at_load = torch.empty(0, dtype=torch.int64)
+        """Keys of the last load left out to keep the cap (see :meth:`load_key_state`)."""
+        self.load_past_cap = False
+        """A load keeps every saved key, past the cap if it must (set to score a checkpoint
+        exactly as the run did; training keeps the cap)."""
         self._untracked_from: int | None = None
 
     def budget(self, row_bytes: int) -> None:
@@ -276,7 +281,8 @@ class DynamicTable(nn.Module):
         if loaded and self._deleted is None:
             self._untracked_from = self._departures()
             return
-        self._deleted, self._untracked_from = [], None
+        dropped, self.dropped_at_load = self.dropped_at_load, self.dropped_at_load[:0]
+        self._deleted, self._untracked_from = [dropped] if len(dropped) else [], None
 
     def _departures(self) -> int:
         """Keys that lost their row since the map was built: evictions and expirations."""
@@ -341,8 +347,12 @@ class DynamicTable(nn.Module):
         returns the new slot of each saved key.
 
         Raises:
-            ValueError: the checkpoint's layout differs from this table's, or its keys do
-                not fit in ``max_capacity``."""
+            ValueError: the checkpoint's layout differs from this table's.
+
+        At the cap, a bucket keeps its highest-scored keys; the others get slot -1 and are
+        :attr:`dropped_at_load` (a checkpoint saved on more ranks, each with its share of the
+        cap, into fewer ranks: the cap a user set holds after any reshard), unless
+        :attr:`load_past_cap`."""
         if "layout" in state:
             self.check_layout(decode_layout(state["layout"]))
         if self.admission is not None and "admission_keys" in state:
@@ -353,9 +363,18 @@ class DynamicTable(nn.Module):
                 int(buckets.sum()) if buckets is not None else None,
             )
         buckets = min(int(state["num_buckets"].sum()), self.map.max_buckets)
-        return self.map.restore(
-            buckets, state["keys"], state["scores"], state["last_seen"], grow=True
+        slots = self.map.restore(
+            buckets,
+            state["keys"],
+            state["scores"],
+            state["last_seen"],
+            grow=True,
+            past_cap=self.load_past_cap,
         )
+        # Keys of a checkpoint saved under another sharding, over this table's cap: the next
+        # delta deletes them (its base holds them).
+        self.dropped_at_load = self.map.dropped.cpu()
+        return slots
 
     def check_layout(self, saved: dict[str, object]) -> None:
         """Raise ValueError naming every difference between a checkpoint's layout of this
@@ -371,3 +390,12 @@ class DynamicTable(nn.Module):
                 f"dynamic table '{self.name}': the checkpoint places keys differently: "
                 f"{'; '.join(differ)}; load it with the options it was saved with"
             )
+
+
+def load_every_key(model: nn.Module) -> None:
+    """Make every dynamic table of ``model`` keep all the keys a checkpoint holds when it is
+    loaded, past its cap if need be (:attr:`DynamicTable.load_past_cap`): a model loaded to
+    score or export, which must score as the run that saved it did, on any number of ranks."""
+    for module in model.modules():
+        if isinstance(module, DynamicTable):
+            module.load_past_cap = True

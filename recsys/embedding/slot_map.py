@@ -145,6 +145,8 @@ class SlotMap:
         self._use(_empty_layout(math.ceil(capacity / bucket_size), bucket_size, self.device))
         self._size = 0
         self._warned = False  # about keys without room at the maximum size
+        self.dropped = torch.empty(0, dtype=torch.int64)
+        """The keys the last :meth:`restore` left out to keep the cap."""
         self._stats = dict.fromkeys(
             (
                 "hits",
@@ -527,6 +529,7 @@ class SlotMap:
         last_seen: torch.Tensor,
         *,
         grow: bool = False,
+        past_cap: bool = False,
     ) -> torch.Tensor:
         """Clear the map, give it ``num_buckets`` buckets and put ``keys`` back with their
         scores and last steps (each bucket's keys in ascending key order).
@@ -537,16 +540,21 @@ class SlotMap:
             scores: [L] int64.
             last_seen: [L] int64.
             grow: double ``num_buckets`` while a bucket would get more keys than it has
-                slots (keys saved by maps of other sizes, or by several maps); past
-                ``max_buckets`` only if the keys need it, with a warning, and the cap grows
-                to that size.
+                slots (keys saved by maps of other sizes, or by several maps), up to
+                ``max_buckets``. There, a bucket keeps its ``bucket_size`` highest-scored keys
+                (ties: the highest keys), as inserts at the cap evict: the cap is never
+                exceeded. The keys left out get slot -1 and are :attr:`dropped`.
+            past_cap: with ``grow``, keep every key instead: double past ``max_buckets``
+                while a bucket would overflow, and make that the cap (a model loaded to score,
+                as the run that saved it did).
 
         Returns:
-            [L] int64 slot of each key, in the order given.
+            [L] int64 slot of each key, in the order given (-1: dropped, with ``grow``).
 
         Raises:
-            ValueError: num_buckets out of range, a reserved or repeated key, or a bucket
-                with more than ``bucket_size`` keys (the map is then left unchanged).
+            ValueError: num_buckets out of range, a reserved or repeated key, or (without
+                ``grow``) a bucket with more than ``bucket_size`` keys (the map is then left
+                unchanged).
         """
         if not 1 <= num_buckets <= self.max_buckets:
             raise ValueError(
@@ -556,34 +564,36 @@ class SlotMap:
         keys = keys.to(self.device)
         check_keys(keys)
         _check_unique(torch.sort(keys).values, self.name)
+        scores = scores.to(self.device, torch.int64)
+        keep = torch.ones_like(keys, dtype=torch.bool)
         while True:
             layout = _empty_layout(num_buckets, self.bucket_size, self.device)
             no_pins = torch.zeros_like(layout.keys, dtype=torch.bool)
-            slots, _, overflow = self._assign(layout, no_pins, keys)
+            slots, _, overflow = self._assign(layout, no_pins, keys[keep])
             if not (grow and len(overflow)):
                 break
-            # Past max_buckets only when the saved keys need it (keys saved by several maps
-            # land unevenly in one): they are all kept, and the cap becomes this size.
-            at_cap = num_buckets >= self.max_buckets
-            num_buckets = 2 * num_buckets if at_cap else min(2 * num_buckets, self.max_buckets)
-        if num_buckets > self.max_buckets:
-            warnings.warn(
-                f"table {self.name!r}: the {len(keys)} restored keys need {num_buckets} buckets "
-                f"of {self.bucket_size} (one of them would overflow at max_capacity "
-                f"{self.max_capacity}); all are kept and the table's cap is now "
-                f"{num_buckets * self.bucket_size} rows",
-                stacklevel=2,
-            )
-            self.max_buckets = num_buckets
+            if num_buckets < self.max_buckets:
+                num_buckets = min(2 * num_buckets, self.max_buckets)
+            elif past_cap:
+                num_buckets *= 2
+            else:  # at the cap: drop what the cap cannot hold
+                pins = torch.zeros_like(keys, dtype=torch.bool)
+                keep = self._keep_per_bucket(keys, scores, pins, num_buckets)
         if len(overflow):
             bucket, needed, available = overflow[0].tolist()
             raise ValueError(
                 f"table {self.name!r}: restore puts {needed} keys in bucket {bucket} of "
                 f"{num_buckets}, which has {available} slots; restore to more buckets"
             )
-        layout.keys[slots] = keys
-        layout.scores[slots] = scores.to(self.device, torch.int64)
-        layout.last_seen[slots] = last_seen.to(self.device, torch.int64)
+        self.max_buckets = max(self.max_buckets, num_buckets)  # past the cap: past_cap only
+        self.dropped = keys[~keep]
+        kept, keys = slots, keys[keep]
+        slots = torch.full(keep.shape, -1, dtype=torch.int64, device=self.device)
+        slots[keep] = kept
+        scores, last_seen = scores[keep], last_seen.to(self.device)[keep]
+        layout.keys[kept] = keys
+        layout.scores[kept] = scores
+        layout.last_seen[kept] = last_seen.to(torch.int64)
         self._use(layout)
         self._size = len(keys)
         return slots

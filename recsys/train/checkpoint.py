@@ -8,8 +8,10 @@ are checkpoints beyond the newest ``keep`` deleted.
 
 Inside a checkpoint directory, next to DCP's files (``.metadata`` and one ``__<rank>_0.distcp``
 per rank), the first rank writes plain-text sidecars: ``config.toml`` (the resolved config of
-the run) and ``spec.json`` (the dataset's columns and table sizes), so a checkpoint alone is
-enough to rebuild its model (:func:`load_model`) without the data it was trained on.
+the run), ``spec.json`` (the dataset's columns and table sizes), so a checkpoint alone is
+enough to rebuild its model (:func:`load_model`) without the data it was trained on, and
+``lineage.json`` (the run id and sessions that trained it, :mod:`recsys.train.lineage`: what
+ties deltas to it; checkpoints saved before lineages have none and load as before).
 
 Last before the commit, ``checksums.json`` records the size and CRC-32 of every file (each rank
 checksums a share of them). Loading verifies them first (:func:`verify_checkpoint`): a flipped
@@ -49,7 +51,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from recsys._files import file_checksum, fsync_path, write_failure
 from recsys.config import Config, load_config, to_toml
 from recsys.data.batch import DatasetSpec
+from recsys.embedding.dynamic_table import load_every_key
 from recsys.embedding.interface import state_to_load
+from recsys.train.lineage import LINEAGE_FILE, Lineage
 from recsys.train.models import build_model
 from recsys.train.optimizers import fused_embedding_optimizer
 from recsys.train.ranks import all_gather, barrier, from_first_rank, is_distributed
@@ -78,6 +82,7 @@ def save_checkpoint(
     spec: DatasetSpec | None = None,
     protect: int | None = None,
     write_files: Callable[[Path], None] | None = None,
+    lineage: Lineage | None = None,
 ) -> Path:
     """Save ``state`` (nested dicts of tensors and plain values) as ``directory/step_<step>``.
 
@@ -95,6 +100,7 @@ def save_checkpoint(
         protect: a step whose checkpoint ``keep`` never deletes (the best one).
         write_files: writes this rank's own files into the directory being written (the
             tiered tables' rows, streamed); they are checksummed and committed with the rest.
+        lineage: the lineage of the session saving it, written as ``lineage.json``.
 
     Returns:
         The committed checkpoint directory.
@@ -122,6 +128,8 @@ def save_checkpoint(
             _write_synced(tmp / CONFIG_FILE, to_toml(config))
         if spec is not None:
             _write_synced(tmp / SPEC_FILE, json.dumps(asdict(spec), indent=1) + "\n")
+        if lineage is not None:
+            _write_synced(tmp / LINEAGE_FILE, json.dumps(lineage.to_json(), indent=1) + "\n")
     barrier()
     names = from_first_rank(sorted(p.name for p in tmp.iterdir() if p.is_file()))
     sums = dict(_gather_list([(name, _checksum_fields(tmp / name)) for name in _my_share(names)]))
@@ -376,6 +384,11 @@ def resolve_checkpoint(spec: str | Path, run_dir: str | Path | None = None) -> P
     )
 
 
+def checkpoint_step(checkpoint: str | Path) -> int:
+    """The training step a checkpoint was saved at."""
+    return int(load_checkpoint(checkpoint, {"step": 0}, verify=False)["step"])
+
+
 def read_config(path: str | Path) -> Config:
     """The resolved config a checkpoint was saved with (its ``config.toml``)."""
     file = Path(path) / CONFIG_FILE
@@ -421,6 +434,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> nn.Modul
     shapes = checkpoint_shapes(path)
     state = {"model": state_to_load(model, shapes, "model.", tensor_reader(path))}
     load_checkpoint(path, state, verify=False)
+    load_every_key(model)  # scores as the run did, whatever the sharding
     model.load_state_dict(state["model"])
     for collection in tiered_collections(model):
         collection.tiered_files().load(path)

@@ -189,9 +189,10 @@ def _add_predict(commands: argparse._SubParsersAction) -> None:
     score.add_argument(
         "--deltas",
         metavar="DIR",
-        help="the deltas directory (<run dir>/deltas) of the run the model was exported from: "
-        "score with its dynamic tables brought forward by the deltas written after the "
-        "exported checkpoint (dense layers stay the export's)",
+        help="the deltas directory (<run dir>/deltas), or the run directory, of the run the "
+        "model was exported from: score with its dynamic tables brought forward by the deltas "
+        "written after the exported checkpoint (dense layers stay the export's); deltas of "
+        "another run, or of a branch resumed before that checkpoint, are refused",
     )
     score.add_argument(
         "--batch-size", type=int, default=8192, help="rows per forward call (default 8192)"

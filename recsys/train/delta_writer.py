@@ -26,6 +26,7 @@ from torch import nn
 from recsys._files import file_checksum, fsync_path, write_failure, write_text_atomic
 from recsys.embedding.interface import TableDelta, embedding_collections
 from recsys.train.deltas import FORMAT, MANIFEST, VERSION, delta_dir_step
+from recsys.train.lineage import Lineage
 from recsys.train.ranks import all_gather, from_first_rank, rank, world_size
 
 __all__ = ["DeltaReport", "DeltaWriter", "remove_deltas_after", "take_deltas", "write_delta"]
@@ -72,7 +73,11 @@ def take_deltas(model: nn.Module) -> dict[str, TableDelta]:
 
 
 def write_delta(
-    directory: str | Path, step: int, since: int, tables: dict[str, TableDelta]
+    directory: str | Path,
+    step: int,
+    since: int,
+    tables: dict[str, TableDelta],
+    lineage: Lineage,
 ) -> DeltaReport:
     """Write ``tables`` (this rank's part of each table) as the delta ``directory/step_<step>``.
 
@@ -84,6 +89,8 @@ def write_delta(
         step: the training step the delta was taken after; names it.
         since: the step of the previous delta (or where training started).
         tables: what :func:`take_deltas` returned on this rank.
+        lineage: the run and sessions writing it (:mod:`recsys.train.lineage`; the first
+            rank's is written): what ties it to the bases it continues.
 
     Returns:
         A :class:`DeltaReport` (the same on every rank).
@@ -116,7 +123,7 @@ def write_delta(
     errors = [e for _, e in gathered if e]
     if errors:
         raise OSError(f"writing delta '{final}' failed: {'; '.join(errors)}")
-    manifest = _manifest(step, since, ranks, [p for p, _ in gathered])
+    manifest = _manifest(step, since, ranks, lineage, [p for p, _ in gathered])
     error = None
     if me == 0:
         try:
@@ -175,7 +182,11 @@ def _write_file(path: Path, table: pa.Table, kind: str, rank: int) -> dict[str, 
 
 
 def _manifest(
-    step: int, since: int, world_size: int, parts: list[dict[str, dict[str, Any]]]
+    step: int,
+    since: int,
+    world_size: int,
+    lineage: Lineage,
+    parts: list[dict[str, dict[str, Any]]],
 ) -> dict[str, Any]:
     """The manifest of a delta from every rank's parts (in rank order)."""
     tables: dict[str, dict[str, Any]] = {}
@@ -194,6 +205,7 @@ def _manifest(
         "step": step,
         "since": since,
         "world_size": world_size,
+        "lineage": lineage.to_json(),
         "tables": dict(sorted(tables.items())),
         "bytes": size,
     }
@@ -221,11 +233,13 @@ class DeltaWriter:
     Args:
         directory: where the deltas go.
         every_steps: ``checkpoint.delta_every_steps`` (0: none).
+        lineage: the training session's lineage, recorded in every delta.
     """
 
-    def __init__(self, directory: Path, every_steps: int) -> None:
+    def __init__(self, directory: Path, every_steps: int, lineage: Lineage) -> None:
         self.directory = directory
         self.every_steps = every_steps
+        self.lineage = lineage
         self.since = 0
 
     def start(self, model: nn.Module, step: int) -> list[Path]:
@@ -259,7 +273,7 @@ class DeltaWriter:
 
     def write(self, model: nn.Module, step: int) -> DeltaReport:
         """Take every dynamic table's delta since the previous one and write it (collective)."""
-        report = write_delta(self.directory, step, self.since, take_deltas(model))
+        report = write_delta(self.directory, step, self.since, take_deltas(model), self.lineage)
         self.since = step
         return report
 

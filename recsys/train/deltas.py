@@ -1,7 +1,8 @@
 """Incremental deltas of dynamic tables, for serving: their format, and how a base checkpoint
-(:func:`apply_deltas`) or export (``recsys predict --deltas``) plus the deltas after it rebuild
-the current tables without a full re-export. The trainer writes one every
-``checkpoint.delta_every_steps`` (:mod:`recsys.train.delta_writer`).
+(:func:`apply_deltas`) or export (``recsys predict --deltas``:
+:mod:`recsys.train.exported_deltas`) plus the deltas after it rebuild the current tables without
+a full re-export. The trainer writes one every ``checkpoint.delta_every_steps``
+(:mod:`recsys.train.delta_writer`).
 
 Files. A delta is the directory ``<run dir>/deltas/step_<N>/`` (N zero-padded to 8 digits)::
 
@@ -20,6 +21,9 @@ Manifest (``delta.json``)::
      "step": N,          the training step the delta was taken after
      "since": S,         the step of the previous delta (or of the resume or start)
      "world_size": W,
+     "lineage": {"run_id": ..., "sessions": [{"id": ..., "from_step": ...}, ...],
+                 "parent": ...},   the run and sessions that wrote it (recsys.train.lineage;
+                                   absent in deltas written before lineages)
      "tables": {"<table>": {"dim": D, "rows": n, "deletions": m,
                             "files": [{"name": ..., "kind": "rows" | "deleted", "rank": r,
                                        "rows": k, "bytes": b, "crc32": c}, ...]}},
@@ -32,6 +36,19 @@ deletions first, then its rows (inserts and updates). Deltas chain: applied to t
 step B, the first delta must start at or before B (``since <= B < step``), each next one where
 the previous one ends (``since`` = its ``step``); a gap is a ValueError naming the steps. A
 delta carries the dynamic tables only: dense layers and fixed tables stay those of the base.
+
+Lineage. A base (checkpoint or export) and every delta record the lineage of the run that
+wrote them (:mod:`recsys.train.lineage`). Each delta must continue what it is applied to, the
+base or the delta before it: the same run, and the same history up to that step (its branch of
+the run split from the base's at that step or later). Anything else (another run's deltas, or
+those of a branch resumed from a checkpoint older than the base) is a ValueError naming the
+base and the delta with their paths, run ids and steps. A base or delta without a lineage
+(written by a recsys before lineages) is checked by its steps only, with a warning; a delta
+without one that follows a base or delta with one is refused (a run that records lineages
+records it in every delta).
+
+Where. Everything that applies deltas takes the deltas directory (``<run dir>/deltas``) or the
+run directory holding it (:func:`deltas_directory`); a directory that is neither is an error.
 
 Atomic. Every rank writes into ``deltas/.tmp-step_<N>/``; after a barrier the first rank writes
 ``delta.json`` last, syncs, and renames the directory to ``step_<N>``. Readers skip ``.tmp-*``
@@ -65,29 +82,23 @@ from torch import nn
 
 from recsys._files import file_checksum
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
-from recsys.embedding.interface import (
-    TABLES,
-    WEIGHT,
-    TableDelta,
-    embedding_collections,
-    state_prefix,
-)
-from recsys.embedding.slot_map import SlotMap
-from recsys.ops.slot_map import EMPTY_KEY
-from recsys.train.checkpoint import load_checkpoint, load_model, resolve_checkpoint
+from recsys.embedding.interface import TableDelta, embedding_collections
+from recsys.train.checkpoint import checkpoint_step, load_model, resolve_checkpoint
+from recsys.train.lineage import Lineage, divergence, read_lineage
 
 __all__ = [
     "DELTAS_DIR",
+    "DeltaBase",
     "DeltaInfo",
     "Tables",
     "apply_delta",
     "apply_deltas",
-    "apply_exported_deltas",
+    "checkpoint_base",
     "checkpoint_step",
     "delta_chain",
     "delta_dir_step",
+    "deltas_directory",
     "dynamic_table_rows",
-    "exported_dynamic_tables",
     "list_deltas",
     "read_delta",
     "replay_deltas",
@@ -95,8 +106,6 @@ __all__ = [
 
 DELTAS_DIR = "deltas"
 """Where the trainer writes deltas: this folder of the run directory."""
-DYNAMIC_FILE = "dynamic.json"
-"""The extra file of an export locating its dynamic tables (:func:`exported_dynamic_tables`)."""
 MANIFEST = "delta.json"
 """A delta's manifest, written last."""
 FORMAT = "recsys-delta"
@@ -123,6 +132,56 @@ class DeltaInfo:
     since: int
     world_size: int
     tables: dict[str, dict[str, Any]]
+    lineage: Lineage | None = None
+    """The run and sessions that wrote it; None for a delta written before lineages."""
+
+
+@dataclass(frozen=True)
+class DeltaBase:
+    """What deltas are applied to: the tables of a checkpoint or an export, of one step of one
+    run (:func:`checkpoint_base`; an export's ``dynamic.json``)."""
+
+    path: str
+    """The checkpoint or export, for messages."""
+    step: int
+    lineage: Lineage | None
+    """The run and sessions that trained it; None for a base saved before lineages."""
+
+    def describe(self) -> str:
+        """How messages name it: its path, run id and step."""
+        return f"base '{self.path}' ({_run(self.lineage)}, step {self.step})"
+
+
+def checkpoint_base(checkpoint: str | Path) -> DeltaBase:
+    """A checkpoint directory (or a run directory: its newest checkpoint) as a base."""
+    checkpoint = resolve_checkpoint(checkpoint)
+    return DeltaBase(str(checkpoint), checkpoint_step(checkpoint), read_lineage(checkpoint))
+
+
+def deltas_directory(path: str | Path) -> Path:
+    """The deltas directory ``path`` names: itself when it holds deltas (``step_<N>/`` with a
+    manifest) or is named ``deltas`` (its run wrote none yet), else its ``deltas/`` folder (a
+    run directory).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is neither a deltas directory nor a run directory holding one.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"deltas directory not found: '{path}'")
+    if any(delta_dir_step(p.parent.name) is not None for p in path.glob(f"step_*/{MANIFEST}")):
+        return path
+    if (path / DELTAS_DIR).is_dir():
+        return path / DELTAS_DIR
+    if path.name == DELTAS_DIR:
+        return path
+    raise ValueError(
+        f"'{path}' is not a deltas directory: it holds no delta (step_<N>/ folders with a "
+        f"{MANIFEST}) and no {DELTAS_DIR}/ folder; give the deltas directory (<run dir>/"
+        f"{DELTAS_DIR}) or the run directory of a run trained with "
+        "checkpoint.delta_every_steps > 0"
+    )
 
 
 def list_deltas(directory: str | Path) -> list[DeltaInfo]:
@@ -159,7 +218,12 @@ def _read_manifest(path: Path, step: int) -> tuple[DeltaInfo | None, str]:
         manifest = json.loads(file.read_text())
         version = manifest["version"] if manifest.get("format") == FORMAT else None
         info = DeltaInfo(
-            path, manifest["step"], manifest["since"], manifest["world_size"], manifest["tables"]
+            path,
+            manifest["step"],
+            manifest["since"],
+            manifest["world_size"],
+            manifest["tables"],
+            Lineage.from_json(manifest.get("lineage")),
         )
         files = [f for t in info.tables.values() for f in t["files"]]
     except (ValueError, KeyError, TypeError, AttributeError) as error:
@@ -180,17 +244,23 @@ def _read_manifest(path: Path, step: int) -> tuple[DeltaInfo | None, str]:
     return info, ""
 
 
-def delta_chain(deltas: list[DeltaInfo], base_step: int) -> list[DeltaInfo]:
-    """The deltas to apply, in order, to tables of step ``base_step``: those after it, the
-    first starting at or before it, each next one where the previous one ends.
+def delta_chain(deltas: list[DeltaInfo], base: DeltaBase) -> list[DeltaInfo]:
+    """The deltas to apply, in order, to ``base``: those after its step, the first starting at
+    or before it, each next one where the previous one ends, each continuing the base's
+    lineage (see the module docstring).
 
     Raises:
-        ValueError: a gap (a delta starts after the step the tables are at), or a delta that
-            starts before the previous one ends (deltas of two runs mixed); the steps named.
+        ValueError: a delta of another run or branch than the base (both named with their run
+            ids and steps); a gap (a delta starts after the step the tables are at), or a delta
+            that starts before the previous one ends (deltas of two runs mixed); the steps
+            named.
     """
-    chain, at = [], base_step
-    for delta in (d for d in deltas if d.step > base_step):
-        before = f"delta step {at}" if chain else f"base step {base_step}"
+    chain: list[DeltaInfo] = []
+    at, unchecked = base.step, []
+    for delta in (d for d in deltas if d.step > base.step):
+        if not _continues(base, chain[-1] if chain else None, delta):
+            unchecked.append(delta)
+        before = f"delta step {at}" if chain else f"base step {base.step}"
         if delta.since > at:
             raise ValueError(
                 f"deltas have a gap: after {before}, the next delta '{delta.path.name}' holds "
@@ -206,7 +276,49 @@ def delta_chain(deltas: list[DeltaInfo], base_step: int) -> list[DeltaInfo]:
             )
         chain.append(delta)
         at = delta.step
+    if unchecked:
+        warnings.warn(_unchecked(base, unchecked), stacklevel=3)
     return chain
+
+
+def _continues(base: DeltaBase, previous: DeltaInfo | None, delta: DeltaInfo) -> bool:
+    """Whether ``delta`` continues ``previous`` (or ``base`` when it is the first): True, or
+    False when a lineage is missing and it cannot be told.
+
+    Raises:
+        ValueError: it does not continue it (the message names the base and the delta)."""
+    before = base.lineage if previous is None else previous.lineage
+    if before is None:
+        return False
+    what = base.describe()
+    if previous is not None:
+        what = f"delta '{previous.path}' ({_run(before)}, step {previous.step}) after {what}"
+    at = base.step if previous is None else previous.step
+    refused = f"delta '{delta.path}' ({_run(delta.lineage)}, step {delta.step}) does not continue "
+    if delta.lineage is None:
+        raise ValueError(
+            f"{refused}{what}: the delta has no run lineage (written by a recsys before "
+            "lineages), and a run that records lineages records one in every delta: it is of "
+            "another run"
+        )
+    reason = divergence(before, delta.lineage, at)
+    if reason is not None:
+        raise ValueError(f"{refused}{what}: {reason}")
+    return True
+
+
+def _unchecked(base: DeltaBase, deltas: list[DeltaInfo]) -> str:
+    """The warning for deltas applied without a lineage to check them against."""
+    names = ", ".join(f"'{d.path.name}'" for d in deltas)
+    return (
+        f"applying delta(s) {names} to {base.describe()}: checked by their steps only, without "
+        "a run lineage to tell whether they continue it (the base or a delta was written by a "
+        "recsys before lineages)"
+    )
+
+
+def _run(lineage: Lineage | None) -> str:
+    return "no lineage" if lineage is None else f"run {lineage.run_id}"
 
 
 def read_delta(delta: DeltaInfo) -> dict[str, TableDelta]:
@@ -322,19 +434,21 @@ def apply_delta(tables: Tables, delta: dict[str, TableDelta]) -> Tables:
     return out
 
 
-def replay_deltas(tables: Tables, base_step: int, directory: str | Path) -> tuple[Tables, int]:
-    """``tables`` of step ``base_step`` brought forward by the chain of deltas in
-    ``directory`` after it (:func:`delta_chain`).
+def replay_deltas(tables: Tables, base: DeltaBase, directory: str | Path) -> tuple[Tables, int]:
+    """``tables`` of ``base`` brought forward by the chain of deltas after it
+    (:func:`delta_chain`) in ``directory`` (:func:`deltas_directory`: the deltas directory or
+    its run directory).
 
     Returns:
-        (the tables, keys ascending; the step they are at: the last delta's, or
-        ``base_step`` when no delta follows it).
+        (the tables, keys ascending; the step they are at: the last delta's, or the base's
+        when no delta follows it).
 
     Raises:
-        ValueError: a gap in the chain, or a delta that does not fit the tables.
+        ValueError: a delta of another run or branch, a gap in the chain, a delta that does not
+            fit the tables, or a directory that holds no deltas.
     """
-    step = base_step
-    for delta in delta_chain(list_deltas(directory), base_step):
+    step = base.step
+    for delta in delta_chain(list_deltas(deltas_directory(directory)), base):
         tables = apply_delta(tables, read_delta(delta))
         step = delta.step
     return tables, step
@@ -354,146 +468,29 @@ def dynamic_table_rows(model: nn.Module) -> Tables:
     return tables
 
 
-def checkpoint_step(checkpoint: str | Path) -> int:
-    """The training step a checkpoint was saved at."""
-    return int(load_checkpoint(checkpoint, {"step": 0}, verify=False)["step"])
-
-
 def apply_deltas(checkpoint: str | Path, directory: str | Path) -> Tables:
     """The dynamic tables of a base checkpoint brought forward by the deltas after it.
 
     Args:
         checkpoint: a checkpoint directory, or a run directory (its newest checkpoint), of the
             run that wrote the deltas (any world size).
-        directory: the deltas directory (``<run dir>/deltas``).
+        directory: the deltas directory (``<run dir>/deltas``) or the run directory.
 
     Returns:
         Table name -> (keys [n] int64 ascending, rows [n, dim] float32): the tables at the
         last delta's step.
 
     Raises:
-        ValueError: a gap in the chain of deltas after the checkpoint's step.
+        ValueError: a delta that does not continue the checkpoint (of another run, or of a
+            branch resumed before its step), a gap in the chain of deltas after the
+            checkpoint's step, a directory that holds no deltas.
 
     Example::
 
         tables = apply_deltas("runs/dlrm/checkpoints/step_00001000", "runs/dlrm/deltas")
         keys, rows = tables["t_cat_0"]
     """
-    checkpoint = resolve_checkpoint(checkpoint)
-    model = load_model(checkpoint)
-    tables, _ = replay_deltas(dynamic_table_rows(model), checkpoint_step(checkpoint), directory)
+    base = checkpoint_base(checkpoint)
+    model = load_model(base.path)
+    tables, _ = replay_deltas(dynamic_table_rows(model), base, directory)
     return tables
-
-
-# ---------------------------------------------------------------------------------- exports
-
-
-def exported_dynamic_tables(
-    program: torch.export.ExportedProgram, module: nn.Module, step: int
-) -> dict[str, object]:
-    """What an export's ``dynamic.json`` records for :func:`apply_exported_deltas`: the step
-    of its checkpoint, and per dynamic table the program's names of its map keys (``keys``:
-    the constants that are the map's keys tensor) and rows (``rows``), and the map's
-    ``num_buckets`` and ``bucket_size`` (fixed in the program's graph).
-
-    Args:
-        program: ``torch.export.export(module, ...)``.
-        module: the module exported (its collections are found by
-            :func:`~recsys.embedding.interface.embedding_collections`).
-        step: the step of the checkpoint the module was loaded from.
-    """
-    tables = {}
-    for path, collection in embedding_collections(module).items():
-        if not isinstance(collection, DynamicEmbeddingBagCollection):
-            continue
-        for name, table in collection.dynamic.items():
-            constants = [n for n, c in program.constants.items() if c is table.map.keys]
-            if not constants:
-                continue  # the program never looks the table up
-            tables[name] = {
-                "keys": constants,
-                "rows": f"{state_prefix(path)}{TABLES}.{name}.{WEIGHT}",
-                "num_buckets": table.map.num_buckets,
-                "bucket_size": table.map.bucket_size,
-            }
-    return {"step": step, "tables": tables}
-
-
-def apply_exported_deltas(
-    module: nn.Module, info: dict[str, Any] | None, deltas: str | Path, path: str | Path = ""
-) -> int:
-    """Bring the dynamic tables of a loaded export forward by the deltas after its checkpoint,
-    in place: each table's keys and rows are rebuilt in the program's map layout (fixed
-    buckets), so its lookups then return the rows of the last delta's step.
-
-    Args:
-        module: the export's module (``torch.export.load(path).module()``; changed in place).
-        info: the export's ``dynamic.json`` (:func:`exported_dynamic_tables`); None for an
-            export without one.
-        deltas: the deltas directory of the run the export's checkpoint is from.
-        path: the export's file, for messages.
-
-    Returns:
-        The step the tables are at (the last delta's; the checkpoint's when none follows).
-
-    Raises:
-        ValueError: the export predates deltas (no ``dynamic.json``); a gap in the deltas;
-            a table whose keys no longer fit the program's map (named, with the slots it
-            would need: export a later checkpoint).
-    """
-    if info is None:
-        raise ValueError(
-            f"export '{path}' has no {DYNAMIC_FILE}: it was exported by a recsys without "
-            "deltas; export its checkpoint again to apply deltas to it"
-        )
-    tables = {name: _exported_rows(module, entry) for name, entry in info["tables"].items()}
-    tables, step = replay_deltas(tables, info["step"], deltas)
-    for name, (keys, rows) in tables.items():
-        _put_rows(module, name, info["tables"][name], keys, rows)
-    return step
-
-
-def _exported_rows(module: nn.Module, entry: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dynamic table of a loaded export as (keys ascending, rows float32)."""
-    map_keys = _tensor_at(module, entry["keys"][0])
-    slots = (map_keys != EMPTY_KEY).nonzero().squeeze(1)
-    keys, order = torch.sort(map_keys[slots])
-    return keys, _tensor_at(module, entry["rows"]).detach()[slots[order]].float()
-
-
-def _put_rows(
-    module: nn.Module, name: str, entry: dict, keys: torch.Tensor, rows: torch.Tensor
-) -> None:
-    """Replace a loaded export's table by ``keys`` and ``rows``, in its map's layout."""
-    num_buckets, bucket_size = entry["num_buckets"], entry["bucket_size"]
-    capacity = num_buckets * bucket_size
-    where = (
-        f"dynamic table '{name}': the deltas leave {len(keys)} keys for the exported "
-        f"program's map of {capacity} slots ({num_buckets} buckets of {bucket_size})"
-    )
-    if len(keys) > capacity:
-        raise ValueError(
-            f"{where}: it needs at least {len(keys)} slots (the table grew after the export); "
-            "export a later checkpoint of the run and apply the deltas after it"
-        )
-    layout = SlotMap(capacity, capacity, bucket_size=bucket_size, backend="torch", name=name)
-    try:
-        slots = layout.restore(num_buckets, keys, torch.zeros_like(keys), torch.zeros_like(keys))
-    except ValueError as error:
-        raise ValueError(
-            f"{where}, and they do not fit its buckets ({error}); export a later checkpoint "
-            "of the run and apply the deltas after it"
-        ) from None
-    weight = _tensor_at(module, entry["rows"])
-    placed = torch.zeros_like(weight)  # the zero row (index capacity) stays zero
-    placed[slots] = rows.to(weight.dtype)
-    with torch.no_grad():
-        for constant in entry["keys"]:
-            _tensor_at(module, constant).copy_(layout.keys)
-        weight.copy_(placed)
-
-
-def _tensor_at(module: nn.Module, name: str) -> torch.Tensor:
-    """The parameter, buffer or constant of ``module`` at dotted ``name``."""
-    owner, _, attribute = name.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, attribute)

@@ -18,10 +18,17 @@ from torchrec import EmbeddingBagConfig
 from recsys._suggest import quoted_with_hints
 from recsys.config import DynamicConfig
 from recsys.data.batch import DatasetSpec
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic_table import DynamicTable, DynamicTableOptions
 from recsys.embedding.interface import embedding_collections
+from recsys.train.ranks import all_gather
 
-__all__ = ["dynamic_features", "dynamic_options", "dynamic_stat_fields"]
+__all__ = [
+    "capacity_note",
+    "dropped_note",
+    "dynamic_features",
+    "dynamic_options",
+    "dynamic_stat_fields",
+]
 
 ALL = "all"
 # [model.dynamic] keys a table override may set: the per-table options.
@@ -166,3 +173,44 @@ def key_balance(model: nn.Module) -> str:
     if not lines:
         return ""
     return "\n".join(["keys per rank of the dynamic tables (rank 0, 1, ...):", *lines])
+
+
+def capacity_note(model: nn.Module) -> str:
+    """One line when dynamic tables' caps are held as more rows than ``max_capacity`` says
+    (a cap is whole buckets; a memory budget becomes a cap the same way), "" otherwise. The
+    same on any number of ranks: a sharded table deals its buckets out to its parts."""
+    rounded: dict[tuple[int, int], list[str]] = {}
+    for module in model.modules():
+        if isinstance(module, DynamicTable) and module.options.max_capacity:
+            given, held = module.options.max_capacity, module.map.max_capacity
+            if held != given:
+                rounded.setdefault((given, held), []).append(module.name)
+    parts = [
+        f"max_capacity {given:,} is {held:,} rows ({len(names)} table(s): {', '.join(names)})"
+        for (given, held), names in rounded.items()
+    ]
+    if not parts:
+        return ""
+    return "model.dynamic: caps are whole buckets of keys: " + "; ".join(parts)
+
+
+def dropped_note(model: nn.Module) -> str:
+    """After a resume on another sharding: one line naming the dynamic tables whose keys in the
+    checkpoint were more than their cap holds here (each bucket kept its highest-scored keys;
+    the next delta deletes the others), "" when none. A collective under torchrun."""
+    mine: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, DynamicTable) and len(module.dropped_at_load):
+            mine[module.name] = mine.get(module.name, 0) + len(module.dropped_at_load)
+    dropped: dict[str, int] = {}
+    for part in all_gather(mine):
+        for name, count in part.items():
+            dropped[name] = dropped.get(name, 0) + count
+    if not dropped:
+        return ""
+    tables = ", ".join(f"{name} {count:,}" for name, count in dropped.items())
+    return (
+        "the checkpoint holds more keys than these dynamic tables' caps (max_capacity) hold "
+        f"here; each kept its highest-scored keys and dropped the rest: {tables} (the next "
+        "delta deletes them)"
+    )

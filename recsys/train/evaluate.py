@@ -37,6 +37,7 @@ from recsys.distributed.parallel import (
     shutdown_distributed,
 )
 from recsys.distributed.planner import parse_constraints
+from recsys.embedding.dynamic_table import load_every_key
 from recsys.embedding.interface import state_to_load
 from recsys.train.checkpoint import (
     CONFIG_FILE,
@@ -371,6 +372,7 @@ def _load_model(
     shapes, read = checkpoint_shapes(path), tensor_reader(path)
     state = {"model": state_to_load(model, shapes, "model.", read), "step": 0}
     load_checkpoint(path, state, verify=False)  # verified by evaluate_checkpoint
+    load_every_key(model)  # scores as the run did, whatever the sharding
     model.load_state_dict(state["model"])
     for collection in tiered_collections(model):  # their rows: every part, those held here
         collection.tiered_files().load(path)

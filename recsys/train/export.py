@@ -24,12 +24,14 @@ them first and names the column.
 
 Dynamic tables are looked up in a frozen map inside the program: per table a constant of map
 keys (``num_buckets`` buckets of ``bucket_size`` slots, fixed in the graph) and its rows. The
-extra file ``dynamic.json`` records the checkpoint's step and, per dynamic table, the names of
-those tensors in the program, so that ``recsys predict --deltas`` (``load_exported(path,
-deltas=...)``) can bring the tables forward with the deltas written after that step (see
-:mod:`recsys.train.deltas`): it rebuilds each table's keys and rows in place, in the same map
-layout, and fails naming the table when its keys no longer fit (the table grew past the
-exported map: export a later checkpoint). Dense layers and fixed tables stay the export's.
+extra file ``dynamic.json`` records the checkpoint's step and lineage (its run and sessions,
+:mod:`recsys.train.lineage`) and, per dynamic table, the names of those tensors in the program,
+so that ``recsys predict --deltas`` (``load_exported(path, deltas=...)``) can bring the tables
+forward with the deltas written after that step by the same run (see
+:mod:`recsys.train.exported_deltas`): it rebuilds each table's keys and rows in place, in the
+same map layout, and fails naming the table when its keys no longer fit (the table grew past
+the exported map: export a later checkpoint), or naming the export and the delta when a delta
+does not continue the export's checkpoint. Dense layers and fixed tables stay the export's.
 """
 
 from __future__ import annotations
@@ -59,19 +61,21 @@ from recsys._suggest import quoted_with_hints
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.parquet import table_to_batch
 from recsys.data.prepared import file_fingerprint, new_directory_beside, read_metadata
+from recsys.ops.slot_map import check_keys
 from recsys.train.checkpoint import (
     CONFIG_FILE,
     SPEC_FILE,
+    checkpoint_step,
     load_model,
     read_spec,
     resolve_checkpoint,
 )
-from recsys.train.deltas import (
+from recsys.train.exported_deltas import (
     DYNAMIC_FILE,
     apply_exported_deltas,
-    checkpoint_step,
     exported_dynamic_tables,
 )
+from recsys.train.lineage import read_lineage
 
 __all__ = [
     "InferenceModule",
@@ -145,7 +149,9 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
         },
     )
     extra_files = {name: (checkpoint / name).read_text() for name in (SPEC_FILE, CONFIG_FILE)}
-    dynamic = exported_dynamic_tables(program, module, checkpoint_step(checkpoint))
+    dynamic = exported_dynamic_tables(
+        program, module, checkpoint_step(checkpoint), read_lineage(checkpoint)
+    )
     extra_files[DYNAMIC_FILE] = json.dumps(dynamic, indent=1) + "\n"
     # Serialized in memory, then written by Python: torch's zip writer, writing to a full disk
     # itself, raises from its destructor and aborts the process.
@@ -185,9 +191,10 @@ def load_exported(
 
     Args:
         path: the ``.pt2`` file.
-        deltas: a deltas directory (``<run dir>/deltas``) of the run the export's checkpoint
-            is from: its dynamic tables are brought forward by the deltas after that
-            checkpoint (:func:`~recsys.train.deltas.apply_exported_deltas`).
+        deltas: the deltas directory (``<run dir>/deltas``), or the run directory, of the run
+            the export's checkpoint is from: its dynamic tables are brought forward by the
+            deltas after that checkpoint
+            (:func:`~recsys.train.exported_deltas.apply_exported_deltas`).
 
     Returns:
         The program as a module, ``(dense, values, lengths) -> probabilities [B, T]`` (see the
@@ -196,7 +203,7 @@ def load_exported(
     Raises:
         FileNotFoundError: no file at ``path`` (or no ``deltas`` directory).
         ValueError: a file that :func:`export_model` did not write; deltas that do not apply
-            (see :func:`~recsys.train.deltas.apply_exported_deltas`).
+            (see :func:`~recsys.train.exported_deltas.apply_exported_deltas`).
 
     Example::
 
@@ -301,16 +308,17 @@ def predict(
             is no longer at the ``data.path`` of the model's config.
         format: with ``transform``, the raw input's format (``criteo``, ``parquet``, ``csv``)
             when it differs from the one the training data was preprocessed from.
-        deltas: the deltas directory of the run the model was exported from: score with its
-            dynamic tables at the last delta after the export's checkpoint
-            (:func:`~recsys.train.deltas.apply_exported_deltas`; the dense layers stay the
-            export's).
+        deltas: the deltas directory (or the run directory) of the run the model was exported
+            from: score with its dynamic tables at the last delta after the export's
+            checkpoint (:func:`~recsys.train.exported_deltas.apply_exported_deltas`; the dense
+            layers stay the export's).
 
     Raises:
         FileNotFoundError: no model file, or no input file.
         ValueError: input lacking a column the model reads, or holding an id outside its table;
             raw or differently preprocessed input; ``output`` among the inputs, or existing
-            without ``overwrite``.
+            without ``overwrite``; ``deltas`` that do not continue the export's checkpoint, or
+            a directory that holds none.
 
     Example::
 
@@ -370,6 +378,7 @@ def _score(
         with pq.ParquetWriter(tmp, schema) as writer, torch.no_grad():
             for piece, batch in _pieces(files, spec, labels, batch_size):
                 values, lengths = batch.sparse.values(), batch.sparse.lengths().long()
+                check_keys(values, "ids of the input")  # as training does: one rule for both
                 probabilities = model(batch.dense, values, lengths)  # [b, T]
                 out = {name: probabilities[:, t].numpy() for t, name in enumerate(scores)}
                 out |= {name: piece.column(name) for name in labels}

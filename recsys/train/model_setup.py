@@ -16,6 +16,7 @@ from recsys.config import Config
 from recsys.data.batch import DatasetSpec
 from recsys.train.checkpoint import resolve_checkpoint
 from recsys.train.compiled import compile_dense
+from recsys.train.dynamic_tables import capacity_note
 from recsys.train.evaluate import parallelize_from_config
 from recsys.train.finetune import freeze, init_from_checkpoint
 from recsys.train.models import build_model
@@ -56,6 +57,8 @@ def setup_model(
             raise ValueError(_FINE_TUNE_TIERED.format(world_size=world_size))
         for collection in tiered:  # their weights are in the tiered files; states start fresh
             collection.tiered_files().load(path, weights_only=True)
+    if note := capacity_note(model):
+        say(note)
     configure_embedding_optimizer(config.train, model)
     if ckpt.freeze:
         say(f"frozen: {', '.join(freeze(model, ckpt.freeze))}")

@@ -37,6 +37,7 @@ from recsys._files import is_inside, write_text_atomic
 from recsys.config import CheckpointConfig, Config, config_differences, to_toml
 from recsys.data import build_dataset, resolve_source
 from recsys.data.batch import Batch
+from recsys.data.layout import DataPosition, Reshard, reshard_line
 from recsys.data.loader import BatchLoader
 from recsys.distributed.parallel import (
     DistributedInfo,
@@ -53,6 +54,7 @@ from recsys.train.best import best_validation
 from recsys.train.checkpoint import (
     LATEST,
     checkpoint_shapes,
+    checkpoint_step,
     find_resumable,
     latest_checkpoint,
     load_checkpoint,
@@ -68,8 +70,9 @@ from recsys.train.checkpoint import (
 )
 from recsys.train.delta_writer import DeltaWriter
 from recsys.train.deltas import DELTAS_DIR
-from recsys.train.dynamic_tables import dynamic_stat_fields, key_balance
+from recsys.train.dynamic_tables import dropped_note, dynamic_stat_fields, key_balance
 from recsys.train.evaluate import eval_line, evaluate_split
+from recsys.train.lineage import Lineage, new_run, read_lineage, resumed_run
 from recsys.train.metrics import MetricsLogger
 from recsys.train.model_setup import setup_model
 from recsys.train.optimizers import (
@@ -80,7 +83,7 @@ from recsys.train.optimizers import (
 from recsys.train.pipeline import TrainPipeline
 from recsys.train.precision import precision_note
 from recsys.train.progress import StepTimer, TrainWindow, summary_line
-from recsys.train.ranks import on_first_rank
+from recsys.train.ranks import from_first_rank, on_first_rank
 from recsys.train.run_dir import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -179,11 +182,12 @@ class _Run:
         self.best = best_validation(config)
         self.stopped_early = False
         self.step = 0
-        self.data_position = {"epoch": 0, "batch": 0}  # batches of that epoch already trained on
+        self.data_position = DataPosition()  # where the next step's batch comes from
         self.last_checkpoint: Path | None = None
         if resume is not None:
             self._restore(resume)
         self.start_step = self.step  # steps before it were trained by an earlier process
+        self.lineage = from_first_rank(self._session_lineage(resume))  # one id on every rank
         # Everything above can fail on a bad config or data: only now is the run dir written.
         if info.is_main:
             self._write_run_dir()
@@ -196,7 +200,7 @@ class _Run:
         if resume is not None:
             self.logger.log("resume", self.step, checkpoint=str(resume))
         self.tiered_log = TieredLog(_unwrap(self.model))
-        self.deltas = DeltaWriter(self.run_dir / DELTAS_DIR, ckpt.delta_every_steps)
+        self.deltas = DeltaWriter(self.run_dir / DELTAS_DIR, ckpt.delta_every_steps, self.lineage)
         if stale := self.deltas.start(_unwrap(self.model), self.step):  # written after step
             self._print(f"removed {len(stale)} stale delta(s) after step {self.step}")
 
@@ -236,6 +240,17 @@ class _Run:
         checkpoint inside run.dir."""
         resume = self.config.checkpoint.resume
         return resume == LATEST or (bool(resume) and is_inside(resume, self.run_dir))
+
+    def _session_lineage(self, resume: Path | None) -> Lineage:
+        """This session's lineage (:mod:`recsys.train.lineage`): the resumed checkpoint's with
+        this session appended (a new run id when it has none), else a new run's, naming the
+        checkpoint a fine-tuned run starts from."""
+        if resume is not None:
+            return resumed_run(read_lineage(resume), self.step)
+        if not self.config.checkpoint.init_from:
+            return new_run()
+        parent = resolve_checkpoint(self.config.checkpoint.init_from)
+        return new_run(read_lineage(parent), checkpoint_step(parent))
 
     def _find_resume(self) -> Path | None:
         """The checkpoint to resume (None: a fresh start). ``latest`` goes back to the newest
@@ -294,16 +309,17 @@ class _Run:
         pipeline = TrainPipeline(self.model, train_cfg.pipeline)  # batch i+1 ready during step i
         if pipeline.note:
             self._print(pipeline.note)
-        first_epoch, first_batch = self.data_position["epoch"], self.data_position["batch"]
-        for epoch in range(first_epoch, train_cfg.epochs):
-            start = first_batch if epoch == first_epoch else 0
-            loader = self._loader("train", epoch, start)
-            for index, batch in pipeline.batches(loader, start, limit=total_steps - self.step):
+        first = self.data_position
+        for epoch in range(first.epoch, train_cfg.epochs):
+            position = first if epoch == first.epoch else DataPosition(epoch)  # fresh layout
+            loader = self._loader("train", epoch, position.batch, position.reshards)
+            limit = total_steps - self.step
+            for index, batch in pipeline.batches(loader, position.batch, limit=limit):
                 window.timer.mark("data")
                 self.schedule.apply(self.step)  # before forward: fused updates run in backward
                 window.add(self._train_step(batch, window.timer))
                 self.step += 1
-                self.data_position = {"epoch": epoch, "batch": index + 1}
+                self.data_position = DataPosition(epoch, index + 1, position.reshards)
                 progress.update(1)
                 self._after_step(epoch, window, progress, signals)
                 if self.stopped_early:
@@ -421,7 +437,9 @@ class _Run:
         last = self.last_checkpoint
         return last if last is not None and last.name == f"step_{self.step:08d}" else None
 
-    def _loader(self, split: str, epoch: int = 0, start_batch: int = 0) -> BatchLoader:
+    def _loader(
+        self, split: str, epoch: int = 0, start_batch: int = 0, reshards: tuple[Reshard, ...] = ()
+    ) -> BatchLoader:
         training = split == "train"
         return BatchLoader(
             self.dataset,
@@ -437,6 +455,7 @@ class _Run:
             device=self.device,
             shuffle_buffer_chunks=self.config.data.shuffle_buffer_chunks,
             start_batch=start_batch,
+            reshards=reshards,
         )
 
     def _prefetch(self) -> int:
@@ -491,6 +510,7 @@ class _Run:
             spec=self.dataset.spec,
             protect=self.best.step if self.best and self.config.checkpoint.keep_best else None,
             write_files=self._save_tiered,
+            lineage=self.lineage,
         )
         self._print(f"saved checkpoint {path}")
         self.last_checkpoint = path
@@ -504,16 +524,19 @@ class _Run:
     def _training_state(self) -> dict[str, Any]:
         """The model (sharded tables as ShardedTensors of their full shape, with their fused
         optimizer states: the layout does not depend on the plan), the torch optimizers (by
-        parameter name), the LR schedule, the step, the data position (epoch, batches done:
-        ``BatchLoader(..., epoch=e, start_batch=b)`` continues from it) and this rank's RNG
-        states. The config is the checkpoint's ``config.toml`` (written by save_checkpoint)."""
+        parameter name), the LR schedule, the step, the data position (epoch, batches done in
+        the epoch's layout of this batch size x world size, the layouts the epoch was read in
+        before: ``BatchLoader(..., epoch=e, start_batch=b, reshards=r)`` continues from it) and
+        this rank's RNG states. The config is the checkpoint's ``config.toml`` (written by
+        save_checkpoint)."""
         return {
             "model": _unwrap(self.model).state_dict(),
             "optimizers": self._optimizer_states()[0],
             "schedule": self.schedule.state_dict(),
             "step": self.step,
-            "data_epoch": self.data_position["epoch"],
-            "data_batch": self.data_position["batch"],
+            "data_epoch": self.data_position.epoch,
+            "data_batch": self.data_position.batch,
+            "data_reshards": [list(r) for r in self.data_position.reshards],
             "batch_size": self.config.train.batch_size,
             "world_size": self.info.world_size,
             "rng": {f"rank_{self.info.rank}": rng_state(self.device)},
@@ -547,6 +570,8 @@ class _Run:
             del state["rng"]  # a rank the saving run did not have: keeps its seeded RNG
         if "best" in state and "best.step" not in checkpoint_shapes(path):
             del state["best"]  # saved without keep_best / early stopping: the best starts over
+        if "data_reshards" not in checkpoint_shapes(path):
+            del state["data_reshards"]  # saved before reshards were recorded
         if "loss_scale" in state and "loss_scale.scale" not in checkpoint_shapes(path):
             del state["loss_scale"]  # saved by a run without fp16: the scale starts over
         state["optimizers"], live = self._optimizer_states()
@@ -568,11 +593,15 @@ class _Run:
             set_rng_state(state["rng"][rng_key], self.device)
         self.step = state["step"]
         self.last_checkpoint = path  # a run resumed at its last step has nothing left to save
-        self.data_position = self._data_position(state)
         self._print(f"resumed from {path} at step {self.step}")
-        epoch, done = self.data_position["epoch"], self.data_position["batch"]
+        if note := dropped_note(_unwrap(self.model)):
+            self._print(note)
+        self.data_position = position = self._data_position(state)
         epochs, max_steps = self.config.train.epochs, self.config.train.max_steps
-        left = self.steps_per_epoch * (epochs - epoch) - done  # batches of this run's size
+        this_epoch = self.steps_per_epoch  # batches of this run's size
+        if position.reshards:
+            this_epoch = len(self._loader("train", position.epoch, 0, position.reshards))
+        left = this_epoch - position.batch + self.steps_per_epoch * (epochs - position.epoch - 1)
         total = self.step + left if max_steps == 0 else min(self.step + left, max_steps)
         if total != self.total_steps:
             # Steps before the resume were counted in the saving run's batches: with other
@@ -588,21 +617,20 @@ class _Run:
         if differences:
             self._print("config changed since the checkpoint: " + "; ".join(differences))
 
-    def _data_position(self, saved: dict[str, Any]) -> dict[str, int]:
-        """Where this run continues in the data. Exact with the batch size and world size the
-        checkpoint was saved with; else the same number of samples into the epoch (the ranks'
-        shares of the data differ, so the samples are not exactly the rest of the epoch)."""
+    def _data_position(self, saved: dict[str, Any]) -> DataPosition:
+        """Where this run continues in the data: the saved position with the batch size and
+        world size it was saved with; else a reshard of the epoch (the rows not yet trained, cut
+        anew for this run's ranks x batch size: :mod:`recsys.data.layout`), said in one line."""
         epoch, done = saved["data_epoch"], saved["data_batch"]
-        old = (saved["batch_size"], saved["world_size"])
-        new = (self.config.train.batch_size, self.info.world_size)
+        reshards = tuple(Reshard(*r) for r in saved.get("data_reshards", []))
+        old = (saved["world_size"], saved["batch_size"])
+        new = (self.info.world_size, self.config.train.batch_size)
+        position = DataPosition(epoch, done, reshards).continued(*new, *old)
         if old != new:
-            done = min(done * old[0] * old[1] // (new[0] * new[1]), self.steps_per_epoch)
-            self._print(
-                f"batch x ranks changed from {old[0]} x {old[1]} to {new[0]} x {new[1]}: "
-                f"continuing epoch {epoch} after {done} batches (same samples seen, not the "
-                "same order as an uninterrupted run)"
-            )
-        return {"epoch": epoch, "batch": done}
+            layout = self._loader("train", epoch, 0, position.reshards).layout
+            recorded = "data_reshards" in saved  # else saved before reshards were recorded
+            self._print(reshard_line(layout, epoch, position.reshards[-1], recorded))
+        return position
 
     def _print(self, message: str) -> None:
         if self.info.is_main:

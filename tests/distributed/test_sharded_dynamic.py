@@ -218,11 +218,13 @@ def test_a_two_rank_checkpoint_loads_on_one_and_four_ranks(tmp_path: Path):
 
 
 def _train_with_deltas(rank: int, world: int, run_dir: str) -> None:
+    from recsys.train.ranks import all_gather
     from tests.distributed.test_reshard import start
     from tests.train.test_deltas import TINY
 
     chunks = ["--data.synthetic.num_train_samples=16384", "--train.max_steps=12"]  # a chunk each
     run = start(rank, world, [*TINY, *chunks, f"--run.dir={run_dir}"])
+    assert all_gather(run.lineage) == [run.lineage] * world  # the first rank's ids on every rank
     run.fit()
 
 
@@ -231,6 +233,7 @@ def test_deltas_of_two_ranks_rebuild_the_final_tables_from_any_base(tmp_path: Pa
     included. Every base checkpoint plus the deltas after it equals the final checkpoint."""
     from recsys.train.checkpoint import load_model
     from recsys.train.deltas import apply_deltas, dynamic_table_rows, list_deltas
+    from recsys.train.lineage import read_lineage
     from tests.train.test_deltas import DELTAS
 
     run_dir = tmp_path / "run"
@@ -240,6 +243,7 @@ def test_deltas_of_two_ranks_rebuild_the_final_tables_from_any_base(tmp_path: Pa
     infos = list_deltas(run_dir / "deltas")
     assert [(i.step, i.since) for i in infos] == DELTAS[: len(infos)]
     assert all(i.world_size == 2 for i in infos)
+    assert {i.lineage for i in infos} == {read_lineage(checkpoints[-1])}
     assert sum(t["deletions"] for i in infos for t in i.tables.values()) > 0
     for base in checkpoints:
         got = apply_deltas(base, run_dir / "deltas")
@@ -247,3 +251,62 @@ def test_deltas_of_two_ranks_rebuild_the_final_tables_from_any_base(tmp_path: Pa
         for name, (keys, rows) in final.items():
             assert torch.equal(got[name][0], keys), name
             assert torch.equal(got[name][1], rows), name
+
+
+def test_two_ranks_resumed_on_one_keep_the_cap_and_the_delta_chain(tmp_path: Path, capsys):
+    """Tables capped at 256 keys (16 buckets of 16) train on 2 ranks (8 buckets each), then
+    resume from step 8 in one process: the cap stays 256 (it doubled past it before, with a
+    warning per table); keys over it are dropped, said in one line, and deleted by the next
+    delta, so every base plus the deltas after it still equals the final tables."""
+    import warnings
+
+    from recsys.embedding.dynamic_table import DynamicTable
+    from recsys.train.checkpoint import load_model
+    from recsys.train.deltas import apply_deltas, dynamic_table_rows
+    from recsys.train.trainer import _unwrap
+    from tests.distributed.test_reshard import start
+    from tests.train.test_deltas import TINY
+
+    run_dir = tmp_path / "run"
+    run_ranks(2, _train_with_deltas, str(run_dir))
+    base = run_dir / "checkpoints" / "step_00000008"
+    chunks = ["--data.synthetic.num_train_samples=16384", "--train.max_steps=12"]
+    args = [*TINY, *chunks, f"--run.dir={run_dir}", f"--checkpoint.resume={base}"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = start(0, 1, args)
+    assert not [w for w in caught if "restored keys" in str(w.message)]
+    tables = [m for m in _unwrap(run.model).modules() if isinstance(m, DynamicTable)]
+    capped = [t for t in tables if t.options.max_capacity]
+    assert capped and all(t.map.max_capacity == 256 >= t.map.size for t in capped)
+    out = capsys.readouterr().out
+    assert out.count("dropped the rest: ") == 1  # the 2 ranks' keys overflow some buckets
+    line = out.split("dropped the rest: ")[1].split(" (the next delta")[0]
+    dropped = {name: int(count) for name, count in (part.split() for part in line.split(", "))}
+    assert dropped and all(count > 0 for count in dropped.values())
+    run.fit()
+    from recsys.train.deltas import list_deltas, read_delta
+
+    first = read_delta(list_deltas(run_dir / "deltas")[-2])  # the first one after step 8
+    for name, count in dropped.items():
+        assert len(first[name].deleted) >= count
+    final = dynamic_table_rows(load_model(run_dir / "checkpoints" / "step_00000012"))
+    for checkpoint in (base, run_dir / "checkpoints" / "step_00000004"):
+        got = apply_deltas(checkpoint, run_dir / "deltas")
+        for name, (keys, rows) in final.items():
+            assert torch.equal(got[name][0], keys), name
+            assert torch.equal(got[name][1], rows), name
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_parts_caps_add_up_to_the_one_process_cap(world: int):
+    """max_capacity 50 in buckets of 4: 13 buckets, 52 rows in one process; dealt out in whole
+    buckets, the parts add up to the same 52 rows on any number of ranks (each part used to
+    round ceil(50 / world) up to whole buckets: 2 ranks held 56)."""
+    from recsys.distributed.shard_build import dynamic_parts
+
+    module = collection(lambda: SGD(lr=0.1), max_capacity=50)
+    assert module.dynamic["u"].map.max_capacity == 52
+    shards = plan(world)
+    caps = [dynamic_parts(module, shards, rank)["u"].max_capacity for rank in range(world)]
+    assert sum(caps) == 52 and all(cap % 4 == 0 and cap > 0 for cap in caps)

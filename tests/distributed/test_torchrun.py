@@ -17,6 +17,7 @@ from recsys.data.loader import BatchLoader
 from recsys.train.checkpoint import latest_checkpoint, load_checkpoint, load_model
 from recsys.train.metrics import BinaryMetrics, read_metrics
 from recsys.train.models import build_model
+from tests.distributed.record_samples import sample_lines
 
 PACKAGE = os.path.dirname(recsys.__file__)  # <clone>/recsys
 OVERRIDES = [
@@ -243,3 +244,35 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
         return {e["step"]: e["loss"] for e in events if e["split"] == "train"}
 
     assert losses(tmp_path / "run") == losses(tmp_path / "reference")
+
+
+def test_a_run_resumed_on_two_ranks_trains_each_sample_once(tmp_path, monkeypatch):
+    """One process trains 20 of the 64 batches of 256 of an epoch of 16,384 samples and saves;
+    torchrun resumes it on 2 ranks: they train the other 11,264 samples, each once (before the
+    data position was global, 1 -> 2 ranks trained some samples twice and skipped others)."""
+    monkeypatch.setenv("RECORD_SAMPLES", str(tmp_path))
+    train = [
+        "-m", "tests.distributed.record_samples", "train", f"--run.dir={tmp_path / 'run'}",
+        "--data.synthetic.cardinalities=[100,1000,500,20]", "--data.synthetic.bag_sizes=[1,2,1,3]",
+        "--data.synthetic.num_train_samples=16384", "--data.synthetic.num_valid_samples=256",
+        "--data.synthetic.num_test_samples=256", "--train.batch_size=256",
+        "--model.embedding_dim=8", "--model.dense_arch_layer_sizes=[16,8]",
+        "--model.over_arch_layer_sizes=[16,1]", "--run.device=cpu", "--data.prefetch_batches=0",
+        "--train.progress_bar=false", "--train.log_every_steps=64",
+    ]  # fmt: skip
+    one = run_torchrun(["--nproc-per-node=1", *train, "--train.max_steps=20"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_torchrun(["--nproc-per-node=2", *train, "--checkpoint.resume=latest"])
+    assert two.returncode == 0, two.stderr[-3000:]
+    ranks = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in (0, 1)]
+    assert [len(lines) for lines in ranks] == [(20 + 22) * 256, 22 * 256]
+    trained = ranks[0] + ranks[1]
+    assert len(set(trained)) == len(trained)  # no sample twice
+    config = load_config(tmp_path / "run" / "config.toml")
+    dataset = build_dataset(config.data, config.run.seed)
+    split = [dataset.chunk("train", c) for c in range(dataset.num_chunks("train"))]
+    assert set(trained) == {line for chunk in split for line in sample_lines(chunk)}  # all
+    assert (
+        "resuming epoch 0 on 2 rank(s) x batch 256 (saved on 1 x 256 after 20 batches): the "
+        "11,264 samples of this epoch not yet trained, in 22 batches per rank; none dropped"
+    ) in two.stdout

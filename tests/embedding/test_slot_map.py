@@ -442,14 +442,24 @@ def test_rehash_to_the_maximum_drops_the_lowest_unpinned_keys_of_a_full_bucket()
     assert sorted(slot_map.entries()[0].tolist()) == sorted([keys[0], keys[3], keys[4]])
 
 
-def test_restore_with_grow_keeps_keys_saved_by_several_maps_past_the_cap():
+def test_restore_with_grow_at_the_cap_keeps_each_buckets_highest_scored_keys():
+    """Keys saved by several maps (a table over more ranks) land unevenly in one map at its
+    cap: the cap holds, each bucket keeps its highest-scored keys, the others are dropped."""
     slot_map = SlotMap(8, 8, bucket_size=4, name="t")  # 2 buckets: at most 8 keys
     keys = torch.arange(1, 9, dtype=torch.int64)
     while int(torch.bincount(bucket_of(keys, 2), minlength=2).max()) <= 4:
         keys = keys * 3 + 1  # until the 8 keys fall 5 / 3 into the 2 buckets
+    scores = torch.randperm(8) + 10
     zeros = torch.zeros_like(keys)
     with pytest.raises(ValueError, match="restore to more buckets"):
-        slot_map.restore(2, keys, zeros, zeros)
-    with pytest.warns(UserWarning, match="the 8 restored keys need [48] buckets"):
-        slots = slot_map.restore(2, keys, zeros, zeros, grow=True)
-    assert slot_map.max_capacity in (16, 32) and torch.equal(slot_map.find(keys), slots)
+        slot_map.restore(2, keys, scores, zeros)
+    slots = slot_map.restore(2, keys, scores, zeros, grow=True)
+    buckets = bucket_of(keys, 2)
+    kept = torch.zeros_like(keys, dtype=torch.bool)
+    for bucket in range(2):  # the 4 highest-scored keys of each bucket
+        mine = (buckets == bucket).nonzero().squeeze(1)
+        kept[mine[torch.argsort(scores[mine], descending=True)[:4]]] = True
+    assert slot_map.max_capacity == 8 and slot_map.size == int(kept.sum()) < 8
+    assert sorted(slot_map.dropped.tolist()) == sorted(keys[~kept].tolist())
+    assert torch.equal(slot_map.find(keys[kept]), slots[kept])
+    assert (slots[~kept] == -1).all() and (slot_map.find(keys[~kept]) == -1).all()

@@ -12,7 +12,10 @@ import torch
 from recsys.embedding.interface import TableDelta
 from recsys.train.delta_writer import remove_deltas_after, write_delta
 from recsys.train.deltas import list_deltas, read_delta
+from recsys.train.lineage import Lineage, Session, new_run
 from tests.distributed.spawn import run_ranks
+
+LINEAGE = Lineage("0123456789abcdef", (Session("00000000000000aa", 0), Session("bb", 2)))
 
 
 def _part(keys: list[int], deleted: list[int], dim: int = 3) -> TableDelta:
@@ -26,7 +29,9 @@ def _write_two_ranks(rank: int, world_size: int, directory: str) -> None:
         tables = {"user": _part([10, 30], [7]), "item": _part([1], [], dim=2)}
     else:  # no part of "item", no row of "user": deletions only
         tables = {"user": _part([], [8, 9])}
-    report = write_delta(directory, 5, 2, tables)
+    # Every rank's own lineage: the first rank's is the delta's.
+    lineage = LINEAGE if rank == 0 else new_run()
+    report = write_delta(directory, 5, 2, tables, lineage)
     assert (report.rows, report.deletions, report.step, report.since) == (3, 3, 5, 2)
 
 
@@ -34,8 +39,13 @@ def test_every_rank_writes_its_part_and_one_delta_is_committed(tmp_path):
     run_ranks(2, _write_two_ranks, str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
     (info,) = list_deltas(tmp_path)
-    assert (info.step, info.since, info.world_size) == (5, 2, 2)
+    assert (info.step, info.since, info.world_size, info.lineage) == (5, 2, 2, LINEAGE)
     manifest = json.loads((info.path / "delta.json").read_text())
+    assert manifest["lineage"] == {
+        "run_id": "0123456789abcdef",
+        "sessions": [{"id": "00000000000000aa", "from_step": 0}, {"id": "bb", "from_step": 2}],
+        "parent": None,
+    }
     files = {f["name"]: f["rank"] for f in manifest["tables"]["user"]["files"]}
     assert files == {
         "user.rank00000.rows.parquet": 0,
@@ -49,11 +59,11 @@ def test_every_rank_writes_its_part_and_one_delta_is_committed(tmp_path):
 
 
 def test_a_key_in_two_parts_is_refused(tmp_path):
-    write_delta(tmp_path, 5, 2, {"user": _part([10, 30], [])})
+    write_delta(tmp_path, 5, 2, {"user": _part([10, 30], [])}, LINEAGE)
     (info,) = list_deltas(tmp_path)
     manifest = json.loads((info.path / "delta.json").read_text())
     # Another rank's part holding key 30 again (as a deletion): written by hand.
-    write_delta(tmp_path / "other", 5, 2, {"user": _part([], [30])})
+    write_delta(tmp_path / "other", 5, 2, {"user": _part([], [30])}, LINEAGE)
     (other,) = list_deltas(tmp_path / "other")
     extra = json.loads((other.path / "delta.json").read_text())["tables"]["user"]["files"]
     for file in extra:
@@ -66,8 +76,8 @@ def test_a_key_in_two_parts_is_refused(tmp_path):
 
 
 def test_a_delta_of_a_step_replaces_the_one_there(tmp_path):
-    write_delta(tmp_path, 5, 2, {"user": _part([10], [])})
-    write_delta(tmp_path, 5, 3, {"user": _part([11], [])})
+    write_delta(tmp_path, 5, 2, {"user": _part([10], [])}, LINEAGE)
+    write_delta(tmp_path, 5, 3, {"user": _part([11], [])}, LINEAGE)
     (info,) = list_deltas(tmp_path)
     assert info.since == 3 and read_delta(info)["user"].keys.tolist() == [11]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
@@ -75,7 +85,7 @@ def test_a_delta_of_a_step_replaces_the_one_there(tmp_path):
 
 def test_remove_deltas_after_a_step(tmp_path):
     for step in (3, 6, 9):
-        write_delta(tmp_path, step, step - 3, {"user": _part([step], [])})
+        write_delta(tmp_path, step, step - 3, {"user": _part([step], [])}, LINEAGE)
     (tmp_path / ".tmp-step_00000012").mkdir()
     (tmp_path / ".stale-step_00000007").mkdir()
     (tmp_path / "notes.txt").write_text("kept")

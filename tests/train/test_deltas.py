@@ -6,6 +6,7 @@ the run it continues wrote after its checkpoint."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from torchrec import KeyedJaggedTensor
 
 from recsys.config import load_config
 from recsys.data import build_dataset
@@ -21,13 +23,14 @@ from recsys.data.batch import Batch
 from recsys.data.loader import BatchLoader
 from recsys.embedding.interface import TableDelta
 from recsys.ops.slot_map import bucket_of
-from recsys.train.checkpoint import load_model
+from recsys.train.checkpoint import CHECKSUMS_FILE, list_checkpoints, load_model
 from recsys.train.cli import main
 from recsys.train.delta_writer import write_delta
 from recsys.train.deltas import (
+    DeltaBase,
     DeltaInfo,
     apply_deltas,
-    apply_exported_deltas,
+    checkpoint_base,
     delta_chain,
     dynamic_table_rows,
     list_deltas,
@@ -35,6 +38,8 @@ from recsys.train.deltas import (
     replay_deltas,
 )
 from recsys.train.export import export_model, load_exported, predict
+from recsys.train.exported_deltas import apply_exported_deltas
+from recsys.train.lineage import LINEAGE_FILE, Lineage, Session, read_lineage
 from recsys.train.trainer import train
 
 TINY = [
@@ -91,6 +96,7 @@ def test_base_and_deltas_reproduce_the_final_tables(run):
     final = dynamic_table_rows(load_model(result.checkpoint))
     for base in (4, 8, 12):
         _assert_same_tables(apply_deltas(_checkpoint(run_dir, base), run_dir / "deltas"), final)
+    _assert_same_tables(apply_deltas(_checkpoint(run_dir, 4), run_dir), final)  # the run dir
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [e for e in events if e["split"] == "train"][-1]
     assert last["dynamic/t_cat_2/evictions"] > 0 and last["dynamic/t_cat_0/expirations"] > 0
@@ -134,9 +140,10 @@ def test_an_interrupted_delta_is_ignored(run, tmp_path):
     (deltas / "step_00000012" / "delta.json").unlink()  # never committed
     with pytest.warns(UserWarning, match="step_00000012' ignored: no delta.json"):
         assert [d.step for d in list_deltas(deltas)] == [3, 4, 6, 8, 9]
-    base = load_model(_checkpoint(run_dir, 8))
+    base_path = _checkpoint(run_dir, 8)
+    base = load_model(base_path)
     with pytest.warns(UserWarning, match="step_00000012' ignored"):
-        _, step = replay_deltas(dynamic_table_rows(base), 8, deltas)
+        _, step = replay_deltas(dynamic_table_rows(base), checkpoint_base(base_path), deltas)
     assert step == 9  # not 12
     shutil.rmtree(deltas / "step_00000012")
     part = deltas / "step_00000009" / "t_cat_2.rank00000.rows.parquet"
@@ -161,26 +168,34 @@ def test_a_gap_in_the_chain_is_an_error(run, tmp_path):
         apply_deltas(_checkpoint(run_dir, 8), deltas)
 
 
+RUN = Lineage("0123456789abcdef", (Session("00000000000000aa", 0),))
+
+
 def _info(step: int, since: int) -> DeltaInfo:
-    return DeltaInfo(Path(f"step_{step:08d}"), step, since, 1, {})
+    return DeltaInfo(Path(f"step_{step:08d}"), step, since, 1, {}, RUN)
+
+
+def _base(step: int) -> DeltaBase:
+    return DeltaBase("base", step, RUN)
 
 
 def test_the_chain_starts_at_or_before_the_base_and_has_no_gap():
     deltas = [_info(3, 0), _info(6, 3), _info(9, 6)]
     for base, steps in [(0, [3, 6, 9]), (2, [3, 6, 9]), (3, [6, 9]), (5, [6, 9]), (9, [])]:
-        assert [d.step for d in delta_chain(deltas, base)] == steps
+        assert [d.step for d in delta_chain(deltas, _base(base))] == steps
     with pytest.raises(ValueError, match="after base step 2, .*'step_00000009'.*steps 3..6 are"):
-        delta_chain([_info(9, 6)], 2)
+        delta_chain([_info(9, 6)], _base(2))
     with pytest.raises(ValueError, match="after delta step 6, .*'step_00000009' .*steps 7..7"):
-        delta_chain([_info(3, 0), _info(6, 3), _info(9, 7)], 0)
+        delta_chain([_info(3, 0), _info(6, 3), _info(9, 7)], _base(0))
     with pytest.raises(ValueError, match="do not chain: after delta step 3, .* since step 2,"):
-        delta_chain([_info(3, 0), _info(9, 2)], 0)  # overlapping: of two runs
+        delta_chain([_info(3, 0), _info(9, 2)], _base(0))  # overlapping: of two runs
 
 
-def test_resume_removes_the_stale_deltas_and_continues_the_chain(run, tmp_path, capsys):
+def test_resume_removes_the_stale_deltas_and_continues_the_chain(run, exported, tmp_path, capsys):
     overrides, result, run_dir = run
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy, symlinks=True)
+    old_8 = shutil.copytree(_checkpoint(copy, 8), tmp_path / "old_step_8")  # the first branch's
     (copy / "deltas" / "step_00000006" / "stale").write_text("written by the crashed run")
     (copy / "deltas" / ".tmp-step_00000015").mkdir()
     resume = [f"--run.dir={copy}", f"--checkpoint.resume={_checkpoint(copy, 4)}"]
@@ -195,6 +210,27 @@ def test_resume_removes_the_stale_deltas_and_continues_the_chain(run, tmp_path, 
     final = dynamic_table_rows(load_model(result.checkpoint))  # the resume is bitwise
     for base in (4, 8):
         _assert_same_tables(apply_deltas(_checkpoint(copy, base), copy / "deltas"), final)
+    # The deltas of the first session (up to step 4) and of the resumed one: one run, the second
+    # session appended at step 4; checkpoint 8 is the resumed session's.
+    first = read_lineage(_checkpoint(copy, 4))
+    lineages = [d.lineage for d in list_deltas(copy / "deltas")]
+    assert lineages[:2] == [first, first] and len(set(lineages[2:])) == 1
+    resumed = lineages[2]
+    assert (resumed.run_id, resumed.sessions[0]) == (first.run_id, first.sessions[0])
+    assert [s.from_step for s in resumed.sessions] == [0, 4]
+    assert read_lineage(_checkpoint(copy, 8)) == resumed
+    # A base of step 8 of the first branch: the resumed branch trained steps 5..8 again.
+    session, run_id = resumed.sessions[1].id, first.run_id
+    refused = (
+        f"delta '{copy / 'deltas' / 'step_00000009'}' (run {run_id}, step 9) does not continue "
+        f"base '{old_8}' (run {run_id}, step 8): the delta's branch of run {run_id} resumed from "
+        f"step 4 (session {session}), before step 8"
+    )
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        apply_deltas(old_8, copy / "deltas")
+    base, _, _ = exported  # an export of the first branch's step 8
+    with pytest.raises(ValueError, match=re.escape(f"base '{base}' (run {run_id}, step 8)")):
+        load_exported(base, deltas=copy)
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +266,8 @@ def test_predict_with_deltas_equals_the_final_model(run, exported, tmp_path, cap
     _write_parquet(test, tmp_path / "test.parquet")
     expected = predict(final, tmp_path / "test.parquet", tmp_path / "final.parquet")
     argv = ["predict", "--model", str(base), "--input", str(tmp_path / "test.parquet")]
-    argv += ["--deltas", str(run_dir / "deltas"), "--output", str(tmp_path / "scores.parquet")]
+    # The run directory names its deltas directory.
+    argv += ["--deltas", str(run_dir), "--output", str(tmp_path / "scores.parquet")]
     assert main(argv) == 0
     assert "dynamic tables at step 12" in capsys.readouterr().out
     (column,) = expected.columns
@@ -239,11 +276,13 @@ def test_predict_with_deltas_equals_the_final_model(run, exported, tmp_path, cap
     assert len(scores) == 512 and np.array_equal(scores, reference)
 
 
-def _outgrowing_delta(directory, keys: torch.Tensor) -> None:
-    """A delta after step 8 giving table t_cat_0 the rows of ``keys``."""
+def _outgrowing_delta(directory, keys: torch.Tensor, lineage: Lineage) -> None:
+    """A delta after step 8 of the run of ``lineage`` giving table t_cat_0 the rows of
+    ``keys``."""
     rows = torch.randn(len(keys), 8)
     empty = torch.zeros(0, dtype=torch.int64)
-    write_delta(directory, 9, 8, {"t_cat_0": TableDelta(keys, rows, keys * 0 + 9, empty)})
+    tables = {"t_cat_0": TableDelta(keys, rows, keys * 0 + 9, empty)}
+    write_delta(directory, 9, 8, tables, lineage)
 
 
 def test_deltas_that_outgrow_the_exported_map_are_an_error(exported, tmp_path):
@@ -252,12 +291,13 @@ def test_deltas_that_outgrow_the_exported_map_are_an_error(exported, tmp_path):
     info = json.loads(_archive_member(base, "dynamic.json"))
     table = info["tables"]["t_cat_0"]
     capacity = table["num_buckets"] * table["bucket_size"]
-    _outgrowing_delta(tmp_path / "many", torch.arange(10**9, 10**9 + capacity + 1))
+    lineage = Lineage.from_json(info["lineage"])
+    _outgrowing_delta(tmp_path / "many", torch.arange(10**9, 10**9 + capacity + 1), lineage)
     with pytest.raises(ValueError, match=f"'t_cat_0'.*map of {capacity} slots.*needs at least"):
         apply_exported_deltas(model, info, tmp_path / "many", base)
     candidates = torch.arange(10**9, 10**9 + 100 * capacity)
     one_bucket = candidates[bucket_of(candidates, table["num_buckets"]) == 0]
-    _outgrowing_delta(tmp_path / "bucket", one_bucket[: table["bucket_size"] + 1])
+    _outgrowing_delta(tmp_path / "bucket", one_bucket[: table["bucket_size"] + 1], lineage)
     with pytest.raises(ValueError, match="'t_cat_0'.*do not fit its buckets"):
         apply_exported_deltas(model, info, tmp_path / "bucket", base)
 
@@ -280,3 +320,130 @@ def test_deltas_without_a_dynamic_table_are_an_error(tmp_path):
     config = load_config(None, [*fixed, f"--run.dir={tmp_path}"])
     with pytest.raises(ValueError, match="delta_every_steps = 3, but the model has no dynamic"):
         train(config)
+
+
+# ---------------------------------------------------------------------------------- lineage
+
+
+@pytest.fixture(scope="module")
+def other_run(run, tmp_path_factory):
+    """(run dir, export of step 4) of run B: run A's config, another seed, 8 steps."""
+    overrides, _, _ = run
+    run_dir = tmp_path_factory.mktemp("other") / "run"
+    config = [*overrides, f"--run.dir={run_dir}", "--run.seed=7", "--train.max_steps=8"]
+    train(load_config(None, config))
+    return run_dir, export_model(_checkpoint(run_dir, 4), run_dir.parent / "b.pt2")
+
+
+def test_deltas_of_another_run_are_refused(run, other_run, tmp_path, capsys):
+    _, _, run_a = run
+    run_b, export_b = other_run
+    id_a, id_b = (read_lineage(_checkpoint(d, 4)).run_id for d in (run_a, run_b))
+    assert id_a != id_b
+    delta = f"delta '{run_a / 'deltas' / 'step_00000006'}' (run {id_a}, step 6) does not continue"
+    with pytest.raises(ValueError) as refused:
+        apply_deltas(_checkpoint(run_b, 4), run_a / "deltas")
+    assert str(refused.value) == (
+        f"{delta} base '{_checkpoint(run_b, 4)}' (run {id_b}, step 4): they are of different "
+        "runs; apply a run's deltas to a checkpoint or export of that same run"
+    )
+    with pytest.raises(ValueError, match=re.escape(f"{delta} base '{export_b}' (run {id_b}")):
+        load_exported(export_b, deltas=run_a)
+    argv = ["predict", "--model", str(export_b), "--input", str(tmp_path / "in.parquet")]
+    argv += ["--deltas", str(run_a / "deltas"), "--output", str(tmp_path / "out.parquet")]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"recsys: error: {delta} base '{export_b}' (run {id_b}, step 4)")
+    assert error.count("\n") == 1 and not (tmp_path / "out.parquet").exists()
+    model_b = load_exported(export_b)[0]
+    assert apply_exported_deltas(model_b, _dynamic(export_b), run_b, export_b) == 8  # its own
+
+
+def _dynamic(export) -> dict:
+    return json.loads(_archive_member(export, "dynamic.json"))
+
+
+def test_a_deltas_path_must_be_a_deltas_or_run_directory(run, exported, tmp_path, capsys):
+    _, _, run_dir = run
+    base, _, _ = exported
+    checkpoints = run_dir / "checkpoints"
+    with pytest.raises(ValueError, match=re.escape(f"'{checkpoints}' is not a deltas directory")):
+        apply_deltas(_checkpoint(run_dir, 4), checkpoints)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    argv = ["predict", "--model", str(base), "--input", str(tmp_path / "in.parquet")]
+    argv += ["--deltas", str(empty), "--output", str(tmp_path / "out.parquet")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"recsys: error: '{empty}' is not a deltas directory: it holds no delta (step_<N>/ "
+        "folders with a delta.json) and no deltas/ folder; give the deltas directory (<run dir>/"
+        "deltas) or the run directory of a run trained with checkpoint.delta_every_steps > 0\n"
+    )
+    (empty / "deltas").mkdir()  # a run that has written no delta yet: the base as it is
+    assert apply_exported_deltas(load_exported(base)[0], _dynamic(base), empty, base) == 8
+
+
+def test_a_fine_tuned_run_is_a_new_run(run, tmp_path):
+    overrides, _, run_dir = run
+    parent = read_lineage(_checkpoint(run_dir, 4))
+    child_dir = tmp_path / "child"
+    start = [f"--checkpoint.init_from={_checkpoint(run_dir, 4)}", "--train.max_steps=8"]
+    train(load_config(None, [*overrides, f"--run.dir={child_dir}", *start]))
+    child = read_lineage(_checkpoint(child_dir, 8))
+    assert child.run_id != parent.run_id and child.parent == (parent.run_id, 4)
+    assert [s.from_step for s in child.sessions] == [0]
+    # Its deltas chain on the parent's steps (6 since 4, ...), but are not of the parent's run.
+    with pytest.raises(ValueError, match=f"run {child.run_id}, step 6.*they are of different runs"):
+        apply_deltas(_checkpoint(run_dir, 4), child_dir)
+
+
+def _strip_lineage(run_dir) -> None:
+    """``run_dir`` as a recsys before lineages wrote it: no lineage in checkpoints or deltas."""
+    for checkpoint in list_checkpoints(run_dir / "checkpoints"):
+        (checkpoint / LINEAGE_FILE).unlink()
+        sums = json.loads((checkpoint / CHECKSUMS_FILE).read_text())
+        del sums["files"][LINEAGE_FILE]
+        (checkpoint / CHECKSUMS_FILE).write_text(json.dumps(sums))
+    for manifest in (run_dir / "deltas").glob("step_*/delta.json"):
+        fields = json.loads(manifest.read_text())
+        del fields["lineage"]
+        manifest.write_text(json.dumps(fields))
+
+
+def test_checkpoints_and_deltas_without_lineage(run, tmp_path):
+    overrides, result, run_dir = run
+    old = tmp_path / "run"
+    shutil.copytree(run_dir, old, symlinks=True)
+    _strip_lineage(old)
+    final = dynamic_table_rows(load_model(result.checkpoint))
+    unchecked = "'step_00000006', 'step_00000008', 'step_00000009', 'step_00000012' to base"
+    with pytest.warns(UserWarning, match=f"{unchecked} .*no lineage, step 4.*steps only"):
+        _assert_same_tables(apply_deltas(_checkpoint(old, 4), old), final)
+    # After a base with a lineage, a delta without one is another run's.
+    with pytest.raises(ValueError, match=r"step_00000006' \(no lineage, step 6\) does not cont"):
+        apply_deltas(_checkpoint(run_dir, 4), old)
+    # A checkpoint without lineage resumes; the resumed session starts a run of its own.
+    resume = [f"--run.dir={old}", f"--checkpoint.resume={_checkpoint(old, 8)}"]
+    train(load_config(None, [*overrides, *resume]))
+    lineage = read_lineage(_checkpoint(old, 12))
+    assert [s.from_step for s in lineage.sessions] == [8]
+    assert [d.lineage for d in list_deltas(old / "deltas")[-2:]] == [lineage, lineage]
+    # Only the first delta is unchecked: the next one continues it (the same lineage).
+    with pytest.warns(UserWarning, match=r"delta\(s\) 'step_00000009' to base .*, step 8\)"):
+        _assert_same_tables(apply_deltas(_checkpoint(old, 8), old), final)
+
+
+def test_predict_refuses_a_reserved_key_as_training_does(exported, tmp_path):
+    """-2^63 is refused by training (a reserved key); predict refused nothing and scored it as
+    an unknown id."""
+    base, _, test = exported
+    test = test.slice(0, 8)
+    values = test.sparse.values().clone()
+    values[0] = -(2**63)  # cat_0 of the first sample
+    sparse = KeyedJaggedTensor(
+        keys=test.sparse.keys(), values=values, lengths=test.sparse.lengths()
+    )
+    _write_parquet(Batch(test.dense, sparse, test.labels), tmp_path / "reserved.parquet")
+    with pytest.raises(ValueError, match=r"contain -9223372036854775808: .* are reserved"):
+        predict(base, tmp_path / "reserved.parquet", tmp_path / "scores.parquet")
+    assert not (tmp_path / "scores.parquet").exists()

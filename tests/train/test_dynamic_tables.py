@@ -181,3 +181,20 @@ def test_key_balance_lists_keys_per_rank_of_sharded_dynamic_tables():
         "  t_user: 10 20  (max/mean 1.333)"
     )
     assert key_balance(torch.nn.Linear(1, 1)) == ""
+
+
+def test_a_cap_in_whole_buckets_is_said_once_with_its_real_value(tmp_path):
+    from recsys.data import build_dataset
+    from recsys.train.model_setup import setup_model
+
+    config = load_config(
+        None,
+        [*TINY, f"--run.dir={tmp_path}", "--model.dynamic.max_capacity=1000"],  # buckets of 16
+    )
+    said = []
+    spec = build_dataset(config.data, config.run.seed).spec
+    setup_model(config, spec, torch.device("cpu"), 1, tmp_path, None, said.append)
+    (line,) = [line for line in said if line.startswith("model.dynamic: caps are")]
+    # t_cat_2 keeps its own 512 (32 buckets): only the two tables at 1000 are rounded.
+    assert "max_capacity 1,000 is 1,008 rows (2 table(s): t_cat_0, t_cat_1)" in line
+    assert "512" not in line

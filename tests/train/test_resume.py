@@ -112,9 +112,69 @@ def test_resume_with_another_batch_size_keeps_the_sample_count(uninterrupted, tm
         f"--checkpoint.resume={checkpoint}",
     )
     out = capsys.readouterr().out
-    assert "from 512 x 1 to 1024 x 1: continuing epoch 0 after 5 batches" in out
+    assert (
+        "resuming epoch 0 on 1 rank(s) x batch 1024 (saved on 1 x 512 after 10 batches): the "
+        "3,072 samples of this epoch not yet trained, in 3 batches per rank; none dropped"
+    ) in out
     assert "train.batch_size: 512 -> 1024" in out  # the config change is reported
     assert sorted(train_losses(tmp_path)) == [11, 12]
+
+
+def samples(batch) -> list[tuple]:
+    """Each sample of ``batch`` as a hashable tuple: its dense values and bags of ids."""
+    dense = batch.dense.tolist()
+    bags = [
+        (bag.values().tolist(), bag.offsets().tolist()) for bag in batch.sparse.to_dict().values()
+    ]
+    return [
+        (*dense[i], *(tuple(values[offsets[i] : offsets[i + 1]]) for values, offsets in bags))
+        for i in range(batch.batch_size)
+    ]
+
+
+def test_resumes_with_other_batch_sizes_train_each_sample_once(tmp_path, monkeypatch, capsys):
+    """Batches of 512 (5 of 16, saved without the reshards field, as before it existed), then
+    of 1024 (2 of the 5 left: the 512 samples past them are dropped), then of 256 (the 12
+    left): each sample is trained once, and each resume says what it reads."""
+    trained = []
+    original_step, original_state = (
+        trainer_module._Run._train_step,
+        trainer_module._Run._training_state,
+    )
+
+    def recording(self, batch, timer):
+        trained.extend(samples(batch))
+        return original_step(self, batch, timer)
+
+    def without_reshards(self):
+        state = original_state(self)
+        state.pop("data_reshards", None)
+        return state
+
+    monkeypatch.setattr(trainer_module._Run, "_train_step", recording)
+    monkeypatch.setattr(trainer_module._Run, "_training_state", without_reshards)
+    once = [*TINY, "--train.epochs=1", "--data.shuffle_buffer_chunks=2"]
+    run(tmp_path, *once, "--train.max_steps=5")
+    monkeypatch.setattr(trainer_module._Run, "_training_state", original_state)
+    resume = "--checkpoint.resume=latest"
+    run(tmp_path, *once, "--train.batch_size=1024", "--train.max_steps=7", resume)
+    second = capsys.readouterr().out
+    result = run(tmp_path, *once, "--train.batch_size=256", resume)
+    third = capsys.readouterr().out
+
+    assert len(set(trained)) == len(trained)  # no sample twice
+    assert len(trained) == 5 * 512 + 2 * 1024 + 12 * 256 == 8192 - 512
+    assert result.steps == 19
+    assert (
+        "(saved on 1 x 512 after 5 batches): the 5,632 samples of this epoch not yet trained, in "
+        "5 batches per rank; the last 512 of them (fewer than 1 x 1024) are dropped (the "
+        "checkpoint records no earlier reshard: epoch 0 is taken to have been read on 1 x 512 "
+        "from its start)"
+    ) in second
+    assert (
+        "(saved on 1 x 1024 after 2 batches): the 3,072 samples of this epoch not yet trained, "
+        "in 12 batches per rank; none dropped\n"
+    ) in third
 
 
 def test_resume_of_a_missing_path_is_an_error(tmp_path):
