@@ -99,7 +99,7 @@ def main() -> None:
         "--variants",
         nargs="+",
         choices=list(VARIANTS),
-        help="default: all; on CPU all but fp16 (its forward ran ~100x slower than fp32 here)",
+        help="default: all; on CPU all but fp16 (1.6x the fp32 step time here, one thread)",
     )
     parser.add_argument("--steps", type=int, default=120, help="steps per run")
     parser.add_argument("--window", type=int, default=10, help="steps per timed window")

@@ -23,3 +23,12 @@ def test_quoted_with_hints_quotes_every_name_and_hints_each_one():
         "'t_cat_1' (did you mean 't_cat_10'?), 'xyz', 'dens' (did you mean 'dense'?)"
     )
     assert quoted_with_hints([], ["a"]) == ""
+
+
+def test_a_taken_name_is_never_suggested():
+    # A file missing cat_3 that holds cat_23 (which the model reads as itself).
+    assert did_you_mean("cat_3", ["cat_23", "label"], taken=["cat_3", "cat_23"]) == ""
+    assert did_you_mean("cat_3", ["cat_23", "Cat_3"], taken=["cat_23"]) == (
+        " (did you mean 'Cat_3'?)"
+    )
+    assert quoted_with_hints(["cat_3"], ["cat_23"], taken=["cat_23"]) == "'cat_3'"

@@ -162,6 +162,9 @@ def _read_errors(path: Path) -> Iterator[None]:
         raise ValueError(unreadable(path, error)) from None
 
 
+_DELIMITER_NAMES = {"\t": "tab", ",": "comma", ";": "semicolon", "|": "pipe"}
+
+
 def _open_delimited(
     path: Path,
     column_names: list[str] | None,
@@ -176,11 +179,11 @@ def _open_delimited(
     The lines with a wrong field count are skipped; the reader records them in ``wrong_width``
     (line number -> detail) as it meets them.
     """
-    separated = {"\t": "tab", ",": "comma"}.get(delimiter, repr(delimiter))
+    separated = _DELIMITER_NAMES.get(delimiter, repr(delimiter))
 
     def on_invalid_row(row: pcsv.InvalidRow) -> str:
         detail = f"expected {row.expected_columns} {separated}-separated fields, found "
-        wrong_width[row.number] = detail + str(row.actual_columns)
+        wrong_width[row.number] = detail + str(row.actual_columns) + _other_format(row, delimiter)
         return "skip"
 
     with _read_errors(path):
@@ -201,6 +204,18 @@ def _open_delimited(
                 strings_can_be_null=False,
             ),
         )
+
+
+def _other_format(row: pcsv.InvalidRow, delimiter: str) -> str:
+    """A hint for a line without a single ``delimiter`` that another delimiter splits (a CSV
+    read as Criteo's tab-separated text, or the reverse); empty otherwise."""
+    if row.actual_columns != 1 or not row.text:
+        return ""
+    for other, name in _DELIMITER_NAMES.items():
+        if other != delimiter and (count := row.text.count(other)):
+            own = _DELIMITER_NAMES.get(delimiter, repr(delimiter))
+            return f" (no {own} in the line but {count} {name}(s): is it another format?)"
+    return ""
 
 
 def _check_piece(
@@ -385,7 +400,7 @@ def _parquet_file(path: Path) -> pq.ParquetFile:
 def _require_columns(names: list[str], roles: Roles, path: Path) -> None:
     missing = [c for c in roles.all if c not in names]
     if missing:
-        hints = quoted_with_hints(missing, names)
+        hints = quoted_with_hints(missing, names, taken=roles.all)
         raise ValueError(f"'{path}' has no column(s) {hints}; its columns: {names}")
 
 

@@ -309,7 +309,16 @@ def _not_fit_error(
     what += f"{config.data_type.name.lower()}{state}, {size})"
     where = f" under its constraint '{constraint}'" if constraint.sharding_types else ""
     if not candidates:
-        return ValueError(f"{what} has no placement{where} on {world} ranks")
+        why = ""
+        column_wise = ShardingType.COLUMN_WISE in constraint.sharding_types
+        if column_wise and world > 1 and "row" in states.values():
+            why = (
+                f": COLUMN_WISE is impossible with per-row optimizer state ({_state_label(states)}"
+                ", e.g. rowwise_adagrad), since one accumulator per row cannot be split across "
+                "column shards; allow table_wise or row_wise for it, or use an optimizer with "
+                "per-element state (sgd, adagrad, adam)"
+            )
+        return ValueError(f"{what} has no placement{where} on {world} ranks{why}")
     shortfalls = []  # (bytes missing, rank, candidate index)
     for index, sharding in enumerate(candidates):
         need = _rank_bytes(sharding, table, states, world)

@@ -58,8 +58,9 @@ class FeatureOrder:
             position = {k: i for i, k in enumerate(keys)}
             missing = [f for f in self.features if f not in position]
             if missing:
+                hints = quoted_with_hints(missing, keys, taken=self.features)
                 raise ValueError(
-                    f"KeyedJaggedTensor is missing features {quoted_with_hints(missing, keys)} "
+                    f"KeyedJaggedTensor is missing features {hints} "
                     f"of this collection; its keys are {list(keys)}, the collection expects "
                     f"{self.features}"
                 )

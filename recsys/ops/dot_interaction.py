@@ -71,8 +71,7 @@ def output_width(
     return -(-width // output_padding) * output_padding
 
 
-@functools.lru_cache(maxsize=64)
-def _pair_indices_cpu(
+def _pair_indices_numpy(
     num_vectors: int, self_interaction: bool, pair_order: str
 ) -> tuple[np.ndarray, np.ndarray]:
     # numpy, not torch: a tensor first built while torch.export traces would be a fake one,
@@ -84,6 +83,14 @@ def _pair_indices_cpu(
         # Upper triangle row-major, i.e. the lower triangle column-major.
         cols, rows = np.triu_indices(num_vectors, -offset)
     return rows, cols
+
+
+# Eager calls reuse the indices of a size. Under torch.compile the plain function is called:
+# Dynamo traces through any lru_cache, ignoring it, and warns every user that a cache it skips
+# might hide state ("Silent incorrectness is only a *potential* risk"). This one hides none (a
+# pure function of its three arguments), so calling the function itself gives the same graph
+# (the indices become constants of it) without the warning.
+_pair_indices_cached = functools.lru_cache(maxsize=64)(_pair_indices_numpy)
 
 
 def pair_indices(
@@ -99,7 +106,8 @@ def pair_indices(
         pair_indices(4, pair_order="mlperf")  # ([1, 2, 2, 3, 3, 3], [0, 0, 1, 0, 1, 2])
         pair_indices(4)  # torchrec: ([1, 2, 3, 2, 3, 3], [0, 0, 0, 1, 1, 2])
     """
-    rows, cols = _pair_indices_cpu(num_vectors, self_interaction, pair_order)
+    compute = _pair_indices_numpy if torch.compiler.is_compiling() else _pair_indices_cached
+    rows, cols = compute(num_vectors, self_interaction, pair_order)
     return torch.as_tensor(rows, device=device), torch.as_tensor(cols, device=device)
 
 

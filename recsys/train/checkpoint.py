@@ -111,8 +111,7 @@ def save_checkpoint(
     is_main = not is_distributed() or dist.get_rank() == 0
     if is_main:
         directory.mkdir(parents=True, exist_ok=True)
-        for stale in [*directory.glob(".tmp-step_*"), *directory.glob(".old-step_*")]:
-            shutil.rmtree(stale, ignore_errors=True)  # left by a save that crashed
+        remove_uncommitted(directory)  # left by a save that crashed
     barrier()
     with _quiet_dcp():
         try:
@@ -156,6 +155,15 @@ def save_checkpoint(
         fsync_path(directory)
     barrier()
     return final
+
+
+def remove_uncommitted(directory: str | Path) -> None:
+    """Delete what an unfinished save left in the checkpoints ``directory`` (``.tmp-step_<N>``
+    being written, ``.old-step_<N>`` being replaced); committed checkpoints are untouched. Only
+    while no save is running (one process, or all ranks between saves)."""
+    directory = Path(directory)
+    for stale in [*directory.glob(".tmp-step_*"), *directory.glob(".old-step_*")]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_checkpoint(

@@ -351,16 +351,21 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> None:
     if output is not None and not output.parent.is_dir():
         raise FileNotFoundError(f"--output '{output}': directory '{output.parent}' not found")
     result = evaluate_checkpoint(args.checkpoint, overrides, args.split)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _rank() == 0:
         print(f"recsys: {result.summary()}")
         if output is not None:
             write_text_atomic(output, json.dumps(result.to_json(), indent=1) + "\n")
 
 
+def _rank() -> int:
+    """This process's rank under torchrun (0 alone)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def _who() -> str:
     """``recsys``, or ``recsys (rank N)`` on the other ranks of a torchrun job (where every rank
     reports its own errors)."""
-    rank = int(os.environ.get("RANK", "0"))
+    rank = _rank()
     return f"recsys (rank {rank})" if rank else "recsys"
 
 
@@ -396,7 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             train(config)
         except TrainingStopped as stopped:
-            print(f"recsys: {stopped}", file=sys.stderr)
+            if _rank() == 0:  # every rank stopped at the same step, with the same checkpoint
+                print(f"recsys: {stopped}", file=sys.stderr)
             return stopped.exit_code
         return 0
     except (ValueError, FileNotFoundError) as error:

@@ -466,17 +466,27 @@ def _transformed(
     directory, fitted = dataset
     work = new_directory_beside(near, "transform")
     try:
-        report = preprocess(
-            PreprocessConfig(
-                apply=str(directory),
-                format=format or fitted["preprocess"]["format"],
-                input=input,
-                output=str(work / "data"),
-                valid_fraction=0.0,
-                test_fraction=0.0,
-                strict=True,
-            )
+        config = PreprocessConfig(
+            apply=str(directory),
+            format=format or fitted["preprocess"]["format"],
+            input=input,
+            output=str(work / "data"),
+            valid_fraction=0.0,
+            test_fraction=0.0,
+            strict=True,
         )
+        try:
+            report = preprocess(config)
+        except ValueError as error:
+            if format is not None:
+                raise
+            # The format was not given: say which one the input was read as, and how to name
+            # another (a CSV read as Criteo is otherwise "expected 40 tab-separated fields").
+            raise ValueError(
+                f"{error} (--transform read '{input}' as {config.format}, the format the "
+                "model's training data was preprocessed from; for input in another format "
+                "give --format criteo, parquet or csv)"
+            ) from None
         yield [
             report.output / "train" / name for name in report.metadata["splits"]["train"]["files"]
         ]
@@ -532,10 +542,12 @@ def _open_input(path: Path, spec: DatasetSpec, labels: list[str]) -> pq.ParquetF
     except pa.ArrowInvalid as error:
         raise ValueError(f"'{path}' is not a readable parquet file: {error}") from None
     names = file.schema_arrow.names
-    missing = [name for name in (*spec.dense_names, *spec.sparse_names) if name not in names]
+    read = [*spec.dense_names, *spec.sparse_names]
+    missing = [name for name in read if name not in names]
     if missing:
+        hints = quoted_with_hints(missing, names, taken=[*read, *spec.label_names])
         raise ValueError(
-            f"'{path}' has no column(s) {quoted_with_hints(missing, names)}; the model reads "
+            f"'{path}' has no column(s) {hints}; the model reads "
             f"dense columns {list(spec.dense_names)} and categorical columns "
             f"{list(spec.sparse_names)}"
         )

@@ -24,7 +24,8 @@ difference: a malformed batch i+1 (an id outside its table) is reported before s
 (torchrun with more than one rank, some table not DATA_PARALLEL). On CPU it is off: on 2 gloo
 ranks of a 2-core machine there is no idle core for the exchange to run on, and the pipelined
 step measured 0.83x the plain one (``benchmarks/results/train_step.csv``). In one process there
-is no input_dist to run ahead. "on" pipelines anyway, "off" is the plain loop.
+is no input_dist to run ahead. "on" pipelines anyway (and says it is inactive where nothing runs
+ahead: :attr:`TrainPipeline.note`), "off" is the plain loop.
 
 Tiered tables (``[model.storage]``) are pipelined unless "off": pulling batch i+1 queues it on
 every tiered collection (:meth:`~recsys.embedding.tiered.TieredEmbeddingBagCollection.prefetch`),
@@ -105,6 +106,13 @@ class TrainPipeline:
         tiered = tiered_collections(model) if mode != "off" else []
         self.tiered = [c for c in tiered if not any(c is s for s in self.collections)]
         self.enabled = sharded or bool(self.tiered)
+        self.note = None  # what a run prints when "on" has nothing to run ahead
+        if mode == "on" and not self.collections and not self.tiered:
+            self.note = (
+                'train.pipeline = "on" is inactive here: no embedding collection exchanges ids '
+                "(one process, or every table data_parallel) and none is tiered, so there is no "
+                "input_dist or row prefetch to run ahead of the step"
+            )
 
     def batches(
         self, loader: Iterable[Batch], start: int = 0, limit: int | None = None

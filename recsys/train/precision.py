@@ -52,6 +52,21 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device.type, dtype=PRECISIONS[precision])
 
 
+def precision_note(precision: str, device: torch.device) -> str | None:
+    """The one-line warning a run prints at start for a precision that is slow on its device
+    (None: nothing to say). fp16 on CPU: most CPU kernels compute fp16 through fp32 conversions,
+    and loss scaling adds a pass over the gradients; the default recipe's step measured 1.6x the
+    fp32 one on a 2-core CPU (``benchmarks/results/train_step.csv``), where bf16 needs no loss
+    scaling and ran as fast as fp32."""
+    if precision != "fp16" or device.type != "cpu":
+        return None
+    return (
+        "warning: train.precision = fp16 on CPU is slow (most CPU kernels compute fp16 through "
+        "fp32, and loss scaling adds work: the default recipe's step measured 1.6x the fp32 one "
+        "on a 2-core CPU); fp16 is for GPUs: on CPU use bf16 (no loss scaling) or fp32"
+    )
+
+
 class LossScaler:
     """Dynamic loss scaling (the rule of ``torch.amp.GradScaler``): multiply the loss by
     ``scale``; after a step whose gradients overflowed, skip it and multiply the scale by

@@ -12,6 +12,7 @@ silently: there is nothing in it to lose.
 
 from __future__ import annotations
 
+import difflib
 import json
 import shutil
 from pathlib import Path
@@ -65,6 +66,30 @@ def check_run_dir(run_dir: str | Path, *, continuing: bool, overwrite: bool) -> 
         f"config): --config {Path(run_dir) / CONFIG_FILE} --checkpoint.resume=latest; or "
         "replace it: --run.overwrite=true"
     )
+
+
+def fresh_start_note(run_dir: str | Path) -> str:
+    """The line ``resume = "latest"`` prints when ``run_dir`` holds no checkpoint: the run
+    starts fresh (the first attempt of an elastic job, or a typo in ``run.name``). The
+    directories beside it that hold checkpoints under a close name are offered: a user who
+    asked to resume must not train hours from scratch without a word."""
+    run_dir = Path(run_dir)
+    parent = run_dir.parent
+    others = []
+    if parent.is_dir():
+        others = [
+            p.name
+            for p in sorted(parent.iterdir())
+            if p.is_dir() and p.name != run_dir.name and list_checkpoints(p / CHECKPOINTS_DIR)
+        ]
+    close = difflib.get_close_matches(run_dir.name, others, n=3)
+    hint = ""
+    if close:
+        hint = (
+            f" (close names that hold checkpoints: {', '.join(str(parent / c) for c in close)}; "
+            "to resume one, give its --run.name or --run.dir)"
+        )
+    return f"resume=latest: no checkpoint under {run_dir}: starting fresh{hint}"
 
 
 def clear_previous_run(run_dir: str | Path) -> list[str]:

@@ -97,6 +97,15 @@ class TrainStep:
         per_task = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(0)
         return (per_task * self.task_weights).sum()
 
+    def log_fields(self) -> dict[str, float | int]:
+        """Fields of the train event: with fp16, ``loss_scale`` (the scale the next step uses)
+        and ``skipped_steps`` (steps skipped on an overflow since the run began, resumes
+        included); empty otherwise. Host values (the overflow check already synced each step):
+        reading them waits on nothing."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped_steps}
+
     def state_dict(self) -> dict[str, Any]:
         """The loss scaler's state (empty without one)."""
         return self.scaler.state_dict() if self.scaler else {}

@@ -7,8 +7,11 @@ command line reports in one line. Under torchrun every rank must stop at the sam
 save is collective), so the ranks agree on it with a one-int all-reduce on a CPU (gloo) group of
 its own, started at one step and read at the next: no step waits for it, no device
 synchronizes for it, and the run stops one step after the signal. A second Ctrl-C interrupts
-at once (the atomic checkpoint commit still leaves the previous checkpoint intact); repeated
-SIGTERMs are ignored until the run has stopped.
+at once, wherever the run is (a checkpoint save included): :attr:`StopSignals.interrupted` is set
+before the previous handler raises KeyboardInterrupt, so the trainer knows that whatever error
+comes out of the interrupted code (torch.distributed.checkpoint wraps a KeyboardInterrupt in
+its own exception) is the user's stop, and reports it in one line (the atomic checkpoint commit
+leaves the previous checkpoint intact). Repeated SIGTERMs are ignored until the run has stopped.
 """
 
 from __future__ import annotations
@@ -25,17 +28,34 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class TrainingStopped(Exception):
-    """Training stopped on a signal, after saving a checkpoint at ``step``."""
+    """Training stopped on a signal, after saving a checkpoint at ``step``; or, ``interrupted``
+    by a second Ctrl-C, at once: ``checkpoint`` is then the latest one committed before (None:
+    there is none)."""
 
-    def __init__(self, signal_name: str, step: int, checkpoint: Path | None) -> None:
+    def __init__(
+        self, signal_name: str, step: int, checkpoint: Path | None, *, interrupted: bool = False
+    ) -> None:
         self.signal_name = signal_name
         self.step = step
         self.checkpoint = checkpoint
-        saved = f"; checkpoint {checkpoint}" if checkpoint else ""
-        super().__init__(
-            f"stopped by {signal_name} at step {step}{saved}; continue with "
-            "--checkpoint.resume=latest"
-        )
+        self.interrupted = interrupted
+        if interrupted and checkpoint is None:
+            message = (
+                f"interrupted by a second {signal_name} at step {step}, before any checkpoint "
+                "was saved: nothing to resume"
+            )
+        elif interrupted:
+            message = (
+                f"interrupted by a second {signal_name} at step {step}, which has no checkpoint "
+                f"(the latest is {checkpoint}); continue with --checkpoint.resume=latest"
+            )
+        else:
+            saved = f"; checkpoint {checkpoint}" if checkpoint else ""
+            message = (
+                f"stopped by {signal_name} at step {step}{saved}; continue with "
+                "--checkpoint.resume=latest"
+            )
+        super().__init__(message)
 
     @property
     def exit_code(self) -> int:
@@ -55,6 +75,7 @@ class StopSignals:
 
     def __init__(self, world_size: int = 1) -> None:
         self.received: signal.Signals | None = None
+        self.interrupted = False  # a second Ctrl-C arrived
         self._previous: dict[int, object] = {}
         self._group = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None  # the last call's all-reduce
@@ -99,7 +120,19 @@ class StopSignals:
         # A second Ctrl-C interrupts at once; a repeated SIGTERM (torchrun's agent may send two)
         # is ignored: the supervisor's SIGKILL after its grace period is the hard stop.
         if signal.SIGINT in self._previous:
-            signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
+            signal.signal(signal.SIGINT, self._interrupt)
+
+    def _interrupt(self, number: int, frame: FrameType | None) -> None:
+        """A Ctrl-C after the stop was requested: noted, then the previous handler's (Python's
+        raises KeyboardInterrupt wherever the main thread is)."""
+        previous = self._previous.get(signal.SIGINT, signal.SIG_DFL)
+        if previous == signal.SIG_IGN:  # e.g. a background job's
+            return
+        self.interrupted = True
+        if callable(previous):
+            previous(number, frame)
+        else:
+            raise KeyboardInterrupt
 
     def _restore(self) -> None:
         for number, handler in self._previous.items():

@@ -5,8 +5,9 @@ Events go to ``<run dir>/metrics.jsonl``:
 
 - train: ``{"split": "train", "step", "epoch", "loss", "samples_per_s", "time"}``, the loss
   averaged over the steps since the previous train event, samples/s over all ranks, plus the
-  mean seconds per step of each part (``time_<part>``) and ``compile_s``, the seconds the window
-  spent compiling under torch.compile (left out of samples/s and the parts);
+  mean seconds per step of each part (``time_<part>``), ``compile_s``, the seconds the window
+  spent compiling under torch.compile (left out of samples/s and the parts), and with fp16
+  ``loss_scale`` and ``skipped_steps``;
 - eval: ``{"split": "valid" | "test", "step", "auc", "logloss", "num_samples", "time"}`` plus
   ``oracle_auc`` on synthetic data and per-task ``auc_<task>`` for multi-task models;
 - delta (``checkpoint.delta_every_steps``): ``{"split": "delta", "step", "since", "rows",
@@ -55,9 +56,11 @@ from recsys.train.checkpoint import (
     checkpoint_shapes,
     checkpoint_step,
     find_resumable,
+    latest_checkpoint,
     load_checkpoint,
     point_best,
     read_config,
+    remove_uncommitted,
     resolve_checkpoint,
     rng_state,
     save_checkpoint,
@@ -78,9 +81,16 @@ from recsys.train.optimizers import (
     task_loss_weights,
 )
 from recsys.train.pipeline import TrainPipeline
+from recsys.train.precision import precision_note
 from recsys.train.progress import StepTimer, TrainWindow, summary_line
 from recsys.train.ranks import from_first_rank, on_first_rank
-from recsys.train.run_dir import CONFIG_FILE, METRICS_FILE, check_run_dir, clear_previous_run
+from recsys.train.run_dir import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    check_run_dir,
+    clear_previous_run,
+    fresh_start_note,
+)
 from recsys.train.schedule import LRSchedule
 from recsys.train.step import TrainStep
 from recsys.train.stop import StopSignals, TrainingStopped
@@ -157,6 +167,8 @@ class _Run:
         self.train_step = TrainStep(
             self.model, self.optimizers, config.train.precision, device, task_weights
         )
+        if note := precision_note(config.train.precision, device):
+            self._print(note)
         self.steps_per_epoch = self._steps_per_epoch()
         self.total_steps = self.steps_per_epoch * config.train.epochs
         if config.train.max_steps > 0:
@@ -251,6 +263,8 @@ class _Run:
         path, skipped = find_resumable(self.run_dir)
         for line in skipped:
             self._print(f"resume=latest: {line}")
+        if path is None:
+            self._print(fresh_start_note(self.run_dir))
         return path
 
     def fit(self) -> TrainResult:
@@ -262,7 +276,12 @@ class _Run:
         """
         try:
             with StopSignals(self.info.world_size) as signals:
-                return self._fit(signals)
+                try:
+                    return self._fit(signals)
+                except BaseException as error:  # after a second Ctrl-C: whatever it broke raised
+                    if signals.interrupted and not isinstance(error, TrainingStopped):
+                        self._interrupted()
+                    raise
         finally:
             self.logger.close()
 
@@ -288,6 +307,8 @@ class _Run:
         )
         self.model.train()
         pipeline = TrainPipeline(self.model, train_cfg.pipeline)  # batch i+1 ready during step i
+        if pipeline.note:
+            self._print(pipeline.note)
         first = self.data_position
         for epoch in range(first.epoch, train_cfg.epochs):
             position = first if epoch == first.epoch else DataPosition(epoch)  # fresh layout
@@ -325,6 +346,7 @@ class _Run:
                 loss=loss,
                 samples_per_s=rate,
                 **learning_rates(self.optimizers, self.model),
+                **self.train_step.log_fields(),
                 **times,
                 **dynamic_stat_fields(_unwrap(self.model)),
                 **tiered,
@@ -396,6 +418,19 @@ class _Run:
         checkpoint = self._saved_now() or self.save()
         self.logger.log("stop", self.step, signal=signal_name, checkpoint=str(checkpoint))
         raise TrainingStopped(signal_name, self.step, checkpoint)
+
+    def _interrupted(self) -> None:
+        """A second Ctrl-C stopped the run wherever it was (a checkpoint save's DCP traceback is
+        not the user's business): log the stop, remove the save it cut short (one process: no
+        other rank writes there; under torchrun the next save or resume does) and raise
+        :class:`TrainingStopped` naming the latest committed checkpoint."""
+        directory = self.run_dir / "checkpoints"
+        if self.info.world_size == 1:
+            remove_uncommitted(directory)
+        latest = latest_checkpoint(directory)
+        checkpoint = str(latest) if latest else None
+        self.logger.log("stop", self.step, signal="SIGINT", checkpoint=checkpoint, interrupted=True)
+        raise TrainingStopped("SIGINT", self.step, latest, interrupted=True) from None
 
     def _saved_now(self) -> Path | None:
         """The checkpoint of the current step, when there is one already."""

@@ -81,6 +81,17 @@ def test_strict_mode_stops_at_the_first_bad_line(tmp_path):
         list(read_criteo(path, strict=True))
 
 
+def test_a_csv_read_as_criteo_says_the_delimiters_differ(tmp_path):
+    header = ",".join(["label", *(f"int_{i}" for i in range(13)), *(f"cat_{i}" for i in range(26))])
+    path = write(tmp_path / "events.csv", [header, line().replace("\t", ",")])
+    message = r"events.csv:1: .*expected 40 tab-separated fields, found 1 \(no tab in the line"
+    with pytest.raises(ValueError, match=message + r" but 39 comma\(s\): is it another format"):
+        list(read_criteo(path, strict=True))
+    # A line that is merely short says nothing of formats.
+    with pytest.raises(ValueError, match=r"found 1$"):
+        list(read_criteo(write(tmp_path / "short.txt", ["1"]), strict=True))
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.txt"):
         list(read_criteo(tmp_path / "nope.txt"))

@@ -1,6 +1,7 @@
 """`recsys preprocess --preprocess.encoding=raw`: stable 64-bit keys in one pass, no vocabulary."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -183,3 +184,33 @@ def test_spec_id_encoding_round_trips_and_old_specs_load():
         DatasetSpec(("x",), ("c",), (4,), ("y",), id_encoding="hashed")
     with pytest.raises(ValueError, match="every cardinality must be 0"):
         DatasetSpec(("x",), ("c",), (4,), ("y",), id_encoding="raw")
+
+
+def test_raw_ids_carve_the_same_rows_as_a_vocabulary(
+    synthetic_criteo_log, criteo_dataset_dir, tmp_path
+):
+    """The splits are drawn per input row, whatever the encoding: the same file gives the same
+    rows (and labels, in order) in each split with raw keys as with a fitted vocabulary."""
+    raw = _raw(
+        tmp_path, "raw", input=str(synthetic_criteo_log), valid_fraction=0.1, test_fraction=0.1
+    )
+    assert raw.rows == criteo_dataset_dir.rows
+    for split in ("train", "valid", "test"):
+        labels = _split_keys(criteo_dataset_dir.output, split, "label")
+        assert np.array_equal(_split_keys(raw.output, split, "label"), labels)
+
+
+def test_the_readme_quotes_the_same_rows_for_both_encodings_of_one_file():
+    """The README preprocesses data/raw/day_0.txt twice (a vocabulary, then raw keys): by the
+    test above, both runs print the same rows per split."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    rows = {
+        line.split(" in ")[0]: line.split(": rows ")[1]
+        for line in readme.splitlines()
+        if line.startswith("recsys: preprocessed into data/day_0")
+    }
+    assert set(rows) == {
+        "recsys: preprocessed into data/day_0",
+        "recsys: preprocessed into data/day_0_raw",
+    }
+    assert len(set(rows.values())) == 1, rows

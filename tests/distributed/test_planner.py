@@ -428,6 +428,21 @@ def test_per_row_optimizer_state_is_never_column_wise():
     assert ShardingType.COLUMN_WISE in kinds
 
 
+def test_column_wise_constraint_with_per_row_state_says_why_it_cannot_be_placed():
+    with pytest.raises(ValueError) as error:
+        plan_sharding(
+            {"": [table("t", 100, 16)]},
+            2,
+            optimizer_states=ROWWISE_ADAGRAD,
+            constraints=parse_constraints(["t=column_wise"]),
+        )
+    message = str(error.value)
+    assert "has no placement under its constraint 'column_wise' on 2 ranks" in message
+    assert "per-row optimizer state (sum per row, e.g. rowwise_adagrad)" in message
+    assert "cannot be split across column shards" in message
+    assert "allow table_wise or row_wise" in message
+
+
 # ---------------------------------------------------------------------------------------------
 # Dynamic tables
 

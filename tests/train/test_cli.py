@@ -123,6 +123,19 @@ def test_training_stopped_by_a_signal_exits_with_128_plus_its_number(monkeypatch
     )
 
 
+def test_a_stop_under_torchrun_is_reported_by_rank_0_alone(monkeypatch, capsys):
+    def stopped(config):
+        raise TrainingStopped("SIGTERM", 7, Path("runs/x/checkpoints/step_00000007"))
+
+    monkeypatch.setattr("recsys.train.trainer.train", stopped)
+    monkeypatch.setenv("RANK", "1")
+    assert main(["train"]) == 128 + 15  # every rank exits with the signal's status
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train"]) == 128 + 15
+    assert error_line(capsys).startswith("recsys: stopped by SIGTERM at step 7")
+
+
 @pytest.mark.parametrize(
     ("error", "code", "line"),
     [

@@ -11,6 +11,7 @@ from recsys.config import load_config
 from recsys.data import build_dataset
 from recsys.data.loader import BatchLoader
 from recsys.embedding.interface import embedding_collections
+from recsys.ops.dot_interaction import dot_interaction
 from recsys.train.compiled import compile_dense, dense_modules
 from recsys.train.models import build_model
 from recsys.train.optimizers import build_optimizers, configure_embedding_optimizer
@@ -69,6 +70,24 @@ def test_no_graph_break_in_the_dense_part(name, monkeypatch):
     for path, module in dense_modules(model).items():
         explained = torch._dynamo.explain(module)(*inputs[path])
         assert explained.graph_break_count == 0, (path, explained.break_reasons)
+
+
+def test_compiling_the_interaction_warns_of_no_cache(recwarn):
+    """Dynamo warns of every lru_cache it traces through (a "potential" silent incorrectness):
+    the dot interaction's pair indices, a pure function of their sizes, are computed without
+    their cache under torch.compile, so no such warning reaches the user, and the values are
+    the eager ones."""
+    warned = getattr(torch._dynamo.utils, "warn_once_cache", set())
+    for message in [m for m in warned if "lru_cache" in m]:
+        warned.discard(message)  # warned once per process: let an earlier test's not hide it
+    torch._dynamo.reset()
+    dense, sparse = torch.randn(8, 4), torch.randn(8, 5, 4)
+    compiled = torch.compile(dot_interaction, backend="eager", fullgraph=True)
+    for pair_order in ("torchrec", "mlperf"):
+        expected = dot_interaction(dense, sparse, pair_order=pair_order, backend="torch")
+        got = compiled(dense, sparse, pair_order=pair_order, backend="torch")
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert not [w for w in recwarn if "lru_cache" in str(w.message)]
 
 
 def test_compiled_training_equals_eager():

@@ -225,6 +225,23 @@ def test_user_errors_exit_2_with_one_line(trained, tmp_path, capsys):
     assert "checkpoint not found" in capsys.readouterr().err
 
 
+def test_a_missing_column_is_never_hinted_at_a_column_the_model_reads(trained, tmp_path, capsys):
+    """A file missing cat_2 holds cat_0, cat_1 and cat_3 as themselves: none is a typo of cat_2.
+    A column the model does not read (a renamed one) is the hint."""
+    config, _, exported = trained("dlrm")
+    _write_parquet(_test_split(config).slice(0, 50), config, tmp_path / "full.parquet", 64)
+    table = pq.read_table(tmp_path / "full.parquet")
+    pq.write_table(table.drop(["cat_2"]), tmp_path / "no_cat_2.parquet")
+    renamed = table.rename_columns(["Cat_2" if n == "cat_2" else n for n in table.column_names])
+    pq.write_table(renamed, tmp_path / "renamed.parquet")
+    argv = ["predict", "--model", str(exported), "--output", str(tmp_path / "out.parquet")]
+    assert main([*argv, "--input", str(tmp_path / "no_cat_2.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert "has no column(s) 'cat_2';" in err and "did you mean" not in err
+    assert main([*argv, "--input", str(tmp_path / "renamed.parquet")]) == 2
+    assert "has no column(s) 'cat_2' (did you mean 'Cat_2'?)" in capsys.readouterr().err
+
+
 def test_predict_never_overwrites_its_input_or_an_existing_output(trained, tmp_path, capsys):
     config, _, exported = trained("dlrm")
     data = tmp_path / "in" / "test.parquet"

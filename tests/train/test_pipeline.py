@@ -130,6 +130,18 @@ def test_modes(monkeypatch):
         load_config(None, ["--train.pipeline=true"])
 
 
+def test_on_says_it_is_inactive_where_nothing_runs_ahead(tmp_path, capsys):
+    model = nn.Linear(1, 1)  # one process: no collection exchanges ids, none is tiered
+    assert (
+        "is inactive here: no embedding collection exchanges ids" in TrainPipeline(model, "on").note
+    )
+    assert TrainPipeline(model, "auto").note is None and TrainPipeline(model, "off").note is None
+    run(tmp_path, *TINY, "--train.max_steps=1", "--train.pipeline=on")
+    out = capsys.readouterr().out
+    assert out.count('train.pipeline = "on" is inactive here') == 1
+    assert "(one process, or every table data_parallel) and none is tiered" in out
+
+
 # --- Through the trainer ----------------------------------------------------------------------
 
 

@@ -16,7 +16,8 @@ from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import SGD, Adagrad
 from recsys.train.checkpoint import checkpoint_shapes, load_model
-from recsys.train.precision import LossScaler, autocast
+from recsys.train.metrics import read_metrics
+from recsys.train.precision import LossScaler, autocast, precision_note
 from recsys.train.progress import StepTimer
 from recsys.train.step import TrainStep
 from recsys.train.trainer import train
@@ -172,6 +173,41 @@ def test_trainer_runs_at_low_precision_and_resumes_exactly(tmp_path, precision):
     assert {s: losses[s] for s in range(5, 9)} == train_losses(tmp_path / "b")
     for key, value in load_model(straight.checkpoint).state_dict().items():
         assert torch.equal(load_model(resumed.checkpoint).state_dict()[key], value), key
+
+
+def test_fp16_logs_its_loss_scale_and_skipped_steps_and_warns_on_cpu(tmp_path, monkeypatch, capsys):
+    """The first step overflows (forced): the train events carry the halved scale and one
+    skipped step; a fp32 run's events have neither. On CPU, fp16 warns once at start."""
+    unscale, calls = LossScaler.unscale, []
+
+    def first_step_overflows(self, grads, device):
+        found_inf = unscale(self, grads, device)
+        calls.append(1)
+        return found_inf + 1 if len(calls) == 1 else found_inf
+
+    monkeypatch.setattr(LossScaler, "unscale", first_step_overflows)
+    args = [*TINY, "--train.max_steps=4", "--train.log_every_steps=2"]
+    train(load_config(None, [f"--run.dir={tmp_path / 'fp16'}", *args, "--train.precision=fp16"]))
+    out = capsys.readouterr().out
+    assert out.count("warning: train.precision = fp16 on CPU is slow") == 1
+    assert (
+        "measured 1.6x the fp32 one" in out and "on CPU use bf16 (no loss scaling) or fp32" in out
+    )
+    events = [e for e in read_metrics(tmp_path / "fp16" / "metrics.jsonl") if e["split"] == "train"]
+    assert [(e["step"], e["loss_scale"], e["skipped_steps"]) for e in events] == [
+        (2, 2.0**15, 1),
+        (4, 2.0**15, 1),
+    ]
+    train(load_config(None, [f"--run.dir={tmp_path / 'fp32'}", *args]))
+    assert "warning" not in capsys.readouterr().out
+    for event in read_metrics(tmp_path / "fp32" / "metrics.jsonl"):
+        assert "loss_scale" not in event and "skipped_steps" not in event
+
+
+def test_fp16_warns_on_cpu_only():
+    assert precision_note("fp16", torch.device("cpu")).startswith("warning: ")
+    for precision, device in [("fp16", "cuda"), ("bf16", "cpu"), ("fp32", "cpu")]:
+        assert precision_note(precision, torch.device(device)) is None
 
 
 def _overflow_on_one_rank(rank: int, world: int) -> None:

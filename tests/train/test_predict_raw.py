@@ -127,3 +127,23 @@ def test_transform_finds_moved_training_data_with_data(model, tmp_path, capsys):
         assert scored.column("click").to_pylist() == pq.read_table(raw)["click"].to_pylist()
     finally:
         shutil.move(tmp_path / "elsewhere", data)
+
+
+def test_transform_of_input_in_another_format_names_the_format_it_read(model, tmp_path, capsys):
+    """The model's data was preprocessed from parquet: a CSV of the same events is read as
+    parquet unless --format says otherwise, and the error says so."""
+    _, raw, _, exported = model
+    events = pq.read_table(raw).slice(0, 50).to_pylist()
+    lines = ["user,item,genres,price,click"] + [
+        f"{e['user']},{e['item']},{'|'.join(e['genres'])},{e['price']},{e['click']}" for e in events
+    ]
+    csv = tmp_path / "events.csv"
+    csv.write_text("\n".join(lines) + "\n")
+    argv = ["predict", "--model", str(exported), "--input", str(csv), "--transform"]
+    assert main([*argv, "--output", str(tmp_path / "a.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a readable parquet file" in err
+    assert f"--transform read '{csv}' as parquet, the format the model's training data" in err
+    assert "give --format criteo, parquet or csv" in err
+    assert main([*argv, "--output", str(tmp_path / "b.parquet"), "--format", "csv"]) == 0
+    assert "scored 50 rows of 1 file(s)" in capsys.readouterr().out

@@ -4,10 +4,16 @@ that refuses it, and what overwriting deletes. Through the trainer: test_run_saf
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from recsys.train.run_dir import check_run_dir, clear_previous_run, previous_run
+from recsys.train.run_dir import (
+    check_run_dir,
+    clear_previous_run,
+    fresh_start_note,
+    previous_run,
+)
 
 
 def events(*pairs: tuple[str, int]) -> str:
@@ -81,3 +87,36 @@ def test_clear_previous_run_deletes_only_what_recsys_wrote(old_run):
     assert sorted(p.name for p in old_run.iterdir()) == ["notes.txt"]
     assert previous_run(old_run) == []
     assert clear_previous_run(old_run) == []  # nothing left: a no-op
+
+
+def test_the_readme_quotes_the_refusal_as_recsys_prints_it(tmp_path, monkeypatch):
+    """The README's example of the error, rebuilt from the run it describes (one checkpoint and
+    events up to step 976 in runs/dlrm_synthetic), is what check_run_dir says."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    (quoted,) = [
+        line
+        for line in readme.splitlines()
+        if line.startswith("recsys: error: run directory 'runs/dlrm_synthetic' holds another run")
+    ]
+    monkeypatch.chdir(tmp_path)
+    run = Path("runs/dlrm_synthetic")
+    (run / "checkpoints" / "step_00000976").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(events(("train", 976)))
+    with pytest.raises(ValueError) as refused:
+        check_run_dir(run, continuing=False, overwrite=False)
+    assert f"recsys: error: {refused.value}" == quoted
+
+
+def test_a_fresh_start_names_close_runs_that_hold_checkpoints(tmp_path):
+    runs = tmp_path / "runs"
+    for name in ("dlrm_synthetic", "dlrm_synthetic_2", "other"):
+        (runs / name / "checkpoints" / "step_00000008").mkdir(parents=True)
+    (runs / "dlrm_synthetik").mkdir()  # close, but no checkpoint: nothing to resume there
+    note = fresh_start_note(runs / "dlrm_synthtic")
+    assert note.startswith(f"resume=latest: no checkpoint under {runs / 'dlrm_synthtic'}: ")
+    assert f"starting fresh (close names that hold checkpoints: {runs / 'dlrm_synthetic'}, " in note
+    assert str(runs / "dlrm_synthetik") not in note and str(runs / "other") not in note
+    assert fresh_start_note(runs / "zzz") == (
+        f"resume=latest: no checkpoint under {runs / 'zzz'}: starting fresh"
+    )
+    assert fresh_start_note(tmp_path / "nowhere" / "run").endswith("starting fresh")

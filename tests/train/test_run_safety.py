@@ -134,6 +134,22 @@ def test_resume_latest_follows_the_link(reference, tmp_path):
     assert_same_weights(tmp_path / "checkpoints" / "step_00000016", reference_result.checkpoint)
 
 
+def test_resume_latest_without_a_checkpoint_says_it_starts_fresh_and_offers_near_misses(
+    reference, capsys
+):
+    """A typo in run.name with resume=latest: one line says the run starts from scratch, and
+    names the run beside it (a close name) that holds checkpoints."""
+    reference_dir, _ = reference
+    typo = reference_dir.with_name(reference_dir.name + "_typo")
+    result = run(typo, "--checkpoint.resume=latest", "--train.max_steps=1")
+    assert result.steps == 1  # a fresh start, as asked
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if "starting fresh" in line]
+    assert line.startswith(f"resume=latest: no checkpoint under {typo}: starting fresh (")
+    assert f"close names that hold checkpoints: {reference_dir}" in line
+    assert "give its --run.name or --run.dir" in line
+
+
 # ------------------------------------------------------------------------------------------
 # 4, 5. Damaged checkpoints
 
@@ -289,6 +305,49 @@ def test_ctrl_c_saves_the_step_reached_and_resumes_bitwise(reference, tmp_path, 
     assert losses(tmp_path) == losses(reference_dir)
     assert result.test == reference_result.test
     assert_same_weights(result.checkpoint, reference_result.checkpoint)
+
+
+def test_a_second_ctrl_c_during_the_save_stops_at_once_in_one_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C at step 6, a second one while torch.distributed.checkpoint writes the checkpoint
+    of step 6: exit 130 with one line naming the latest committed checkpoint (step 4), a stop
+    event, and no half-written .tmp-step_6 left behind."""
+    from torch.distributed.checkpoint import filesystem
+
+    original_step, original_write = trainer_module._Run._train_step, filesystem._write_item
+    writes = []
+
+    def interrupted_at_step_6(self, batch, timer):
+        loss = original_step(self, batch, timer)
+        if self.step == 5:
+            signal.raise_signal(signal.SIGINT)
+        return loss
+
+    def interrupted_write(*args, **kwargs):
+        if (tmp_path / "checkpoints" / ".tmp-step_00000006").is_dir():
+            writes.append(args[-2])  # storage key
+            if len(writes) == 3:
+                signal.raise_signal(signal.SIGINT)  # the second Ctrl-C, inside DCP's writer
+        return original_write(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module._Run, "_train_step", interrupted_at_step_6)
+    monkeypatch.setattr(filesystem, "_write_item", interrupted_write)
+    handler_before = signal.getsignal(signal.SIGINT)
+    argv = ["train", f"--run.dir={tmp_path}", *TINY, "--checkpoint.every_steps=4"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    latest = tmp_path / "checkpoints" / "step_00000004"
+    assert err == (
+        f"recsys: interrupted by a second SIGINT at step 6, which has no checkpoint (the latest "
+        f"is {latest}); continue with --checkpoint.resume=latest\n"
+    )
+    (stop,) = [e for e in read_metrics(tmp_path / "metrics.jsonl") if e["split"] == "stop"]
+    assert stop["step"] == 6 and stop["signal"] == "SIGINT" and stop["interrupted"] is True
+    assert stop["checkpoint"] == str(latest)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        "step_00000004",
+    ]
+    assert signal.getsignal(signal.SIGINT) is handler_before
 
 
 def test_sigterm_saves_on_the_step_reached_and_exits_cleanly(tmp_path):

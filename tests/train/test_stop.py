@@ -48,6 +48,16 @@ def test_training_stopped_message_and_exit_code():
     unsaved = TrainingStopped("SIGTERM", 3, None)
     assert str(unsaved) == "stopped by SIGTERM at step 3; continue with --checkpoint.resume=latest"
     assert unsaved.exit_code == 143
+    cut = TrainingStopped("SIGINT", 7, Path("runs/a/checkpoints/step_00000004"), interrupted=True)
+    assert str(cut) == (
+        "interrupted by a second SIGINT at step 7, which has no checkpoint (the latest is "
+        "runs/a/checkpoints/step_00000004); continue with --checkpoint.resume=latest"
+    )
+    assert cut.exit_code == 130
+    assert str(TrainingStopped("SIGINT", 2, None, interrupted=True)) == (
+        "interrupted by a second SIGINT at step 2, before any checkpoint was saved: nothing to "
+        "resume"
+    )
 
 
 def test_a_signal_is_recorded_and_handlers_are_restored(caught_signals):
@@ -60,8 +70,8 @@ def test_a_signal_is_recorded_and_handlers_are_restored(caught_signals):
         send(signal.SIGTERM)  # repeated SIGTERMs are ignored: still handled here
         assert stop.received == signal.SIGTERM
         assert getattr(signal.getsignal(signal.SIGTERM), "__self__", None) is stop
-        # once a stop is requested, a Ctrl-C goes to the previous handler (interrupts at once)
-        assert signal.getsignal(signal.SIGINT) == previous[signal.SIGINT]
+        # once a stop is requested, a Ctrl-C is noted and goes to the previous handler
+        assert signal.getsignal(signal.SIGINT) == stop._interrupt
     assert {n: signal.getsignal(n) for n in previous} == previous
     assert caught_signals == []  # every signal was StopSignals'
 
@@ -75,6 +85,20 @@ def test_a_second_ctrl_c_goes_to_the_previous_handler(caught_signals):
         while not caught_signals and time.monotonic() < deadline:
             time.sleep(0.001)
         assert caught_signals == [signal.SIGINT]  # a second Ctrl-C interrupts at once
+        assert stop.interrupted  # noted first: the trainer reports it, whatever it broke
+
+
+def test_a_second_ctrl_c_in_a_background_job_is_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals() as stop:
+            send(signal.SIGINT, stop)
+            send(signal.SIGINT)
+            time.sleep(0.01)
+            assert stop.received == signal.SIGINT and not stop.interrupted
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_outside_the_main_thread_it_installs_nothing():
