@@ -5,11 +5,15 @@ weights of the task losses."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.nn.parallel import DistributedDataParallel
 
 from recsys.config import TrainConfig
-from recsys.embedding.interface import embedding_collections
+from recsys.embedding.interface import embedding_collections, logical_optimizer_state
 from recsys.embedding.optim import OPTIMIZERS as FUSED_OPTIMIZERS
 from recsys.embedding.optim import FusedOptimizer
 
@@ -106,3 +110,23 @@ def task_loss_weights(
             f"train.task_loss_weights = {weights}; expected weights >= 0 with a positive sum"
         )
     return torch.tensor(weights, device=device) / sum(weights)
+
+
+def optimizer_states(
+    model: nn.Module, optimizers: dict[str, torch.optim.Optimizer]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what a checkpoint holds, each optimizer's own state dict) of a run's ``optimizers``
+    over ``model`` (under DDP or not). Both keyed by parameter name; the torch embedding
+    optimizer's (``train.fused_embedding_update = false``) in the tables' logical layout,
+    ShardedTensors over the live state of sharded tables, and without its param_groups (their
+    parameter names differ by rank and plan; the rates come from the config)."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    tables = {id(p) for c in embedding_collections(inner).values() for p in c.parameters()}
+    saved, live = {}, {}
+    for name, optimizer in optimizers.items():
+        live[name] = get_optimizer_state_dict(model, [optimizer])
+        saved[name] = live[name]
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        if any(id(p) in tables for p in params):  # the tables' torch optimizer
+            saved[name] = {"state": logical_optimizer_state(inner, live[name]["state"])}
+    return saved, live

@@ -26,10 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -47,7 +44,6 @@ from recsys.distributed.parallel import (
 )
 from recsys.embedding.interface import (
     embedding_collections,
-    logical_optimizer_state,
     state_to_load,
 )
 from recsys.train.best import best_validation
@@ -78,6 +74,7 @@ from recsys.train.model_setup import setup_model
 from recsys.train.optimizers import (
     build_optimizers,
     learning_rates,
+    optimizer_states,
     task_loss_weights,
 )
 from recsys.train.pipeline import TrainPipeline
@@ -531,7 +528,7 @@ class _Run:
         save_checkpoint)."""
         return {
             "model": _unwrap(self.model).state_dict(),
-            "optimizers": self._optimizer_states()[0],
+            "optimizers": optimizer_states(self.model, self.optimizers)[0],
             "schedule": self.schedule.state_dict(),
             "step": self.step,
             "data_epoch": self.data_position.epoch,
@@ -543,23 +540,6 @@ class _Run:
             **({"loss_scale": scale} if (scale := self.train_step.state_dict()) else {}),
             **({"best": self.best.state_dict()} if self.best else {}),
         }
-
-    def _optimizer_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(what a checkpoint holds, each optimizer's own state dict). Both keyed by parameter
-        name; the torch embedding optimizer's (``train.fused_embedding_update = false``) in the
-        tables' logical layout, ShardedTensors over the live state of sharded tables, and
-        without its param_groups (their parameter names differ by rank and plan; the rates
-        come from the config)."""
-        model = _unwrap(self.model)
-        tables = {id(p) for c in embedding_collections(model).values() for p in c.parameters()}
-        saved, live = {}, {}
-        for name, optimizer in self.optimizers.items():
-            live[name] = get_optimizer_state_dict(self.model, [optimizer])
-            saved[name] = live[name]
-            params = (p for group in optimizer.param_groups for p in group["params"])
-            if any(id(p) in tables for p in params):  # the tables' torch optimizer
-                saved[name] = {"state": logical_optimizer_state(model, live[name]["state"])}
-        return saved, live
 
     def _restore(self, path: Path) -> None:
         """Resume from checkpoint ``path``: what :meth:`_training_state` saved, read back into
@@ -574,7 +554,7 @@ class _Run:
             del state["data_reshards"]  # saved before reshards were recorded
         if "loss_scale" in state and "loss_scale.scale" not in checkpoint_shapes(path):
             del state["loss_scale"]  # saved by a run without fp16: the scale starts over
-        state["optimizers"], live = self._optimizer_states()
+        state["optimizers"], live = optimizer_states(self.model, self.optimizers)
         state["model"] = state_to_load(
             _unwrap(self.model), checkpoint_shapes(path), "model.", tensor_reader(path)
         )

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from recsys.config import load_config
 from recsys.distributed.parallel import DistributedInfo
 from recsys.train.checkpoint import load_checkpoint, load_model
+from recsys.train.optimizers import optimizer_states
 from recsys.train.trainer import _Run, _unwrap
 from tests.distributed.spawn import run_ranks
 
@@ -113,7 +114,8 @@ def _resume_on_four(
     # logical tensor the 2-rank run saved
     saved_state = {"model": _unwrap(run.model).state_dict(), "optimizers": {}}
     if "embedding" in run.optimizers:
-        saved_state["optimizers"]["embedding"] = run._optimizer_states()[0]["embedding"]
+        saved = optimizer_states(run.model, run.optimizers)[0]
+        saved_state["optimizers"]["embedding"] = saved["embedding"]
     flat = {k: v for k, v in flatten_state_dict(saved_state)[0].items() if not k.endswith(PER_RANK)}
     full = {
         k: torch.empty(v.shape, dtype=v.dtype) if isinstance(v, ShardedTensor) else v.clone()
