@@ -246,6 +246,7 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
     assert losses(tmp_path / "run") == losses(tmp_path / "reference")
 
 
+@pytest.mark.slow  # ~35 s; tests/data/test_layout.py and test_resume.py cover it in one process
 def test_a_run_resumed_on_two_ranks_trains_each_sample_once(tmp_path, monkeypatch):
     """One process trains 20 of the 64 batches of 256 of an epoch of 16,384 samples and saves;
     torchrun resumes it on 2 ranks: they train the other 11,264 samples, each once (before the
