@@ -105,7 +105,7 @@ class NoSpaceError(OSError):
         free = _free_bytes(Path(self.filename))
         return (
             f"no space left on {self.device} for '{self.filename}' (needs "
-            f"{_gib(self.needed_bytes)} more, {_gib(free)} free)"
+            f"{format_bytes(self.needed_bytes)} more, {format_bytes(free)} free)"
         )
 
 
@@ -126,7 +126,8 @@ def mount_device(path: Path) -> str:
     return f"{device} (mounted at {mount})" if device else str(mount)
 
 
-def _gib(num_bytes: int) -> str:
+def format_bytes(num_bytes: int) -> str:
+    """``1.25 GiB`` from 128 MiB on, else ``3.4 MiB``."""
     return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**27 else f"{num_bytes / 2**20:.1f} MiB"
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from torch import nn
 from torchrec import EmbeddingBagConfig
 
-from recsys._files import mount_device
+from recsys._files import format_bytes, mount_device
 from recsys.config import StorageConfig
 from recsys.embedding.interface import embedding_collections
 from recsys.embedding.row_store import DiskRecords, FixedStore
@@ -178,8 +178,8 @@ def disk_note(model: nn.Module) -> str:
         if size > free:
             notes.append(
                 f"model.storage: the disk tier's tables in '{where}' can grow to "
-                f"{size / 2**30:.1f} GiB as training touches their rows; "
-                f"{mount_device(Path(where))} has {free / 2**30:.1f} GiB free"
+                f"{format_bytes(size)} as training touches their rows; "
+                f"{mount_device(Path(where))} has {format_bytes(free)} free"
             )
     return "\n".join(notes)
 
