@@ -186,7 +186,8 @@ def capacity_note(model: nn.Module) -> str:
             if held != given:
                 rounded.setdefault((given, held), []).append(module.name)
     parts = [
-        f"max_capacity {given:,} is {held:,} rows ({len(names)} table(s): {', '.join(names)})"
+        f"max_capacity {given:,} is {held:,} rows ({len(names)} table(s): "
+        f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
         for (given, held), names in rounded.items()
     ]
     if not parts:
@@ -211,6 +212,6 @@ def dropped_note(model: nn.Module) -> str:
     tables = ", ".join(f"{name} {count:,}" for name, count in dropped.items())
     return (
         "the checkpoint holds more keys than these dynamic tables' caps (max_capacity) hold "
-        f"here; each kept its highest-scored keys and dropped the rest: {tables} (the next "
-        "delta deletes them)"
+        f"here; each kept its highest-scored keys and dropped the rest: {tables} (deltas, when "
+        "the run writes them, list them as deleted)"
     )

@@ -281,7 +281,7 @@ def test_two_ranks_resumed_on_one_keep_the_cap_and_the_delta_chain(tmp_path: Pat
     assert capped and all(t.map.max_capacity == 256 >= t.map.size for t in capped)
     out = capsys.readouterr().out
     assert out.count("dropped the rest: ") == 1  # the 2 ranks' keys overflow some buckets
-    line = out.split("dropped the rest: ")[1].split(" (the next delta")[0]
+    line = out.split("dropped the rest: ")[1].split(" (deltas, when")[0]
     dropped = {name: int(count) for name, count in (part.split() for part in line.split(", "))}
     assert dropped and all(count > 0 for count in dropped.values())
     run.fit()
