@@ -22,6 +22,7 @@ from recsys.embedding.row_store import DiskRecords, FixedStore, KeyedStore, stor
 from recsys.embedding.store_lock import StoreInUseError
 from recsys.embedding.tiered import StorageOptions, TieredEmbeddingBagCollection
 from tests.embedding.test_tiered import SEED, batches, configs, train
+from tests.small_disk import small_disk
 
 
 def tiered(cache_rows: int, tier: str = "host", path: str = "") -> TieredEmbeddingBagCollection:
@@ -144,19 +145,9 @@ def test_a_store_path_on_a_missing_mount_is_an_error(tmp_path):
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (root mounts it; else a user namespace is not enough to keep it)."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
-    )
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
-    try:
+def one_mib_disk(tmp_path):
+    with small_disk(tmp_path / "small", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 FILL = """
@@ -181,9 +172,9 @@ except NoSpaceError as error:
 
 
 @pytest.mark.parametrize("kind", ["fixed", "keyed"])
-def test_a_full_disk_is_an_error_naming_the_device_not_sigbus(small_disk, kind):
+def test_a_full_disk_is_an_error_naming_the_device_not_sigbus(one_mib_disk, kind):
     done = subprocess.run(
-        [sys.executable, "-c", FILL, kind, str(small_disk / "t.rows")],
+        [sys.executable, "-c", FILL, kind, str(one_mib_disk / "t.rows")],
         capture_output=True,
         text=True,
         timeout=120,

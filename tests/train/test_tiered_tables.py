@@ -18,6 +18,7 @@ from recsys.train.evaluate import evaluate_checkpoint
 from recsys.train.model_setup import setup_model
 from recsys.train.tiered_tables import tiered_collections
 from recsys.train.trainer import train
+from tests.small_disk import small_disk
 
 TINY = [
     "--data.synthetic.cardinalities=[50,300,2000]",
@@ -250,14 +251,7 @@ def test_a_store_path_on_a_missing_mount_is_refused(tmp_path):
 
 
 def test_a_full_disk_stops_the_run_in_one_line_with_its_checkpoint_intact(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True
-    )
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
-    try:
+    with small_disk(tmp_path / "small", "4m") as mount:
         run_dir = tmp_path / "run"
         tiny = [o.replace("[50,300,2000]", "[50,300,200000]") for o in TINY]
         done = subprocess.run(
@@ -277,8 +271,6 @@ def test_a_full_disk_stops_the_run_in_one_line_with_its_checkpoint_intact(tmp_pa
             text=True,
             timeout=300,
         )
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
     assert done.returncode == 2, (done.returncode, done.stderr[-3000:])  # not 135: SIGBUS
     (line,) = [line for line in done.stderr.splitlines() if line.startswith("recsys")]
     assert line.startswith("recsys: error: no space left on tmpfs (mounted at ")
