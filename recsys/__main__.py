@@ -2,7 +2,7 @@
 
 import sys
 
-from recsys.train.cli import main
+from recsys.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,6 +20,7 @@ from torch import nn
 from torchmetrics.functional.classification import binary_auroc
 
 from recsys import KeyedJaggedTensor  # recsys quiets torchrec's import
+from recsys.build.models import build_model
 from recsys.config import Config, DynamicConfig
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.synthetic import SyntheticDataset
@@ -27,7 +28,6 @@ from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.interface import embedding_collections
 from recsys.embedding.slot_map import SlotMap
 from recsys.ops.slot_map import hash_keys
-from recsys.train.models import build_model
 from recsys.train.optimizers import build_optimizers
 
 # ---------------------------------------------------------------------------------------------

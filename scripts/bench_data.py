@@ -67,13 +67,13 @@ from _harness import (
 )
 
 from recsys import Batch, DatasetSpec, KeyedJaggedTensor, load_config  # quiets torchrec's import
+from recsys.build.models import build_model
 from recsys.config import PreprocessConfig, SyntheticConfig
 from recsys.data.criteo import read_criteo
 from recsys.data.etl import preprocess
 from recsys.data.loader import BatchLoader
 from recsys.data.parquet import ParquetDataset
 from recsys.data.synthetic import SyntheticDataset
-from recsys.train.models import build_model
 from recsys.train.optimizers import build_optimizers
 
 TOPIC = "data"

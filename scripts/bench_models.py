@@ -3,7 +3,7 @@ and a plain-torch DLRM, on the Criteo-shaped synthetic data.
 
 Each model trains as its recipe ``configs/<model.name>_synthetic.toml`` sets it up (sizes, dense
 optimizer, embedding optimizer fused into backward, task loss weights), built by
-``recsys.train.models.build_model`` and ``recsys.train.optimizers.build_optimizers`` exactly as
+``recsys.build.models.build_model`` and ``recsys.train.optimizers.build_optimizers`` exactly as
 ``recsys train`` builds it, on ``--num-batches`` batches of the recipe's synthetic train split
 made beforehand (13 dense and 26 categorical features, the last four multi-hot), cycled. One step
 is the trainer's: forward, BCE on the logits (task-weighted when the recipe says so), backward,
@@ -54,12 +54,12 @@ from _harness import (
 from _torchrec_peers import dmp_fused_dlrm
 from torch import nn
 
+from recsys.build.models import MODELS, build_model
 from recsys.config import Config, load_config
 from recsys.data import build_dataset
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.loader import BatchLoader
 from recsys.models import table_configs
-from recsys.train.models import MODELS, build_model
 from recsys.train.optimizers import build_optimizers, task_loss_weights
 
 TOPIC = "models"

@@ -379,7 +379,7 @@ class ModelConfig:
     name: Literal["dlrm", "dlrm_dcn", "dcn", "deepfm", "wide_deep", "xdeepfm", "pnn", "mmoe"] = (
         "dlrm"
     )
-    """Model to build; see recsys.train.models.MODELS."""
+    """Model to build; see recsys.build.models.MODELS."""
     embedding_dim: Annotated[int, AtLeast1] = 16
     """Embedding dimension of every table."""
     pooling: Literal["sum", "mean"] = "sum"

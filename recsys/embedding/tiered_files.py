@@ -15,7 +15,7 @@ checkpoint loads on any number of ranks, or in one process.
 
 Only rows the store holds are written (a row never touched keeps its lazy initial value), and
 the format does not depend on the tier: a table saved from disk loads into host memory and back.
-The checkpoint's own commit (a directory rename, :mod:`recsys.train.checkpoint`) makes the files
+The checkpoint's own commit (a directory rename, :mod:`recsys.checkpoint.io`) makes the files
 atomic with the rest; loading replaces the store's content, so a crash during write-back after
 the checkpoint leaves nothing of the crashed run in a resumed one.
 """

@@ -2,7 +2,7 @@
 with ``forward(dense_features, sparse_features) -> logits [B, T]``.
 
 Nothing here reads a config or a dataset: the registry that builds a model from the
-``[model]`` section and a dataset's spec is :mod:`recsys.train.models`.
+``[model]`` section and a dataset's spec is :mod:`recsys.build.models`.
 """
 
 from __future__ import annotations

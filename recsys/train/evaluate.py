@@ -25,21 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from recsys.config import Config, DataConfig, load_config
-from recsys.data import build_dataset, resolve_source
-from recsys.data.batch import Batch, DatasetSpec
-from recsys.data.loader import BatchLoader, ChunkedDataset
-from recsys.distributed.parallel import (
-    DistributedInfo,
-    init_distributed,
-    parallelize,
-    resolve_device,
-    shutdown_distributed,
-)
-from recsys.distributed.planner import parse_constraints
-from recsys.embedding.dynamic_table import load_every_key
-from recsys.embedding.interface import state_to_load
-from recsys.train.checkpoint import (
+from recsys.build.models import build_model, fused_embedding_optimizer
+from recsys.build.sharding import parallelize_from_config
+from recsys.build.tiered_tables import private_storage, tiered_collections
+from recsys.checkpoint.io import (
     CONFIG_FILE,
     checkpoint_shapes,
     load_checkpoint,
@@ -48,13 +37,21 @@ from recsys.train.checkpoint import (
     tensor_reader,
     verify_checkpoint,
 )
+from recsys.config import Config, DataConfig, load_config
+from recsys.data import build_dataset, resolve_source
+from recsys.data.batch import Batch, DatasetSpec
+from recsys.data.loader import BatchLoader, ChunkedDataset
+from recsys.distributed.parallel import (
+    DistributedInfo,
+    init_distributed,
+    resolve_device,
+    shutdown_distributed,
+)
+from recsys.embedding.dynamic_table import load_every_key
+from recsys.embedding.interface import state_to_load
 from recsys.train.metrics import BinaryMetrics
-from recsys.train.models import build_model
-from recsys.train.optimizers import fused_embedding_optimizer
-from recsys.train.tiered_tables import private_storage, tiered_collections
 
 SPLITS = ("train", "valid", "test")
-_COMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 
 
 @torch.no_grad()
@@ -139,25 +136,6 @@ def prefetch_batches(config: DataConfig, device: torch.device) -> int:
     if config.prefetch_batches == -1:
         return 4 if device.type == "cuda" else 0
     return config.prefetch_batches
-
-
-def parallelize_from_config(model: nn.Module, config: Config, device: torch.device) -> nn.Module:
-    """:func:`~recsys.distributed.parallel.parallelize` with the run's ``[distributed]`` options
-    (placement constraints, memory per rank, communication precisions), ``train.batch_size``
-    and ``run.seed``; the model unchanged in a world of one."""
-    cfg = config.distributed
-    return parallelize(
-        model,
-        device,
-        seed=config.run.seed,
-        forward_precision=cfg.forward_precision,
-        backward_precision=cfg.backward_precision,
-        memory_per_rank=int(cfg.memory_per_rank_gb * 2**30),
-        batch_size=config.train.batch_size,
-        constraints=parse_constraints(cfg.constraints),
-        forward_comm_bytes=_COMM_BYTES[cfg.forward_precision],
-        backward_comm_bytes=_COMM_BYTES[cfg.backward_precision],
-    )
 
 
 @dataclass

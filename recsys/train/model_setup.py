@@ -12,16 +12,16 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from recsys.build.dynamic_tables import capacity_note
+from recsys.build.models import build_model, fused_embedding_optimizer
+from recsys.build.sharding import parallelize_from_config
+from recsys.build.tiered_tables import tiered_collections
+from recsys.checkpoint.finetune import freeze, init_from_checkpoint
+from recsys.checkpoint.io import resolve_checkpoint
 from recsys.config import Config
 from recsys.data.batch import DatasetSpec
-from recsys.train.checkpoint import resolve_checkpoint
 from recsys.train.compiled import compile_dense
-from recsys.train.dynamic_tables import capacity_note
-from recsys.train.evaluate import parallelize_from_config
-from recsys.train.finetune import freeze, init_from_checkpoint
-from recsys.train.models import build_model
-from recsys.train.optimizers import configure_embedding_optimizer, fused_embedding_optimizer
-from recsys.train.tiered_tables import tiered_collections
+from recsys.train.optimizers import configure_embedding_optimizer
 
 __all__ = ["setup_model"]
 

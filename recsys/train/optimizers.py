@@ -12,10 +12,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
+from recsys.build.models import fused_embedding_optimizer
 from recsys.config import TrainConfig
 from recsys.embedding.interface import embedding_collections, logical_optimizer_state
-from recsys.embedding.optim import OPTIMIZERS as FUSED_OPTIMIZERS
-from recsys.embedding.optim import FusedOptimizer
 
 _OPTIMIZERS = {
     "adam": torch.optim.Adam,
@@ -23,16 +22,6 @@ _OPTIMIZERS = {
     "adagrad": torch.optim.Adagrad,
     "sgd": torch.optim.SGD,
 }
-
-
-def fused_embedding_optimizer(config: TrainConfig) -> FusedOptimizer | None:
-    """The fused embedding optimizer ``[train]`` asks for (None without
-    ``fused_embedding_update``)."""
-    if not config.fused_embedding_update:
-        return None
-    return FUSED_OPTIMIZERS[config.embedding_optimizer](
-        lr=config.embedding_lr, stochastic_rounding=config.embedding_stochastic_rounding
-    )
 
 
 def configure_embedding_optimizer(config: TrainConfig, model: nn.Module) -> None:

@@ -45,10 +45,10 @@ from itertools import islice
 
 from torch import nn
 
+from recsys.build.tiered_tables import tiered_collections
 from recsys.data.batch import Batch
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.interface import embedding_collections
-from recsys.train.tiered_tables import tiered_collections
 
 PIPELINE_MODES = ("auto", "on", "off")
 

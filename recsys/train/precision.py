@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import KeyedTensor
 
+from recsys.distributed.ranks import is_distributed
 from recsys.embedding.interface import embedding_collections
-from recsys.train.ranks import is_distributed
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -17,7 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
-from recsys.train.checkpoint import list_checkpoints
+from recsys.checkpoint.io import list_checkpoints
 from recsys.train.metrics import TENSORBOARD_DIR
 
 METRICS_FILE = "metrics.jsonl"

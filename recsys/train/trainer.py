@@ -31,10 +31,33 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from recsys._files import is_inside, write_text_atomic
+from recsys.build.dynamic_tables import dropped_note, dynamic_stat_fields, key_balance
+from recsys.build.tiered_tables import (
+    TieredLog,
+    check_cache_sizes,
+    close_stores,
+    disk_note,
+    tiered_collections,
+)
+from recsys.checkpoint.delta_writer import DeltaWriter
+from recsys.checkpoint.deltas import DELTAS_DIR
+from recsys.checkpoint.io import (
+    LATEST,
+    checkpoint_shapes,
+    latest_checkpoint,
+    load_checkpoint,
+    point_best,
+    read_config,
+    remove_uncommitted,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    tensor_reader,
+)
 from recsys.config import CheckpointConfig, Config, config_differences, to_toml
 from recsys.data import build_dataset, resolve_source
 from recsys.data.batch import Batch
-from recsys.data.layout import DataPosition, Reshard, reshard_line
+from recsys.data.layout import DataPosition, Reshard
 from recsys.data.loader import BatchLoader
 from recsys.distributed.parallel import (
     DistributedInfo,
@@ -42,33 +65,13 @@ from recsys.distributed.parallel import (
     resolve_device,
     shutdown_distributed,
 )
+from recsys.distributed.ranks import from_first_rank, on_first_rank
 from recsys.embedding.interface import (
     embedding_collections,
     state_to_load,
 )
 from recsys.train.best import best_validation
-from recsys.train.checkpoint import (
-    LATEST,
-    checkpoint_shapes,
-    checkpoint_step,
-    find_resumable,
-    latest_checkpoint,
-    load_checkpoint,
-    point_best,
-    read_config,
-    remove_uncommitted,
-    resolve_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-    tensor_reader,
-    verify_checkpoint,
-)
-from recsys.train.delta_writer import DeltaWriter
-from recsys.train.deltas import DELTAS_DIR
-from recsys.train.dynamic_tables import dropped_note, dynamic_stat_fields, key_balance
 from recsys.train.evaluate import eval_line, evaluate_split
-from recsys.train.lineage import Lineage, new_run, read_lineage, resumed_run
 from recsys.train.metrics import MetricsLogger
 from recsys.train.model_setup import setup_model
 from recsys.train.optimizers import (
@@ -80,24 +83,16 @@ from recsys.train.optimizers import (
 from recsys.train.pipeline import TrainPipeline
 from recsys.train.precision import precision_note
 from recsys.train.progress import StepTimer, TrainWindow, summary_line
-from recsys.train.ranks import from_first_rank, on_first_rank
+from recsys.train.resume import data_position, find_resume, session_lineage
 from recsys.train.run_dir import (
     CONFIG_FILE,
     METRICS_FILE,
     check_run_dir,
     clear_previous_run,
-    fresh_start_note,
 )
 from recsys.train.schedule import LRSchedule
 from recsys.train.step import TrainStep
 from recsys.train.stop import StopSignals, TrainingStopped
-from recsys.train.tiered_tables import (
-    TieredLog,
-    check_cache_sizes,
-    close_stores,
-    disk_note,
-    tiered_collections,
-)
 
 
 @dataclass
@@ -142,7 +137,7 @@ class _Run:
                 self.run_dir, continuing=self._continuing(), overwrite=config.run.overwrite
             )
         )
-        resume = self._find_resume() if ckpt.resume else None
+        resume = find_resume(config, self.run_dir, self._print) if ckpt.resume else None
         seed_everything(config.run.seed)
         self.dataset = build_dataset(config.data, config.run.seed)
         malformed = getattr(self.dataset, "malformed", None)
@@ -184,7 +179,8 @@ class _Run:
         if resume is not None:
             self._restore(resume)
         self.start_step = self.step  # steps before it were trained by an earlier process
-        self.lineage = from_first_rank(self._session_lineage(resume))  # one id on every rank
+        lineage = session_lineage(config.checkpoint, resume, self.step)
+        self.lineage = from_first_rank(lineage)  # one id on every rank
         # Everything above can fail on a bad config or data: only now is the run dir written.
         if info.is_main:
             self._write_run_dir()
@@ -237,32 +233,6 @@ class _Run:
         checkpoint inside run.dir."""
         resume = self.config.checkpoint.resume
         return resume == LATEST or (bool(resume) and is_inside(resume, self.run_dir))
-
-    def _session_lineage(self, resume: Path | None) -> Lineage:
-        """This session's lineage (:mod:`recsys.train.lineage`): the resumed checkpoint's with
-        this session appended (a new run id when it has none), else a new run's, naming the
-        checkpoint a fine-tuned run starts from."""
-        if resume is not None:
-            return resumed_run(read_lineage(resume), self.step)
-        if not self.config.checkpoint.init_from:
-            return new_run()
-        parent = resolve_checkpoint(self.config.checkpoint.init_from)
-        return new_run(read_lineage(parent), checkpoint_step(parent))
-
-    def _find_resume(self) -> Path | None:
-        """The checkpoint to resume (None: a fresh start). ``latest`` goes back to the newest
-        checkpoint that verifies and says which ones it skipped; an explicit path must verify.
-        Collective: every rank reads a share of the files."""
-        if self.config.checkpoint.resume != LATEST:
-            path = resolve_checkpoint(self.config.checkpoint.resume)
-            verify_checkpoint(path)
-            return path
-        path, skipped = find_resumable(self.run_dir)
-        for line in skipped:
-            self._print(f"resume=latest: {line}")
-        if path is None:
-            self._print(fresh_start_note(self.run_dir))
-        return path
 
     def fit(self) -> TrainResult:
         """Train to ``total_steps``, evaluate on the test split, save the final checkpoint.
@@ -558,7 +528,7 @@ class _Run:
         state["model"] = state_to_load(
             _unwrap(self.model), checkpoint_shapes(path), "model.", tensor_reader(path)
         )
-        load_checkpoint(path, state, verify=False)  # verified by _find_resume
+        load_checkpoint(path, state, verify=False)  # verified by find_resume
         _unwrap(self.model).load_state_dict(state["model"])
         for collection in tiered_collections(_unwrap(self.model)):
             collection.tiered_files().load(path)
@@ -576,7 +546,13 @@ class _Run:
         self._print(f"resumed from {path} at step {self.step}")
         if note := dropped_note(_unwrap(self.model)):
             self._print(note)
-        self.data_position = position = self._data_position(state)
+        self.data_position = position = data_position(
+            state,
+            self.info.world_size,
+            self.config.train.batch_size,
+            lambda epoch, reshards: self._loader("train", epoch, 0, reshards).layout,
+            self._print,
+        )
         epochs, max_steps = self.config.train.epochs, self.config.train.max_steps
         this_epoch = self.steps_per_epoch  # batches of this run's size
         if position.reshards:
@@ -596,21 +572,6 @@ class _Run:
         differences = [d for d in differences if not d.startswith("checkpoint.resume:")]
         if differences:
             self._print("config changed since the checkpoint: " + "; ".join(differences))
-
-    def _data_position(self, saved: dict[str, Any]) -> DataPosition:
-        """Where this run continues in the data: the saved position with the batch size and
-        world size it was saved with; else a reshard of the epoch (the rows not yet trained, cut
-        anew for this run's ranks x batch size: :mod:`recsys.data.layout`), said in one line."""
-        epoch, done = saved["data_epoch"], saved["data_batch"]
-        reshards = tuple(Reshard(*r) for r in saved.get("data_reshards", []))
-        old = (saved["world_size"], saved["batch_size"])
-        new = (self.info.world_size, self.config.train.batch_size)
-        position = DataPosition(epoch, done, reshards).continued(*new, *old)
-        if old != new:
-            layout = self._loader("train", epoch, 0, position.reshards).layout
-            recorded = "data_reshards" in saved  # else saved before reshards were recorded
-            self._print(reshard_line(layout, epoch, position.reshards[-1], recorded))
-        return position
 
     def _print(self, message: str) -> None:
         if self.info.is_main:

@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from recsys.cli import main
 from recsys.config import PreprocessConfig
 from recsys.data.etl import file_fingerprint, preprocess, read_metadata
 from recsys.data.parquet import ParquetDataset
-from recsys.train.cli import main
 
 from .conftest import CARDINALITIES, TRAIN_ROWS
 from .test_criteo import line, write

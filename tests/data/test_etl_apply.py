@@ -9,11 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from recsys.cli import main
 from recsys.config import PreprocessConfig
 from recsys.data.batch import Batch
 from recsys.data.etl import file_fingerprint, preprocess, read_metadata
 from recsys.data.parquet import ParquetDataset
-from recsys.train.cli import main
 
 ROLES = dict(categorical=["user", "item"], multi_hot=["genres"], dense=["price"], label=["click"])
 

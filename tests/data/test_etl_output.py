@@ -112,7 +112,7 @@ def test_replace_output_puts_the_old_one_back_when_the_new_one_cannot_move_in(
 
 
 def test_a_read_only_output_is_one_line(read_only_dir, tmp_path, capsys):
-    from recsys.train.cli import main
+    from recsys.cli import main
 
     data = criteo_input(tmp_path, rows=1000)
     for output in (read_only_dir / "out", read_only_dir):  # new inside it, or it (empty)
@@ -124,7 +124,7 @@ def test_a_read_only_output_is_one_line(read_only_dir, tmp_path, capsys):
 
 
 def test_a_full_disk_is_one_line_naming_the_output(small_disk, tmp_path, capsys):
-    from recsys.train.cli import main
+    from recsys.cli import main
 
     data = criteo_input(tmp_path, rows=20000)
     output = small_disk / "out"

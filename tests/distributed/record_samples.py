@@ -9,9 +9,9 @@ import os
 import sys
 from pathlib import Path
 
+from recsys.cli import main
 from recsys.data.batch import Batch
 from recsys.train import trainer
-from recsys.train.cli import main
 
 
 def sample_lines(batch: Batch) -> list[str]:

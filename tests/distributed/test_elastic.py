@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recsys.train.checkpoint import latest_checkpoint, load_model
+from recsys.checkpoint.io import latest_checkpoint, load_model
 from recsys.train.metrics import read_metrics
 
 EVERY_STEPS = 8

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from recsys.build.models import build_model
 from recsys.config import ModelConfig, TrainConfig
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.distributed import planner as P
 from recsys.distributed.parallel import parallelize
 from recsys.embedding.interface import embedding_collections
-from recsys.train.models import build_model
 from recsys.train.optimizers import build_optimizers, configure_embedding_optimizer
 from tests.distributed.spawn import run_ranks
 from tests.distributed.test_sharded import assert_state_equal

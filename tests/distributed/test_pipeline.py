@@ -21,11 +21,11 @@ import pytest
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from recsys.checkpoint.io import latest_checkpoint, load_model
 from recsys.config import load_config
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.optim import Adagrad
 from recsys.train import trainer as trainer_module
-from recsys.train.checkpoint import latest_checkpoint, load_model
 from recsys.train.metrics import read_metrics
 from tests.distributed.spawn import run_ranks
 from tests.distributed.test_sharded import rows_of

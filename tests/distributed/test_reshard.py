@@ -13,9 +13,9 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+from recsys.checkpoint.io import load_checkpoint, load_model
 from recsys.config import load_config
 from recsys.distributed.parallel import DistributedInfo
-from recsys.train.checkpoint import load_checkpoint, load_model
 from recsys.train.optimizers import optimizer_states
 from recsys.train.trainer import _Run, _unwrap
 from tests.distributed.spawn import run_ranks
@@ -163,8 +163,8 @@ def test_two_rank_checkpoint_loads_on_one_process_and_on_four_ranks_with_another
 
 
 def one_batch(checkpoint: Path):
+    from recsys.checkpoint.io import read_config
     from recsys.data import build_dataset
-    from recsys.train.checkpoint import read_config
 
     config = read_config(checkpoint)
     return build_dataset(config.data, config.run.seed).chunk("test", 0).slice(0, 100)

@@ -14,13 +14,13 @@ import torch.distributed.checkpoint as dcp
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import PoolingType
 
+from recsys.checkpoint.io import checkpoint_shapes, tensor_reader
 from recsys.distributed import planner as P
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.dynamic_table import DynamicTableOptions
 from recsys.embedding.interface import state_to_load
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
-from recsys.train.checkpoint import checkpoint_shapes, tensor_reader
 from tests.distributed.spawn import run_ranks
 from tests.distributed.test_sharded import assert_entry_equal, rows_of
 
@@ -218,9 +218,9 @@ def test_a_two_rank_checkpoint_loads_on_one_and_four_ranks(tmp_path: Path):
 
 
 def _train_with_deltas(rank: int, world: int, run_dir: str) -> None:
-    from recsys.train.ranks import all_gather
+    from recsys.distributed.ranks import all_gather
+    from tests.checkpoint.test_deltas import TINY
     from tests.distributed.test_reshard import start
-    from tests.train.test_deltas import TINY
 
     chunks = ["--data.synthetic.num_train_samples=16384", "--train.max_steps=12"]  # a chunk each
     run = start(rank, world, [*TINY, *chunks, f"--run.dir={run_dir}"])
@@ -231,10 +231,10 @@ def _train_with_deltas(rank: int, world: int, run_dir: str) -> None:
 def test_deltas_of_two_ranks_rebuild_the_final_tables_from_any_base(tmp_path: Path):
     """2 gloo ranks, each writing the keys it owns; evictions (a small cap) and TTL expiry
     included. Every base checkpoint plus the deltas after it equals the final checkpoint."""
-    from recsys.train.checkpoint import load_model
-    from recsys.train.deltas import apply_deltas, dynamic_table_rows, list_deltas
-    from recsys.train.lineage import read_lineage
-    from tests.train.test_deltas import DELTAS
+    from recsys.checkpoint.deltas import apply_deltas, dynamic_table_rows, list_deltas
+    from recsys.checkpoint.io import load_model
+    from recsys.checkpoint.lineage import read_lineage
+    from tests.checkpoint.test_deltas import DELTAS
 
     run_dir = tmp_path / "run"
     run_ranks(2, _train_with_deltas, str(run_dir))
@@ -260,12 +260,12 @@ def test_two_ranks_resumed_on_one_keep_the_cap_and_the_delta_chain(tmp_path: Pat
     delta, so every base plus the deltas after it still equals the final tables."""
     import warnings
 
+    from recsys.checkpoint.deltas import apply_deltas, dynamic_table_rows
+    from recsys.checkpoint.io import load_model
     from recsys.embedding.dynamic_table import DynamicTable
-    from recsys.train.checkpoint import load_model
-    from recsys.train.deltas import apply_deltas, dynamic_table_rows
     from recsys.train.trainer import _unwrap
+    from tests.checkpoint.test_deltas import TINY
     from tests.distributed.test_reshard import start
-    from tests.train.test_deltas import TINY
 
     run_dir = tmp_path / "run"
     run_ranks(2, _train_with_deltas, str(run_dir))
@@ -285,7 +285,7 @@ def test_two_ranks_resumed_on_one_keep_the_cap_and_the_delta_chain(tmp_path: Pat
     dropped = {name: int(count) for name, count in (part.split() for part in line.split(", "))}
     assert dropped and all(count > 0 for count in dropped.values())
     run.fit()
-    from recsys.train.deltas import list_deltas, read_delta
+    from recsys.checkpoint.deltas import list_deltas, read_delta
 
     first = read_delta(list_deltas(run_dir / "deltas")[-2])  # the first one after step 8
     for name, count in dropped.items():

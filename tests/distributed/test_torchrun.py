@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import recsys
+from recsys.build.models import build_model
+from recsys.checkpoint.io import latest_checkpoint, load_checkpoint, load_model
 from recsys.config import load_config
 from recsys.data import build_dataset
 from recsys.data.loader import BatchLoader
-from recsys.train.checkpoint import latest_checkpoint, load_checkpoint, load_model
 from recsys.train.metrics import BinaryMetrics, read_metrics
-from recsys.train.models import build_model
 from tests.distributed.record_samples import sample_lines
 
 PACKAGE = os.path.dirname(recsys.__file__)  # <clone>/recsys

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from recsys import DLRM, EmbeddingBagCollection
+from recsys.build.models import MODELS, build_model
 from recsys.config import load_config
 from recsys.data.batch import DatasetSpec
 from recsys.ops.dot_interaction import dot_interaction_reference
-from recsys.train.models import MODELS, build_model
 from tests.models.test_dlrm import make_inputs, make_tables
 
 

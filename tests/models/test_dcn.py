@@ -5,9 +5,9 @@ import torchrec.modules.crossnet as torchrec_crossnet
 from torchrec import EmbeddingBagConfig
 
 from recsys import DCN, EmbeddingBagCollection
+from recsys.build.models import build_model
 from recsys.config import load_config
 from recsys.data.batch import DatasetSpec
-from recsys.train.models import build_model
 from recsys.train.trainer import train
 from tests.models.test_dlrm import make_inputs, make_tables
 from tests.train.test_trainer import SMALL

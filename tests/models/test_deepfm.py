@@ -3,10 +3,10 @@ import torch
 from torchrec import EmbeddingBagConfig
 
 from recsys import DeepFM, EmbeddingBagCollection
+from recsys.build.models import build_model
 from recsys.config import load_config
 from recsys.data.batch import DatasetSpec
 from recsys.models import linear_table_configs
-from recsys.train.models import build_model
 from recsys.train.trainer import train
 from tests.models.test_dlrm import make_inputs, make_tables
 from tests.train.test_trainer import SMALL

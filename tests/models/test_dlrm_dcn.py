@@ -6,8 +6,8 @@ import torchrec.modules.crossnet as torchrec_crossnet
 from torchrec import EmbeddingBagConfig
 
 from recsys import DLRM, DLRM_DCN, EmbeddingBagCollection
+from recsys.build.models import build_model
 from recsys.config import load_config
-from recsys.train.models import build_model
 from recsys.train.trainer import train
 from tests.models.test_dcn import make_spec
 from tests.models.test_dlrm import make_inputs, make_tables

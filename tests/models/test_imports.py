@@ -1,5 +1,5 @@
 """recsys.models holds architecture only: neither it nor anything it imports reads a config, a
-dataset, the trainer or the distributed layer (the registry that does is recsys.train.models)."""
+dataset, the trainer or the distributed layer (the registry that does is recsys.build.models)."""
 
 import ast
 from pathlib import Path

@@ -3,9 +3,9 @@ import torch
 from torchrec import EmbeddingBagConfig
 
 from recsys import EmbeddingBagCollection, MMoE
+from recsys.build.models import build_model
 from recsys.config import load_config
 from recsys.data.batch import DatasetSpec
-from recsys.train.models import build_model
 from recsys.train.trainer import train
 from tests.models.test_pnn import make_inputs, make_tables
 from tests.train.test_trainer import SMALL

@@ -3,9 +3,9 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from recsys import PNN, EmbeddingBagCollection
+from recsys.build.models import build_model
 from recsys.config import load_config
 from recsys.data.batch import DatasetSpec
-from recsys.train.models import build_model
 from recsys.train.trainer import train
 from tests.train.test_trainer import SMALL
 

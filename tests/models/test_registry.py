@@ -1,4 +1,4 @@
-"""The registry (recsys.train.models) builds every name model.name allows, and nothing else."""
+"""The registry (recsys.build.models) builds every name model.name allows, and nothing else."""
 
 import dataclasses
 import typing
@@ -6,9 +6,9 @@ import typing
 import pytest
 import torch
 
+from recsys.build.models import MODELS, build_model
 from recsys.config import ModelConfig
 from recsys.data.batch import DatasetSpec
-from recsys.train.models import MODELS, build_model
 
 SPEC = DatasetSpec(("d0", "d1"), ("a", "b", "c"), (5, 7, 3), ("click",))
 

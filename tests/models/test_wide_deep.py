@@ -3,8 +3,8 @@ import torch
 from torchrec import EmbeddingBagConfig
 
 from recsys import EmbeddingBagCollection, WideDeep
+from recsys.build.models import build_model
 from recsys.config import load_config
-from recsys.train.models import build_model
 from recsys.train.trainer import train
 from tests.models.test_deepfm import (
     SHORT_RUN,

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from recsys import XDeepFM
+from recsys.build.models import build_model
 from recsys.config import load_config
-from recsys.train.models import build_model
 from recsys.train.trainer import train
 from tests.models.test_deepfm import (
     SHORT_RUN,

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from recsys.checkpoint.io import list_checkpoints, load_model, resolve_checkpoint
 from recsys.config import load_config
 from recsys.train.best import BestValidation
-from recsys.train.checkpoint import list_checkpoints, load_model, resolve_checkpoint
 from recsys.train.metrics import read_metrics
 from recsys.train.trainer import train
 from tests.train.test_resume import TINY

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from recsys.cli import main
 from recsys.config import PreprocessConfig, load_config
-from recsys.train.cli import main
 from recsys.train.evaluate import evaluate_checkpoint
 from recsys.train.metrics import read_metrics
 from recsys.train.trainer import train

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+from recsys.checkpoint.io import load_model
 from recsys.config import load_config
 from recsys.train import pipeline as pipeline_module
-from recsys.train.checkpoint import load_model
 from recsys.train.metrics import read_metrics
 from recsys.train.pipeline import TrainPipeline, pipeline_enabled
 from recsys.train.trainer import train

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
+from recsys.checkpoint.io import checkpoint_shapes, load_model
 from recsys.config import load_config
 from recsys.data.batch import Batch
 from recsys.distributed import planner as P
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import SGD, Adagrad
-from recsys.train.checkpoint import checkpoint_shapes, load_model
 from recsys.train.metrics import read_metrics
 from recsys.train.precision import LossScaler, autocast, precision_note
 from recsys.train.progress import StepTimer

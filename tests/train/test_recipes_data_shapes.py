@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from recsys.checkpoint.io import load_model
 from recsys.config import load_config
 from recsys.data import build_dataset
-from recsys.train.checkpoint import load_model
-from recsys.train.export import export_model, load_exported
+from recsys.serve.export import export_model, load_exported
 from recsys.train.metrics import read_metrics
 from recsys.train.trainer import train
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from recsys.checkpoint.io import checkpoint_shapes, latest_checkpoint, load_model
 from recsys.config import load_config
 from recsys.train import trainer as trainer_module
-from recsys.train.checkpoint import checkpoint_shapes, latest_checkpoint, load_model
 from recsys.train.metrics import read_metrics
 from recsys.train.trainer import train
 

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from recsys.cli import main
 from recsys.config import load_config
-from recsys.train import checkpoint as ckpt
+from recsys.checkpoint import io as ckpt
 from recsys.train import trainer as trainer_module
-from recsys.train.cli import main
 from recsys.train.metrics import read_metrics
 from recsys.train.stop import TrainingStopped
 from recsys.train.trainer import train
@@ -396,7 +396,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous(tmp_
     disk) deep inside torch's writer; the previous checkpoint stays the resumable one."""
     code = (
         "import resource, sys\n"
-        "from recsys.train.cli import main\n"
+        "from recsys.cli import main\n"
         f"sys.exit(main({['train', f'--run.dir={tmp_path}', *TINY, '--train.max_steps=2']!r}))\n"
     )
     first = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True)

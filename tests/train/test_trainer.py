@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from recsys.build.models import build_model
+from recsys.checkpoint.io import latest_checkpoint, load_checkpoint
+from recsys.cli import main
 from recsys.config import load_config
 from recsys.data import build_dataset
 from recsys.data.loader import BatchLoader
-from recsys.train.checkpoint import latest_checkpoint, load_checkpoint
-from recsys.train.cli import main
 from recsys.train.metrics import BinaryMetrics, read_metrics
-from recsys.train.models import build_model
 from recsys.train.trainer import train
 from tests.train.test_resume import TINY
 from tests.train.test_resume import run as run_tiny

@@ -15,8 +15,8 @@ import pytest
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from recsys.train.cli import main
-from recsys.train.report import (
+from recsys.cli import main
+from recsys.report import (
     REPORT_FILE,
     format_table,
     load_run,

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from recsys.cli import main
 from recsys.config import config_reference, load_config, to_toml
-from recsys.train.cli import main
 from recsys.train.stop import TrainingStopped
 
 SUBCOMMANDS = ["train", "eval", "config", "preprocess", "export", "predict", "report"]
@@ -231,8 +231,8 @@ def test_export_passes_its_arguments(monkeypatch, tmp_path, capsys):
         return Path(output)
 
     checkpoint = tmp_path / "checkpoints" / "step_00000003"
-    monkeypatch.setattr("recsys.train.checkpoint.resolve_checkpoint", lambda spec: checkpoint)
-    monkeypatch.setattr("recsys.train.export.export_model", export_model)
+    monkeypatch.setattr("recsys.checkpoint.io.resolve_checkpoint", lambda spec: checkpoint)
+    monkeypatch.setattr("recsys.serve.export.export_model", export_model)
     output = str(tmp_path / "model.pt2")
     assert main(["export", "--checkpoint", str(tmp_path), "--output", output]) == 0
     assert main(["export", "--checkpoint", "x", "--output", output, "--overwrite"]) == 0
@@ -256,7 +256,7 @@ def test_predict_passes_its_arguments(monkeypatch, tmp_path, capsys):
             deltas_step=None if options["deltas"] is None else 40,
         )
 
-    monkeypatch.setattr("recsys.train.export.predict", predict)
+    monkeypatch.setattr("recsys.serve.export.predict", predict)
     argv = ["predict", "--model", "m.pt2", "--input", "in/", "--output", "s.parquet"]
     assert main(argv) == 0
     assert "recsys: scored 1,234 rows of 2 file(s) into s.parquet (score_click) in" in (
@@ -289,8 +289,8 @@ def test_predict_passes_its_arguments(monkeypatch, tmp_path, capsys):
     ],
 )
 def test_export_and_predict_refuse_config_overrides(argv, monkeypatch, capsys):
-    monkeypatch.setattr("recsys.train.export.export_model", lambda *a, **k: pytest.fail("ran"))
-    monkeypatch.setattr("recsys.train.export.predict", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr("recsys.serve.export.export_model", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr("recsys.serve.export.predict", lambda *a, **k: pytest.fail("ran"))
     assert main(argv) == 2
     assert error_line(capsys) == "recsys: error: unrecognized arguments: --train.batch_size=4"
 

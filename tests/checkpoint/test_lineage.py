@@ -1,4 +1,4 @@
-"""Run lineages (recsys.train.lineage) and the rule that applies a delta only to what it
+"""Run lineages (recsys.checkpoint.lineage) and the rule that applies a delta only to what it
 continues (delta_chain): the same run, the same history up to the base's step. Runs that write
 them are tested in test_deltas.py."""
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from recsys.train.deltas import DeltaBase, DeltaInfo, delta_chain
-from recsys.train.lineage import (
+from recsys.checkpoint.deltas import DeltaBase, DeltaInfo, delta_chain
+from recsys.checkpoint.lineage import (
     Lineage,
     Session,
     divergence,

@@ -20,7 +20,7 @@ from recsys.config import DynamicConfig
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.dynamic_table import DynamicTable, DynamicTableOptions
 from recsys.embedding.interface import embedding_collections
-from recsys.train.ranks import all_gather
+from recsys.distributed.ranks import all_gather
 
 __all__ = [
     "capacity_note",

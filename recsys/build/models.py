@@ -24,10 +24,11 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig
 
-from recsys.config import ModelConfig
+from recsys.config import ModelConfig, TrainConfig
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.optim import OPTIMIZERS as FUSED_OPTIMIZERS
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tiered import TieredEmbeddingBagCollection
 from recsys.models import (
@@ -42,10 +43,10 @@ from recsys.models import (
     linear_table_configs,
     table_configs,
 )
-from recsys.train.dynamic_tables import dynamic_features, dynamic_options
-from recsys.train.tiered_tables import storage_options
+from recsys.build.dynamic_tables import dynamic_features, dynamic_options
+from recsys.build.tiered_tables import storage_options
 
-__all__ = ["MODELS", "ModelEntry", "build_model"]
+__all__ = ["MODELS", "ModelEntry", "build_model", "fused_embedding_optimizer"]
 
 
 def _no_options(config: ModelConfig, spec: DatasetSpec) -> dict[str, Any]:
@@ -266,3 +267,13 @@ MODELS: dict[str, ModelEntry] = {
     ),
 }
 """Every model ``model.name`` may name, and how :func:`build_model` makes it."""
+
+
+def fused_embedding_optimizer(config: TrainConfig) -> FusedOptimizer | None:
+    """The fused embedding optimizer ``[train]`` asks for (None without
+    ``fused_embedding_update``)."""
+    if not config.fused_embedding_update:
+        return None
+    return FUSED_OPTIMIZERS[config.embedding_optimizer](
+        lr=config.embedding_lr, stochastic_rounding=config.embedding_stochastic_rounding
+    )

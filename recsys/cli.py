@@ -139,7 +139,7 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
         "export",
         help="checkpoint -> one torch.export program (.pt2) that scores batches",
         description="Writes a torch.export ExportedProgram (torch.export.save); load it with "
-        "torch.export.load(PATH).module() or recsys.train.export.load_exported(PATH). Its "
+        "torch.export.load(PATH).module() or recsys.serve.export.load_exported(PATH). Its "
         "forward takes dense f32[B, N_dense], ids int64[L] and bag lengths int64[F*B] "
         "(key-major, as a KeyedJaggedTensor) and returns click probabilities f32[B, T].",
         epilog=_epilog(
@@ -270,8 +270,8 @@ def _preprocess(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from recsys.train.checkpoint import resolve_checkpoint
-    from recsys.train.export import export_model
+    from recsys.checkpoint.io import resolve_checkpoint
+    from recsys.serve.export import export_model
 
     start = time.perf_counter()
     checkpoint = resolve_checkpoint(args.checkpoint)
@@ -285,7 +285,7 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def _predict(args: argparse.Namespace) -> None:
-    from recsys.train.export import predict
+    from recsys.serve.export import predict
 
     report = predict(
         args.model,
@@ -306,7 +306,7 @@ def _predict(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    from recsys.train.report import write_report
+    from recsys.report import write_report
 
     report = write_report(args.run_dirs, args.output)
     print(report.table, end="")

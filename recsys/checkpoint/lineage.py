@@ -1,5 +1,5 @@
 """Which run, and which history of it, a checkpoint, an export or a delta comes from: so that
-deltas are applied only to a base whose tables they continue (:mod:`recsys.train.deltas`).
+deltas are applied only to a base whose tables they continue (:mod:`recsys.checkpoint.deltas`).
 
 A run is one model trained from its initialization: a fresh start, or a fine-tuning
 (``checkpoint.init_from``), gets a new random run id. A session is one launch that trains it

@@ -1,8 +1,8 @@
 """Incremental deltas of dynamic tables, for serving: their format, and how a base checkpoint
 (:func:`apply_deltas`) or export (``recsys predict --deltas``:
-:mod:`recsys.train.exported_deltas`) plus the deltas after it rebuild the current tables without
+:mod:`recsys.serve.exported_deltas`) plus the deltas after it rebuild the current tables without
 a full re-export. The trainer writes one every ``checkpoint.delta_every_steps``
-(:mod:`recsys.train.delta_writer`).
+(:mod:`recsys.checkpoint.delta_writer`).
 
 Files. A delta is the directory ``<run dir>/deltas/step_<N>/`` (N zero-padded to 8 digits)::
 
@@ -22,7 +22,7 @@ Manifest (``delta.json``)::
      "since": S,         the step of the previous delta (or of the resume or start)
      "world_size": W,
      "lineage": {"run_id": ..., "sessions": [{"id": ..., "from_step": ...}, ...],
-                 "parent": ...},   the run and sessions that wrote it (recsys.train.lineage;
+                 "parent": ...},   the run and sessions that wrote it (recsys.checkpoint.lineage;
                                    absent in deltas written before lineages)
      "tables": {"<table>": {"dim": D, "rows": n, "deletions": m,
                             "files": [{"name": ..., "kind": "rows" | "deleted", "rank": r,
@@ -38,7 +38,7 @@ the previous one ends (``since`` = its ``step``); a gap is a ValueError naming t
 delta carries the dynamic tables only: dense layers and fixed tables stay those of the base.
 
 Lineage. A base (checkpoint or export) and every delta record the lineage of the run that
-wrote them (:mod:`recsys.train.lineage`). Each delta must continue what it is applied to, the
+wrote them (:mod:`recsys.checkpoint.lineage`). Each delta must continue what it is applied to, the
 base or the delta before it: the same run, and the same history up to that step (its branch of
 the run split from the base's at that step or later). Anything else (another run's deltas, or
 those of a branch resumed from a checkpoint older than the base) is a ValueError naming the
@@ -81,10 +81,10 @@ import torch
 from torch import nn
 
 from recsys._files import file_checksum
+from recsys.checkpoint.io import checkpoint_step, load_model, resolve_checkpoint
+from recsys.checkpoint.lineage import Lineage, divergence, read_lineage
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.interface import TableDelta, embedding_collections
-from recsys.train.checkpoint import checkpoint_step, load_model, resolve_checkpoint
-from recsys.train.lineage import Lineage, divergence, read_lineage
 
 __all__ = [
     "DELTAS_DIR",

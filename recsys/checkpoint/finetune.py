@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from recsys._suggest import did_you_mean
+from recsys.checkpoint.io import checkpoint_shapes, load_checkpoint
 from recsys.config import CheckpointConfig
 from recsys.embedding.interface import (
     embedding_collections,
@@ -33,7 +34,6 @@ from recsys.embedding.interface import (
     state_prefix,
     variable_state_keys,
 )
-from recsys.train.checkpoint import checkpoint_shapes, load_checkpoint
 
 EMBEDDINGS = "embeddings"
 

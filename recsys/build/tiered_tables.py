@@ -20,8 +20,8 @@ from recsys.config import StorageConfig
 from recsys.embedding.interface import embedding_collections
 from recsys.embedding.row_store import DiskRecords, FixedStore
 from recsys.embedding.tiered import TIERS, StorageOptions, TieredEmbeddingBagCollection
-from recsys.train.dynamic_tables import parse_overrides
-from recsys.train.ranks import all_gather
+from recsys.build.dynamic_tables import parse_overrides
+from recsys.distributed.ranks import all_gather
 
 __all__ = [
     "TIERED_DIR",

@@ -9,7 +9,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import Adam
-from recsys.train import checkpoint as ckpt
+from recsys.checkpoint import io as ckpt
 
 
 def state(value: float, step: int) -> dict:

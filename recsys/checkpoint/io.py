@@ -10,7 +10,7 @@ Inside a checkpoint directory, next to DCP's files (``.metadata`` and one ``__<r
 per rank), the first rank writes plain-text sidecars: ``config.toml`` (the resolved config of
 the run), ``spec.json`` (the dataset's columns and table sizes), so a checkpoint alone is
 enough to rebuild its model (:func:`load_model`) without the data it was trained on, and
-``lineage.json`` (the run id and sessions that trained it, :mod:`recsys.train.lineage`: what
+``lineage.json`` (the run id and sessions that trained it, :mod:`recsys.checkpoint.lineage`: what
 ties deltas to it; checkpoints saved before lineages have none and load as before).
 
 Last before the commit, ``checksums.json`` records the size and CRC-32 of every file (each rank
@@ -49,15 +49,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from recsys._files import file_checksum, fsync_path, write_failure
+from recsys.build.models import build_model, fused_embedding_optimizer
+from recsys.build.tiered_tables import private_storage, tiered_collections
+from recsys.checkpoint.lineage import LINEAGE_FILE, Lineage
 from recsys.config import Config, load_config, to_toml
 from recsys.data.batch import DatasetSpec
+from recsys.distributed.ranks import all_gather, barrier, from_first_rank, is_distributed
 from recsys.embedding.dynamic_table import load_every_key
 from recsys.embedding.interface import state_to_load
-from recsys.train.lineage import LINEAGE_FILE, Lineage
-from recsys.train.models import build_model
-from recsys.train.optimizers import fused_embedding_optimizer
-from recsys.train.ranks import all_gather, barrier, from_first_rank, is_distributed
-from recsys.train.tiered_tables import private_storage, tiered_collections
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"

@@ -1,4 +1,4 @@
-"""Writing deltas of dynamic tables (the format: :mod:`recsys.train.deltas`): the trainer's
+"""Writing deltas of dynamic tables (the format: :mod:`recsys.checkpoint.deltas`): the trainer's
 schedule (:class:`DeltaWriter`, ``checkpoint.delta_every_steps``), the atomic collective write
 (:func:`write_delta`), and the removal of stale deltas when a run resumes
 (:func:`remove_deltas_after`).
@@ -24,10 +24,10 @@ import pyarrow.parquet as pq
 from torch import nn
 
 from recsys._files import file_checksum, fsync_path, write_failure, write_text_atomic
+from recsys.checkpoint.deltas import FORMAT, MANIFEST, VERSION, delta_dir_step
+from recsys.checkpoint.lineage import Lineage
+from recsys.distributed.ranks import all_gather, from_first_rank, rank, world_size
 from recsys.embedding.interface import TableDelta, embedding_collections
-from recsys.train.deltas import FORMAT, MANIFEST, VERSION, delta_dir_step
-from recsys.train.lineage import Lineage
-from recsys.train.ranks import all_gather, from_first_rank, rank, world_size
 
 __all__ = ["DeltaReport", "DeltaWriter", "remove_deltas_after", "take_deltas", "write_delta"]
 
@@ -89,7 +89,7 @@ def write_delta(
         step: the training step the delta was taken after; names it.
         since: the step of the previous delta (or where training started).
         tables: what :func:`take_deltas` returned on this rank.
-        lineage: the run and sessions writing it (:mod:`recsys.train.lineage`; the first
+        lineage: the run and sessions writing it (:mod:`recsys.checkpoint.lineage`; the first
             rank's is written): what ties it to the bases it continues.
 
     Returns:

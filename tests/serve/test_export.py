@@ -12,13 +12,13 @@ import torch
 from torchmetrics.functional.classification import binary_auroc
 from torchrec import KeyedJaggedTensor
 
+from recsys.checkpoint.io import load_model
+from recsys.cli import main
 from recsys.config import load_config
 from recsys.data import build_dataset
 from recsys.data.batch import Batch
 from recsys.data.loader import BatchLoader
-from recsys.train.checkpoint import load_model
-from recsys.train.cli import main
-from recsys.train.export import export_model, load_exported, predict
+from recsys.serve.export import export_model, load_exported, predict
 from recsys.train.trainer import train
 
 TINY = [

@@ -1,6 +1,6 @@
 """Deltas on an export: ``recsys predict --deltas`` and ``load_exported(path, deltas=...)``
-(:mod:`recsys.train.export`) bring the dynamic tables of a loaded ``.pt2`` program forward by the
-deltas written after its checkpoint (:mod:`recsys.train.deltas`).
+(:mod:`recsys.serve.export`) bring the dynamic tables of a loaded ``.pt2`` program forward by the
+deltas written after its checkpoint (:mod:`recsys.checkpoint.deltas`).
 
 An export's extra file ``dynamic.json`` (:func:`exported_dynamic_tables`) records the step and
 lineage of its checkpoint (the base the deltas must continue) and, per dynamic table, the
@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from recsys.checkpoint.deltas import DeltaBase, replay_deltas
+from recsys.checkpoint.lineage import Lineage
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.interface import TABLES, WEIGHT, embedding_collections, state_prefix
 from recsys.embedding.slot_map import SlotMap
 from recsys.ops.slot_map import EMPTY_KEY
-from recsys.train.deltas import DeltaBase, replay_deltas
-from recsys.train.lineage import Lineage
 
 __all__ = ["DYNAMIC_FILE", "apply_exported_deltas", "export_base", "exported_dynamic_tables"]
 

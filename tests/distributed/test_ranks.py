@@ -1,6 +1,6 @@
 """The rank helpers in one process (the checkpoint and delta tests run them on gloo ranks)."""
 
-from recsys.train import ranks
+from recsys.distributed import ranks
 
 
 def test_one_process_is_rank_0_of_1_and_collectives_return_its_own_value():

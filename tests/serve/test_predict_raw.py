@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from recsys.cli import main
 from recsys.config import PreprocessConfig, load_config
 from recsys.data.etl import preprocess
-from recsys.train.cli import main
-from recsys.train.export import export_model, predict
+from recsys.serve.export import export_model, predict
 from recsys.train.trainer import train
 
 ROLES = {"categorical": ["user", "item"], "multi_hot": ["genres"], "dense": ["price"]}

@@ -17,16 +17,8 @@ import pytest
 import torch
 from torchrec import KeyedJaggedTensor
 
-from recsys.config import load_config
-from recsys.data import build_dataset
-from recsys.data.batch import Batch
-from recsys.data.loader import BatchLoader
-from recsys.embedding.interface import TableDelta
-from recsys.ops.slot_map import bucket_of
-from recsys.train.checkpoint import CHECKSUMS_FILE, list_checkpoints, load_model
-from recsys.train.cli import main
-from recsys.train.delta_writer import write_delta
-from recsys.train.deltas import (
+from recsys.checkpoint.delta_writer import write_delta
+from recsys.checkpoint.deltas import (
     DeltaBase,
     DeltaInfo,
     apply_deltas,
@@ -37,9 +29,17 @@ from recsys.train.deltas import (
     read_delta,
     replay_deltas,
 )
-from recsys.train.export import export_model, load_exported, predict
-from recsys.train.exported_deltas import apply_exported_deltas
-from recsys.train.lineage import LINEAGE_FILE, Lineage, Session, read_lineage
+from recsys.checkpoint.io import CHECKSUMS_FILE, list_checkpoints, load_model
+from recsys.checkpoint.lineage import LINEAGE_FILE, Lineage, Session, read_lineage
+from recsys.cli import main
+from recsys.config import load_config
+from recsys.data import build_dataset
+from recsys.data.batch import Batch
+from recsys.data.loader import BatchLoader
+from recsys.embedding.interface import TableDelta
+from recsys.ops.slot_map import bucket_of
+from recsys.serve.export import export_model, load_exported, predict
+from recsys.serve.exported_deltas import apply_exported_deltas
 from recsys.train.trainer import train
 
 TINY = [

@@ -25,10 +25,10 @@ them first and names the column.
 Dynamic tables are looked up in a frozen map inside the program: per table a constant of map
 keys (``num_buckets`` buckets of ``bucket_size`` slots, fixed in the graph) and its rows. The
 extra file ``dynamic.json`` records the checkpoint's step and lineage (its run and sessions,
-:mod:`recsys.train.lineage`) and, per dynamic table, the names of those tensors in the program,
+:mod:`recsys.checkpoint.lineage`) and, per dynamic table, the names of those tensors in the program,
 so that ``recsys predict --deltas`` (``load_exported(path, deltas=...)``) can bring the tables
 forward with the deltas written after that step by the same run (see
-:mod:`recsys.train.exported_deltas`): it rebuilds each table's keys and rows in place, in the
+:mod:`recsys.serve.exported_deltas`): it rebuilds each table's keys and rows in place, in the
 same map layout, and fails naming the table when its keys no longer fit (the table grew past
 the exported map: export a later checkpoint), or naming the export and the delta when a delta
 does not continue the export's checkpoint. Dense layers and fixed tables stay the export's.
@@ -58,11 +58,7 @@ from torchrec import KeyedJaggedTensor
 
 from recsys._files import is_inside, remove_quietly, write_bytes_atomic, write_failure
 from recsys._suggest import quoted_with_hints
-from recsys.data.batch import Batch, DatasetSpec
-from recsys.data.parquet import table_to_batch
-from recsys.data.prepared import file_fingerprint, new_directory_beside, read_metadata
-from recsys.ops.slot_map import check_keys
-from recsys.train.checkpoint import (
+from recsys.checkpoint.io import (
     CONFIG_FILE,
     SPEC_FILE,
     checkpoint_step,
@@ -70,12 +66,16 @@ from recsys.train.checkpoint import (
     read_spec,
     resolve_checkpoint,
 )
-from recsys.train.exported_deltas import (
+from recsys.checkpoint.lineage import read_lineage
+from recsys.data.batch import Batch, DatasetSpec
+from recsys.data.parquet import table_to_batch
+from recsys.data.prepared import file_fingerprint, new_directory_beside, read_metadata
+from recsys.ops.slot_map import check_keys
+from recsys.serve.exported_deltas import (
     DYNAMIC_FILE,
     apply_exported_deltas,
     exported_dynamic_tables,
 )
-from recsys.train.lineage import read_lineage
 
 __all__ = [
     "InferenceModule",
@@ -194,7 +194,7 @@ def load_exported(
         deltas: the deltas directory (``<run dir>/deltas``), or the run directory, of the run
             the export's checkpoint is from: its dynamic tables are brought forward by the
             deltas after that checkpoint
-            (:func:`~recsys.train.exported_deltas.apply_exported_deltas`).
+            (:func:`~recsys.serve.exported_deltas.apply_exported_deltas`).
 
     Returns:
         The program as a module, ``(dense, values, lengths) -> probabilities [B, T]`` (see the
@@ -203,7 +203,7 @@ def load_exported(
     Raises:
         FileNotFoundError: no file at ``path`` (or no ``deltas`` directory).
         ValueError: a file that :func:`export_model` did not write; deltas that do not apply
-            (see :func:`~recsys.train.exported_deltas.apply_exported_deltas`).
+            (see :func:`~recsys.serve.exported_deltas.apply_exported_deltas`).
 
     Example::
 
@@ -310,7 +310,7 @@ def predict(
             when it differs from the one the training data was preprocessed from.
         deltas: the deltas directory (or the run directory) of the run the model was exported
             from: score with its dynamic tables at the last delta after the export's
-            checkpoint (:func:`~recsys.train.exported_deltas.apply_exported_deltas`; the dense
+            checkpoint (:func:`~recsys.serve.exported_deltas.apply_exported_deltas`; the dense
             layers stay the export's).
 
     Raises:

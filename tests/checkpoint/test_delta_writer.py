@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
+from recsys.checkpoint.delta_writer import remove_deltas_after, write_delta
+from recsys.checkpoint.deltas import list_deltas, read_delta
+from recsys.checkpoint.lineage import Lineage, Session, new_run
 from recsys.embedding.interface import TableDelta
-from recsys.train.delta_writer import remove_deltas_after, write_delta
-from recsys.train.deltas import list_deltas, read_delta
-from recsys.train.lineage import Lineage, Session, new_run
 from tests.distributed.spawn import run_ranks
 
 LINEAGE = Lineage("0123456789abcdef", (Session("00000000000000aa", 0), Session("bb", 2)))

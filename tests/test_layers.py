@@ -1,0 +1,181 @@
+"""The package's shape, checked from its imports (every import statement of every module, in
+functions too; not those under ``if TYPE_CHECKING:``): no import circle, and a layer imports only
+its own layer and the ones below it:
+
+    _files, _suggest, config  <-  ops  <-  embedding  <-  data  <-  distributed  <-  models
+    <-  build  <-  checkpoint  <-  train  <-  serve  <-  report, cli
+
+(a package's ``__init__`` that re-exports its modules does not count as importing them for the
+circle check: ``from recsys.checkpoint.io import x`` is an edge to ``recsys.checkpoint.io``
+only). ``docs/architecture.md`` states the same rules; a file past 600 lines fails too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import recsys
+
+PACKAGE = Path(recsys.__file__).resolve().parent
+LAYERS = [
+    ("recsys._files", "recsys._suggest", "recsys.config"),
+    ("recsys.ops",),
+    ("recsys.embedding",),
+    ("recsys.data",),
+    ("recsys.distributed",),
+    ("recsys.models",),
+    ("recsys.build",),
+    ("recsys.checkpoint",),
+    ("recsys.train",),
+    ("recsys.serve",),
+    ("recsys.report", "recsys.cli", "recsys.__main__", "recsys"),
+]
+MAX_LINES = 600
+
+
+def modules() -> dict[str, Path]:
+    """Every module of recsys by dotted name (a package by its ``__init__``)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = ["recsys", *path.relative_to(PACKAGE).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def layer(name: str) -> int:
+    """The layer of module ``name``: that of the longest package prefix listed in LAYERS."""
+    best, found = -1, None
+    for index, names in enumerate(LAYERS):
+        for prefix in names:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), index
+    assert found is not None, f"{name} is in no layer: add it to LAYERS"
+    return found
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> dict[str, int]:
+    """The recsys modules ``name`` imports (the deepest module each statement names), with the
+    line of the first such import."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: dict[str, int] = {}
+    skipped = {
+        id(child)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.If) and _type_checking(node)
+        for child in ast.walk(node)
+    }
+    for node in ast.walk(ast.parse(path.read_text())):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name`, mod.
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # a name inside a module: its module
+                target = target.rpartition(".")[0]
+            if target.startswith("recsys") and target != name:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, dict[str, int]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def test_no_layer_imports_a_higher_one(graph):
+    wrong = [
+        f"{name} (layer {layer(name)}) imports {target} (layer {layer(target)}) at line {line}"
+        for name, targets in graph.items()
+        for target, line in targets.items()
+        if layer(target) > layer(name)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circle(graph):
+    # A package's __init__ re-exporting its own modules is not a circle: drop those edges.
+    edges = {
+        name: {t for t in targets if not t.startswith(name + ".")}
+        for name, targets in graph.items()
+    }
+    circles = _cycles(edges)
+    assert not circles, "\n".join(" -> ".join(c) for c in circles)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return out
+
+
+def test_no_file_is_longer_than_the_limit():
+    long = [
+        f"{path.relative_to(PACKAGE.parent)}: {n} lines"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    ]
+    assert not long, f"files over {MAX_LINES} lines (split them by responsibility):\n" + "\n".join(
+        long
+    )
+
+
+def test_the_checker_sees_a_back_import(tmp_path):
+    """A deliberate back-import (ops importing train) is a layer violation and, with the
+    import back, a circle: both checks would fail on it."""
+    known = {"recsys.ops.x": tmp_path / "x.py", "recsys.train.y": tmp_path / "y.py"}
+    known["recsys.ops.x"].write_text("from recsys.train.y import run\n")
+    known["recsys.train.y"].write_text("def run():\n    from recsys.ops.x import f\n")
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert graph == {"recsys.ops.x": {"recsys.train.y": 1}, "recsys.train.y": {"recsys.ops.x": 2}}
+    assert layer("recsys.train.y") > layer("recsys.ops.x")
+    assert _cycles({k: set(v) for k, v in graph.items()}) == [["recsys.ops.x", "recsys.train.y"]]
