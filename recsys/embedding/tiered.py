@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
+from recsys.embedding.admission import AdmissionCounter
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic_table import DynamicTableOptions
 from recsys.embedding.inputs import feature_positions, feature_spans, sample_range
@@ -62,7 +63,6 @@ from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.row_cache import CACHE_POLICIES, CacheTooSmallError, RowCache, RowCodec
 from recsys.embedding.row_init import initial_rows, table_seed
 from recsys.embedding.row_store import DiskRecords, FixedStore, HostRecords, KeyedStore
-from recsys.embedding.slot_map import AdmissionCounter
 from recsys.embedding.tables import options_by_table, row_bytes, table_dtype
 from recsys.embedding.tiered_files import TablePart, TieredFiles
 from recsys.ops.slot_map import check_keys
