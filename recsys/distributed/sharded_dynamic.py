@@ -23,7 +23,7 @@ contiguous range of those rows:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,13 +35,11 @@ from torch.distributed._shard.sharded_tensor import (
     TensorProperties,
 )
 
+from recsys.distributed.sharded_state import ShardedCollection
 from recsys.embedding.dynamic import DYNAMIC
 from recsys.embedding.dynamic_table import KEYED, PER_BUCKET, PER_PART
 from recsys.embedding.interface import TABLES, SavedState
 from recsys.embedding.key_routing import bucket_ranges, decode_layout
-
-if TYPE_CHECKING:
-    from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 
 ROWS = "bucket_counts"  # the counts that split a table's rows (and its keys)
 # Per-bucket counts -> the per-key tensor whose length they sum to.
@@ -59,7 +57,7 @@ def counts_of(key: str) -> str | None:
 
 
 def _row_sharded(
-    sharded: ShardedEmbeddingBagCollection,
+    sharded: ShardedCollection,
     table: str,
     local: torch.Tensor,
     part_rows: list[int],
@@ -98,7 +96,7 @@ def _row_sharded(
     )
 
 
-def key_wise_state(sharded: ShardedEmbeddingBagCollection, prefix: str) -> dict[str, Any]:
+def key_wise_state(sharded: ShardedCollection, prefix: str) -> dict[str, Any]:
     """Every KEY_WISE table's logical state (see the module docstring), keys under ``prefix``.
     A collective: every rank learns how many keys the others hold."""
     tables = sharded.key_wise_tables()
@@ -128,7 +126,7 @@ def key_wise_state(sharded: ShardedEmbeddingBagCollection, prefix: str) -> dict[
 
 
 def key_wise_targets(
-    sharded: ShardedEmbeddingBagCollection, state: dict[str, Any], saved: SavedState, prefix: str
+    sharded: ShardedCollection, state: dict[str, Any], saved: SavedState, prefix: str
 ) -> None:
     """Make ``state`` ready to load a checkpoint's KEY_WISE tables: per-key entries become
     ShardedTensors of the saved key counts whose local shard is the range of rows this rank's
@@ -169,9 +167,7 @@ def key_wise_targets(
             state[prefix + key] = _row_sharded(sharded, name, local, part_rows)
 
 
-def load_key_wise(
-    sharded: ShardedEmbeddingBagCollection, name: str, entries: dict[str, Any]
-) -> None:
+def load_key_wise(sharded: ShardedCollection, name: str, entries: dict[str, Any]) -> None:
     """Load KEY_WISE table ``name`` from its logical entries (keys relative to the collection):
     ShardedTensors whose local shard is this rank's keys (from :func:`key_wise_targets` or
     another sharded collection of the same plan), or whole tensors (a one-process state
@@ -209,7 +205,7 @@ def load_key_wise(
     sharded.shards.load_table_state(name, local)
 
 
-def key_wise_stats(sharded: ShardedEmbeddingBagCollection) -> dict[str, dict[str, float]]:
+def key_wise_stats(sharded: ShardedCollection) -> dict[str, dict[str, float]]:
     """Per KEY_WISE table, its counters summed over ranks, ``load_factor`` of the sums, and
     the key balance: ``size_max_over_mean`` and ``size_rank<r>``. A collective."""
     tables = sharded.key_wise_tables()
@@ -237,13 +233,13 @@ def _key(table: str, name: str) -> str:
     return f"{DYNAMIC}.{table}.{name}"
 
 
-def _part(sharded: ShardedEmbeddingBagCollection, table: str) -> tuple[int, int]:
+def _part(sharded: ShardedCollection, table: str) -> tuple[int, int]:
     """(this rank's shard index, the number of shards) of KEY_WISE ``table``."""
     ranks = sharded.plan[table].ranks
     return ranks.index(sharded.rank), len(ranks)
 
 
-def _all_gather_sizes(sharded: ShardedEmbeddingBagCollection, sizes: list[int]) -> list[list]:
+def _all_gather_sizes(sharded: ShardedCollection, sizes: list[int]) -> list[list]:
     """Every rank's ``sizes`` (the same length on every rank), by rank."""
     mine = torch.tensor(sizes, dtype=torch.int64, device=sharded.device)
     out = [torch.empty_like(mine) for _ in range(sharded.world_size)]

@@ -8,13 +8,19 @@ takes, whatever the plan.
   in place under any other plan;
 - a replicated table is a plain tensor (every rank holds the same);
 - ``optimizer_step`` is the fused optimizer's step counter.
+
+The functions here and in :mod:`recsys.distributed.sharded_dynamic` take the collection as a
+:class:`ShardedCollection`: what they read of it, declared here, so neither imports
+:mod:`recsys.distributed.sharded` back.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import (
@@ -24,12 +30,49 @@ from torch.distributed._shard.sharded_tensor import (
 )
 from torchrec import EmbeddingBagConfig
 
-from recsys.distributed.plan import Shard
+from recsys.distributed.plan import Shard, TableSharding
+from recsys.distributed.replicated import ReplicatedTables
+from recsys.embedding.collection import EmbeddingBagCollection, EmbeddingTable
 from recsys.embedding.interface import OPTIMIZER_STEP, TABLES, WEIGHT
+from recsys.embedding.key_routing import KeyRouting
+from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import table_dtype
 
-if TYPE_CHECKING:
-    from recsys.distributed.sharded import ShardedEmbeddingBagCollection
+
+class ShardedCollection(Protocol):
+    """What the logical-state functions read of a sharded collection
+    (:class:`~recsys.distributed.sharded.ShardedEmbeddingBagCollection` is the one)."""
+
+    plan: Mapping[str, TableSharding]
+    rank: int
+    world_size: int
+    process_group: dist.ProcessGroup | None
+    optimizer: FusedOptimizer | None
+    shards: EmbeddingBagCollection | None
+    """This rank's shards as one local collection (dynamic for KEY_WISE tables; None: none)."""
+    replicated: ReplicatedTables | None
+    """The DATA_PARALLEL tables (None: none)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]: ...
+
+    def key_wise_tables(self) -> list[str]: ...
+
+    def tiered_tables(self) -> list[str]: ...
+
+    def is_replicated(self, table: str) -> bool: ...
+
+    def local_table(self, table: str) -> EmbeddingTable | None: ...
+
+    def local_shard(self, table: str) -> Shard: ...
+
+    def optimizer_step(self) -> torch.Tensor: ...
+
+    def table_parameter_names(self) -> dict[str, str]: ...
+
+    def routing_of(self, table: str) -> KeyRouting: ...
 
 
 def shard_of(full: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -39,9 +82,7 @@ def shard_of(full: torch.Tensor, shard: Shard) -> torch.Tensor:
     return full[rows] if full.dim() == 1 else full[rows, cols]
 
 
-def logical_state(
-    sharded: ShardedEmbeddingBagCollection, prefix: str, keep_vars: bool
-) -> dict[str, Any]:
+def logical_state(sharded: ShardedCollection, prefix: str, keep_vars: bool) -> dict[str, Any]:
     """The collection's state dict entries (see the module docstring), keys under ``prefix``."""
     out: dict[str, Any] = {}
     states = sharded.optimizer.states if sharded.optimizer is not None else {}
@@ -65,7 +106,7 @@ def logical_state(
     return out
 
 
-def load_logical(sharded: ShardedEmbeddingBagCollection, key: str, value: Any) -> None:
+def load_logical(sharded: ShardedCollection, key: str, value: Any) -> None:
     """Copy one logical entry (``key`` relative to the collection) into this rank's tensors:
     a plain full tensor, or a ShardedTensor whose local shard is this rank's."""
     if key == OPTIMIZER_STEP:
@@ -99,7 +140,7 @@ def load_logical(sharded: ShardedEmbeddingBagCollection, key: str, value: Any) -
 
 
 def logical_optimizer_state(
-    sharded: ShardedEmbeddingBagCollection, prefix: str, state: dict[str, Any]
+    sharded: ShardedCollection, prefix: str, state: dict[str, Any]
 ) -> dict[str, Any]:
     """A torch optimizer's per-parameter ``state`` with the collection's internal parameters
     (local shards, replicated tables) re-keyed to their logical tables. A state the shape of a
@@ -132,7 +173,7 @@ def logical_optimizer_state(
 
 
 def sharded_tensor(
-    sharded: ShardedEmbeddingBagCollection,
+    sharded: ShardedCollection,
     config: EmbeddingBagConfig,
     local: torch.Tensor | None,
     per_row: bool,

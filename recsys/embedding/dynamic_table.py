@@ -20,9 +20,10 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig
 
+from recsys.embedding.admission import AdmissionCounter
 from recsys.embedding.key_routing import KeyRouting, decode_layout, encode_layout
 from recsys.embedding.row_init import initial_rows
-from recsys.embedding.slot_map import AdmissionCounter, Insertion, ScorePolicy, SlotMap
+from recsys.embedding.slot_map import Insertion, ScorePolicy, SlotMap
 from recsys.ops.slot_map import EMPTY_KEY
 
 __all__ = ["DynamicTable", "DynamicTableOptions", "load_every_key"]

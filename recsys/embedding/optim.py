@@ -40,13 +40,14 @@ from typing import ClassVar
 
 import torch
 
-# Triton kernels dispatch on these codes (a tl.constexpr).
-SGD_CODE, ADAGRAD_CODE, ROWWISE_ADAGRAD_CODE, ADAM_CODE = 0, 1, 2, 3
+# The Triton kernels dispatch on these codes (a tl.constexpr); ops owns them, as the kernels do.
+from recsys.ops.embedding_bag_layout import ADAGRAD_CODE, ADAM_CODE, ROWWISE_ADAGRAD_CODE, SGD_CODE
 
 
 @dataclass
 class FusedOptimizer:
-    """Base class: hyperparameters, state layout and the reference update."""
+    """Base class: hyperparameters, state layout and the reference update (what the embedding
+    bag's backends apply, :class:`recsys.ops.embedding_bag_layout.RowOptimizer`)."""
 
     lr: float
     weight_decay: float = 0.0

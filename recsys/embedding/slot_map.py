@@ -1,4 +1,4 @@
-"""The id -> slot map of a dynamic embedding table, its score policies and the admission counter.
+"""The id -> slot map of a dynamic embedding table and its score policies.
 
 A :class:`SlotMap` keeps, for each of its ``capacity`` slots, the key held there (``EMPTY_KEY``
 when free), the key's score and the step a training batch last looked it up. Rows of the table
@@ -16,6 +16,8 @@ keys in one bucket, the lowest (pinned last, score, key) ones of that bucket are
 Which keys a map holds depends only on the sequence of calls, never on slot positions, so a map
 rebuilt with :meth:`SlotMap.restore` continues exactly as the original would (the slots may
 differ; the keys, scores and evictions do not). Two runs are bitwise equal.
+
+The admission counter, a map of counts without rows, is :mod:`recsys.embedding.admission`.
 """
 
 from __future__ import annotations
@@ -27,17 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from recsys.embedding.score_policy import LFU, LRU, ScorePolicy, score_policy
-from recsys.ops.slot_map import EMPTY_KEY, assign_slots, bucket_of, check_keys, find_slots
+from recsys.ops.slot_map import EMPTY_KEY, assign_slots, check_keys, find_slots, keep_per_bucket
 
-__all__ = [
-    "LFU",
-    "LRU",
-    "AdmissionCounter",
-    "Insertion",
-    "ScorePolicy",
-    "SlotMap",
-    "score_policy",
-]
+__all__ = ["LFU", "LRU", "Insertion", "ScorePolicy", "SlotMap", "score_policy"]
 
 
 @dataclass
@@ -268,6 +262,17 @@ class SlotMap:
             )
         return insertion
 
+    def insert_if_room(self, keys: torch.Tensor, counts: torch.Tensor, step: int) -> Insertion:
+        """:meth:`insert` for a caller that accounts for the keys without room itself (the
+        admission counter): any number of keys, every new one admitted; at the maximum size new
+        keys whose bucket has no free or unpinned slot left get slot -1 (counted as
+        ``overflow``), without a warning.
+
+        Raises:
+            ValueError: a reserved or repeated key.
+        """
+        return self._insert(keys, counts, step, None, skip_overflow=True)
+
     def _all_hits(
         self, keys: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, step: int
     ) -> Insertion:
@@ -385,7 +390,7 @@ class SlotMap:
         pinned[hit_slots] = True
         keep = torch.ones_like(keys, dtype=torch.bool)
         if num_buckets == self.max_buckets:
-            keep = self._keep_per_bucket(keys, scores, pinned[live], num_buckets)
+            keep = keep_per_bucket(keys, scores, pinned[live], num_buckets, self.bucket_size)
         new = _empty_layout(num_buckets, self.bucket_size, self.device)
         no_pins = torch.zeros_like(new.keys, dtype=torch.bool)
         slots, _, overflow = self._assign(new, no_pins, keys[keep])
@@ -397,23 +402,6 @@ class SlotMap:
         slot_map = torch.full_like(layout.keys, -1)
         slot_map[kept] = slots
         return new, slot_map, keys[~keep]
-
-    def _keep_per_bucket(
-        self, keys: torch.Tensor, scores: torch.Tensor, pinned: torch.Tensor, num_buckets: int
-    ) -> torch.Tensor:
-        """[L] bool: the ``bucket_size`` highest (pinned, score, key) keys of each bucket."""
-        order = torch.sort(keys, descending=True, stable=True).indices
-        order = order[torch.sort(scores[order], descending=True, stable=True).indices]
-        order = order[torch.sort(pinned[order].to(torch.int8), descending=True, stable=True)[1]]
-        buckets = bucket_of(keys, num_buckets)[order]
-        order = order[torch.sort(buckets, stable=True).indices]
-        _, counts = torch.unique_consecutive(buckets.sort().values, return_counts=True)
-        rank = torch.arange(len(keys), device=keys.device) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts
-        )
-        keep = torch.empty_like(pinned)
-        keep[order] = rank < self.bucket_size
-        return keep
 
     def _raise_overflow(self, overflow: torch.Tensor, num_buckets: int) -> None:
         bucket, needed, available = overflow[0].tolist()
@@ -578,7 +566,7 @@ class SlotMap:
                 num_buckets *= 2
             else:  # at the cap: drop what the cap cannot hold
                 pins = torch.zeros_like(keys, dtype=torch.bool)
-                keep = self._keep_per_bucket(keys, scores, pins, num_buckets)
+                keep = keep_per_bucket(keys, scores, pins, num_buckets, self.bucket_size)
         if len(overflow):
             bucket, needed, available = overflow[0].tolist()
             raise ValueError(
@@ -597,105 +585,3 @@ class SlotMap:
         self._use(layout)
         self._size = len(keys)
         return slots
-
-
-class AdmissionCounter:
-    """Counts how often keys without a row were seen; a key is admitted once its count
-    reaches ``threshold``. Bounded: at most ``capacity`` keys are counted, in a :class:`SlotMap`
-    without rows scored LFU: a new key takes a free slot of its bucket, else evicts the least
-    counted key the batch does not see (ties: lowest key); a full bucket with no such key
-    leaves the batch's remaining new keys uncounted (the lowest keys of the bucket are counted).
-
-    Args:
-        threshold: occurrences at which a key is admitted (<= 1: every key, nothing counted).
-        capacity: the most keys counted (rounded up to whole buckets).
-        bucket_size: slots per bucket of the counter's map.
-        device: where the counts live.
-        backend: backend of the counter's map ops.
-        name: the table's name, for error messages.
-    """
-
-    def __init__(
-        self,
-        threshold: int,
-        capacity: int,
-        *,
-        bucket_size: int = 32,
-        device: torch.device | str | None = None,
-        backend: str = "auto",
-        name: str = "table",
-    ) -> None:
-        self.threshold = threshold
-        # Starts small and grows (doubling: no key is dropped) up to ``capacity``.
-        self._map = SlotMap(
-            min(capacity, 64 * bucket_size),
-            capacity,
-            bucket_size=bucket_size,
-            policy=LFU(),
-            load_factor=1.0,
-            device=device,
-            backend=backend,
-            name=f"{name} (admission counter)",
-        )
-        self._admitted = 0
-
-    @property
-    def capacity(self) -> int:
-        """The most keys counted."""
-        return self._map.max_capacity
-
-    @property
-    def num_buckets(self) -> int:
-        """Buckets of the counter's map now (it grows up to ``capacity``)."""
-        return self._map.num_buckets
-
-    def admit(self, keys: torch.Tensor, counts: torch.Tensor, step: int) -> torch.Tensor:
-        """Add a batch's counts of keys without a row; admitted keys are forgotten by the
-        counter (they get a row).
-
-        Args:
-            keys: [M] distinct int64 keys.
-            counts: [M] occurrences in the batch.
-            step: the training step.
-
-        Returns:
-            [M] bool, True where the key's count reached ``threshold``.
-        """
-        device = self._map.device
-        keys, counts = keys.to(device), counts.to(device, torch.int64)
-        if self.threshold <= 1:
-            return torch.ones_like(keys, dtype=torch.bool)
-        slots = self._map.find(keys)
-        seen = torch.where(slots >= 0, self._map.scores[slots.clamp(min=0)], 0) + counts
-        admitted = seen >= self.threshold
-        self._map.remove(keys[admitted & (slots >= 0)])
-        pending = ~admitted
-        self._map._insert(keys[pending], counts[pending], step, None, skip_overflow=True)
-        self._admitted += int(admitted.sum())
-        return admitted
-
-    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys [K] ascending, their counts [K]) of every counted key."""
-        keys, slots = self._map.entries()
-        return keys, self._map.scores[slots]
-
-    def restore(
-        self, keys: torch.Tensor, counts: torch.Tensor, num_buckets: int | None = None
-    ) -> None:
-        """Replace the counts with ``keys`` / ``counts`` (as :meth:`state` returns them), in a
-        map of ``num_buckets`` (:attr:`num_buckets` when they were saved; default: now),
-        doubled while a bucket would overflow."""
-        buckets = min(num_buckets or self._map.num_buckets, self._map.max_buckets)
-        self._map.restore(buckets, keys, counts, torch.zeros_like(counts), grow=True)
-
-    def stats(self) -> dict[str, int]:
-        """counted (keys counted now), capacity, admitted, forgotten (counted keys evicted by
-        new ones) and uncounted (new keys that found no room)."""
-        inner = self._map.stats()
-        return {
-            "counted": inner["size"],
-            "capacity": inner["capacity"],
-            "admitted": self._admitted,
-            "forgotten": inner["evictions"],
-            "uncounted": inner["overflow"],
-        }

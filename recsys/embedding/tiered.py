@@ -47,73 +47,28 @@ Example::
 from __future__ import annotations
 
 import math
-import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
+from recsys.embedding.admission import AdmissionCounter
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic_table import DynamicTableOptions
 from recsys.embedding.inputs import feature_positions, feature_spans, sample_range
 from recsys.embedding.optim import FusedOptimizer
-from recsys.embedding.row_cache import CACHE_POLICIES, CacheTooSmallError, RowCache, RowCodec
+from recsys.embedding.row_cache import CacheTooSmallError, RowCache, RowCodec
 from recsys.embedding.row_init import initial_rows, table_seed
 from recsys.embedding.row_store import DiskRecords, FixedStore, HostRecords, KeyedStore
-from recsys.embedding.slot_map import AdmissionCounter
 from recsys.embedding.tables import options_by_table, row_bytes, table_dtype
 from recsys.embedding.tiered_files import TablePart, TieredFiles
+from recsys.embedding.tiered_options import TIERS, RowBlock, StorageOptions
+from recsys.embedding.tiered_prefetch import PrefetchBatch
 from recsys.ops.slot_map import check_keys
 
 __all__ = ["TIERS", "RowBlock", "StorageOptions", "TieredEmbeddingBagCollection"]
-
-TIERS = ("device", "host", "disk")
-
-
-@dataclass
-class StorageOptions:
-    """Where one table's rows live, and its cache."""
-
-    tier: str = "device"
-    """``"device"`` (whole in the packed buffers), ``"host"`` or ``"disk"`` (a cache in front)."""
-    cache_rows: int = 0
-    """Rows of the cache (host and disk tiers); 0: from ``cache_mb``."""
-    cache_mb: float = 0.0
-    """MiB of the cache's rows and optimizer state, when ``cache_rows`` is 0."""
-    policy: str = "lru"
-    """Which unpinned rows leave the cache first: least recently (lru) or often (lfu) used."""
-    path: str = ""
-    """Directory of the disk tier's files (one per table)."""
-
-    def __post_init__(self) -> None:
-        if self.tier not in TIERS:
-            raise ValueError(f"storage tier {self.tier!r}; expected one of {list(TIERS)}")
-        if self.policy not in CACHE_POLICIES:
-            raise ValueError(f"storage policy {self.policy!r}; expected 'lru' or 'lfu'")
-        if self.cache_rows < 0 or self.cache_mb < 0 or not math.isfinite(self.cache_mb):
-            raise ValueError(
-                f"storage cache_rows={self.cache_rows}, cache_mb={self.cache_mb}; expected >= 0"
-            )
-        if self.tier != "device" and not (self.cache_rows or self.cache_mb):
-            raise ValueError(f"storage tier {self.tier!r} needs cache_rows or cache_mb > 0")
-        if self.tier == "disk" and not self.path:
-            raise ValueError("storage tier 'disk' needs a path (a directory on local disk)")
-
-    def rows(self, record_bytes: int) -> int:
-        """Cache rows for rows of ``record_bytes`` bytes (weights and optimizer state)."""
-        return self.cache_rows or max(int(self.cache_mb * 2**20) // record_bytes, 1)
-
-
-@dataclass(frozen=True)
-class RowBlock:
-    """The rows of a fixed table that a collection's table holds when it is one block of a
-    larger table (a row-wise shard): its row ``r`` is the table's row ``offset + r``, which gives
-    its initial value (the table's, bound ``sqrt(1 / table_rows)``) and its key in checkpoints."""
-
-    offset: int
-    table_rows: int
 
 
 class TieredEmbeddingBagCollection(EmbeddingBagCollection):
@@ -211,7 +166,7 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
             if self.device.type != "meta":
                 self.caches[name] = self._build_cache(config, cache_rows[name], dynamic.get(name))
         self._train_steps = 0
-        self._queue: list[_Prefetch] = []
+        self._queue: list[PrefetchBatch] = []
         self.prefetch_wait_seconds = 0.0
         self.prefetch_deferred = 0
         self.reset_parameters()
@@ -478,7 +433,7 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         if not self.caches:
             return
         idle = not self._queue
-        self._queue.append(_Prefetch(features, self._trains()))
+        self._queue.append(PrefetchBatch(features, self._trains()))
         if idle:  # else the forward of the batch before it starts it
             self._start_next()
 
@@ -595,39 +550,6 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         leaves out (their rows are saved by :meth:`tiered_files`)."""
         states = list(self.optimizer.states) if self.optimizer is not None else []
         return [f"embedding_bags.{n}.{k}" for n in self.caches for k in ["weight", *states]]
-
-
-class _Prefetch:
-    """One queued batch whose rows a background thread prepares."""
-
-    def __init__(self, features: KeyedJaggedTensor, train: bool) -> None:
-        self.features, self.train = features, train
-        self.result: dict | None = None
-        self.started = self.done = self.deferred = False
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self, work) -> None:
-        self.started = True
-        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True)
-        self._thread.start()
-
-    def _run(self, work) -> None:
-        try:
-            self.result = work()
-        except CacheTooSmallError:
-            # The rows of the batch in flight leave no room: its own forward prepares it,
-            # once that batch is done (slower, same results).
-            self.deferred = True
-        except BaseException as error:  # re-raised in the training thread by join
-            self._error = error
-
-    def join(self) -> None:
-        self._thread.join()
-        self.done = True
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
 
 
 def _drop_tiered_rows(module: TieredEmbeddingBagCollection, state_dict, prefix, local_metadata):

@@ -1,17 +1,21 @@
 """Data layout of the table-batched embedding bag: the packed buffer (:class:`TableLayout`),
 what stays fixed between calls (:class:`LookupPlan`, on a device :class:`PlanTensors`), the
-fused optimizer's state (:class:`FusedUpdate`), the batch's lookups (:class:`BagLookups`),
-and the rounding shared by every backend."""
+fused optimizer the backends apply (:class:`RowOptimizer`) and its state (:class:`FusedUpdate`),
+the batch's lookups (:class:`BagLookups`), and the rounding shared by every backend."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 POOLINGS = ("sum", "mean")
+
+# The fused optimizers the Triton backward applies, by code (its OPT constexpr); each optimizer
+# of recsys.embedding.optim carries its code.
+SGD_CODE, ADAGRAD_CODE, ROWWISE_ADAGRAD_CODE, ADAM_CODE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -97,17 +101,45 @@ class TableLayout:
         return torch.cat([tables[t].detach().reshape(-1) for t in self.buffer_order()])
 
 
+@runtime_checkable
+class RowOptimizer(Protocol):
+    """What the embedding bag's backends read of a fused optimizer (the optimizers of
+    :mod:`recsys.embedding.optim` are the implementations): the hyperparameters, the state
+    layout, the Triton code and the reference update of touched rows."""
+
+    lr: float
+    weight_decay: float
+    stochastic_rounding: bool
+    """fp16 / bf16 tables: round updated weights stochastically (else to nearest)."""
+    code: ClassVar[int]
+    """Which update the Triton backward applies (``SGD_CODE`` ... ``ADAM_CODE``)."""
+    states: ClassVar[dict[str, str]]
+    """State name -> ``"row"`` (one fp32 per row) or ``"element"`` (one per weight element)."""
+
+    def scalars(self, step: int) -> dict[str, float]:
+        """Every hyperparameter the kernels take, for the step being applied (1 for the
+        first): lr, eps, beta1, beta2, weight_decay, bias_correction1, bias_correction2."""
+        ...
+
+    def update(
+        self, weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], step: int
+    ) -> torch.Tensor:
+        """Reference update of touched rows: [U, D] ``weight`` rows (compute dtype) and their
+        reduced ``grad`` -> the updated rows; ``state`` rows updated in place."""
+        ...
+
+
 @dataclass
 class FusedUpdate:
     """A fused optimizer and the state it updates in backward.
 
-    ``optimizer`` is a :class:`recsys.embedding.optim.FusedOptimizer`; ``states`` maps each of
-    its state names to a flat fp32 buffer (``numel`` elements for per-element state,
-    ``total_rows`` for per-row state); ``step`` is an int64 scalar tensor counting the updates
-    applied so far (backward increments it).
+    ``optimizer`` is a :class:`RowOptimizer` (a :class:`recsys.embedding.optim.FusedOptimizer`);
+    ``states`` maps each of its state names to a flat fp32 buffer (``numel`` elements for
+    per-element state, ``total_rows`` for per-row state); ``step`` is an int64 scalar tensor
+    counting the updates applied so far (backward increments it).
     """
 
-    optimizer: Any
+    optimizer: RowOptimizer
     states: dict[str, torch.Tensor]
     step: torch.Tensor
 

@@ -39,7 +39,7 @@ from recsys.ops.embedding_bag_layout import (
     sorted_segments,
 )
 
-# Optimizer codes (recsys.embedding.optim); NONE writes the reduced gradient instead.
+# Optimizer codes (embedding_bag_layout.SGD_CODE ...); NONE writes the reduced gradient instead.
 OPT_NONE = -1
 
 
@@ -248,7 +248,7 @@ class SegmentUpdate:
 
     weights: torch.Tensor  # the flat buffer of all tables
     states: tuple[torch.Tensor, ...]  # the optimizer's flat state buffers, in its state order
-    optimizer_code: int  # recsys.embedding.optim's code of the optimizer
+    optimizer_code: int  # the optimizer's code (embedding_bag_layout.SGD_CODE ...)
     scalars: dict[str, float]  # its hyperparameters for this step (``optimizer.scalars``)
     seed: int  # of the stochastic rounding
     stochastic: bool  # fp16 / bf16 tables: round stochastically (else to nearest)

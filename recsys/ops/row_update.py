@@ -16,22 +16,17 @@ both apply the same update.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from recsys.ops._triton import accumulate_dtype
-from recsys.ops.embedding_bag_layout import stochastic_round
-
-if TYPE_CHECKING:
-    from recsys.embedding.optim import FusedOptimizer
+from recsys.ops.embedding_bag_layout import RowOptimizer, stochastic_round
 
 __all__ = ["update_rows"]
 
 
 @torch.no_grad()
 def update_rows(
-    optimizer: FusedOptimizer,
+    optimizer: RowOptimizer,
     weight: torch.Tensor,
     states: dict[str, torch.Tensor],
     rows: torch.Tensor,
@@ -42,7 +37,8 @@ def update_rows(
     """Update ``rows`` of ``weight`` and of each optimizer state in ``states``, in place.
 
     Args:
-        optimizer: a :class:`recsys.embedding.optim.FusedOptimizer`.
+        optimizer: a :class:`~recsys.ops.embedding_bag_layout.RowOptimizer` (any optimizer of
+            :mod:`recsys.embedding.optim`).
         weight: [N, D] table (fp32 / fp16 / bf16 / fp64).
         states: the optimizer's state name -> [N] (per-row) or [N, D] (per-element) fp32
             tensor.

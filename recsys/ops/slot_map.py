@@ -57,6 +57,7 @@ __all__ = [
     "find_slots",
     "find_slots_torch",
     "hash_keys",
+    "keep_per_bucket",
     "mix64",
 ]
 
@@ -471,3 +472,38 @@ def assign_slots(
     short = counts > available
     overflow = torch.stack([buckets[short], counts[short], available[short]], dim=1)
     return slots, evicted, overflow
+
+
+def keep_per_bucket(
+    keys: torch.Tensor,
+    scores: torch.Tensor,
+    pinned: torch.Tensor,
+    num_buckets: int,
+    bucket_size: int,
+) -> torch.Tensor:
+    """Which keys a map of ``num_buckets`` buckets keeps when some buckets get more keys than
+    their ``bucket_size`` slots: in each bucket, the ``bucket_size`` highest by (pinned, score,
+    key), pinned first. Three stable sorts, like the torch assign; deterministic.
+
+    Args:
+        keys: [L] int64 distinct keys.
+        scores: [L] int64 score of each key.
+        pinned: [L] bool, True for keys kept before any unpinned one.
+        num_buckets: buckets of the map the keys go to.
+        bucket_size: slots per bucket.
+
+    Returns:
+        [L] bool, True where the key is kept.
+    """
+    order = torch.sort(keys, descending=True, stable=True).indices
+    order = order[torch.sort(scores[order], descending=True, stable=True).indices]
+    order = order[torch.sort(pinned[order].to(torch.int8), descending=True, stable=True)[1]]
+    buckets = bucket_of(keys, num_buckets)[order]
+    order = order[torch.sort(buckets, stable=True).indices]
+    _, counts = torch.unique_consecutive(buckets.sort().values, return_counts=True)
+    rank = torch.arange(len(keys), device=keys.device) - torch.repeat_interleave(
+        torch.cumsum(counts, 0) - counts, counts
+    )
+    keep = torch.empty_like(pinned)
+    keep[order] = rank < bucket_size
+    return keep

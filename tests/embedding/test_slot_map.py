@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from recsys.embedding.admission import AdmissionCounter
 from recsys.embedding.slot_map import (
     LFU,
     LRU,
-    AdmissionCounter,
     ScorePolicy,
     SlotMap,
     score_policy,

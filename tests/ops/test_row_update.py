@@ -4,8 +4,10 @@ replicated tables' of a sharded collection)."""
 import pytest
 import torch
 
+from recsys.embedding import optim
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
-from recsys.ops.embedding_bag_layout import rounding_seed, stochastic_round
+from recsys.ops import embedding_bag_layout
+from recsys.ops.embedding_bag_layout import RowOptimizer, rounding_seed, stochastic_round
 from recsys.ops.row_update import update_rows
 
 OPTIMIZERS = {
@@ -86,3 +88,19 @@ def test_works_on_a_parameter_outside_no_grad():
     update_rows(optimizer, weight, {}, torch.tensor([2]), torch.ones(1, 2), 1, None)
     assert torch.equal(weight.detach()[2], torch.full((2,), -1.0))
     assert torch.equal(weight.detach()[[0, 1, 3]], torch.zeros(3, 2))
+
+
+def test_every_fused_optimizer_is_the_row_optimizer_ops_apply():
+    """ops declares what it reads of an optimizer (it never imports recsys.embedding): each
+    fused optimizer provides it, with the Triton code of its own update."""
+    codes = {
+        "sgd": "SGD_CODE",
+        "adagrad": "ADAGRAD_CODE",
+        "rowwise_adagrad": "ROWWISE_ADAGRAD_CODE",
+    }
+    codes["adam"] = "ADAM_CODE"
+    for name, make in optim.OPTIMIZERS.items():
+        optimizer = make(lr=0.1)
+        assert isinstance(optimizer, RowOptimizer), name
+        assert optimizer.code == getattr(embedding_bag_layout, codes[name]), name
+        assert getattr(optim, codes[name]) == optimizer.code, name

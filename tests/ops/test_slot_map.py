@@ -1,4 +1,4 @@
-"""The slot map op: mix64, find and assign against pure-Python references of the bucket rule,
+"""The slot map op: mix64, find, assign and keep against pure-Python references of the bucket rule,
 and the Triton kernels (under the interpreter on CPU) bitwise against the torch path."""
 
 import pytest
@@ -12,6 +12,7 @@ from recsys.ops.slot_map import (
     find_slots,
     find_slots_torch,
     hash_keys,
+    keep_per_bucket,
     mix64,
 )
 
@@ -250,3 +251,21 @@ def test_assign_no_keys_and_bad_shapes(backend):
     assert slots.shape == evicted.shape == (0,) and overflow.shape == (0, 3)
     with pytest.raises(ValueError, match="scores"):
         assign_slots(table, scores[:-1], pinned, 3, 8, torch.tensor([1]), backend)
+
+
+@pytest.mark.parametrize("num_buckets, bucket_size", [(1, 1), (3, 4), (7, 5)])
+def test_keep_per_bucket_keeps_each_buckets_highest_pinned_score_key(num_buckets, bucket_size):
+    keys = random_keys(6 * num_buckets * bucket_size)
+    keys = keys[torch.randperm(len(keys))]
+    scores = torch.randint(0, 3, keys.shape)  # ties
+    pinned = torch.rand(keys.shape) < 0.3
+    keep = keep_per_bucket(keys, scores, pinned, num_buckets, bucket_size)
+    by_bucket = {}
+    for i, key in enumerate(keys.tolist()):
+        rank = (bool(pinned[i]), int(scores[i]), key)
+        by_bucket.setdefault(bucket_reference(key, num_buckets), []).append((rank, i))
+    expected = torch.zeros_like(keep)
+    for entries in by_bucket.values():
+        for _, i in sorted(entries, reverse=True)[:bucket_size]:
+            expected[i] = True
+    assert torch.equal(keep, expected)
