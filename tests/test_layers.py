@@ -1,6 +1,6 @@
 """The package's shape, checked from its imports (every import statement of every module, in
-functions too; not those under ``if TYPE_CHECKING:``): no import circle, and a layer imports only
-its own layer and the ones below it:
+functions and under ``if TYPE_CHECKING:`` too: a type is a dependency): no import circle, and a
+layer imports only its own layer and the ones below it:
 
     _files, _suggest, config  <-  ops  <-  embedding  <-  data  <-  distributed  <-  models
     <-  build  <-  checkpoint  <-  train  <-  serve  <-  report, cli
@@ -57,27 +57,12 @@ def layer(name: str) -> int:
     return found
 
 
-def _type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def imports(name: str, path: Path, known: dict[str, Path]) -> dict[str, int]:
     """The recsys modules ``name`` imports (the deepest module each statement names), with the
     line of the first such import."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: dict[str, int] = {}
-    skipped = {
-        id(child)
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.If) and _type_checking(node)
-        for child in ast.walk(node)
-    }
     for node in ast.walk(ast.parse(path.read_text())):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -122,11 +107,12 @@ def test_no_import_circle(graph):
         for name, targets in graph.items()
     }
     circles = _cycles(edges)
-    assert not circles, "\n".join(" -> ".join(c) for c in circles)
+    assert not circles, "\n".join("modules in one import circle: " + ", ".join(c) for c in circles)
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """One circle per strongly connected component of more than one module (Tarjan)."""
+    """The modules of each strongly connected component of more than one module (Tarjan):
+    every module of one can reach every other through imports."""
     index, low, stack, on_stack, out = {}, {}, [], set(), []
     counter = [0]
 
