@@ -25,6 +25,7 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.models.fields import flat_width
 from recsys.models.layers import CrossNet, FusedMLP, LowRankCrossNet, VectorCrossNet
 
 VERSIONS = ("v2", "v1")
@@ -92,12 +93,7 @@ class DCN(nn.Module):
                 f"low_rank = {low_rank} applies to version 'v2' only; DCN-v1's cross layers "
                 "are vectors"
             )
-        if dense_in_features < 0:
-            raise ValueError(f"dense_in_features must be >= 0, got {dense_in_features}")
-        configs = embedding_bag_collection.embedding_bag_configs()
-        cross_width = dense_in_features + sum(
-            c.embedding_dim * len(c.feature_names) for c in configs
-        )
+        cross_width = flat_width(embedding_bag_collection, dense_in_features)
         *deep_sizes, num_tasks = over_arch_layer_sizes
         self.structure = structure
         self.sparse_arch = embedding_bag_collection

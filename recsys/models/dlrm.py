@@ -24,11 +24,11 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.fields import bottom_mlp, num_sparse_features, shared_embedding_dim
-from recsys.models.layers import CrossNet, DotInteraction, FusedMLP, LowRankCrossNet
+from recsys.models.fields import FieldModel, top_mlp
+from recsys.models.layers import CrossNet, DotInteraction, LowRankCrossNet
 
 
-class DLRM(nn.Module):
+class DLRM(FieldModel):
     """DLRM over an EmbeddingBagCollection whose tables all have the same dimension D.
 
     Args:
@@ -58,35 +58,23 @@ class DLRM(nn.Module):
         activation: str = "relu",
         dropout: float = 0.0,
     ) -> None:
-        super().__init__()
-        embedding_dim = shared_embedding_dim(embedding_bag_collection, "DLRM")
-        num_sparse = num_sparse_features(embedding_bag_collection)
-        self.embedding_dim = embedding_dim
-        self.sparse_arch = embedding_bag_collection
-        self.dense_arch = bottom_mlp(
+        super().__init__(
+            embedding_bag_collection,
             dense_in_features,
             dense_arch_layer_sizes,
-            embedding_dim,
-            "the dense vector joins the dot products",
+            why="the dense vector joins the dot products",
             activation=activation,
             dropout=dropout,
         )
         # Without a dense vector the first embedding takes its place.
-        self.inter_arch = DotInteraction(num_sparse - (self.dense_arch is None))
-        self.over_arch = FusedMLP(
-            self.inter_arch.output_size(embedding_dim),
-            over_arch_layer_sizes,
-            activation=activation,
-            dropout=dropout,
-            final_activation=False,
-        )
+        self.inter_arch = DotInteraction(self.num_fields - 1)
+        over_in_features = self.inter_arch.output_size(self.embedding_dim)
+        self.over_arch = top_mlp(over_in_features, over_arch_layer_sizes, activation, dropout)
 
     def forward(
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
     ) -> torch.Tensor:
-        B = dense_features.shape[0]
-        pooled = self.sparse_arch(sparse_features).values()  # [B, F*D]
-        embedded_sparse = pooled.view(B, -1, self.embedding_dim)  # [B, F, D]
+        embedded_sparse = self.sparse_fields(sparse_features)  # [B, F, D]
         if self.dense_arch is None:
             first, others = embedded_sparse[:, 0], embedded_sparse[:, 1:]  # [B, D], [B, F-1, D]
             interaction = self.inter_arch(first, others)  # [B, D + F(F-1)/2]
@@ -96,7 +84,7 @@ class DLRM(nn.Module):
         return self.over_arch(interaction)  # [B, T]
 
 
-class DLRM_DCN(nn.Module):
+class DLRM_DCN(FieldModel):
     """DLRM-DCNv2 (MLPerf's DLRM): DLRM with a DCN-v2 cross network in place of the dot
     interaction, over an EmbeddingBagCollection whose tables all have the same dimension D.
 
@@ -138,38 +126,27 @@ class DLRM_DCN(nn.Module):
         activation: str = "relu",
         dropout: float = 0.0,
     ) -> None:
-        super().__init__()
-        embedding_dim = shared_embedding_dim(embedding_bag_collection, "DLRM_DCN")
         if dcn_num_layers < 0:
             raise ValueError(f"dcn_num_layers must be >= 0, got {dcn_num_layers}")
         if dcn_low_rank_dim < 0:
             raise ValueError(
                 f"dcn_low_rank_dim must be >= 0 (0: full rank), got {dcn_low_rank_dim}"
             )
-        self.embedding_dim = embedding_dim
-        self.sparse_arch = embedding_bag_collection
-        self.dense_arch = bottom_mlp(
+        super().__init__(
+            embedding_bag_collection,
             dense_in_features,
             dense_arch_layer_sizes,
-            embedding_dim,
-            "the dense vector joins the cross network",
+            why="the dense vector joins the cross network",
             activation=activation,
             dropout=dropout,
         )
-        num_fields = num_sparse_features(embedding_bag_collection) + (self.dense_arch is not None)
-        cross_width = num_fields * embedding_dim
+        cross_width = self.num_fields * self.embedding_dim
         self.inter_arch: nn.Module
         if dcn_low_rank_dim > 0:
             self.inter_arch = LowRankCrossNet(cross_width, dcn_num_layers, dcn_low_rank_dim)
         else:
             self.inter_arch = CrossNet(cross_width, dcn_num_layers)
-        self.over_arch = FusedMLP(
-            cross_width,
-            over_arch_layer_sizes,
-            activation=activation,
-            dropout=dropout,
-            final_activation=False,
-        )
+        self.over_arch = top_mlp(cross_width, over_arch_layer_sizes, activation, dropout)
 
     def forward(
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor

@@ -473,7 +473,36 @@ def _check_cross_sizes(in_features: int, num_layers: int) -> None:
         raise ValueError(f"num_layers must be >= 0, got {num_layers}")
 
 
-class CrossNet(nn.Module):
+def _per_layer(num_layers: int, *shape: int, zeros: bool = False) -> nn.ParameterList:
+    """One parameter of ``shape`` per cross layer, xavier-normal (kernels) or zero (biases),
+    made one after the other: the order of the seeded init."""
+    return nn.ParameterList(
+        nn.Parameter(torch.zeros(*shape) if zeros else nn.init.xavier_normal_(torch.empty(*shape)))
+        for _ in range(num_layers)
+    )
+
+
+class _KernelBiasCrossNet(nn.Module):
+    """The two cross networks whose layer l holds ``kernels.<l>`` [D, K] and ``bias.<l>``
+    [D, 1] (torchrec's names and shapes): :class:`CrossNet` (K = D) and
+    :class:`VectorCrossNet` (K = 1). A subclass gives K and its cross layer,
+    ``_layer(x0, x_l, kernel_l, bias_l [D]) -> x_{l+1}``."""
+
+    def __init__(self, in_features: int, num_layers: int, kernel_width: int, backend: str) -> None:
+        super().__init__()
+        _check_cross_sizes(in_features, num_layers)
+        self.backend = backend
+        self.kernels = _per_layer(num_layers, in_features, kernel_width)
+        self.bias = _per_layer(num_layers, in_features, 1, zeros=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x0 = x  # [B, D]
+        for weight, bias in zip(self.kernels, self.bias, strict=True):
+            x = self._layer(x0, x, weight, bias.view(-1))  # [B, D]
+        return x
+
+
+class CrossNet(_KernelBiasCrossNet):
     """DCN-v2 cross network, full rank: ``x_{l+1} = x0 * (W_l x_l + b_l) + x_l`` per layer.
 
     Parameters are named and shaped as in ``torchrec.modules.crossnet.CrossNet``
@@ -490,22 +519,12 @@ class CrossNet(nn.Module):
     """
 
     def __init__(self, in_features: int, num_layers: int, backend: str = "auto") -> None:
-        super().__init__()
-        _check_cross_sizes(in_features, num_layers)
-        self.backend = backend
-        self.kernels = nn.ParameterList(
-            nn.Parameter(nn.init.xavier_normal_(torch.empty(in_features, in_features)))
-            for _ in range(num_layers)
-        )
-        self.bias = nn.ParameterList(
-            nn.Parameter(torch.zeros(in_features, 1)) for _ in range(num_layers)
-        )
+        super().__init__(in_features, num_layers, in_features, backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x0 = x  # [B, D]
-        for weight, bias in zip(self.kernels, self.bias, strict=True):
-            x = cross_layer(x0, x, weight, bias.view(-1), backend=self.backend)
-        return x
+    def _layer(
+        self, x0: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        return cross_layer(x0, x, weight, bias, backend=self.backend)
 
 
 class LowRankCrossNet(nn.Module):
@@ -534,17 +553,9 @@ class LowRankCrossNet(nn.Module):
         if low_rank < 1:
             raise ValueError(f"low_rank must be >= 1, got {low_rank}")
         self.backend = backend
-        self.W_kernels = nn.ParameterList(
-            nn.Parameter(nn.init.xavier_normal_(torch.empty(in_features, low_rank)))
-            for _ in range(num_layers)
-        )
-        self.V_kernels = nn.ParameterList(
-            nn.Parameter(nn.init.xavier_normal_(torch.empty(low_rank, in_features)))
-            for _ in range(num_layers)
-        )
-        self.bias = nn.ParameterList(
-            nn.Parameter(torch.zeros(in_features)) for _ in range(num_layers)
-        )
+        self.W_kernels = _per_layer(num_layers, in_features, low_rank)
+        self.V_kernels = _per_layer(num_layers, low_rank, in_features)
+        self.bias = _per_layer(num_layers, in_features, zeros=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x0 = x  # [B, D]
@@ -553,16 +564,12 @@ class LowRankCrossNet(nn.Module):
         return x
 
 
-class VectorCrossNet(nn.Module):
+class VectorCrossNet(_KernelBiasCrossNet):
     """DCN-v1 cross network: ``x_{l+1} = x0 * (x_l . w_l) + b_l + x_l`` per layer.
 
     Parameters are named and shaped as in ``torchrec.modules.crossnet.VectorCrossNet``
-    (``kernels.<l>`` [D, 1], ``bias.<l>`` [D, 1]).
-
-    Args:
-        in_features: D.
-        num_layers: number of cross layers.
-        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see ``recsys.ops._triton``).
+    (``kernels.<l>`` [D, 1], ``bias.<l>`` [D, 1]). Its arguments are :class:`CrossNet`'s
+    (``in_features`` D, ``num_layers``, ``backend``).
 
     Example::
 
@@ -570,19 +577,9 @@ class VectorCrossNet(nn.Module):
     """
 
     def __init__(self, in_features: int, num_layers: int, backend: str = "auto") -> None:
-        super().__init__()
-        _check_cross_sizes(in_features, num_layers)
-        self.backend = backend
-        self.kernels = nn.ParameterList(
-            nn.Parameter(nn.init.xavier_normal_(torch.empty(in_features, 1)))
-            for _ in range(num_layers)
-        )
-        self.bias = nn.ParameterList(
-            nn.Parameter(torch.zeros(in_features, 1)) for _ in range(num_layers)
-        )
+        super().__init__(in_features, num_layers, 1, backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x0 = x  # [B, D]
-        for weight, bias in zip(self.kernels, self.bias, strict=True):
-            x = cross_layer_vector(x0, x, weight.view(-1), bias.view(-1), backend=self.backend)
-        return x
+    def _layer(
+        self, x0: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        return cross_layer_vector(x0, x, weight.view(-1), bias, backend=self.backend)

@@ -19,7 +19,8 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.layers import FusedMLP, MixtureOfExperts
+from recsys.models.fields import flat_width, top_mlp
+from recsys.models.layers import MixtureOfExperts
 
 
 class MMoE(nn.Module):
@@ -57,11 +58,10 @@ class MMoE(nn.Module):
         num_experts: int = 4,
     ) -> None:
         super().__init__()
-        configs = embedding_bag_collection.embedding_bag_configs()
-        pooled_width = sum(c.embedding_dim * len(c.feature_names) for c in configs)
+        in_features = flat_width(embedding_bag_collection, dense_in_features)
         self.sparse_arch = embedding_bag_collection
         self.moe_arch = MixtureOfExperts(
-            dense_in_features + pooled_width,
+            in_features,
             expert_layer_sizes,
             num_experts=num_experts,
             num_tasks=num_tasks,
@@ -69,13 +69,7 @@ class MMoE(nn.Module):
             dropout=dropout,
         )
         self.tower_arch = nn.ModuleList(
-            FusedMLP(
-                self.moe_arch.out_features,
-                [*tower_layer_sizes, 1],
-                activation=activation,
-                dropout=dropout,
-                final_activation=False,
-            )
+            top_mlp(self.moe_arch.out_features, [*tower_layer_sizes, 1], activation, dropout)
             for _ in range(num_tasks)
         )
 

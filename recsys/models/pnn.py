@@ -22,20 +22,14 @@ Data flow, F sparse features of dim D, T tasks::
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.fields import (
-    bottom_mlp,
-    num_sparse_features,
-    shared_embedding_dim,
-    stack_fields,
-)
-from recsys.models.layers import FusedMLP, ProductLayer
+from recsys.models.fields import FieldModel, num_tasks_of, top_mlp
+from recsys.models.layers import ProductLayer
 
 
-class PNN(nn.Module):
+class PNN(FieldModel):
     """PNN over an EmbeddingBagCollection whose tables all have the same dimension D.
 
     Args:
@@ -67,35 +61,22 @@ class PNN(nn.Module):
         dropout: float = 0.0,
         product: str = "inner",
     ) -> None:
-        super().__init__()
-        embedding_dim = shared_embedding_dim(embedding_bag_collection, "PNN")
-        if not over_arch_layer_sizes:
-            raise ValueError("over_arch_layer_sizes must end with the number of tasks, got []")
-        self.embedding_dim = embedding_dim
-        self.sparse_arch = embedding_bag_collection
-        self.dense_arch = bottom_mlp(
+        num_tasks_of(over_arch_layer_sizes)  # checks that there is one
+        super().__init__(
+            embedding_bag_collection,
             dense_in_features,
             dense_arch_layer_sizes,
-            embedding_dim,
-            "the dense vector is one more field of the products",
+            why="the dense vector is one more field of the products",
             activation=activation,
             dropout=dropout,
         )
-        num_fields = num_sparse_features(embedding_bag_collection) + (self.dense_arch is not None)
-        self.inter_arch = ProductLayer(num_fields, embedding_dim, product=product)
-        self.over_arch = FusedMLP(
-            self.inter_arch.out_features,
-            over_arch_layer_sizes,
-            activation=activation,
-            dropout=dropout,
-            final_activation=False,
-        )
+        self.inter_arch = ProductLayer(self.num_fields, self.embedding_dim, product=product)
+        over_in_features = self.inter_arch.out_features
+        self.over_arch = top_mlp(over_in_features, over_arch_layer_sizes, activation, dropout)
 
     def forward(
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
     ) -> torch.Tensor:
-        embedded_dense = None if self.dense_arch is None else self.dense_arch(dense_features)
-        pooled = self.sparse_arch(sparse_features).values()  # [B, F*D]
-        fields = stack_fields(embedded_dense, pooled, self.embedding_dim)  # [B, F(+1), D]
+        fields = self.fields(dense_features, sparse_features)  # [B, F(+1), D]
         products = self.inter_arch(fields)  # [B, W]
         return self.over_arch(products)  # [B, T]

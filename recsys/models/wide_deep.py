@@ -29,7 +29,8 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.layers import FusedMLP, LinearArch
+from recsys.models.fields import flat_width, num_tasks_of, top_mlp
+from recsys.models.layers import LinearArch
 
 
 class WideDeep(nn.Module):
@@ -66,22 +67,11 @@ class WideDeep(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        if not over_arch_layer_sizes:
-            raise ValueError("over_arch_layer_sizes must end with the number of tasks, got []")
-        pooled_width = sum(
-            c.embedding_dim * len(c.feature_names)
-            for c in embedding_bag_collection.embedding_bag_configs()
-        )
-        num_tasks = over_arch_layer_sizes[-1]
+        num_tasks = num_tasks_of(over_arch_layer_sizes)
+        deep_in_features = flat_width(embedding_bag_collection, dense_in_features)
         self.sparse_arch = embedding_bag_collection
         self.wide_arch = LinearArch(linear_embedding_bag_collection, dense_in_features, num_tasks)
-        self.over_arch = FusedMLP(
-            dense_in_features + pooled_width,
-            over_arch_layer_sizes,
-            activation=activation,
-            dropout=dropout,
-            final_activation=False,
-        )
+        self.over_arch = top_mlp(deep_in_features, over_arch_layer_sizes, activation, dropout)
 
     def forward(
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor

@@ -32,20 +32,14 @@ the sparse linear weights are shared by the tasks when their tables have dimensi
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.models.fields import (
-    bottom_mlp,
-    num_sparse_features,
-    shared_embedding_dim,
-    stack_fields,
-)
-from recsys.models.layers import CIN, FusedMLP, LinearArch
+from recsys.models.fields import FieldModel, num_tasks_of, top_mlp
+from recsys.models.layers import CIN, FusedMLP
 
 
-class XDeepFM(nn.Module):
+class XDeepFM(FieldModel):
     """xDeepFM over an EmbeddingBagCollection whose tables all have the same dimension D.
 
     Args:
@@ -88,39 +82,26 @@ class XDeepFM(nn.Module):
         dropout: float = 0.0,
         cin_split_half: bool = True,
     ) -> None:
-        super().__init__()
-        embedding_dim = shared_embedding_dim(embedding_bag_collection, "XDeepFM")
-        if not over_arch_layer_sizes:
-            raise ValueError("over_arch_layer_sizes must end with the number of tasks, got []")
-        num_tasks = over_arch_layer_sizes[-1]
-        self.embedding_dim = embedding_dim
-        self.sparse_arch = embedding_bag_collection
-        self.linear_arch = LinearArch(linear_embedding_bag_collection, dense_in_features, num_tasks)
-        self.dense_arch = bottom_mlp(
+        num_tasks = num_tasks_of(over_arch_layer_sizes)
+        super().__init__(
+            embedding_bag_collection,
             dense_in_features,
             dense_arch_layer_sizes,
-            embedding_dim,
-            "the dense vector is one more CIN field",
+            why="the dense vector is one more CIN field",
             activation=activation,
             dropout=dropout,
+            linear_embedding_bag_collection=linear_embedding_bag_collection,
+            num_tasks=num_tasks,
         )
-        num_fields = num_sparse_features(embedding_bag_collection) + (self.dense_arch is not None)
-        self.inter_arch = CIN(num_fields, cin_layer_sizes, split_half=cin_split_half)
+        self.inter_arch = CIN(self.num_fields, cin_layer_sizes, split_half=cin_split_half)
         self.inter_head = FusedMLP(self.inter_arch.output_size, [num_tasks], final_activation=False)
-        self.over_arch = FusedMLP(
-            num_fields * embedding_dim,
-            over_arch_layer_sizes,
-            activation=activation,
-            dropout=dropout,
-            final_activation=False,
-        )
+        deep_in_features = self.num_fields * self.embedding_dim
+        self.over_arch = top_mlp(deep_in_features, over_arch_layer_sizes, activation, dropout)
 
     def forward(
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
     ) -> torch.Tensor:
-        embedded_dense = None if self.dense_arch is None else self.dense_arch(dense_features)
-        pooled = self.sparse_arch(sparse_features).values()  # [B, F*D]
-        fields = stack_fields(embedded_dense, pooled, self.embedding_dim)  # [B, F(+1), D]
+        fields = self.fields(dense_features, sparse_features)  # [B, F(+1), D]
         linear = self.linear_arch(dense_features, sparse_features)  # [B, T]
         cin = self.inter_head(self.inter_arch(fields))  # [B, T]
         deep = self.over_arch(fields.flatten(1))  # [B, T]
