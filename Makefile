@@ -27,20 +27,22 @@ train: setup
 	$(BIN)/recsys train --config $(CONFIG)
 
 lint: setup
-	$(BIN)/ruff check recsys tests scripts
-	$(BIN)/ruff format --check recsys tests scripts
+	$(BIN)/ruff check recsys tests benchmarks scripts
+	$(BIN)/ruff format --check recsys tests benchmarks scripts
 
 format: setup
-	$(BIN)/ruff check --fix recsys tests scripts
-	$(BIN)/ruff format recsys tests scripts
+	$(BIN)/ruff check --fix recsys tests benchmarks scripts
+	$(BIN)/ruff format recsys tests benchmarks scripts
 
 test: lint
 	$(BIN)/python -m pytest -q
 
-# Every benchmark script appends its rows to benchmarks/results/*.csv.
+# Every benchmark (benchmarks/<topic>.py, run as `python -m benchmarks.<topic>`; the _*.py files
+# are its helpers) appends its rows to benchmarks/results/<topic>.csv.
 bench: setup
-	@set -e; for script in scripts/bench_*.py; do \
-		echo "== $$script"; $(BIN)/python $$script; \
+	@set -e; for module in benchmarks/[!_]*.py; do \
+		topic=$$(basename $$module .py); \
+		echo "== benchmarks.$$topic"; $(BIN)/python -m benchmarks.$$topic; \
 	done
 
 clean:

@@ -6,9 +6,10 @@
 # STEP names what to run, all of them by default: `gpu_tests` (pytest -m gpu), `device_tests`
 # (the op and embedding tests with CUDA as torch's default device, so the compiled kernels are
 # checked against the same float64 references as under the interpreter), `kernel_table`
-# (scripts/kernel_table.py) and one per benchmark (`bench_mlp`, ...). BENCH_ARGS is added to
-# every benchmark's command line (e.g. BENCH_ARGS=--quick). RECSYS_COMMIT names the commit in the
-# results where the tree arrived without .git (a GPU machine that receives a copy of it).
+# (scripts/kernel_table.py) and one per benchmark: `bench_<topic>` (`bench_mlp`, ...) runs
+# `python -m benchmarks.<topic>`. BENCH_ARGS is added to every benchmark's command line (e.g.
+# BENCH_ARGS=--quick). RECSYS_COMMIT names the commit in the results where the tree arrived
+# without .git (a GPU machine that receives a copy of it).
 #
 # For a machine with torch + triton preinstalled and no venv or network: uses `python3` from
 # PATH (override with PYTHON=...) and puts the repository on PYTHONPATH instead of installing it.
@@ -134,13 +135,14 @@ if wanted kernel_table; then
         --jobs "$(nproc)" --out-dir "$OUT_DIR"
 fi
 
-for script in scripts/bench_*.py; do
-    [ -e "$script" ] || continue
-    topic=$(basename "$script" .py)
-    wanted "$topic" || continue
+# One step per benchmark module (benchmarks/_*.py are its helpers), named bench_<topic>.
+for module in benchmarks/[!_]*.py; do
+    [ -e "$module" ] || continue
+    name=bench_$(basename "$module" .py)
+    wanted "$name" || continue
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-    step "$topic --device cuda" "$OUT_DIR/$topic.log" "$PYTHON" "$script" --device cuda \
-        ${BENCH_ARGS:-}
+    step "$name --device cuda" "$OUT_DIR/$name.log" "$PYTHON" -m "benchmarks.${name#bench_}" \
+        --device cuda ${BENCH_ARGS:-}
 done
 
 echo

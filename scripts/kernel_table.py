@@ -37,10 +37,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from _harness import git_commit, results_dir, versions  # noqa: E402
-
+from benchmarks._harness import git_commit, results_dir, versions  # noqa: E402
 from tests.kernel_launches import (  # noqa: E402
     TARGETS,
     compile_failures,

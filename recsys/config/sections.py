@@ -172,7 +172,7 @@ class DataConfig:
     prefetch_batches: Annotated[int, Range(min=-1)] = -1
     """Batches built ahead by a background thread while the current one trains. -1: 4 on CUDA,
     0 on CPU (there the thread competes with training for the same cores; measured in
-    scripts/bench_data.py); 0: build batches in the training thread."""
+    benchmarks/data.py); 0: build batches in the training thread."""
     shuffle: bool = True
     """Shuffle the train split every epoch: the order of its chunks and the rows within each
     shuffle buffer."""

@@ -11,7 +11,7 @@ so a row's weights and state always move between tiers together. It is addressed
   :class:`~recsys.embedding.slot_map.SlotMap` and one int64 per key, 32 bytes a key) gives each
   stored key its record in an array that grows (doubling) as keys arrive. Records stay on disk;
   only the keys are in memory. Measured against RocksDB (``rocksdict``) and LMDB on the same
-  batches in ``benchmarks/results/kv_store.csv`` (``scripts/bench_kv_store.py``).
+  batches in ``benchmarks/results/kv_store.csv`` (``benchmarks/kv_store.py``).
 
 A row the store never received is **absent** (``read`` says so): its table initializes it
 lazily from (seed, table, key). A fresh file of zeros (sparse: untouched rows take no disk) holds
@@ -190,7 +190,7 @@ class DiskRecords(RecordArray):
         self._map = mmap.mmap(self._fd, max(self.num_records, 1) * self.width)
         # Rows are read at random: without this a fault reads ahead megabytes of zeros around
         # each row, and a table larger than RAM thrashes the page cache (15-20 s a step vs
-        # 0.3 s, scripts/bench_tiered.py --large).
+        # 0.3 s, python -m benchmarks.tiered --large).
         self._map.madvise(mmap.MADV_RANDOM)
 
     def _close(self) -> None:

@@ -8,7 +8,7 @@ environment variable ``RECSYS_BACKEND``) picks:
   path. The embedding bag has one: ``"fbgemm"``, FBGEMM's C++ fused-optimizer backward
   (fbgemm-gpu-cpu) behind the torch forward, for SGD / Adagrad / RowWiseAdagrad on fp32 tables
   of one dim and one pooling (``recsys.ops.embedding_bag.fbgemm_unsupported`` says why not
-  otherwise). ``scripts/bench_embedding_bag.py`` measured its fused backward several times
+  otherwise). ``benchmarks/embedding_bag.py`` measured its fused backward several times
   faster than the torch path's sort + ``F.embedding_bag`` reduction + ``index_copy_`` update.
 
 Under ``torch.compile`` (``train.compile``) "auto" is always the torch path: inductor fuses it

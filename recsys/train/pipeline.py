@@ -35,7 +35,7 @@ trains. Results are the plain loop's, bitwise (rows move exactly; batch i's rows
 The exchange of batch i+1's ids overlaps step i: ``prefetch_input`` exchanges the counts (a
 small blocking all-to-all) and sends the lengths, ids and weights without waiting
 (:func:`recsys.distributed.comm.start_all_to_all_ids`); forward(i+1) waits for them. What it
-saves is measured by ``scripts/bench_train_step.py`` (``benchmarks/results/train_step.csv``).
+saves is measured by ``python -m benchmarks.train_step`` (``benchmarks/results/train_step.csv``).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ import torchrec
 from torch.distributed.checkpoint.api import CheckpointException
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
+from recsys.checkpoint import io as ckpt
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import Adam
-from recsys.checkpoint import io as ckpt
 
 
 def state(value: float, step: int) -> dict:

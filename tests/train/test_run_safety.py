@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from recsys.checkpoint import io as ckpt
 from recsys.cli import main
 from recsys.config import load_config
-from recsys.checkpoint import io as ckpt
 from recsys.train import trainer as trainer_module
 from recsys.train.metrics import read_metrics
 from recsys.train.stop import TrainingStopped

@@ -16,8 +16,8 @@ oracle AUC of the synthetic teacher. Quick mode trains on 500k samples instead o
 ``--set train.embedding_optimizer=sgd train.embedding_lr=0.005`` changes the recipe for every
 variant (small updates are where the rounding matters).
 
-Run: ``python scripts/bench_embedding_precision.py [--quick | --full]``; rows go to
-``benchmarks/results/embedding_precision.csv`` (see ``scripts/_harness.py``).
+Run: ``python -m benchmarks.embedding_precision [--quick | --full]``; rows go to
+``benchmarks/results/embedding_precision.csv`` (see ``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from _harness import (
+from benchmarks._harness import (
     REPO_ROOT,
     Row,
     Timing,
@@ -38,7 +38,6 @@ from _harness import (
     resolve_device,
     write_rows,
 )
-
 from recsys.config import load_config
 from recsys.train.metrics import read_metrics
 from recsys.train.trainer import train

@@ -61,8 +61,8 @@ tables. A dynamic treatment that raises (e.g. a batch with more distinct keys th
 a ``mean`` row with the error in its notes and is run again with buckets of 128
 (``<name>_b128``).
 
-Run: ``python scripts/bench_dynamic.py [--quick | --full] [--sections map train_step drift]``;
-rows go to ``benchmarks/results/dynamic.csv`` (see ``scripts/_harness.py``).
+Run: ``python -m benchmarks.dynamic [--quick | --full] [--sections map train_step drift]``;
+rows go to ``benchmarks/results/dynamic.csv`` (see ``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -75,9 +75,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import _dynamic_cases as cases
 import torch
-from _harness import (
+
+from benchmarks import _dynamic_cases as cases
+from benchmarks._harness import (
     REPO_ROOT,
     Row,
     Timing,
@@ -90,7 +91,6 @@ from _harness import (
     time_fns,
     write_rows,
 )
-
 from recsys.build.models import build_model
 from recsys.config import Config, load_config
 from recsys.data.synthetic import SyntheticDataset

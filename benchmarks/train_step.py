@@ -12,8 +12,8 @@ eager fp32 loop they replace:
 - under torchrun (``--world-size``, gloo on CPU): ``fp32`` with ``train.pipeline=off`` (the plain
   loop) and ``on`` (the next batch's input_dist issued during the step), and ``bf16`` pipelined.
 
-Runs: ``python scripts/bench_train_step.py [--variants ...] [--steps N]``; rows go to
-``benchmarks/results/train_step.csv`` (see ``scripts/_harness.py``).
+Runs: ``python -m benchmarks.train_step [--variants ...] [--steps N]``; rows go to
+``benchmarks/results/train_step.csv`` (see ``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _harness import (
+
+from benchmarks._harness import (
     Row,
     add_common_args,
     environment,

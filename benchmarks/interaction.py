@@ -31,8 +31,8 @@ TFLOP/s for the cross layers (2 * B * D_in * D_in per full-rank layer, 4 * B * D
 4 * B * D_in vector; x3 for fwd_bwd). The printed table gives each provider relative to
 ``torch_eager`` and ``torch_compile`` (> 1: faster).
 
-Run: ``python scripts/bench_interaction.py [--device cuda] [--quick | --full] [--ops NAME ...]``;
-rows go to ``benchmarks/results/interaction.csv`` (see ``scripts/_harness.py``).
+Run: ``python -m benchmarks.interaction [--device cuda] [--quick | --full] [--ops NAME ...]``;
+rows go to ``benchmarks/results/interaction.csv`` (see ``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from _harness import (
+
+from benchmarks._harness import (
     Row,
     add_common_args,
     environment,
@@ -57,7 +58,6 @@ from _harness import (
     time_fns,
     write_rows,
 )
-
 from recsys.ops.cross_interaction import cross_layer, cross_layer_low_rank, cross_layer_vector
 from recsys.ops.dot_interaction import dot_interaction
 

@@ -23,7 +23,7 @@ Modes:
   is checked against ``--rss-budget-gib`` (6): over it, the script says so and exits with
   status 1 (after writing the row).
 
-Data (the same batches for every case of a mode; ``scripts/_tiered_data.py``): one id per table
+Data (the same batches for every case of a mode; ``benchmarks/_tiered_data.py``): one id per table
 and sample (one-hot, as Criteo), ``--batch`` (4096) samples a step, ids Zipf(``--zipf`` = 1.05)
 over each table's rows (the hot rows spread over the table's file), labels from a planted model of
 the ids and the 13 dense features. After training, AUC on ``--eval-batches`` (20) held-out
@@ -50,9 +50,9 @@ and tables larger than RAM thrash the page cache: 15-20 s a step.
 layers on the GPU: the host tier's table is then pinned host memory, and the notes add the
 device's peak memory.
 
-Run: ``python scripts/bench_tiered.py [--sweep] [--large] [--quick] [--device D] [--dir DIR]``.
+Run: ``python -m benchmarks.tiered [--sweep] [--large] [--quick] [--device D] [--dir DIR]``.
 Rows are appended to ``benchmarks/results/tiered.csv`` (its own columns; device, versions and
-commit from ``scripts/_harness.py``); ``--quick`` (tiny sizes, a few steps) writes no rows
+commit from ``benchmarks/_harness.py``); ``--quick`` (tiny sizes, a few steps) writes no rows
 unless ``--write``, and then marks them quick.
 """
 
@@ -70,10 +70,10 @@ import time
 from pathlib import Path
 
 import torch
-from _harness import append_csv, environment, format_table, load_note, summarize
-from _tiered_data import NUM_DENSE, Batch, LogSpec, auc, make_batches
 from torchrec import EmbeddingBagConfig
 
+from benchmarks._harness import append_csv, environment, format_table, load_note, summarize
+from benchmarks._tiered_data import NUM_DENSE, Batch, LogSpec, auc, make_batches
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import RowWiseAdagrad
 from recsys.embedding.tiered import StorageOptions, TieredEmbeddingBagCollection
@@ -289,7 +289,9 @@ def run_case(case: Case) -> dict:
     print(f"{case.name}: tier={case.tier} cache={case.cache_rows} rows/table", flush=True)
     if case.tier == "disk":
         os.makedirs(case.directory, exist_ok=True)
-    command = [sys.executable, __file__, "--worker", json.dumps(dataclasses.asdict(case))]
+    # The worker is this module again; the inherited cwd or PYTHONPATH finds the package.
+    case_json = json.dumps(dataclasses.asdict(case))
+    command = [sys.executable, "-m", "benchmarks.tiered", "--worker", case_json]
     start, result, output = time.perf_counter(), None, []
     try:
         with subprocess.Popen(

@@ -1,8 +1,8 @@
-"""Cases of ``scripts/bench_dynamic.py``: the key streams and the two id -> row maps it times
+"""Cases of ``benchmarks/dynamic.py``: the key streams and the two id -> row maps it times
 (recsys's :class:`~recsys.embedding.slot_map.SlotMap`, TorchRec's ``MCHManagedCollisionModule``),
 and the four table treatments it trains on the drifting synthetic stream.
 
-See the docstring of ``bench_dynamic.py`` for what each case measures.
+See the docstring of ``benchmarks/dynamic.py`` for what each case measures.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from _harness import Timing, time_fn
 from torch import nn
 from torchmetrics.functional.classification import binary_auroc
 
+from benchmarks._harness import Timing, time_fn
 from recsys import KeyedJaggedTensor  # recsys quiets torchrec's import
 from recsys.build.models import build_model
 from recsys.config import Config, DynamicConfig

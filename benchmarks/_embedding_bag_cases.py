@@ -1,4 +1,4 @@
-"""Cases and workloads of ``scripts/bench_embedding_bag.py``: the ``[[case]]`` entries of its
+"""Cases and workloads of ``benchmarks/embedding_bag.py``: the ``[[case]]`` entries of its
 config file, each table's deterministic weights (the same for every provider), the Zipf(1)
 batch, its float64 reference output, and the batch laid out on the device for every
 provider."""
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _harness import zipf_ids
 
+from benchmarks._harness import zipf_ids
 from recsys import EmbeddingBagConfig, KeyedJaggedTensor  # recsys quiets torchrec's import
 
 

@@ -1,4 +1,4 @@
-"""The synthetic click log of ``scripts/bench_tiered.py``: Zipf ids over large tables, labels
+"""The synthetic click log of ``benchmarks/tiered.py``: Zipf ids over large tables, labels
 from a planted model, and the AUC that scores a model on it.
 
 A batch holds one id per table and sample (one-hot, as Criteo). Ids are Zipf(``zipf``) ranks

@@ -17,7 +17,7 @@ Providers:
   TBE with EXACT_SGD fused into backward). DMP also wraps the dense part in
   DistributedDataParallel, whose all-reduce over one rank is part of its step.
 
-Both train on the same 4 batches, cycled (ids Zipf(1)-skewed, as ``bench_embedding_bag.py``;
+Both train on the same 4 batches, cycled (ids Zipf(1)-skewed, as ``benchmarks/embedding_bag.py``;
 dense features normal, labels 0/1), with their own default initializations. The models are
 built one at a time (each holds its tables), warmed up, then ``--steps`` steps are timed one by
 one; the p50 step gives samples/s. After timing, the script checks that the loss is finite and
@@ -25,8 +25,8 @@ that a row the batches touch has moved (the fused table update ran). Every row's
 load average when its provider was timed: the providers are not interleaved, so background load
 on a shared machine can favour one of them.
 
-Run: ``python scripts/bench_dlrm_step.py [--device cuda] [--quick | --full] [--rows N]``; rows go
-to ``benchmarks/results/dlrm_step.csv`` (see ``scripts/_harness.py``).
+Run: ``python -m benchmarks.dlrm_step [--device cuda] [--quick | --full] [--rows N]``; rows go
+to ``benchmarks/results/dlrm_step.csv`` (see ``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from _harness import (
+from torch import nn
+
+import recsys
+from benchmarks._harness import (
     Row,
     Timing,
     add_common_args,
@@ -53,10 +56,7 @@ from _harness import (
     write_rows,
     zipf_ids,
 )
-from _torchrec_peers import dmp_fused_dlrm
-from torch import nn
-
-import recsys
+from benchmarks._torchrec_peers import dmp_fused_dlrm
 from recsys import EmbeddingBagConfig, KeyedJaggedTensor  # recsys quiets torchrec's import
 from recsys.embedding.optim import SGD
 

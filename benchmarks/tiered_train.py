@@ -3,7 +3,7 @@
 Runs ``recsys train --config RECIPE`` (default ``configs/dlrm_larger_than_ram.toml``: DLRM, 8
 tables of 20M rows at dim 64 on the disk tier, 38.7 GiB of weights and row-wise Adagrad state)
 as a subprocess, exactly as a user would, and appends one row to
-``benchmarks/results/tiered.csv`` (the columns of ``scripts/bench_tiered.py``) from what the run
+``benchmarks/results/tiered.csv`` (the columns of ``benchmarks/tiered.py``) from what the run
 itself logged and what the kernel measured:
 
 - ``peak_rss_gib``: the run's peak resident memory (``ru_maxrss`` of the child, as
@@ -19,7 +19,7 @@ itself logged and what the kernel measured:
 - ``disk_gib_used``: the blocks allocated by the tiered tables' files after the run (``du``);
 - ``auc``: the run's test AUC (the notes give the oracle's).
 
-Run: ``python scripts/bench_tiered_train.py [--config RECIPE] [--dir DIR] [-- extra overrides]``
+Run: ``python -m benchmarks.tiered_train [--config RECIPE] [--dir DIR] [-- extra overrides]``
 (``--dir``: where the run directory goes, on a local disk with room for the touched rows; a
 temporary directory, removed after, by default).
 """
@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 
 import torch
-from _harness import append_csv, environment, load_note
-from bench_tiered import COLUMNS, GIB, TOPIC, _format
 
+from benchmarks._harness import append_csv, environment, load_note
+from benchmarks.tiered import COLUMNS, GIB, TOPIC, _format
 from recsys.config import load_config
 from recsys.data import build_dataset
 from recsys.models import table_configs

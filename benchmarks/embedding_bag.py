@@ -29,7 +29,7 @@ Providers:
 
 The tables of one provider take T*N*D*4 bytes (26 x 1M x 128 fp32: 13.3 GB), so providers are
 built one at a time: build, check the forward against a float64 reference, time its passes
-(interleaved with each other, see ``scripts/_harness.py``), free it, next. Providers are
+(interleaved with each other, see ``benchmarks/_harness.py``), free it, next. Providers are
 therefore not interleaved with each other; every row's notes carry the load average when its
 provider was timed. A pass that holds a second table-sized tensor (dense gradients, element-wise
 Adagrad state) is skipped, with the reason printed, when ``2 * T*N*D*4`` exceeds 60% of the
@@ -47,8 +47,8 @@ with L ids in the batch and U distinct (table, id) pairs among them:
 
 The table prints each provider's speed relative to ``fbgemm_tbe`` on the same pass (> 1: faster).
 
-Run: ``python scripts/bench_embedding_bag.py [--device cuda] [--quick | --full] [--cases NAME
-...]``; rows go to ``benchmarks/results/embedding_bag.csv`` (see ``scripts/_harness.py``).
+Run: ``python -m benchmarks.embedding_bag [--device cuda] [--quick | --full] [--cases NAME
+...]``; rows go to ``benchmarks/results/embedding_bag.csv`` (see ``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _embedding_bag_cases import (
+
+import recsys
+from benchmarks._embedding_bag_cases import (
     Case,
     Workload,
     fill_table,
@@ -72,7 +74,7 @@ from _embedding_bag_cases import (
     select_cases,
     table_configs,
 )
-from _harness import (
+from benchmarks._harness import (
     REPO_ROOT,
     Row,
     add_common_args,
@@ -86,8 +88,6 @@ from _harness import (
     time_fns,
     write_rows,
 )
-
-import recsys
 from recsys.embedding.optim import SGD, FusedOptimizer, RowWiseAdagrad
 
 # torch.optim.Adagrad's sparse path warns about sparse invariant checks; nothing to act on here.

@@ -1,4 +1,4 @@
-"""The one benchmark harness every ``scripts/bench_<topic>.py`` uses.
+"""The one benchmark harness every ``benchmarks/<topic>.py`` uses.
 
 A bench script times its providers with :func:`time_fns` (one callable: :func:`time_fn`), turns
 each timing into a :class:`Row` and hands the rows to :func:`write_rows`, which appends them to

@@ -33,8 +33,8 @@ recsys batch equals the peer's batch of the same rows (dense, labels, KJT keys /
 lengths), and that a shuffled epoch without ``drop_last`` holds every row exactly once (column
 sums).
 
-Run: ``python scripts/bench_data.py [--quick | --full]``; rows go to
-``benchmarks/results/data.csv`` (see ``scripts/_harness.py``).
+Run: ``python -m benchmarks.data [--quick | --full]``; rows go to
+``benchmarks/results/data.csv`` (see ``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
-from _harness import (
+
+from benchmarks._harness import (
     REPO_ROOT,
     Row,
     Timing,
@@ -65,7 +66,6 @@ from _harness import (
     time_fns,
     write_rows,
 )
-
 from recsys import Batch, DatasetSpec, KeyedJaggedTensor, load_config  # quiets torchrec's import
 from recsys.build.models import build_model
 from recsys.config import PreprocessConfig, SyntheticConfig
@@ -487,7 +487,7 @@ def main() -> None:
     args = parser.parse_args()
     device = resolve_device(args.device)
     if device.type != "cpu":
-        raise SystemExit("bench_data measures the CPU data path; run it with --device cpu")
+        raise SystemExit("benchmarks.data measures the CPU data path; run it with --device cpu")
     quick = is_quick(args)
     num_lines = args.rows or (100_000 if quick else 1_000_000)
     warmup = args.warmup if args.warmup is not None else 1

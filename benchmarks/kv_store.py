@@ -9,7 +9,7 @@ numpy arrays (key encoding, sorting and decoding included), in a subprocess of i
 its peak RSS is its own:
 
 - ``rocksdict`` (RocksDB), ``lmdb`` and ``slot_file`` (recsys's ``SlotMap`` over an mmapped
-  file of records): the classes and their options are in ``scripts/_kv_stores.py``.
+  file of records): the classes and their options are in ``benchmarks/_kv_stores.py``.
 
 Cases: N = 2M and 8M stored keys (``--num-keys``; ``--quick``: 200k), records of 68 and 260
 bytes (``--record-bytes``). Ops (rows): ``put_bulk``, the fill of the N keys in batches of
@@ -31,9 +31,9 @@ as ``du``); ``peak_rss_mb`` the growth of the worker's peak RSS (``VmHWM``, rese
 case (mmapped file pages count: the kernel can reclaim them); the notes split the RSS growth at
 the end into anonymous and file-backed parts.
 
-Run: ``python scripts/bench_kv_store.py [--quick] [--stores ...] [--dir /tmp]`` (about 10
+Run: ``python -m benchmarks.kv_store [--quick] [--stores ...] [--dir /tmp]`` (about 10
 minutes by default on one core); rows go to ``benchmarks/results/kv_store.csv`` (its own
-columns; device, versions and commit from ``scripts/_harness.py``). A store whose package is
+columns; device, versions and commit from ``benchmarks/_harness.py``). A store whose package is
 not installed is skipped with a note.
 """
 
@@ -55,7 +55,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _harness import (
+
+from benchmarks._harness import (
     Timing,
     append_csv,
     environment,
@@ -64,7 +65,7 @@ from _harness import (
     summarize,
     time_fn,
 )
-from _kv_stores import MODULES, PACKAGES, STORE_CLASSES
+from benchmarks._kv_stores import MODULES, PACKAGES, STORE_CLASSES
 
 TOPIC = "kv_store"
 STORES = tuple(STORE_CLASSES)
@@ -355,7 +356,8 @@ def store_versions() -> str:
 
 
 def worker_command(args: argparse.Namespace, store: str, num_keys: int, record_bytes: int):
-    command = [sys.executable, __file__, "--worker", store]
+    # The worker is this module again; the inherited cwd or PYTHONPATH finds the package.
+    command = [sys.executable, "-m", "benchmarks.kv_store", "--worker", store]
     command += ["--worker-num-keys", str(num_keys), "--worker-record-bytes", str(record_bytes)]
     for option in ("batch", "fill_batch", "get_batches", "put_batches", "cold_batches"):
         command += [f"--{option.replace('_', '-')}", str(getattr(args, option))]

@@ -27,9 +27,9 @@ Throughput: TFLOP/s from the nominal flops, 2 * B * sum(N_in * N_out) for ``fwd`
 ``fwd_bwd`` (the same count for every provider). The printed table gives each provider relative
 to ``torch_compile`` (> 1: faster).
 
-Run: ``python scripts/bench_mlp.py [--device cuda] [--quick | --full] [--mlps bottom top]
+Run: ``python -m benchmarks.mlp [--device cuda] [--quick | --full] [--mlps bottom top]
 [--batch-sizes B ...] [--dtypes fp32 bf16]``; rows go to ``benchmarks/results/mlp.csv`` (see
-``scripts/_harness.py``).
+``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from _harness import (
+from torch import nn
+
+from benchmarks._harness import (
     Row,
     add_common_args,
     environment,
@@ -54,8 +56,6 @@ from _harness import (
     time_fns,
     write_rows,
 )
-from torch import nn
-
 from recsys.models.layers import FusedMLP
 from recsys.ops._triton import resolve_backend
 

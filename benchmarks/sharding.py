@@ -68,10 +68,10 @@ samples/s is the global batch over the p50. Bytes: the rank's ``comm_stats`` per
 ``backward``: their gradients and the data-parallel tables' gradient all-reduce), averaged over
 ranks; ``notes`` also give the busiest rank's total.
 
-Run: ``python scripts/bench_sharding.py [--quick | --full] [--world-size W] [--shardings ...]
+Run: ``python -m benchmarks.sharding [--quick | --full] [--world-size W] [--shardings ...]
 [--precisions ...] [--batch-size B] [--dim D] [--rows-scale X] [--steps N] [--no-torchrec]
 [--no-write]``; on GPUs add ``--device cuda`` (nccl). Rows go to
-``benchmarks/results/sharding.csv`` (see ``scripts/_harness.py``): one per provider, sharding
+``benchmarks/results/sharding.csv`` (see ``benchmarks/_harness.py``): one per provider, sharding
 and precision, with the bytes in ``notes`` as ``bytes/step/rank input=... forward=...
 backward=... total=...``.
 """
@@ -97,7 +97,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _harness import (
+
+from benchmarks._harness import (
     Row,
     Timing,
     add_common_args,
@@ -109,8 +110,13 @@ from _harness import (
     time_fn,
     write_rows,
 )
-from _sharding_dynamic import balance_note, key_wise_group, time_single_dynamic, warmup_steps
-from _sharding_setup import (
+from benchmarks._sharding_dynamic import (
+    balance_note,
+    key_wise_group,
+    time_single_dynamic,
+    warmup_steps,
+)
+from benchmarks._sharding_setup import (
     KEY_WISE,
     PRECISIONS,
     RECIPE,
@@ -131,8 +137,7 @@ from _sharding_setup import (
     relative_difference,
     unsharded_collection,
 )
-from _sharding_torchrec import output_columns, torchrec_dmp
-
+from benchmarks._sharding_torchrec import output_columns, torchrec_dmp
 from recsys import KeyedJaggedTensor  # recsys quiets torchrec's import
 from recsys.embedding.collection import EmbeddingBagCollection
 

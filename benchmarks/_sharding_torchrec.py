@@ -1,4 +1,4 @@
-"""The TorchRec peer of ``bench_sharding.py``: ``torchrec.EmbeddingBagCollection`` under
+"""The TorchRec peer of ``benchmarks/sharding.py``: ``torchrec.EmbeddingBagCollection`` under
 ``DistributedModelParallel`` on this rank's process group, holding the same tables as the
 unsharded recsys collection, placed as recsys places them (or as TorchRec's planner chooses),
 with Adagrad fused into backward and quantized comms by ``QCommsConfig``.
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from _sharding_setup import EPS, LR, Setup, count_kinds
 
+from benchmarks._sharding_setup import EPS, LR, Setup, count_kinds
 from recsys import EmbeddingBagConfig
 from recsys.embedding.collection import EmbeddingBagCollection
 

@@ -20,12 +20,12 @@ Providers:
     ``torchrec.EmbeddingBagCollection`` (one ``nn.EmbeddingBag`` per table, dense table
     gradients), ``torch.optim.Adagrad`` on the tables and the recipe's dense optimizer.
 
-The DLRM providers are timed in alternation (``scripts/_harness.py``); each other model on its
+The DLRM providers are timed in alternation (``benchmarks/_harness.py``); each other model on its
 own. samples/s is the batch size over the p50 step time; DLRM rows record their ratio to
 ``torchrec_dmp_fused`` in ``notes``.
 
-Run: ``python scripts/bench_models.py [--device cuda] [--models dlrm dcn ...]``; rows go to
-``benchmarks/results/models.csv`` (see ``scripts/_harness.py``).
+Run: ``python -m benchmarks.models [--device cuda] [--models dlrm dcn ...]``; rows go to
+``benchmarks/results/models.csv`` (see ``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _harness import (
+from torch import nn
+
+from benchmarks._harness import (
     REPO_ROOT,
     Row,
     add_common_args,
@@ -51,9 +53,7 @@ from _harness import (
     time_fns,
     write_rows,
 )
-from _torchrec_peers import dmp_fused_dlrm
-from torch import nn
-
+from benchmarks._torchrec_peers import dmp_fused_dlrm
 from recsys.build.models import MODELS, build_model
 from recsys.config import Config, load_config
 from recsys.data import build_dataset

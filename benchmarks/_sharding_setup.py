@@ -1,4 +1,4 @@
-"""What every process of ``bench_sharding.py`` builds the same way: the run's :class:`Setup`,
+"""What every process of ``benchmarks/sharding.py`` builds the same way: the run's :class:`Setup`,
 the tables, the global batches and upstream gradient, the unsharded collection every provider
 starts from, recsys's sharding plans (by hand, or by ``plan_sharding``), and the timed
 :class:`Provider` with its training step and checks.
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _harness import REPO_ROOT, zipf_ids
 
+from benchmarks._harness import REPO_ROOT, zipf_ids
 from recsys import EmbeddingBagConfig, KeyedJaggedTensor  # recsys quiets torchrec's import
 from recsys.distributed.comm import CommStats
 from recsys.distributed.plan import (

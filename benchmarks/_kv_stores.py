@@ -1,4 +1,4 @@
-"""The disk-store candidates of a dynamic tiered table, as ``scripts/bench_kv_store.py`` measures
+"""The disk-store candidates of a dynamic tiered table, as ``benchmarks/kv_store.py`` measures
 them: each maps int64 keys to one fixed-size record per key.
 
 Every store takes ``(directory, record_bytes, num_keys)`` (``num_keys``: the keys it will hold,

@@ -1,4 +1,4 @@
-"""The dynamic-table case of ``bench_sharding.py`` (``--shardings key_wise``): the 26 tables as
+"""The dynamic-table case of ``benchmarks/sharding.py`` (``--shardings key_wise``): the 26 tables as
 dynamic tables keyed by raw 64-bit keys, sharded KEY_WISE over the ranks, against the same
 dynamic collection stepping the global batch in one process, and TorchRec's managed-collision
 collection under DMP.
@@ -46,8 +46,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _harness import load_note, time_fn
-from _sharding_setup import (
+
+from benchmarks._harness import load_note, time_fn
+from benchmarks._sharding_setup import (
     EPS,
     LR,
     NUM_BATCHES,
@@ -64,8 +65,7 @@ from _sharding_setup import (
     recsys_provider,
     table_configs,
 )
-from _sharding_torchrec import output_columns
-
+from benchmarks._sharding_torchrec import output_columns
 from recsys import EmbeddingBagConfig, KeyedJaggedTensor  # recsys quiets torchrec's import
 from recsys.distributed.plan import ShardingType, key_wise
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
