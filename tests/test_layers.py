@@ -165,3 +165,23 @@ def test_the_checker_sees_a_back_import(tmp_path):
     assert graph == {"recsys.ops.x": {"recsys.train.y": 1}, "recsys.train.y": {"recsys.ops.x": 2}}
     assert layer("recsys.train.y") > layer("recsys.ops.x")
     assert _cycles({k: set(v) for k, v in graph.items()}) == [["recsys.ops.x", "recsys.train.y"]]
+
+
+def test_every_test_folder_is_collected():
+    """tests/ mirrors recsys/, so a package named like one of pytest's skipped folders (build/)
+    would silently drop its tests from the run: no folder under tests/ may match
+    ``norecursedirs``."""
+    import fnmatch
+    import tomllib
+
+    root = PACKAGE.parent
+    options = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]
+    patterns = options["ini_options"]["norecursedirs"]
+    skipped = [
+        str(folder.relative_to(root))
+        for folder in (root / "tests").rglob("*")
+        if folder.is_dir()
+        and folder.name != "__pycache__"
+        and any(fnmatch.fnmatch(folder.name, pattern) for pattern in patterns)
+    ]
+    assert not skipped, f"pytest would skip {skipped} (norecursedirs = {patterns})"
