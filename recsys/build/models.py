@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig
 
+from recsys.build.dynamic_tables import dynamic_features, dynamic_options
+from recsys.build.tiered_tables import storage_options
 from recsys.config import ModelConfig, TrainConfig
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.collection import EmbeddingBagCollection
@@ -43,8 +45,6 @@ from recsys.models import (
     linear_table_configs,
     table_configs,
 )
-from recsys.build.dynamic_tables import dynamic_features, dynamic_options
-from recsys.build.tiered_tables import storage_options
 
 __all__ = ["MODELS", "ModelEntry", "build_model", "fused_embedding_optimizer"]
 

@@ -16,12 +16,12 @@ from torch import nn
 from torchrec import EmbeddingBagConfig
 
 from recsys._files import format_bytes, mount_device
+from recsys.build.dynamic_tables import parse_overrides
 from recsys.config import StorageConfig
+from recsys.distributed.ranks import all_gather
 from recsys.embedding.interface import embedding_collections
 from recsys.embedding.row_store import DiskRecords, FixedStore
 from recsys.embedding.tiered import TIERS, StorageOptions, TieredEmbeddingBagCollection
-from recsys.build.dynamic_tables import parse_overrides
-from recsys.distributed.ranks import all_gather
 
 __all__ = [
     "TIERED_DIR",

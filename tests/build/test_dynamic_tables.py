@@ -7,16 +7,16 @@ import pytest
 import torch
 from torchrec import KeyedJaggedTensor
 
+from recsys.build.dynamic_tables import dynamic_features, dynamic_options, key_balance
+from recsys.build.models import build_model
+from recsys.checkpoint.finetune import init_from_checkpoint
+from recsys.checkpoint.io import load_model, read_spec
 from recsys.config import DynamicConfig, load_config
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.interface import EmbeddingCollectionInterface
 from recsys.models import table_configs
-from recsys.checkpoint.io import load_model, read_spec
-from recsys.build.dynamic_tables import dynamic_features, dynamic_options, key_balance
 from recsys.serve.export import export_model, load_exported
-from recsys.checkpoint.finetune import init_from_checkpoint
-from recsys.build.models import build_model
 from recsys.train.trainer import train
 
 SPEC = DatasetSpec(("d0",), ("a", "b", "c"), (10, 20, 30), ("click",))

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from recsys.build.tiered_tables import tiered_collections
+from recsys.checkpoint.io import find_resumable, load_model, verify_checkpoint
 from recsys.config import load_config
 from recsys.data import build_dataset
-from recsys.checkpoint.io import find_resumable, load_model, verify_checkpoint
 from recsys.train.evaluate import evaluate_checkpoint
 from recsys.train.model_setup import setup_model
-from recsys.build.tiered_tables import tiered_collections
 from recsys.train.trainer import train
 from tests.small_disk import small_disk
 
