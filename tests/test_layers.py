@@ -7,7 +7,9 @@ layer imports only its own layer and the ones below it:
 
 (a package's ``__init__`` that re-exports its modules does not count as importing them for the
 circle check: ``from recsys.checkpoint.io import x`` is an edge to ``recsys.checkpoint.io``
-only). ``docs/architecture.md`` states the same rules; a file past 600 lines fails too."""
+only). Library code imports neither ``tests`` nor ``benchmarks`` and reads no other module's
+private (``_``) names. ``docs/architecture.md`` states the same rules; a file past 600 lines
+fails too."""
 
 from __future__ import annotations
 
@@ -153,6 +155,65 @@ def test_no_file_is_longer_than_the_limit():
     assert not long, f"files over {MAX_LINES} lines (split them by responsibility):\n" + "\n".join(
         long
     )
+
+
+def outside_reads(name: str, path: Path, known: dict[str, Path]) -> list[str]:
+    """What module ``name`` reads that library code must not: an import of ``tests`` or
+    ``benchmarks``, and another recsys module's private name (``from recsys.a import _f``, or
+    ``a._f`` for a module ``a`` imported by name)."""
+    tree = ast.parse(path.read_text())
+    found, modules_by_alias = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in ("tests", "benchmarks"):
+                    found.append(f"{name} imports {alias.name} at line {node.lineno}")
+                elif alias.name in known and alias.asname:
+                    modules_by_alias[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] in ("tests", "benchmarks"):
+                found.append(f"{name} imports {node.module} at line {node.lineno}")
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in known:
+                    modules_by_alias[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                elif node.module.startswith("recsys") and _private(alias.name):
+                    found.append(
+                        f"{name} imports {node.module}.{alias.name} (private) at line {node.lineno}"
+                    )
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules_by_alias
+            and _private(node.attr)
+        ):
+            target = modules_by_alias[node.value.id]
+            found.append(f"{name} reads {target}.{node.attr} (private) at line {node.lineno}")
+    return found
+
+
+def _private(attribute: str) -> bool:
+    return attribute.startswith("_") and not attribute.startswith("__")
+
+
+def test_library_code_reads_no_tests_benchmarks_or_private_names():
+    known = modules()
+    wrong = [line for name, path in known.items() for line in outside_reads(name, path, known)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_checker_sees_a_private_read_and_a_benchmark_import(tmp_path):
+    known = {"recsys.ops.x": tmp_path / "x.py", "recsys.train.y": tmp_path / "y.py"}
+    known["recsys.ops.x"].write_text("def _f():\n    pass\n")
+    known["recsys.train.y"].write_text(
+        "from recsys.ops import x\nfrom recsys.ops.x import _f\nimport benchmarks._harness\n"
+        "x._f()\n"
+    )
+    assert outside_reads("recsys.train.y", known["recsys.train.y"], known) == [
+        "recsys.train.y imports recsys.ops.x._f (private) at line 2",
+        "recsys.train.y imports benchmarks._harness at line 3",
+        "recsys.train.y reads recsys.ops.x._f (private) at line 4",
+    ]
 
 
 def test_the_checker_sees_a_back_import(tmp_path):
