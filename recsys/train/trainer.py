@@ -515,19 +515,17 @@ class _Run:
         """Resume from checkpoint ``path``: what :meth:`_training_state` saved, read back into
         this run's model, optimizers and plan (any world size and sharding)."""
         state = self._training_state()
-        rng_key = f"rank_{self.info.rank}"
-        if not any(k.startswith(f"rng.{rng_key}.") for k in checkpoint_shapes(path)):
+        rng_key, saved = f"rank_{self.info.rank}", checkpoint_shapes(path)  # keys: one read
+        if not any(k.startswith(f"rng.{rng_key}.") for k in saved):
             del state["rng"]  # a rank the saving run did not have: keeps its seeded RNG
-        if "best" in state and "best.step" not in checkpoint_shapes(path):
+        if "best" in state and "best.step" not in saved:
             del state["best"]  # saved without keep_best / early stopping: the best starts over
-        if "data_reshards" not in checkpoint_shapes(path):
+        if "data_reshards" not in saved:
             del state["data_reshards"]  # saved before reshards were recorded
-        if "loss_scale" in state and "loss_scale.scale" not in checkpoint_shapes(path):
+        if "loss_scale" in state and "loss_scale.scale" not in saved:
             del state["loss_scale"]  # saved by a run without fp16: the scale starts over
         state["optimizers"], live = optimizer_states(self.model, self.optimizers)
-        state["model"] = state_to_load(
-            _unwrap(self.model), checkpoint_shapes(path), "model.", tensor_reader(path)
-        )
+        state["model"] = state_to_load(_unwrap(self.model), saved, "model.", tensor_reader(path))
         load_checkpoint(path, state, verify=False)  # verified by find_resume
         _unwrap(self.model).load_state_dict(state["model"])
         for collection in tiered_collections(_unwrap(self.model)):
