@@ -82,10 +82,20 @@ def _lock(fd: int) -> None:
 
 
 def _holder_pid(fd: int) -> int | None:
+    holder = _holder_fields(fd)
     try:
-        return int(json.loads(os.pread(fd, 1 << 16, 0).decode())["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(holder["pid"]) if holder else None
+    except (ValueError, KeyError, TypeError):
         return None
+
+
+def _holder_fields(fd: int) -> dict | None:
+    """What the holder wrote into the lock file (None: nothing readable)."""
+    try:
+        holder = json.loads(os.pread(fd, 1 << 16, 0).decode())
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
 
 
 def _holder() -> dict[str, object]:
@@ -100,8 +110,8 @@ def _holder() -> dict[str, object]:
 
 def _read_holder(fd: int) -> str:
     """The holder the lock file names, in words."""
+    holder = _holder_fields(fd)
     try:
-        holder = json.loads(os.pread(fd, 1 << 16, 0).decode())
         where = "" if holder["host"] == socket.gethostname() else f" on {holder['host']}"
         if holder["pid"] == os.getpid() and not where:
             return f"this process, since {holder['since']}: another store of the same file"
@@ -109,5 +119,5 @@ def _read_holder(fd: int) -> str:
             f"pid {holder['pid']}{where} since {holder['since']}: "
             f"'{holder['command']}' in {holder['cwd']}"
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):  # no holder, or one without these fields
         return "a process that did not say which"
