@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,26 @@ def train(config: Config) -> TrainResult:
         return run.fit()
     finally:
         if run is not None:
+            close_stores(run.model)
+        shutdown_distributed()
+
+
+def train_steps(config: Config) -> Iterator[int]:
+    """The steps of ``config``'s run, one per ``next()``: each trains a step (and what follows
+    it: a log event, an evaluation, a checkpoint) and yields its number. For tools that look
+    at single steps (``recsys.train.step_audit``); no test evaluation or final checkpoint.
+    Closing the generator closes the run."""
+    device = resolve_device(config.run.device, int(os.environ.get("LOCAL_RANK", "0")))
+    info = init_distributed(device)
+    run = None
+    try:
+        run = _Run(config, device, info)
+        progress = tqdm(disable=True)
+        with StopSignals(info.world_size) as signals:
+            yield from run._steps(run._window(), progress, signals)
+    finally:
+        if run is not None:
+            run.logger.close()
             close_stores(run.model)
         shutdown_distributed()
 
@@ -268,10 +289,20 @@ class _Run:
             disable=not (self.info.is_main and train_cfg.progress_bar and sys.stderr.isatty()),
             dynamic_ncols=True,
         )
+        window = self._window()
+        for _ in self._steps(window, progress, signals):
+            pass
+        progress.close()
+        return self._finish(window)
+
+    def _window(self) -> TrainWindow:
         collections = list(embedding_collections(self.model).values())
-        window = TrainWindow(
-            self.device, lambda: sum(c.communication_seconds() for c in collections)
-        )
+        return TrainWindow(self.device, lambda: sum(c.communication_seconds() for c in collections))
+
+    def _steps(self, window: TrainWindow, progress: tqdm, signals: StopSignals) -> Iterator[int]:
+        """Train to ``total_steps``, yielding the step number after each step (and what follows
+        it: a log event, an evaluation, a checkpoint)."""
+        train_cfg, total_steps = self.config.train, self.total_steps
         self.model.train()
         pipeline = TrainPipeline(self.model, train_cfg.pipeline)  # batch i+1 ready during step i
         if pipeline.note:
@@ -289,12 +320,11 @@ class _Run:
                 self.data_position = DataPosition(epoch, index + 1, position.reshards)
                 progress.update(1)
                 self._after_step(epoch, window, progress, signals)
+                yield self.step
                 if self.stopped_early:
                     break
             if self.step == total_steps or self.stopped_early:
                 break
-        progress.close()
-        return self._finish(window)
 
     def _after_step(
         self, epoch: int, window: TrainWindow, progress: tqdm, signals: StopSignals
