@@ -456,6 +456,14 @@ class TrainConfig:
     """Run the dense part of the model (every submodule that holds no embedding table: MLPs,
     interaction, cross network) under torch.compile; the tables stay eager. The first steps
     pay for compilation; parameter names and checkpoints are unchanged."""
+    id_checks: Literal["auto", "sync", "async", "off"] = "auto"
+    """How the embedding lookups check each step's ids, offsets and per-sample weights. "sync":
+    a bad one raises at once (each lookup waits for the device once). "async": checked on the
+    device without waiting; the first bad input raises at the next log event, evaluation or
+    checkpoint, naming the step, feature, id and table size, and the bad batch's fused table
+    update is withheld. "off": no check (an id past its table reads out of bounds on a GPU).
+    "auto": async on CUDA, sync on CPU (where waiting costs nothing). Sharded tables check
+    in sync mode (their update runs on other ranks)."""
     log_every_steps: Annotated[int, AtLeast1] = 100
     """Write a train event (loss, samples/s) every this many steps."""
     eval_every_steps: Annotated[int, AtLeast0] = 0

@@ -80,6 +80,7 @@ from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import output_keys, pooling_mode
 from recsys.embedding.tiered_files import TablePart, TieredFiles
 from recsys.ops.embedding_bag import validate_inputs
+from recsys.ops.input_checks import check_mode
 from recsys.ops.slot_map import check_keys
 
 
@@ -332,7 +333,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         fixed tables, no reserved key in a dynamic one."""
         input_weights(features, self._is_weighted)  # raises on a malformed input
         features = self._select(features)
-        if self.validate:
+        if check_mode(self.validate) != "off":  # "async" too: the update runs on other ranks
             validate_inputs(
                 self._table_rows,
                 self._fixed_ids(features),

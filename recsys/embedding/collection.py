@@ -25,6 +25,7 @@ from recsys.ops.embedding_bag import (
     table_batched_embedding_bag,
 )
 from recsys.ops.embedding_bag_cpu import pool_torch
+from recsys.ops.input_checks import check_mode
 
 
 class EmbeddingTable(nn.Module):
@@ -48,7 +49,10 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
         is_weighted: the input KJT carries per-id weights, applied before pooling.
         device: where the tables live (``"meta"`` leaves them uninitialized).
         backend: op backend, ``"auto"`` / ``"torch"`` / ``"triton"``.
-        validate: check every input's ids against the table sizes (one cheap pass).
+        validate: check every input's ids, offsets and weights: ``True`` / ``"sync"`` (raise at
+            once), ``"async"`` (on the device, without waiting for it: the error comes from
+            ``recsys.ops.input_checks.INPUT_ERRORS.raise_first()`` and the bad batch's fused
+            update is withheld), ``False`` / ``"off"``.
         optimizer: a fused optimizer from :mod:`recsys.embedding.optim` (``SGD``, ``Adagrad``,
             ``RowWiseAdagrad``, ``Adam``), or None.
 
@@ -82,10 +86,11 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
         device: torch.device | str | None = None,
         *,
         backend: str = "auto",
-        validate: bool = True,
+        validate: bool | str = True,
         optimizer: FusedOptimizer | None = None,
     ) -> None:
         super().__init__()
+        check_mode(validate)
         names = [t.name for t in tables]
         if not tables:
             raise ValueError("EmbeddingBagCollection needs at least one table")

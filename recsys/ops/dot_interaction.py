@@ -106,8 +106,20 @@ def pair_indices(
         pair_indices(4, pair_order="mlperf")  # ([1, 2, 2, 3, 3, 3], [0, 0, 1, 0, 1, 2])
         pair_indices(4)  # torchrec: ([1, 2, 3, 2, 3, 3], [0, 0, 0, 1, 1, 2])
     """
-    compute = _pair_indices_numpy if torch.compiler.is_compiling() else _pair_indices_cached
-    rows, cols = compute(num_vectors, self_interaction, pair_order)
+    if torch.compiler.is_compiling():
+        rows, cols = _pair_indices_numpy(num_vectors, self_interaction, pair_order)
+        return torch.as_tensor(rows, device=device), torch.as_tensor(cols, device=device)
+    return _pair_indices_on(num_vectors, self_interaction, pair_order, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_indices_on(
+    num_vectors: int, self_interaction: bool, pair_order: PairOrder, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pair_indices` as device tensors, built once per (shape, device): an upload of a
+    host array waits for the device, so a step must not make one. Read-only: the same tensors
+    are handed to every caller."""
+    rows, cols = _pair_indices_cached(num_vectors, self_interaction, pair_order)
     return torch.as_tensor(rows, device=device), torch.as_tensor(cols, device=device)
 
 

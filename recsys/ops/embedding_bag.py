@@ -37,6 +37,7 @@ gradient, then updates the touched rows with :func:`recsys.ops.row_update.update
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 
@@ -60,6 +61,7 @@ from recsys.ops.embedding_bag_layout import (
     rounding_seed,
     stochastic_round,
 )
+from recsys.ops.input_checks import INPUT_ERRORS, CheckedBatch, check_mode
 from recsys.ops.row_update import update_rows
 
 __all__ = [
@@ -123,11 +125,7 @@ def validate_inputs(
     ``table_rows`` is each table's row count. One pass over ids and offsets (a device sync on
     CUDA). ``feature_names`` only improves the messages.
     """
-    names = (
-        list(feature_names)
-        if feature_names is not None
-        else [f"feature {f}" for f in range(len(feature_to_key))]
-    )
+    names = _feature_names(feature_names, len(feature_to_key))
     _check_index_tensors(values, offsets, batch_size, max(feature_to_key, default=-1) + 1)
     _check_offsets(values, offsets)
     if per_sample_weights is not None:
@@ -222,6 +220,37 @@ def _check_ids(
         )
 
 
+def _check_on_device(
+    plan: LookupPlan,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    feature_to_key: Sequence[int],
+    batch_size: int,
+    per_sample_weights: torch.Tensor | None,
+    feature_names: Sequence[str] | None,
+) -> CheckedBatch:
+    """The ``"async"`` checks: what the host knows (dtypes, shapes, poolings) now, the values
+    on the device (:meth:`InputErrors.check`)."""
+    _check_index_tensors(values, offsets, batch_size, max(feature_to_key, default=-1) + 1)
+    if per_sample_weights is not None:
+        _check_per_sample_weights(values, per_sample_weights)
+    num_keys = (offsets.numel() - 1) // batch_size if batch_size > 0 else len(feature_to_key)
+    key_rows = [torch.iinfo(torch.int64).max] * num_keys
+    key_feature = [0] * num_keys
+    for f, (k, t) in enumerate(zip(feature_to_key, plan.feature_to_table, strict=True)):
+        key_rows[k], key_feature[k] = plan.layout.rows[t], f
+    names = _feature_names(feature_names, len(feature_to_key))
+    return INPUT_ERRORS.check(
+        values, offsets, per_sample_weights, key_rows, key_feature, names, batch_size
+    )
+
+
+def _feature_names(feature_names: Sequence[str] | None, num_features: int) -> list[str]:
+    if feature_names is not None:
+        return list(feature_names)
+    return [f"feature {f}" for f in range(num_features)]
+
+
 def _dense_grads(
     layout: TableLayout,
     keys: torch.Tensor,
@@ -267,9 +296,11 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
         batch_size: int,
         backend: str,
         fused: FusedUpdate | None,
+        keep: torch.Tensor | None,
         *handles: torch.Tensor,
     ) -> torch.Tensor:
         ctx.plan, ctx.flat, ctx.fused, ctx.backend = plan, flat, fused, backend
+        ctx.keep = keep
         ctx.feature_to_key, ctx.batch_size = feature_to_key, batch_size
         if backend == "fbgemm":
             ctx.fbgemm_batch = fbgemm_inputs(
@@ -303,10 +334,13 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
             return nothing
         plan, flat = ctx.plan, ctx.flat
         grad_out = grad_out.contiguous()
-        step = 0
-        if fused is not None:
-            fused.step += 1
-            step = int(fused.step)
+        step = 0 if fused is None else fused.advance()
+        keep = ctx.keep
+        if keep is not None and (fused is None or ctx.backend == "fbgemm"):
+            # A batch that failed its "async" input check gives no gradient: a no-op update for
+            # FBGEMM's SGD / Adagrad / RowWiseAdagrad (no weight decay on that path); the
+            # other backends withhold the fused update themselves (``fused.keep``).
+            grad_out = torch.where(keep.view(1, 1), grad_out, 0)
         if ctx.backend == "fbgemm":
             backward_fbgemm(plan, flat, grad_out, ctx.fbgemm_batch, fused)
             return nothing
@@ -402,7 +436,7 @@ def table_batched_embedding_bag(
     *,
     fused: FusedUpdate | None = None,
     backend: str = "auto",
-    validate: bool = True,
+    validate: bool | str = True,
     feature_names: Sequence[str] | None = None,
 ) -> torch.Tensor:
     """Pooled lookup of every feature over tables packed in ``flat`` (see :class:`TableLayout`).
@@ -419,13 +453,24 @@ def table_batched_embedding_bag(
         per_sample_weights: optional [L] weight of each id.
         fused: apply this optimizer inside backward instead of returning gradients.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``recsys.ops._triton``).
-        validate: check ids, offsets and weights first (one pass).
+        validate: check ids, offsets and weights first: ``True`` / ``"sync"`` (raise now, one
+            host sync), ``"async"`` (on the device, raised at the next
+            ``INPUT_ERRORS.raise_first()``, the batch's fused update withheld; see
+            :mod:`recsys.ops.input_checks`), ``False`` / ``"off"``.
         feature_names: names used in validation errors.
 
     Returns:
         [B, total_D] pooled embeddings; fp32 (fp64 for fp64 tables).
     """
-    if validate:
+    mode, keep = check_mode(validate), None
+    if mode == "async":
+        checked = _check_on_device(
+            plan, values, offsets, feature_to_key, batch_size, per_sample_weights, feature_names
+        )
+        values, offsets, keep = checked.values, checked.offsets, checked.ok
+        if fused is not None:
+            fused = dataclasses.replace(fused, keep=checked.ok)
+    if mode == "sync":
         validate_inputs(
             plan.layout.rows,
             values,
@@ -448,6 +493,7 @@ def table_batched_embedding_bag(
         batch_size,
         backend,
         fused,
+        keep,
         *handles,
     )
 

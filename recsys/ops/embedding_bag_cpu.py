@@ -165,7 +165,7 @@ def _update_group(
     }
     weight = layout.group_view(flat, group)  # [rows of the group, D]
     for rows, reduced in chunks:
-        update_rows(fused.optimizer, weight, states, rows, reduced, step, generator)
+        update_rows(fused.optimizer, weight, states, rows, reduced, step, generator, fused.keep)
 
 
 def backward_torch(
@@ -335,7 +335,9 @@ def fbgemm_inputs(
         values, offsets = values[lookups.position], lookups.offsets
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights[lookups.position]
-    else:
+    elif offsets.numel() > num_features * B + 1:
+        # The KJT has keys after the features read: their ids end where the last feature's do
+        # (a host read, only for such inputs).
         offsets = offsets[: num_features * B + 1]
         values = values[: int(offsets[-1])]
     if per_sample_weights is not None:
@@ -404,12 +406,12 @@ def backward_fbgemm(
     )
     ops = _fbgemm_ops()
     if name == "SGD":
-        ops.split_embedding_backward_codegen_sgd_cpu(*common, torch.tensor(optimizer.lr))
+        ops.split_embedding_backward_codegen_sgd_cpu(*common, torch.full((), optimizer.lr))
         return
     state = fused.states["sum"]
     per_row = name == "RowWiseAdagrad"
     state_offsets = fbgemm_plan.row_offsets if per_row else fbgemm_plan.weights_offsets
-    state_args = (state, fbgemm_plan.placements, state_offsets, torch.tensor(optimizer.lr))
+    state_args = (state, fbgemm_plan.placements, state_offsets, torch.full((), optimizer.lr))
     if name == "Adagrad":
         ops.split_embedding_backward_codegen_adagrad_cpu(*common, *state_args, optimizer.eps)
     else:  # eps, weight_decay 0 (mode NONE), max_norm 0

@@ -5,6 +5,7 @@ the batch's lookups (:class:`BagLookups`), and the rounding shared by every back
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -136,12 +137,31 @@ class FusedUpdate:
     ``optimizer`` is a :class:`RowOptimizer` (a :class:`recsys.embedding.optim.FusedOptimizer`);
     ``states`` maps each of its state names to a flat fp32 buffer (``numel`` elements for
     per-element state, ``total_rows`` for per-row state); ``step`` is an int64 scalar tensor
-    counting the updates applied so far (backward increments it).
+    counting the updates applied so far (backward increments it: :meth:`advance`). ``keep``: a
+    device bool, False when the batch failed its ``"async"`` input check; the backends then
+    leave every row and state as it was (the update is withheld without a host sync).
     """
 
     optimizer: RowOptimizer
     states: dict[str, torch.Tensor]
     step: torch.Tensor
+    keep: torch.Tensor | None = None
+
+    def advance(self) -> int:
+        """``step += 1``; the new value, known on the host without reading the tensor (read
+        once after the counter changed elsewhere: a checkpoint load, a reset)."""
+        counter = self.step
+        ref, version, value = _HOST_STEPS.get(id(counter), (None, -1, 0))
+        if ref is None or ref() is not counter or version != counter._version:
+            value = int(counter)  # new, or changed outside advance(): read it once
+        counter += 1
+        _HOST_STEPS[id(counter)] = (weakref.ref(counter), counter._version, value + 1)
+        return value + 1
+
+
+# id of a step counter -> (a reference to it, its tensor version when last advanced, its
+# value then)
+_HOST_STEPS: dict[int, tuple[weakref.ref, int, int]] = {}
 
 
 @dataclass(frozen=True)

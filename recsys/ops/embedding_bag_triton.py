@@ -109,6 +109,7 @@ def _segment_kernel(
     state1_ptr,
     state2_ptr,
     compact_ptr,
+    keep_ptr,
     lr,
     eps,
     beta1,
@@ -119,6 +120,7 @@ def _segment_kernel(
     seed,
     OPT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
     ACC: tl.constexpr,
     LOW_PRECISION: tl.constexpr,
     STOCHASTIC: tl.constexpr,
@@ -152,6 +154,8 @@ def _segment_kernel(
     if OPT == -1:  # no optimizer: hand the reduced gradient back
         tl.store(compact_ptr + s * BLOCK_D + d, g, mask=dmask)
     else:
+        if HAS_KEEP:  # the batch failed its input check: leave rows and states as they are
+            dmask = dmask & (tl.load(keep_ptr + d * 0) != 0)
         element = tl.load(table_offset_ptr + t) + row * D + d
         w = tl.load(weights_ptr + element, mask=dmask, other=0.0).to(ACC)
         g = g + weight_decay * w
@@ -164,7 +168,10 @@ def _segment_kernel(
         elif OPT == 2:  # RowWiseAdagrad
             row_state = state1_ptr + tl.load(table_row_offset_ptr + t) + row
             acc = tl.load(row_state) + tl.sum(tl.where(dmask, g * g, 0.0), axis=0) / D
-            tl.store(row_state, acc)
+            if HAS_KEEP:
+                tl.store(row_state, acc, mask=tl.sum(dmask.to(tl.int32), axis=0) > 0)
+            else:
+                tl.store(row_state, acc)
             w = w - lr * g / (tl.sqrt(acc) + eps)
         else:  # Adam (lazy)
             m = beta1 * tl.load(state1_ptr + element, mask=dmask, other=0.0) + (1 - beta1) * g
@@ -252,6 +259,7 @@ class SegmentUpdate:
     scalars: dict[str, float]  # its hyperparameters for this step (``optimizer.scalars``)
     seed: int  # of the stochastic rounding
     stochastic: bool  # fp16 / bf16 tables: round stochastically (else to nearest)
+    keep: torch.Tensor | None = None  # device bool: False withholds the update
 
 
 def _kernel_scalars(update: SegmentUpdate | None) -> tuple[float, ...]:
@@ -302,6 +310,7 @@ def reduce_segments(
     weights = None if update is None else update.weights
     low_precision, mantissa, min_exponent = _rounding_bits(weights)
     states = () if update is None else update.states
+    keep = None if update is None else update.keep
     placeholder = grad
     _segment_kernel[(num_segments,)](
         segments.start,
@@ -317,10 +326,12 @@ def reduce_segments(
         states[0] if len(states) > 0 else placeholder,
         states[1] if len(states) > 1 else placeholder,
         compact if compact is not None else placeholder,
+        keep.view(torch.uint8) if keep is not None else placeholder,
         *_kernel_scalars(update),
         0 if update is None else update.seed,
         OPT=OPT_NONE if update is None else update.optimizer_code,
         HAS_SCALE=segments.scale is not None,
+        HAS_KEEP=keep is not None,
         ACC=triton_dtype(acc),
         LOW_PRECISION=low_precision,
         STOCHASTIC=True if update is None else update.stochastic,
@@ -425,6 +436,7 @@ def backward(
         scalars=fused.optimizer.scalars(step),
         seed=rounding_seed(step),
         stochastic=fused.optimizer.stochastic_rounding,
+        keep=fused.keep,
     )
     reduce_segments(segments, grad_out, tensors, max_dim, update, block_l=block_l)
     return None, None

@@ -33,6 +33,7 @@ def update_rows(
     grad: torch.Tensor,
     step: int,
     generator: torch.Generator | None = None,
+    keep: torch.Tensor | None = None,
 ) -> None:
     """Update ``rows`` of ``weight`` and of each optimizer state in ``states``, in place.
 
@@ -49,6 +50,8 @@ def update_rows(
             :func:`recsys.ops.embedding_bag_layout.rounding_seed` of ``step`` for runs that
             repeat exactly); unused unless the table is fp16 / bf16 and
             ``optimizer.stochastic_rounding``.
+        keep: a device bool; where False, rows and states keep their values (an update
+            withheld without a host sync).
 
     Example::
 
@@ -61,6 +64,11 @@ def update_rows(
     updated = optimizer.update(current, grad.to(compute), state_rows, step)
     if optimizer.stochastic_rounding:
         updated = stochastic_round(updated, weight.dtype, generator)
-    weight.index_copy_(0, rows, updated.to(weight.dtype))
+    updated = updated.to(weight.dtype)
+    if keep is not None:
+        updated = torch.where(keep, updated, weight.index_select(0, rows))
+        for name, state in states.items():
+            state_rows[name] = torch.where(keep, state_rows[name], state.index_select(0, rows))
+    weight.index_copy_(0, rows, updated)
     for name, state in states.items():
         state.index_copy_(0, rows, state_rows[name])

@@ -20,10 +20,11 @@ from recsys.checkpoint.finetune import freeze, init_from_checkpoint
 from recsys.checkpoint.io import resolve_checkpoint
 from recsys.config import Config
 from recsys.data.batch import DatasetSpec
+from recsys.embedding.interface import embedding_collections
 from recsys.train.compiled import compile_dense
 from recsys.train.optimizers import configure_embedding_optimizer
 
-__all__ = ["setup_model"]
+__all__ = ["id_checks", "setup_model"]
 
 
 def setup_model(
@@ -60,6 +61,8 @@ def setup_model(
     if note := capacity_note(model):
         say(note)
     configure_embedding_optimizer(config.train, model)
+    for collection in embedding_collections(model).values():
+        collection.validate = id_checks(config.train.id_checks, device)
     if ckpt.freeze:
         say(f"frozen: {', '.join(freeze(model, ckpt.freeze))}")
     if config.train.compile:
@@ -72,6 +75,13 @@ def setup_model(
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         say(inner.sharding_plan.describe())
     return model
+
+
+def id_checks(mode: str, device: torch.device) -> str:
+    """``train.id_checks`` on ``device``: "auto" is "async" on CUDA, "sync" elsewhere."""
+    if mode == "auto":
+        return "async" if device.type == "cuda" else "sync"
+    return mode
 
 
 def _table_device(config: Config, world_size: int, fine_tune: bool) -> torch.device | None:

@@ -56,7 +56,11 @@ def build_optimizers(config: TrainConfig, model: nn.Module) -> dict[str, torch.o
     dense = [p for p in model.parameters() if id(p) not in table_ids and p.requires_grad]
     optimizers = {}
     if dense:
-        optimizers["dense"] = _OPTIMIZERS[config.dense_optimizer](dense, lr=config.dense_lr)
+        # foreach: one multi-tensor kernel per update op for all parameters (the default on
+        # CUDA; on CPU torch loops per parameter: ~110 ops a step for DLRM instead of ~10),
+        # the same numbers bitwise.
+        dense_optimizer = _OPTIMIZERS[config.dense_optimizer]
+        optimizers["dense"] = dense_optimizer(dense, lr=config.dense_lr, foreach=True)
     if tables:
         optimizers["embedding"] = _OPTIMIZERS[config.embedding_optimizer](
             tables, lr=config.embedding_lr

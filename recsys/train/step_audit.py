@@ -16,9 +16,9 @@ the dispatcher (``Tensor.tolist``, ``Tensor.numpy``, ``torch.cuda.synchronize``)
   on CUDA roughly one launch each.
 
 On a CUDA run an op on host tensors is no sync and is not counted; on a CPU run (where every
-tensor is a host tensor) the audit counts every op as if the step ran on a device, except the
-scalar reads of ``torch.optim``'s step counters, which torch keeps on the host on every device
-(unless ``capturable`` or ``fused``).
+tensor is a host tensor) the audit counts every op as if the step ran on a device, except what
+``torch.optim`` does with its step counters (reads, a scalar made for an add), which torch
+keeps on the host on every device (unless ``capturable`` or ``fused``).
 
 Each record is attributed to the innermost frame in the ``recsys`` package (the code a fix
 goes into), or to the innermost frame outside torch when no recsys frame is on the stack.
@@ -81,6 +81,7 @@ _FREE_OPS = frozenset(
         _aten.sym_storage_offset.default,
         _aten.is_same_size.default,
         _aten._local_scalar_dense.default,
+        _aten.scalar_tensor.default,  # a Python number wrapped for an op: a kernel argument
     }
 )
 
@@ -193,8 +194,8 @@ class _Dispatch(TorchDispatchMode):
         if _is_sync(func, args, kwargs):
             if self.on_device and _host_only(args):
                 return  # a host op on a device run: nothing to wait for
-            if func is _aten._local_scalar_dense.default and _called_from(_OPTIM_DIR):
-                return  # torch.optim's step counter: a host tensor on every device
+            if _called_from(_OPTIM_DIR):
+                return  # torch.optim's step counters: host tensors on every device
             report.syncs.append((name, _site()))
             return
         if func in _FREE_OPS or func.is_view or func.namespace not in ("aten", "fbgemm"):

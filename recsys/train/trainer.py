@@ -71,6 +71,7 @@ from recsys.embedding.interface import (
     embedding_collections,
     state_to_load,
 )
+from recsys.ops.input_checks import INPUT_ERRORS
 from recsys.train.best import best_validation
 from recsys.train.evaluate import eval_line, evaluate_split
 from recsys.train.metrics import MetricsLogger
@@ -315,6 +316,7 @@ class _Run:
             for index, batch in pipeline.batches(loader, position.batch, limit=limit):
                 window.timer.mark("data")
                 self.schedule.apply(self.step)  # before forward: fused updates run in backward
+                INPUT_ERRORS.tag = self.step + 1  # what an "async" input check's error names
                 window.add(self._train_step(batch, window.timer))
                 self.step += 1
                 self.data_position = DataPosition(epoch, index + 1, position.reshards)
@@ -333,6 +335,7 @@ class _Run:
         a stop when a signal arrived."""
         cfg, train_cfg, total_steps = self.config, self.config.train, self.total_steps
         if self.step % train_cfg.log_every_steps == 0 or self.step == total_steps:
+            INPUT_ERRORS.raise_first()  # a bad batch since the last event ("async" checks)
             steps = window.steps
             loss, rate, times = window.close(train_cfg.batch_size * self.info.world_size)
             tiered = self.tiered_log.fields(steps)
@@ -469,6 +472,8 @@ class _Run:
     @torch.no_grad()
     def evaluate(self, split: str) -> dict[str, Any]:
         """AUC / logloss over the whole split (all ranks), logged as an eval event."""
+        INPUT_ERRORS.raise_first()  # a bad training batch first, named by its step
+        INPUT_ERRORS.tag = 0
         result = evaluate_split(
             self.model,
             self.dataset,
@@ -479,6 +484,7 @@ class _Run:
             prefetch=self._prefetch(),
             filler=lambda: next(iter(self._loader("train"))),  # a rank with fewer batches
         )
+        INPUT_ERRORS.raise_first()
         self.logger.log(split, self.step, **result)
         self._print(eval_line(split, self.step, result))
         return result
@@ -496,6 +502,7 @@ class _Run:
         """Checkpoint everything a resumed run needs to continue exactly (see
         :meth:`_training_state`) under <run dir>/checkpoints. With deltas, the delta of this
         step goes first: the deltas of a run resumed from any checkpoint chain on."""
+        INPUT_ERRORS.raise_first()  # never save a run that trained on a bad batch
         if self.deltas.due(self.step, now=True):
             self._write_delta()
         path = save_checkpoint(
