@@ -20,7 +20,7 @@ from recsys.checkpoint.finetune import freeze, init_from_checkpoint
 from recsys.checkpoint.io import resolve_checkpoint
 from recsys.config import Config
 from recsys.data.batch import DatasetSpec
-from recsys.train.compiled import compile_dense
+from recsys.train.compiled import compile_dense, compile_line, compile_options
 from recsys.train.optimizers import configure_embedding_optimizer
 
 __all__ = ["setup_model"]
@@ -62,8 +62,9 @@ def setup_model(
     configure_embedding_optimizer(config.train, model)
     if ckpt.freeze:
         say(f"frozen: {', '.join(freeze(model, ckpt.freeze))}")
-    if config.train.compile:
-        say(f"torch.compile: {', '.join(compile_dense(model))}")
+    if config.train.compile or config.train.cuda_graphs:
+        paths = compile_dense(model, **compile_options(config.train.cuda_graphs))
+        say(compile_line(paths, config.train.cuda_graphs, device))
     if world_size == 1:
         return model
     cfg = config.distributed
