@@ -8,7 +8,9 @@ wall time over its steps (from ``samples_per_s`` in ``metrics.jsonl``), the firs
 eager fp32 loop they replace:
 
 - one process: ``fp32`` (the plain loop), ``bf16``, ``fp16`` (with loss scaling), ``compile``
-  (the dense part under torch.compile), ``compile_bf16``;
+  (the dense part under torch.compile), ``compile_bf16``, ``cuda_graphs`` (``train.cuda_graphs``:
+  the dense part compiled in mode "reduce-overhead", its forward and backward replayed as CUDA
+  graphs; CUDA only: on CPU it is ``compile`` in another mode);
 - under torchrun (``--world-size``, gloo on CPU): ``fp32`` with ``train.pipeline=off`` (the plain
   loop) and ``on`` (the next batch's input_dist issued during the step), and ``bf16`` pipelined.
 
@@ -49,6 +51,7 @@ VARIANTS = {
     "fp16": (1, ["--train.precision=fp16"]),
     "compile": (1, ["--train.compile=true"]),
     "compile_bf16": (1, ["--train.compile=true", "--train.precision=bf16"]),
+    "cuda_graphs": (1, ["--train.cuda_graphs=true"]),
     "ranks_fp32_plain": (0, ["--train.pipeline=off"]),
     "ranks_fp32_pipelined": (0, ["--train.pipeline=on"]),
     "ranks_bf16_pipelined": (0, ["--train.pipeline=on", "--train.precision=bf16"]),
@@ -100,7 +103,8 @@ def main() -> None:
         "--variants",
         nargs="+",
         choices=list(VARIANTS),
-        help="default: all; on CPU all but fp16 (1.6x the fp32 step time here, one thread)",
+        help="default: all; on CPU all but fp16 (1.6x the fp32 step time here, one thread) and "
+        "cuda_graphs (no graphs without CUDA)",
     )
     parser.add_argument("--steps", type=int, default=120, help="steps per run")
     parser.add_argument("--window", type=int, default=10, help="steps per timed window")
@@ -108,7 +112,8 @@ def main() -> None:
     args = parser.parse_args()
     device = resolve_device(args.device)
     if args.variants is None:
-        args.variants = [v for v in VARIANTS if device.type == "cuda" or v != "fp16"]
+        cuda_only = ("fp16", "cuda_graphs")
+        args.variants = [v for v in VARIANTS if device.type == "cuda" or v not in cuda_only]
     env = environment(device)
     rows = []
     for name in args.variants:

@@ -6,7 +6,8 @@
 # STEP names what to run, all of them by default: `gpu_tests` (pytest -m gpu), `device_tests`
 # (the op and embedding tests with CUDA as torch's default device, so the compiled kernels are
 # checked against the same float64 references as under the interpreter), `kernel_table`
-# (scripts/kernel_table.py) and one per benchmark: `bench_<topic>` (`bench_mlp`, ...) runs
+# (scripts/kernel_table.py), `train_cuda_graphs` (the default recipe 300 steps eager, compiled, and
+# with train.cuda_graphs: samples/s of each as train_step.csv rows) and one per benchmark: `bench_<topic>` (`bench_mlp`, ...) runs
 # `python -m benchmarks.<topic>`. BENCH_ARGS is added to every benchmark's command line (e.g.
 # BENCH_ARGS=--quick). RECSYS_COMMIT names the commit in the results where the tree arrived
 # without .git (a GPU machine that receives a copy of it).
@@ -133,6 +134,14 @@ fi
 if wanted kernel_table; then
     step "kernel_table" "$OUT_DIR/kernel_table.log" "$PYTHON" scripts/kernel_table.py \
         --jobs "$(nproc)" --out-dir "$OUT_DIR"
+fi
+
+# The default recipe's step with and without CUDA graphs (train.cuda_graphs), beside the eager and
+# the compiled step: 300 steps each, windows of 50, the first left out (warm-up, compilation and
+# graph recording); rows in train_step.csv.
+if wanted train_cuda_graphs; then
+    step "train_cuda_graphs" "$OUT_DIR/train_cuda_graphs.log" "$PYTHON" -m benchmarks.train_step \
+        --device cuda --variants fp32 compile cuda_graphs --steps 300 --window 50
 fi
 
 # One step per benchmark module (benchmarks/_*.py are its helpers), named bench_<topic>.

@@ -464,6 +464,12 @@ class TrainConfig:
     update is withheld. "off": no check (an id past its table reads out of bounds on a GPU).
     "auto": async on CUDA, sync on CPU (where waiting costs nothing). Sharded tables check
     in sync mode (their update runs on other ranks)."""
+    cuda_graphs: bool = False
+    """Replay the dense part's forward and backward as CUDA graphs: compile it as compile does,
+    in torch.compile's mode "reduce-overhead" (CUDA graph trees), so each dense module's
+    kernels launch as one graph. Implies compile. The tables, their fused update, and the
+    optimizers' step stay eager. Without a CUDA device the dense part is compiled in that mode
+    without graphs (torch's fallback) and the run says so at start."""
     log_every_steps: Annotated[int, AtLeast1] = 100
     """Write a train event (loss, samples/s) every this many steps."""
     eval_every_steps: Annotated[int, AtLeast0] = 0

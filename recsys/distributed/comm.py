@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recsys.distributed.timeline import DeviceTimeline, device_timeline
+
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -40,34 +42,42 @@ class CommStats:
     """Bytes this rank handed to collectives since the last :meth:`reset` (its own block
     included): ``input`` (counts, lengths, ids, weights), ``forward`` (pooled vectors),
     ``backward`` (their gradients, and the replicated tables' gradient all-reduce); and
-    ``seconds`` spent in them (wall time, the device synchronized before and after on CUDA)."""
+    ``seconds`` spent in them.
+
+    On CPU ``seconds`` is host wall time, counted when a timed block ends. On CUDA a block's
+    start and end are CUDA events on the current stream (nothing waits for the device): they
+    go on the device's :class:`~recsys.distributed.timeline.DeviceTimeline` (``timeline``; None:
+    the process's one for the device), which adds the time between them to ``seconds`` once the
+    device has run the block, at the latest when the timeline is flushed (a log event)."""
 
     bytes: dict[str, int] = field(default_factory=lambda: {"input": 0, "forward": 0, "backward": 0})
     seconds: float = 0.0
+    timeline: DeviceTimeline | None = field(default=None, repr=False, compare=False)
 
     def add(self, kind: str, *tensors: torch.Tensor) -> None:
         self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
 
     @contextlib.contextmanager
     def timed(self, device: torch.device) -> Iterator[None]:
-        """Count the wall time of the block in :attr:`seconds`."""
-        _synchronize(device)
-        start = time.perf_counter()
+        """Count the time of the block in :attr:`seconds` (see the class)."""
+        if device.type != "cuda":
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.seconds += time.perf_counter() - start
+            return
+        timeline = self.timeline or device_timeline(device)
+        timeline.begin(self)
         try:
             yield
         finally:
-            _synchronize(device)
-            self.seconds += time.perf_counter() - start
+            timeline.end(self)
 
     def reset(self) -> None:
         for kind in self.bytes:
             self.bytes[kind] = 0
         self.seconds = 0.0
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def check_precision(precision: str, what: str) -> str:

@@ -6,13 +6,22 @@ dense part: each largest submodule that holds no collection (DLRM's bottom MLP, 
 top MLP; DCN's cross and deep networks; MMoE's experts and towers) is compiled in place with
 ``nn.Module.compile``, so parameter names, state dicts and checkpoints are unchanged. What the
 model's own ``forward`` does between them (a view, a concatenation) stays eager.
+
+``train.cuda_graphs`` compiles the same modules in torch.compile's mode ``"reduce-overhead"``:
+inductor records each compiled forward and backward as a CUDA graph (CUDA graph trees) and
+replays it, one launch for the module's kernels. The train step tells the graphs where a step
+begins (``torch.compiler.cudagraph_mark_step_begin``) and drops the gradients (``set_to_none``)
+before each backward, as graph replays require. On a CPU the mode compiles without graphs.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from recsys.embedding.interface import EmbeddingCollectionInterface
+
+CUDA_GRAPHS_MODE = "reduce-overhead"
 
 
 def dense_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -41,6 +50,25 @@ def compile_dense(model: nn.Module, **options) -> list[str]:
     for module in modules.values():
         module.compile(**options)
     return list(modules)
+
+
+def compile_options(cuda_graphs: bool) -> dict[str, str]:
+    """The ``torch.compile`` options of the dense part: mode ``"reduce-overhead"`` (CUDA
+    graphs) under ``train.cuda_graphs``, the defaults otherwise."""
+    return {"mode": CUDA_GRAPHS_MODE} if cuda_graphs else {}
+
+
+def compile_line(paths: list[str], cuda_graphs: bool, device: torch.device) -> str:
+    """What a run prints about the dense part it compiled (``paths``) on ``device``."""
+    line = f"torch.compile: {', '.join(paths) if paths else 'no dense module'}"
+    if not cuda_graphs:
+        return line
+    if device.type == "cuda":
+        return line + f' (mode "{CUDA_GRAPHS_MODE}": forward and backward replayed as CUDA graphs)'
+    return line + (
+        f' (mode "{CUDA_GRAPHS_MODE}"); train.cuda_graphs: no CUDA device ({device.type}), '
+        "so the dense part runs compiled, without CUDA graphs"
+    )
 
 
 def _holds_collection(module: nn.Module) -> bool:

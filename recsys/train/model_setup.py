@@ -21,7 +21,7 @@ from recsys.checkpoint.io import resolve_checkpoint
 from recsys.config import Config
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.interface import embedding_collections
-from recsys.train.compiled import compile_dense
+from recsys.train.compiled import compile_dense, compile_line, compile_options
 from recsys.train.optimizers import configure_embedding_optimizer
 
 __all__ = ["id_checks", "setup_model"]
@@ -65,8 +65,9 @@ def setup_model(
         collection.validate = id_checks(config.train.id_checks, device)
     if ckpt.freeze:
         say(f"frozen: {', '.join(freeze(model, ckpt.freeze))}")
-    if config.train.compile:
-        say(f"torch.compile: {', '.join(compile_dense(model))}")
+    if config.train.compile or config.train.cuda_graphs:
+        paths = compile_dense(model, **compile_options(config.train.cuda_graphs))
+        say(compile_line(paths, config.train.cuda_graphs, device))
     if world_size == 1:
         return model
     cfg = config.distributed

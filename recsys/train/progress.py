@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch._dynamo
 
+from recsys.distributed.timeline import DeviceTimeline, device_timeline
+
 # The parts of a step, in the order they happen: waiting for the batch, forward (with the
 # loss), backward (with the fused embedding update), the optimizers' step, and the time spent
 # in the embedding collectives (taken out of forward and backward, where they run).
@@ -56,15 +58,23 @@ def compile_seconds() -> float:
 
 
 class StepTimer:
-    """Seconds per part of the steps of a log window (:data:`STEP_PARTS`).
+    """Seconds per part of the steps of a log window (:data:`STEP_PARTS`), parts that add up to
+    the step.
 
-    Host wall time between marks; on CUDA the device is synchronized at each mark first, so
-    a part is the time its kernels took (one synchronization per part, a few per step).
-    ``collectives`` is what ``comm_seconds()`` (the collections' running total) grew by during
-    forward and backward; those parts are counted without it, so the parts add up to the step.
-    DDP's gradient all-reduce overlaps backward and is counted in backward. Time spent compiling
-    (``compile_seconds()`` grew: torch.compile's first forward and backward, a recompilation) is
-    in no part: it is counted apart, as ``compile_s``.
+    On CPU: host wall time between marks. ``collectives`` is what ``comm_seconds()`` (the
+    collections' running total) grew by during a part; that part is counted without it. Time
+    spent compiling (``compile_seconds()`` grew: torch.compile's first forward and backward, a
+    recompilation) is in no part: it is counted apart, as ``compile_s``.
+
+    On CUDA nothing waits for the device: each mark records a CUDA event on the current stream
+    (:class:`~recsys.distributed.timeline.DeviceTimeline`, ``timeline``; None: the process's one
+    for ``device``) and a part is the device time between its mark and the one before, read at
+    :meth:`close` (the log event, which has waited for the loss anyway). Collectives record their
+    own start and end on the same timeline, so their device time is taken out of the part they
+    ran in (``comm_seconds`` is not read); the host seconds spent compiling, while the device
+    waited for the host, are taken out of the part they happened in (down to 0 at most).
+
+    DDP's gradient all-reduce overlaps backward and is counted in backward.
     """
 
     def __init__(
@@ -72,33 +82,46 @@ class StepTimer:
         device: torch.device,
         comm_seconds: Callable[[], float],
         compile_seconds: Callable[[], float] = compile_seconds,
+        timeline: DeviceTimeline | None = None,
     ) -> None:
         self.device = device
         self.comm_seconds = comm_seconds
         self.compile_seconds = compile_seconds
+        if timeline is None and device.type == "cuda":
+            timeline = device_timeline(device)
+        self.timeline = timeline
         self.totals = dict.fromkeys(STEP_PARTS, 0.0)
         self.compiling = 0.0  # seconds compiling in this window
+        self._compiling_in = dict.fromkeys(STEP_PARTS, 0.0)  # CUDA: by the part they were in
         self.steps = 0
-        self._last = time.perf_counter()
-        self._comm = comm_seconds()
-        self._compiled = compile_seconds()
+        if timeline is not None:  # an earlier timer's marks are not this one's
+            timeline.flush()
+            timeline.take()
+        self.start()
 
     def start(self) -> None:
         """Restart the clock (at the start of a wait for the next batch)."""
-        self._sync()
-        self._last = time.perf_counter()
-        self._comm = self.comm_seconds()
+        if self.timeline is not None:
+            self.timeline.restart()
+        else:
+            self._last = time.perf_counter()
+            self._comm = self.comm_seconds()
         self._compiled = self.compile_seconds()
 
     def mark(self, part: str) -> None:
         """``part`` ended now: add the time since the last mark to it."""
-        self._sync()
-        now, comm, compiled = time.perf_counter(), self.comm_seconds(), self.compile_seconds()
-        collectives, compiling = comm - self._comm, compiled - self._compiled
-        self.totals[part] += now - self._last - collectives - compiling
-        self.totals["collectives"] += collectives
+        compiled = self.compile_seconds()
+        compiling, self._compiled = compiled - self._compiled, compiled
         self.compiling += compiling
-        self._last, self._comm, self._compiled = now, comm, compiled
+        if self.timeline is not None:
+            self.timeline.mark(part)
+            self._compiling_in[part] += compiling
+        else:
+            now, comm = time.perf_counter(), self.comm_seconds()
+            collectives = comm - self._comm
+            self.totals[part] += now - self._last - collectives - compiling
+            self.totals["collectives"] += collectives
+            self._last, self._comm = now, comm
         if part == "optimizer":
             self.steps += 1
 
@@ -106,6 +129,10 @@ class StepTimer:
         """Mean seconds per step of each part since the last close (``time_<part>``; no
         ``time_collectives`` when nothing communicated) and, when something compiled, the
         seconds spent compiling (``compile_s``, in no part); start the next window."""
+        if self.timeline is not None:
+            self.timeline.flush()  # waits for the window's last mark to run on the device
+            for part, seconds in self.timeline.take().items():
+                self.totals[part] += max(seconds - self._compiling_in.get(part, 0.0), 0.0)
         steps = max(self.steps, 1)
         means = {f"time_{part}": total / steps for part, total in self.totals.items()}
         if self.totals["collectives"] == 0.0:
@@ -114,12 +141,9 @@ class StepTimer:
             means["compile_s"] = self.compiling
         self.totals = dict.fromkeys(STEP_PARTS, 0.0)
         self.compiling = 0.0
+        self._compiling_in = dict.fromkeys(STEP_PARTS, 0.0)
         self.steps = 0
         return means
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 class TrainWindow:

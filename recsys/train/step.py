@@ -28,6 +28,9 @@ class TrainStep:
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``train.precision``).
         device: where the batches are.
         task_weights: [T] weights of each task's loss, or None for one task.
+        cuda_graphs: the dense part replays CUDA graphs (``train.cuda_graphs``): each step
+            starts a new graph generation, whose replays reuse the memory of the previous
+            step's graph outputs (nothing holds those across steps: the loss is computed eagerly).
     """
 
     def __init__(
@@ -37,18 +40,22 @@ class TrainStep:
         precision: str,
         device: torch.device,
         task_weights: torch.Tensor | None,
+        cuda_graphs: bool = False,
     ) -> None:
         self.model = model
         self.optimizers = optimizers
         self.precision = precision
         self.device = device
         self.task_weights = task_weights
+        self.cuda_graphs = cuda_graphs
         autocast(precision, device)  # a bad precision fails here, before training
         self.scaler = LossScaler() if precision == "fp16" else None
         self.deferred = DeferredEmbeddingGrads(model) if self.scaler else None
 
     def __call__(self, batch: Batch, timer: StepTimer) -> torch.Tensor:
         """Train on ``batch``; the loss (detached, unscaled)."""
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         if self.scaler is not None:
             return self._scaled_step(batch, timer)
         with autocast(self.precision, self.device):

@@ -178,8 +178,9 @@ class _Run:
             self._print(note)
         self.optimizers = build_optimizers(config.train, self.model)
         task_weights = task_loss_weights(config.train, self.dataset.spec.num_tasks, device)
+        graphs = config.train.cuda_graphs
         self.train_step = TrainStep(
-            self.model, self.optimizers, config.train.precision, device, task_weights
+            self.model, self.optimizers, config.train.precision, device, task_weights, graphs
         )
         if note := precision_note(config.train.precision, device):
             self._print(note)

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import recsys.train.model_setup
+from recsys.distributed.comm import CommStats
 from recsys.train.compiled import compile_dense
 from recsys.train.metrics import read_metrics
 from recsys.train.progress import STEP_PARTS, StepTimer, TrainWindow, compile_seconds
+from tests.distributed.test_timeline import FakeDevice, fake_timeline
 from tests.train.test_resume import TINY, run
 
 
@@ -35,6 +37,110 @@ def test_collectives_are_taken_out_of_the_part_they_ran_in():
     assert timer.close() == dict.fromkeys(
         [f"time_{p}" for p in STEP_PARTS if p != "collectives"], 0.0
     )  # a fresh window; nothing communicated: no time_collectives
+
+
+def test_on_cuda_parts_are_read_from_events_at_close_without_waiting_in_a_step(monkeypatch):
+    """Each mark records an event (a fake device here, running behind the host); a collective's
+    own events take it out of its part; compilation (host seconds) is in no part; nothing waits
+    for the device before close, and the parts add up to the device's step."""
+
+    def synchronize(*_):
+        raise AssertionError("torch.cuda.synchronize inside a step")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    device, compiled = FakeDevice(), [0.0]
+    timeline = fake_timeline(device)
+    stats = CommStats(timeline=timeline)
+
+    def comm_seconds() -> float:
+        raise AssertionError("on CUDA the collectives come from the timeline")
+
+    timer = StepTimer(torch.device("cuda"), comm_seconds, lambda: compiled[0], timeline)
+    for step in range(4):
+        device.queue(1.0)
+        timer.mark("data")
+        device.queue(2.0)
+        with stats.timed(torch.device("cuda")):
+            device.queue(3.0)
+        if step == 0:  # the first forward compiled for 4 ms while the device waited
+            device.queue(4.0)
+            compiled[0] += 0.004
+        timer.mark("forward")
+        device.queue(5.0)
+        timer.mark("backward")
+        device.queue(0.5)
+        timer.mark("optimizer")
+        assert device.waits == 0
+    times = timer.close()
+    assert device.waits == 1  # the window's one wait, for its last mark
+    assert times == pytest.approx(
+        {
+            "time_data": 0.001,
+            "time_forward": 0.002,
+            "time_backward": 0.005,
+            "time_optimizer": 0.0005,
+            "time_collectives": 0.003,
+            "compile_s": 0.004,
+        }
+    )
+    assert sum(v for k, v in times.items() if k.startswith("time_")) == pytest.approx(0.0115)
+    assert stats.seconds == pytest.approx(0.012)
+    timer.start()  # after an evaluation: its time is in no part
+    device.queue(50.0)
+    timer.start()
+    device.queue(1.0)
+    timer.mark("data")
+    timer.mark("forward")
+    timer.mark("backward")
+    timer.mark("optimizer")
+    times = timer.close()
+    assert times == pytest.approx(
+        {"time_data": 0.001, "time_forward": 0.0, "time_backward": 0.0, "time_optimizer": 0.0}
+    )
+
+
+def test_a_new_cuda_timer_does_not_count_an_earlier_timers_marks():
+    device = FakeDevice()
+    timeline = fake_timeline(device)
+    first = StepTimer(torch.device("cuda"), float, lambda: 0.0, timeline)
+    device.queue(7.0)
+    first.mark("forward")  # never closed
+    second = StepTimer(torch.device("cuda"), float, lambda: 0.0, timeline)
+    device.queue(2.0)
+    second.mark("forward")
+    second.mark("optimizer")
+    assert second.close()["time_forward"] == pytest.approx(0.002)
+
+
+@pytest.mark.gpu
+def test_cuda_events_time_the_parts_and_the_collectives_without_synchronizing(monkeypatch):
+    cuda = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=cuda)
+    stats = CommStats()
+    timer = StepTimer(cuda, float)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    synchronize = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: pytest.fail("synchronized"))
+    for _ in range(5):
+        timer.mark("data")
+        for _ in range(4):
+            a = (a @ a).tanh_()
+        with stats.timed(cuda):  # stands for an all-to-all: device work inside the block
+            a = (a @ a).tanh_()
+        timer.mark("forward")
+        for _ in range(3):
+            a = (a @ a).tanh_()
+        timer.mark("backward")
+        timer.mark("optimizer")
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    times = timer.close()
+    elapsed = time.perf_counter() - started
+    parts = sum(v for k, v in times.items() if k.startswith("time_")) * 5
+    assert parts == pytest.approx(elapsed, rel=0.2)  # device-bound: the device's time is wall
+    assert times["time_forward"] == pytest.approx(4 * times["time_collectives"], rel=0.2)
+    assert times["time_backward"] == pytest.approx(3 * times["time_collectives"], rel=0.2)
+    assert stats.seconds == pytest.approx(5 * times["time_collectives"])
 
 
 def test_the_parts_add_up_to_the_measured_step_time(tmp_path):
