@@ -102,6 +102,13 @@ COLUMNS = (
 )
 
 Step = Callable[[], object]
+# Where TorchRec's count differs from a GPU's: DMP wraps the dense part in DDP with
+# static_graph, whose reducer reads (C++, Reducer::finalize_bucket_dense) its host-side map of
+# used parameters once per dense parameter during backward.
+DDP_NOTE = (
+    "includes one sync per dense parameter at loss.backward(): DDP (static_graph) reading its "
+    "host-side used-parameter map, no device sync on a GPU"
+)
 
 
 def run_overrides(run_dir: str, device: torch.device, batch: int, steps: int) -> list[str]:
@@ -235,6 +242,8 @@ def bench_one_process(device: torch.device, batch_sizes: list[int], repeats: int
                 if provider.endswith(" pause"):
                     continue
                 note = load if (provider, batch) in paced else f"{load}; prebuilt batches"
+                if provider == "torchrec_dmp":
+                    note += f"; {DDP_NOTE}"
                 results.append(result(provider, batch, 1, audited[provider, batch], timing, note))
                 print(f"  {provider} batch {batch}: {timing.p50_ms:.2f} ms", flush=True)
     return results
