@@ -10,15 +10,16 @@ the dispatcher (``Tensor.tolist``, ``Tensor.numpy``, ``torch.cuda.synchronize``)
 
 - a **sync** is one of :data:`SYNC_OPS`, a data-dependent ``repeat_interleave`` or
   boolean-mask ``index``, a tensor made from host data (``lift_fresh``: ``torch.tensor(list)``,
-  a host-to-device copy on CUDA) or a hooked call;
+  a host-to-device copy on CUDA), on a device run a copy between host and device without
+  ``non_blocking``, or a hooked call;
 - a **collective** is an op of the ``c10d`` namespace;
 - a **kernel-like op** is every other op that is not a view, an allocation or a metadata read:
   on CUDA roughly one launch each.
 
 On a CUDA run an op on host tensors is no sync and is not counted; on a CPU run (where every
-tensor is a host tensor) the audit counts every op as if the step ran on a device, except what
-``torch.optim`` does with its step counters (reads, a scalar made for an add), which torch
-keeps on the host on every device (unless ``capturable`` or ``fused``).
+tensor is a host tensor) the audit counts every op as if the step ran on a device, except the
+creation and scalar reads of ``torch.optim``'s step counters, which torch keeps on the host on
+every device (unless ``capturable`` or ``fused``).
 
 Each record is attributed to the innermost frame in the ``recsys`` package (the code a fix
 goes into), or to the innermost frame outside torch when no recsys frame is on the stack.
@@ -26,6 +27,7 @@ goes into), or to the innermost frame outside torch when no recsys frame is on t
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections import Counter
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 _aten = torch.ops.aten
 
@@ -84,11 +86,35 @@ _FREE_OPS = frozenset(
         _aten.scalar_tensor.default,  # a Python number wrapped for an op: a kernel argument
     }
 )
+# torch.optim makes (``torch.tensor(0.0)``) and reads its step counters on the host.
+_OPTIM_HOST_SCALARS = frozenset({_aten._local_scalar_dense.default, _aten.lift_fresh.default})
+# In-place ops that change only a tensor's sizes and strides (``x @ w`` with a 1-d ``x`` runs
+# ``squeeze_`` on its result): no kernel either.
+_FREE_PACKETS = frozenset(
+    {
+        _aten.squeeze_,
+        _aten.unsqueeze_,
+        _aten.transpose_,
+        _aten.t_,
+        _aten.as_strided_,
+        _aten.swapdims_,
+        _aten.swapaxes_,
+    }
+)
 
-_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # .../recsys
-_THIS_FILE = str(Path(__file__).resolve())
-_OPTIM_DIR = str(Path(torch.optim.__file__).resolve().parent)
-_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+
+def _spellings(path: str, directory: bool = True) -> tuple[str, ...]:
+    """``path`` as imported and with links resolved: a frame's ``co_filename`` is the path the
+    module was found under (a virtual environment or checkout reached through a symlink keeps
+    the link), a directory with its trailing separator (``torch/`` is not ``torchrec/``)."""
+    tail = os.sep if directory else ""
+    return tuple(dict.fromkeys(p + tail for p in (os.path.abspath(path), os.path.realpath(path))))
+
+
+_PACKAGE_DIRS = _spellings(os.path.dirname(os.path.dirname(__file__)))  # .../recsys/
+_THIS_FILES = _spellings(__file__, directory=False)
+_OPTIM_DIRS = _spellings(os.path.dirname(torch.optim.__file__))
+_TORCH_DIRS = _spellings(os.path.dirname(torch.__file__))
 
 
 def _site() -> str:
@@ -98,10 +124,12 @@ def _site() -> str:
     fallback = None
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename != _THIS_FILE:
-            if filename.startswith(_PACKAGE_DIR):
-                return f"{Path(filename).relative_to(Path(_PACKAGE_DIR).parent)}:{frame.f_lineno}"
-            if fallback is None and not filename.startswith(_TORCH_DIR):
+        if filename not in _THIS_FILES:
+            for package_dir in _PACKAGE_DIRS:
+                if filename.startswith(package_dir):
+                    relative = Path(filename).relative_to(Path(package_dir).parent)
+                    return f"{relative}:{frame.f_lineno}"
+            if fallback is None and not filename.startswith(_TORCH_DIRS):
                 fallback = f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
     return fallback or "<unknown>"
@@ -158,10 +186,10 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def _called_from(directory: str) -> bool:
+def _called_from(directories: tuple[str, ...]) -> bool:
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_filename.startswith(directory):
+        if frame.f_code.co_filename.startswith(directories):
             return True
         frame = frame.f_back
     return False
@@ -191,17 +219,38 @@ class _Dispatch(TorchDispatchMode):
         if func.namespace == "c10d":
             report.collectives.append((name, _site()))
             return
+        if self.on_device and _blocking_copy(func, args, kwargs):
+            report.syncs.append((name, _site()))  # the host waits for the stream to drain
+            return
         if _is_sync(func, args, kwargs):
             if self.on_device and _host_only(args):
                 return  # a host op on a device run: nothing to wait for
-            if _called_from(_OPTIM_DIR):
-                return  # torch.optim's step counters: host tensors on every device
+            if func in _OPTIM_HOST_SCALARS and _called_from(_OPTIM_DIRS):
+                return  # torch.optim's step counter: a host tensor on every device
             report.syncs.append((name, _site()))
             return
-        if func in _FREE_OPS or func.is_view or func.namespace not in ("aten", "fbgemm"):
+        if func in _FREE_OPS or func.is_view or func.overloadpacket in _FREE_PACKETS:
+            return
+        if func.namespace not in ("aten", "fbgemm"):
             return
         report.ops[_site()] += 1
         report.op_names[name] += 1
+
+
+def _blocking_copy(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A copy between host and device memory without ``non_blocking``: torch synchronizes the
+    stream after it (``.to(device)``, ``.cpu()``, ``copy_`` across devices)."""
+    if func is _aten._to_copy.default:
+        target = kwargs.get("device")
+        return (
+            target is not None
+            and torch.device(target).type != args[0].device.type
+            and not kwargs.get("non_blocking", False)
+        )
+    if func is _aten.copy_.default:
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        return args[0].device.type != args[1].device.type and not non_blocking
+    return False
 
 
 def _is_sync(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -227,8 +276,8 @@ _LOCK = threading.Lock()
 @contextmanager
 def StepAudit(device: torch.device | str = "cpu") -> Iterator[AuditReport]:
     """Record the syncs, kernel-like ops and collectives of the code run inside (this thread's
-    ops; work of a background thread is not counted). ``device``: where the step runs; on
-    a CUDA device host-only ops are not syncs.
+    ops, and those of the autograd threads its backward runs on; work of another thread is
+    not counted). ``device``: where the step runs; on a CUDA device host-only ops are not syncs.
 
     Example::
 
@@ -238,13 +287,16 @@ def StepAudit(device: torch.device | str = "cpu") -> Iterator[AuditReport]:
     """
     report = AuditReport()
     originals = [(owner, name, getattr(owner, name)) for owner, name in _HOOKED]
-    owner_thread = threading.get_ident()
     on_device = torch.device(device).type != "cpu"
+    mode = _Dispatch(report, on_device)
 
     def hooked(original: Callable[..., Any], name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             host = args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"
-            if threading.get_ident() == owner_thread and not (on_device and host):
+            # The mode is on the stack of the audited thread and of the autograd threads that
+            # run its backward (they inherit it), not on another thread's.
+            audited = any(m is mode for m in _get_current_dispatch_mode_stack())
+            if audited and not (on_device and host):
                 report.syncs.append((name, _site()))
             return original(*args, **kwargs)
 
@@ -254,7 +306,7 @@ def StepAudit(device: torch.device | str = "cpu") -> Iterator[AuditReport]:
         for owner, name, original in originals:
             setattr(owner, name, hooked(original, name))
         try:
-            with _Dispatch(report, torch.device(device).type != "cpu"):
+            with mode:
                 yield report
         finally:
             for owner, name, original in originals:

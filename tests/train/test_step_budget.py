@@ -1,52 +1,190 @@
-"""One steady-state step of the default recipe (configs/dlrm_synthetic.toml: 26 fixed tables,
-one process, ``train.id_checks = "async"`` as on a GPU) waits on the host nowhere and stays in
-its recorded budget of kernel-like ops (what :mod:`recsys.train.step_audit` counts). A change
-that adds a sync fails here naming its file:line; one that adds ops names the files that grew.
-TorchRec's DistributedModelParallel step on the same model: 101 ops (benchmarks/step_audit.py).
+"""One steady-state training step of the default recipe (``configs/dlrm_synthetic.toml``),
+audited by :class:`recsys.train.step_audit.StepAudit`, against the budget recorded in
+``step_audit_budget.json``: in one process (fixed tables, ``train.id_checks = "async"`` as on
+a GPU: no sync at all) and on each of 2 gloo ranks (the sharded step). A sync beyond the budget fails naming its ``file:line``; ops beyond it name the
+files whose count grew.
+
+After removing syncs or ops, record the lower numbers:
+``RECSYS_UPDATE_AUDIT_BUDGET=1 python -m pytest tests/train/test_step_budget.py``.
 """
 
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
 from recsys.config import load_config
-from recsys.train.step_audit import audit_training
+from recsys.train import trainer as trainer_module
+from recsys.train.step_audit import AuditReport, audit_training
+from tests.distributed.spawn import run_ranks
 
-# Kernel-like ops per step, by file, when the budget was recorded (100 in all).
-RECORDED_OPS = {
-    "recsys/ops/input_checks.py": 37,
-    "recsys/train/step.py": 38,
-    "recsys/ops/dot_interaction.py": 7,
-    "recsys/ops/fused_mlp.py": 5,
-    "recsys/ops/fused_mlp_activations.py": 4,
-    "recsys/ops/embedding_bag_cpu.py": 4,
-    "recsys/ops/embedding_bag.py": 2,
-    "recsys/ops/embedding_bag_layout.py": 1,
-    "recsys/embedding/collection.py": 1,
-    "recsys/train/progress.py": 1,
-}
-OPS_BUDGET = sum(RECORDED_OPS.values())
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "dlrm_synthetic.toml"
+BUDGET_FILE = Path(__file__).with_name("step_audit_budget.json")
+WARMUP = 3
+BATCH = 2048
 
 
-def test_default_recipe_step_has_no_sync_and_keeps_its_op_budget(tmp_path):
-    config = load_config(
-        "configs/dlrm_synthetic.toml",
-        [
-            f"--run.dir={tmp_path / 'run'}",
-            "--run.device=cpu",
-            "--train.progress_bar=false",
-            "--train.log_every_steps=1000",  # the audited step logs, evaluates and saves nothing
-            "--train.eval_every_steps=0",
-            "--checkpoint.save_final=false",
-            "--data.prefetch_batches=2",  # batches built in the loader's thread
-            "--data.synthetic.num_train_samples=20480",
-            '--train.id_checks="async"',
-        ],
-    )
-    report = audit_training(config, warmup=3, steps=1)
-    assert report.num_syncs == 0, "host syncs in the training step:\n" + report.describe()
-    grown = {
-        path: f"{RECORDED_OPS.get(path, 0)} -> {count}"
-        for path, count in report.ops_by_file().items()
-        if count > RECORDED_OPS.get(path, 0)
+def recipe(run_dir: Path, ranks: int) -> list[str]:
+    """The default recipe, with nothing but a train step in the audited step (no log event,
+    evaluation or checkpoint) and the loader in its background thread."""
+    return [
+        f"--run.dir={run_dir}",
+        "--run.device=cpu",
+        "--train.progress_bar=false",
+        "--train.log_every_steps=1000",
+        "--train.eval_every_steps=0",
+        "--checkpoint.save_final=false",
+        "--data.prefetch_batches=2",
+        f"--data.synthetic.num_train_samples={BATCH * ranks * (WARMUP + 8)}",
+        "--data.synthetic.num_valid_samples=2048",
+        "--data.synthetic.num_test_samples=2048",
+    ]
+
+
+def assert_nothing_logged(run_dir: Path) -> None:
+    """The audited step was a plain step: no train event (they read the loss) was logged."""
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["split"] == "train"], events
+
+
+def summary(report: AuditReport) -> dict[str, Any]:
+    return {
+        "syncs": report.syncs,
+        "ops": dict(report.ops_by_file()),
+        "collectives": report.collectives,
+        "describe": report.describe(),
     }
-    assert report.num_ops <= OPS_BUDGET, (
-        f"{report.num_ops} kernel-like ops per step, budget {OPS_BUDGET}; grown: {grown}\n"
-        + report.describe()
+
+
+def sync_key(what: str, site: str) -> str:
+    return f"{site.rsplit(':', 1)[0]} {what}"
+
+
+def budget_of(summaries: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """The most of each count over ``summaries`` (ranks): syncs per (file, op), ops per file,
+    collectives per op."""
+    budget: dict[str, Counter[str]] = {
+        "syncs": Counter(),
+        "ops": Counter(),
+        "collectives": Counter(),
+    }
+    for s in summaries:
+        budget["syncs"] |= Counter(sync_key(what, site) for what, site in s["syncs"])
+        budget["ops"] |= Counter(s["ops"])
+        budget["collectives"] |= Counter(what for what, _ in s["collectives"])
+    return {kind: dict(sorted(counts.items())) for kind, counts in budget.items()}
+
+
+def over_budget(measured: dict[str, Any], budget: dict[str, dict[str, int]]) -> list[str]:
+    """What ``measured`` (one step's summary) has beyond ``budget``, each with where."""
+    problems = []
+    by_key: dict[str, list[str]] = {}
+    for what, site in measured["syncs"]:
+        by_key.setdefault(sync_key(what, site), []).append(site)
+    for key, sites in by_key.items():
+        allowed = budget["syncs"].get(key, 0)
+        if len(sites) > allowed:
+            what = key.rsplit(" ", 1)[1]
+            problems.append(
+                f"{len(sites) - allowed} new sync(s) {what} (budget {allowed} in that file): "
+                f"at {', '.join(sites)}"
+            )
+    for path, count in measured["ops"].items():
+        allowed = budget["ops"].get(path, 0)
+        if count > allowed:
+            problems.append(f"kernel-like ops in {path} grew: {count} (budget {allowed})")
+    collectives = Counter(what for what, _ in measured["collectives"])
+    for what, count in collectives.items():
+        allowed = budget["collectives"].get(what, 0)
+        if count > allowed:
+            sites = [site for w, site in measured["collectives"] if w == what]
+            problems.append(
+                f"{count - allowed} new collective(s) {what} (budget {allowed}): "
+                f"at {', '.join(sites)}"
+            )
+    return problems
+
+
+def check(case: str, summaries: list[dict[str, Any]]) -> None:
+    """Each summary within ``case``'s recorded budget (or, with RECSYS_UPDATE_AUDIT_BUDGET=1,
+    record the measured counts as the budget)."""
+    budgets = json.loads(BUDGET_FILE.read_text()) if BUDGET_FILE.exists() else {}
+    if os.environ.get("RECSYS_UPDATE_AUDIT_BUDGET") == "1":
+        budgets[case] = budget_of(summaries)
+        BUDGET_FILE.write_text(json.dumps(budgets, indent=2, sort_keys=True) + "\n")
+    assert case in budgets, f"{BUDGET_FILE} has no budget for {case!r}; record it (see above)"
+    budget = budgets[case]
+    for rank, measured in enumerate(summaries):
+        problems = over_budget(measured, budget)
+        where = f"{case} (rank {rank})" if len(summaries) > 1 else case
+        assert not problems, (
+            f"{where}: one steady-state step exceeds {BUDGET_FILE.name}:\n  "
+            + "\n  ".join(problems)
+            + f"\nthe step:\n{measured['describe']}"
+        )
+
+
+def test_one_process_step_within_budget(tmp_path):
+    """Fixed tables, ids checked on the device as on a GPU: no sync at all."""
+    config = load_config(RECIPE, [*recipe(tmp_path / "run", ranks=1), '--train.id_checks="async"'])
+    report = audit_training(config, warmup=WARMUP, steps=1)
+    assert_nothing_logged(tmp_path / "run")
+    assert report.num_syncs == 0, "host syncs in the training step:\n" + report.describe()
+    check("one_process", [summary(report)])
+
+
+def _audit_rank(rank: int, world: int, out: str) -> None:
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    trainer_module.shutdown_distributed = lambda: None  # the process group is run_ranks's
+    torch.set_num_threads(1)
+    config = load_config(RECIPE, recipe(Path(out, "run"), ranks=world))
+    report = audit_training(config, warmup=WARMUP, steps=1)
+    if rank == 0:
+        assert_nothing_logged(Path(out, "run"))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(summary(report)))
+
+
+def test_sharded_step_within_budget(tmp_path):
+    run_ranks(2, _audit_rank, str(tmp_path))
+    summaries = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(s["collectives"] for s in summaries), "a sharded step exchanges embeddings"
+    check("sharded_2_ranks", summaries)
+
+
+def test_over_budget_names_new_syncs_and_grown_files():
+    budget = {
+        "syncs": {"recsys/ops/a.py nonzero": 1},
+        "ops": {"recsys/ops/a.py": 5, "recsys/train/step.py": 10},
+        "collectives": {"alltoall_base_": 2},
+    }
+    within = {
+        "syncs": [("nonzero", "recsys/ops/a.py:7")],
+        "ops": {"recsys/ops/a.py": 5, "recsys/train/step.py": 9},
+        "collectives": [("alltoall_base_", "recsys/distributed/comm.py:3")],
+    }
+    assert over_budget(within, budget) == []
+    beyond = {
+        "syncs": [
+            ("nonzero", "recsys/ops/a.py:7"),
+            ("nonzero", "recsys/ops/a.py:9"),
+            ("_local_scalar_dense", "recsys/train/step.py:63"),
+        ],
+        "ops": {"recsys/ops/a.py": 6, "recsys/train/step.py": 10, "recsys/ops/b.py": 1},
+        "collectives": [("alltoall_base_", "x.py:1")] * 3,
+    }
+    problems = "\n".join(over_budget(beyond, budget))
+    assert "1 new sync(s) nonzero (budget 1 in that file): at recsys/ops/a.py:7, " in problems
+    assert "recsys/ops/a.py:9" in problems
+    assert (
+        "1 new sync(s) _local_scalar_dense (budget 0 in that file): at recsys/train/step.py:63"
+        in problems
     )
+    assert "ops in recsys/ops/a.py grew: 6 (budget 5)" in problems
+    assert "ops in recsys/ops/b.py grew: 1 (budget 0)" in problems
+    assert "recsys/train/step.py grew" not in problems
+    assert "1 new collective(s) alltoall_base_ (budget 2)" in problems
