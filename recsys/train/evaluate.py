@@ -215,7 +215,7 @@ def evaluate_checkpoint(
         spec = read_spec(path)
         dataset = _dataset(config, spec, path, new_data="data.path" in _keys(overrides))
         if not sum(dataset.chunk_rows(split, i) for i in range(dataset.num_chunks(split))):
-            raise ValueError(f"the {split} split of {_data_name(config)} has no rows")
+            raise ValueError(f"the {split} split of {data_name(config)} has no rows")
         model, step = _load_model(path, config, spec, device, info)
         metrics = evaluate_split(
             model,
@@ -226,7 +226,7 @@ def evaluate_checkpoint(
             info,
             prefetch=prefetch_batches(config.data, device),
         )
-        return EvalResult(path, step, split, _data_name(config), metrics)
+        return EvalResult(path, step, split, data_name(config), metrics)
     finally:
         if not joined:
             shutdown_distributed()
@@ -324,7 +324,7 @@ def _dataset(
             "directory?); give the data with --data.path=DIR"
         )
     dataset = build_dataset(config.data, config.run.seed)
-    check_spec(spec, dataset.spec, f"{_data_name(config)} and checkpoint '{checkpoint}'")
+    check_spec(spec, dataset.spec, f"{data_name(config)} and checkpoint '{checkpoint}'")
     return dataset
 
 
@@ -368,7 +368,7 @@ def _current_info() -> DistributedInfo:
     )
 
 
-def _data_name(config: Config) -> str:
+def data_name(config: Config) -> str:
     """The data, as the trainer's summary names it."""
     source = resolve_source(config.data)
     return "synthetic data" if source == "synthetic" else f"{source} data '{config.data.path}'"

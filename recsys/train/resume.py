@@ -20,7 +20,7 @@ from recsys.config import CheckpointConfig, Config
 from recsys.data.layout import DataPosition, EpochLayout, Reshard, reshard_line
 from recsys.train.run_dir import fresh_start_note
 
-__all__ = ["data_position", "find_resume", "session_lineage"]
+__all__ = ["data_position", "find_resume", "resumed_end", "session_lineage"]
 
 
 def find_resume(config: Config, run_dir: Path, say: Callable[[str], None]) -> Path | None:
@@ -73,3 +73,25 @@ def data_position(
         recorded = "data_reshards" in saved  # else saved before reshards were recorded
         say(reshard_line(layout, epoch, position.reshards[-1], recorded))
     return position
+
+
+def resumed_end(
+    config: Config,
+    world_size: int,
+    step: int,
+    position: DataPosition,
+    this_epoch: int,
+    steps_per_epoch: int,
+) -> tuple[int, str]:
+    """The step a resumed run ends at, and the line that says why when it is not epochs x
+    steps per epoch: steps before the resume were counted in the saving run's batches, and
+    with other batch sizes or ranks the data left sets the end. ``this_epoch``: batches of the
+    resumed epoch in this run's shape."""
+    epochs, max_steps = config.train.epochs, config.train.max_steps
+    left = this_epoch - position.batch + steps_per_epoch * (epochs - position.epoch - 1)
+    total = step + left if max_steps == 0 else min(step + left, max_steps)
+    note = (
+        f"with batches of {config.train.batch_size} x {world_size} rank(s), the data left for "
+        f"train.epochs = {epochs} is {total - step} batch(es): this run ends at step {total}"
+    )
+    return total, note

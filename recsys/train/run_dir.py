@@ -14,10 +14,17 @@ from __future__ import annotations
 
 import difflib
 import json
+import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-from recsys.checkpoint.io import list_checkpoints
+import numpy as np
+import torch
+
+from recsys._files import is_inside, write_text_atomic
+from recsys.checkpoint.io import LATEST, list_checkpoints
+from recsys.config import Config, to_toml
 from recsys.train.metrics import TENSORBOARD_DIR
 
 METRICS_FILE = "metrics.jsonl"
@@ -125,3 +132,30 @@ def _free_name(run_dir: Path) -> Path:
     while (candidate := run_dir.with_name(f"{run_dir.name}_{index}")).exists():
         index += 1
     return candidate
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch, numpy's and Python's global generators: nothing in recsys draws from the
+    last two, but a user's model or data code may, and a checkpoint stores all three."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def continuing(config: Config) -> bool:
+    """Whether this run continues a run of its own directory: resume = "latest", or a
+    checkpoint inside run.dir."""
+    resume = config.checkpoint.resume
+    return resume == LATEST or (bool(resume) and is_inside(resume, Path(config.run.dir)))
+
+
+def write_run_dir(config: Config, say: Callable[[str], None]) -> None:
+    """Create the run directory (replacing a previous run's files with run.overwrite) and
+    write the run's config into it."""
+    run_dir = Path(config.run.dir)
+    if config.run.overwrite and not continuing(config):
+        removed = clear_previous_run(run_dir)
+        if removed:
+            say(f"--run.overwrite: replaced {'; '.join(removed)}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / CONFIG_FILE, to_toml(config))

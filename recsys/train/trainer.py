@@ -17,21 +17,19 @@ Events go to ``<run dir>/metrics.jsonl``:
 from __future__ import annotations
 
 import os
-import random
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from recsys._files import is_inside, write_text_atomic
 from recsys.build.dynamic_tables import dropped_note, dynamic_stat_fields, key_balance
 from recsys.build.tiered_tables import (
     TieredLog,
@@ -43,7 +41,6 @@ from recsys.build.tiered_tables import (
 from recsys.checkpoint.delta_writer import DeltaWriter
 from recsys.checkpoint.deltas import DELTAS_DIR
 from recsys.checkpoint.io import (
-    LATEST,
     checkpoint_shapes,
     latest_checkpoint,
     load_checkpoint,
@@ -55,8 +52,8 @@ from recsys.checkpoint.io import (
     set_rng_state,
     tensor_reader,
 )
-from recsys.config import CheckpointConfig, Config, config_differences, to_toml
-from recsys.data import build_dataset, resolve_source
+from recsys.config import CheckpointConfig, Config, config_differences
+from recsys.data import build_dataset
 from recsys.data.batch import Batch
 from recsys.data.layout import DataPosition, Reshard
 from recsys.data.loader import BatchLoader
@@ -73,7 +70,7 @@ from recsys.embedding.interface import (
 )
 from recsys.ops.input_checks import INPUT_ERRORS
 from recsys.train.best import best_validation
-from recsys.train.evaluate import eval_line, evaluate_split
+from recsys.train.evaluate import data_name, eval_line, evaluate_split
 from recsys.train.metrics import MetricsLogger
 from recsys.train.model_setup import setup_model
 from recsys.train.optimizers import (
@@ -85,12 +82,13 @@ from recsys.train.optimizers import (
 from recsys.train.pipeline import TrainPipeline
 from recsys.train.precision import precision_note
 from recsys.train.progress import StepTimer, TrainWindow, summary_line
-from recsys.train.resume import data_position, find_resume, session_lineage
+from recsys.train.resume import data_position, find_resume, resumed_end, session_lineage
 from recsys.train.run_dir import (
-    CONFIG_FILE,
     METRICS_FILE,
     check_run_dir,
-    clear_previous_run,
+    continuing,
+    seed_everything,
+    write_run_dir,
 )
 from recsys.train.schedule import LRSchedule
 from recsys.train.step import TrainStep
@@ -114,16 +112,8 @@ def train(config: Config) -> TrainResult:
 
     Works in one process or in each process of ``torchrun --nproc-per-node=N -m recsys train``.
     """
-    device = resolve_device(config.run.device, int(os.environ.get("LOCAL_RANK", "0")))
-    info = init_distributed(device)
-    run = None
-    try:
-        run = _Run(config, device, info)
+    with _opened(config) as run:
         return run.fit()
-    finally:
-        if run is not None:
-            close_stores(run.model)
-        shutdown_distributed()
 
 
 def train_steps(config: Config) -> Iterator[int]:
@@ -131,17 +121,24 @@ def train_steps(config: Config) -> Iterator[int]:
     it: a log event, an evaluation, a checkpoint) and yields its number. For tools that look
     at single steps (``recsys.train.step_audit``); no test evaluation or final checkpoint.
     Closing the generator closes the run."""
+    with _opened(config) as run, StopSignals(run.info.world_size) as signals:
+        try:
+            yield from run._steps(run._window(), tqdm(disable=True), signals)
+        finally:
+            run.logger.close()
+
+
+@contextmanager
+def _opened(config: Config) -> Iterator[_Run]:
+    """The run of ``config`` in this process, its process group and stores closed after."""
     device = resolve_device(config.run.device, int(os.environ.get("LOCAL_RANK", "0")))
     info = init_distributed(device)
     run = None
     try:
         run = _Run(config, device, info)
-        progress = tqdm(disable=True)
-        with StopSignals(info.world_size) as signals:
-            yield from run._steps(run._window(), progress, signals)
+        yield run
     finally:
         if run is not None:
-            run.logger.close()
             close_stores(run.model)
         shutdown_distributed()
 
@@ -156,7 +153,7 @@ class _Run:
         # Decided before anything is written, the same on every rank.
         on_first_rank(
             lambda: check_run_dir(
-                self.run_dir, continuing=self._continuing(), overwrite=config.run.overwrite
+                self.run_dir, continuing=continuing(config), overwrite=config.run.overwrite
             )
         )
         resume = find_resume(config, self.run_dir, self._print) if ckpt.resume else None
@@ -206,7 +203,7 @@ class _Run:
         self.lineage = from_first_rank(lineage)  # one id on every rank
         # Everything above can fail on a bad config or data: only now is the run dir written.
         if info.is_main:
-            self._write_run_dir()
+            write_run_dir(config, self._print)
         self.logger = MetricsLogger(
             self.run_dir / METRICS_FILE,
             enabled=info.is_main,
@@ -241,22 +238,6 @@ class _Run:
             "larger than the train split"
         )
 
-    def _write_run_dir(self) -> None:
-        """Create the run directory (replacing a previous run's files with run.overwrite) and
-        write the run's config into it."""
-        if self.config.run.overwrite and not self._continuing():
-            removed = clear_previous_run(self.run_dir)
-            if removed:
-                self._print(f"--run.overwrite: replaced {'; '.join(removed)}")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.run_dir / CONFIG_FILE, to_toml(self.config))
-
-    def _continuing(self) -> bool:
-        """Whether this run continues a run of its own directory: resume = "latest", or a
-        checkpoint inside run.dir."""
-        resume = self.config.checkpoint.resume
-        return resume == LATEST or (bool(resume) and is_inside(resume, self.run_dir))
-
     def fit(self) -> TrainResult:
         """Train to ``total_steps``, evaluate on the test split, save the final checkpoint.
 
@@ -280,7 +261,7 @@ class _Run:
         total_steps = self.total_steps
         resumed = f", from step {self.step}" if self.step else ""
         self._print(
-            f"recsys: training {cfg.model.name} on {_data_name(cfg)} for "
+            f"recsys: training {cfg.model.name} on {data_name(cfg)} for "
             f"{total_steps} steps{resumed} "
             f"(batch {train_cfg.batch_size} x {self.info.world_size} rank(s), {self.device}); "
             f"run dir {self.run_dir}"
@@ -408,7 +389,7 @@ class _Run:
             else None
         )
         result = TrainResult(self.run_dir, self.step, samples_per_s, test, checkpoint)
-        what = f"{cfg.model.name} on {_data_name(cfg)}"
+        what = f"{cfg.model.name} on {data_name(cfg)}"
         compile_s = window.compile_time
         line = summary_line(what, self.step, test, samples_per_s, trained, self.run_dir, compile_s)
         self._print(line)
@@ -460,12 +441,10 @@ class _Run:
         )
 
     def _prefetch(self) -> int:
+        """``data.prefetch_batches`` (>= -1: checked with the config); -1 (auto): 4 on CUDA,
+        none on CPU."""
         prefetch = self.config.data.prefetch_batches
-        if prefetch < -1:
-            raise ValueError(f"data.prefetch_batches = {prefetch}; expected -1 (auto) or >= 0")
-        if prefetch == -1:
-            return 4 if self.device.type == "cuda" else 0
-        return prefetch
+        return prefetch if prefetch >= 0 else (4 if self.device.type == "cuda" else 0)
 
     def _train_step(self, batch: Batch, timer: StepTimer) -> torch.Tensor:
         return self.train_step(batch, timer)
@@ -589,20 +568,14 @@ class _Run:
             lambda epoch, reshards: self._loader("train", epoch, 0, reshards).layout,
             self._print,
         )
-        epochs, max_steps = self.config.train.epochs, self.config.train.max_steps
         this_epoch = self.steps_per_epoch  # batches of this run's size
         if position.reshards:
             this_epoch = len(self._loader("train", position.epoch, 0, position.reshards))
-        left = this_epoch - position.batch + self.steps_per_epoch * (epochs - position.epoch - 1)
-        total = self.step + left if max_steps == 0 else min(self.step + left, max_steps)
+        total, note = resumed_end(
+            self.config, self.info.world_size, self.step, position, this_epoch, self.steps_per_epoch
+        )
         if total != self.total_steps:
-            # Steps before the resume were counted in the saving run's batches: with other
-            # batch sizes or ranks, the data left, not epochs x steps per epoch, sets the end.
-            self._print(
-                f"with batches of {self.config.train.batch_size} x {self.info.world_size} "
-                f"rank(s), the data left for train.epochs = {epochs} is {total - self.step} "
-                f"batch(es): this run ends at step {total}"
-            )
+            self._print(note)
             self.total_steps = self.schedule.total_steps = total
         differences = config_differences(read_config(path), self.config)
         differences = [d for d in differences if not d.startswith("checkpoint.resume:")]
@@ -616,17 +589,3 @@ class _Run:
 
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def _data_name(config: Config) -> str:
-    """The data a run trains on, as the summary names it."""
-    source = resolve_source(config.data)
-    return "synthetic data" if source == "synthetic" else f"{source} data '{config.data.path}'"
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch, numpy's and Python's global generators: nothing in recsys draws from the
-    last two, but a user's model or data code may, and a checkpoint stores all three."""
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)

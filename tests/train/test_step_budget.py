@@ -1,8 +1,8 @@
 """One steady-state training step of the default recipe (``configs/dlrm_synthetic.toml``),
 audited by :class:`recsys.train.step_audit.StepAudit`, against the budget recorded in
 ``step_audit_budget.json``: in one process (fixed tables, ``train.id_checks = "async"`` as on
-a GPU: no sync at all) and on each of 2 gloo ranks (the sharded step). A sync beyond the budget fails naming its ``file:line``; ops beyond it name the
-files whose count grew.
+a GPU: no sync at all) and on each of 2 gloo ranks (the sharded step). A sync beyond the
+budget fails naming its ``file:line``; ops beyond it name the files whose count grew.
 
 After removing syncs or ops, record the lower numbers:
 ``RECSYS_UPDATE_AUDIT_BUDGET=1 python -m pytest tests/train/test_step_budget.py``.
