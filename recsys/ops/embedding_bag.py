@@ -301,6 +301,7 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.plan, ctx.flat, ctx.fused, ctx.backend = plan, flat, fused, backend
         ctx.keep = keep
+        ctx.num_lookups = _num_lookups(values, offsets, feature_to_key, batch_size)
         ctx.feature_to_key, ctx.batch_size = feature_to_key, batch_size
         if backend == "fbgemm":
             ctx.fbgemm_batch = fbgemm_inputs(
@@ -350,6 +351,7 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
 
             backward = embedding_bag_triton.backward
         values, offsets, *psw = ctx.saved_tensors
+        extra = {"num_lookups": ctx.num_lookups} if ctx.backend == "triton" else {}
         keys, reduced = backward(
             plan,
             flat,
@@ -361,11 +363,21 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
             ctx.batch_size,
             fused,
             step,
+            **extra,
         )
         if fused is not None:
             return nothing
         grads = _dense_grads(plan.layout, keys, reduced, needs, flat.dtype)
         return (None,) * _HANDLES_START + tuple(grads)
+
+
+def _num_lookups(
+    values: torch.Tensor, offsets: torch.Tensor, feature_to_key: Sequence[int], batch_size: int
+) -> int | None:
+    """How many ids the features read, when the host knows it: every key of the input read
+    by exactly one feature (the usual KJT) reads all of them. None otherwise."""
+    num_keys = (offsets.numel() - 1) // batch_size if batch_size > 0 else -1
+    return values.numel() if sorted(feature_to_key) == list(range(num_keys)) else None
 
 
 def _handles_start(forward: Callable[..., torch.Tensor]) -> int:

@@ -299,10 +299,16 @@ class BagLookups:
 
 
 def bag_lookups(
-    offsets: torch.Tensor, keys: torch.Tensor, batch_size: int, *, sample_major: bool
+    offsets: torch.Tensor,
+    keys: torch.Tensor,
+    batch_size: int,
+    *,
+    sample_major: bool,
+    num_lookups: int | None = None,
 ) -> BagLookups:
     """Every lookup of the features that read KJT ``keys`` [F], bags in feature-major (bag
-    f*B + b) or sample-major (b*F + f) order."""
+    f*B + b) or sample-major (b*F + f) order. ``num_lookups``: their count when the host knows
+    it (else it is read from the device: a sync)."""
     B, device = batch_size, offsets.device
     bag_index = keys[:, None] * B + torch.arange(B, device=device)  # [F, B]
     if sample_major:
@@ -312,7 +318,7 @@ def bag_lookups(
     lengths = offsets[bag_index + 1].long() - starts
     bag_offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
     torch.cumsum(lengths, dim=0, out=bag_offsets[1:])
-    total = int(bag_offsets[-1])
+    total = int(bag_offsets[-1]) if num_lookups is None else num_lookups
     bag = torch.repeat_interleave(
         torch.arange(lengths.numel(), device=device), lengths, output_size=total
     )
@@ -328,6 +334,27 @@ def sorted_segments(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     unique, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
     starts = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=keys.device)
     torch.cumsum(counts, dim=0, out=starts[1:])
+    return unique, order, starts
+
+
+def padded_segments(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sorted_segments` without reading the number U of distinct keys on the host: the
+    distinct keys padded to [L] with 0, the sorting permutation [L], and the segment starts
+    padded to [L + 1] with L (segments U..L-1 are empty). The same segments, in the same
+    order, as :func:`sorted_segments`."""
+    sorted_keys, order = torch.sort(keys, stable=True)
+    num = keys.numel()
+    first = torch.ones(num, dtype=torch.bool, device=keys.device)
+    torch.ne(sorted_keys[1:], sorted_keys[:-1], out=first[1:])
+    segment = torch.cumsum(first, dim=0) - 1  # [L]: each sorted lookup's segment
+    # Each segment's first lookup writes its position; the others write to a spare last slot,
+    # which then gets the end (L).
+    starts = torch.full((num + 1,), num, dtype=torch.int64, device=keys.device)
+    target = torch.where(first, segment, num)
+    starts.scatter_(0, target, torch.arange(num, device=keys.device))
+    starts[num:].fill_(num)
+    unique = torch.zeros(num, dtype=keys.dtype, device=keys.device)
+    unique.scatter_(0, segment, sorted_keys)  # the lookups of a segment write the same key
     return unique, order, starts
 
 

@@ -35,6 +35,7 @@ from recsys.ops.embedding_bag_layout import (
     PlanTensors,
     bag_lookups,
     lookup_scale,
+    padded_segments,
     rounding_seed,
     sorted_segments,
 )
@@ -154,8 +155,12 @@ def _segment_kernel(
     if OPT == -1:  # no optimizer: hand the reduced gradient back
         tl.store(compact_ptr + s * BLOCK_D + d, g, mask=dmask)
     else:
-        if HAS_KEEP:  # the batch failed its input check: leave rows and states as they are
+        # A segment past the batch's distinct rows (the sync-free grid is sized for every
+        # lookup) is empty and updates nothing; nor does a batch that failed its input check.
+        dmask = dmask & (lo + d * 0 < hi)
+        if HAS_KEEP:
             dmask = dmask & (tl.load(keep_ptr + d * 0) != 0)
+        live = tl.sum(dmask.to(tl.int32), axis=0) > 0  # for the row's one-value state
         element = tl.load(table_offset_ptr + t) + row * D + d
         w = tl.load(weights_ptr + element, mask=dmask, other=0.0).to(ACC)
         g = g + weight_decay * w
@@ -168,10 +173,7 @@ def _segment_kernel(
         elif OPT == 2:  # RowWiseAdagrad
             row_state = state1_ptr + tl.load(table_row_offset_ptr + t) + row
             acc = tl.load(row_state) + tl.sum(tl.where(dmask, g * g, 0.0), axis=0) / D
-            if HAS_KEEP:
-                tl.store(row_state, acc, mask=tl.sum(dmask.to(tl.int32), axis=0) > 0)
-            else:
-                tl.store(row_state, acc)
+            tl.store(row_state, acc, mask=live)
             w = w - lr * g / (tl.sqrt(acc) + eps)
         else:  # Adam (lazy)
             m = beta1 * tl.load(state1_ptr + element, mask=dmask, other=0.0) + (1 - beta1) * g
@@ -239,7 +241,8 @@ def pool(
 @dataclass(frozen=True)
 class Segments:
     """The batch's L lookups sorted by global row key (stable), cut into U segments, one per
-    distinct touched row."""
+    distinct touched row. Padded (the fused path: U is not read on the host), every tensor of
+    size U has L entries, and segments U..L-1 are empty (start = L) with row 0 of table 0."""
 
     start: torch.Tensor  # [U + 1] int64: where each segment starts among the sorted lookups
     table: torch.Tensor  # [U] int32: the segment's table
@@ -354,18 +357,21 @@ def _segments(
     per_sample_weights: torch.Tensor | None,
     batch_size: int,
     scale_dtype: torch.dtype,
+    num_lookups: int | None = None,
+    padded: bool = False,
 ) -> Segments:
     """Every lookup of the batch sorted by row (stable), cut into one segment per distinct
-    row (see :class:`Segments`)."""
+    row (see :class:`Segments`). ``num_lookups``: L when the host knows it (else read from the
+    device); ``padded``: segments sized L, so nothing waits for the count of distinct rows."""
     B = batch_size
-    lookups = bag_lookups(offsets, tensors.feat_key, B, sample_major=False)
+    lookups = bag_lookups(offsets, tensors.feat_key, B, sample_major=False, num_lookups=num_lookups)
     feature, sample = lookups.bag // B, lookups.bag % B
     table = tensors.feat_table[feature].long()
     key = tensors.table_row_offset[table] + values[lookups.position].long()
     grad_off = sample * plan.total_dim + tensors.feat_col[feature]
     mean = tensors.feat_mean[feature] if plan.any_mean else None
     scale = lookup_scale(lookups, per_sample_weights, mean, scale_dtype)
-    unique, order, start = sorted_segments(key)
+    unique, order, start = padded_segments(key) if padded else sorted_segments(key)
     bound = torch.searchsorted(tensors.row_bounds, unique, right=True) - 1
     seg_table = tensors.bound_table[bound]
     return Segments(
@@ -398,9 +404,11 @@ def backward(
     batch_size: int,
     fused: FusedUpdate | None,
     step: int,
+    num_lookups: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """Backward of the Triton path: sort the lookups into segments, then one launch of
-    ``_segment_kernel``.
+    ``_segment_kernel``. With ``fused`` and ``num_lookups`` (the batch's lookups, known on the
+    host) nothing waits for the device: the segments are padded to the lookups.
 
     Args:
         plan, flat: the forward's plan and packed tables.
@@ -409,6 +417,7 @@ def backward(
         values, offsets, per_sample_weights, batch_size: the forward's batch.
         fused: the optimizer to apply to the touched rows, or None.
         step: the step being applied (seeds the stochastic rounding).
+        num_lookups: the number of lookups, when the host knows it.
 
     Returns:
         ``(None, None)`` after applying ``fused`` in place; without it, the segments' sorted
@@ -422,9 +431,13 @@ def backward(
         per_sample_weights,
         batch_size,
         accumulate_dtype(grad_out.dtype),
+        num_lookups,
+        padded=fused is not None and num_lookups is not None,
     )
-    num_lookups = segments.grad_off.numel()
-    block_l = lookup_block(segments.grad_off, segments.key.numel()) if num_lookups else 1
+    if fused is not None and num_lookups is not None:
+        block_l = 8  # lookups per distinct row are not known on the host
+    else:
+        block_l = lookup_block(segments.grad_off, segments.key.numel()) if num_lookups else 1
     max_dim = plan.layout.max_dim
     if fused is None:
         reduced = reduce_segments(segments, grad_out, tensors, max_dim, block_l=block_l)

@@ -115,10 +115,13 @@ def test_async_equals_sync_on_good_batches(backend):
     INPUT_ERRORS.raise_first()  # nothing recorded
 
 
-def test_async_step_has_no_sync():
-    """On the CPU's default path (FBGEMM's kernels): a bad batch included."""
-    pytest.importorskip("fbgemm_gpu")
-    ebc = collection(RowWiseAdagrad(lr=0.1), "fbgemm", "async")
+@pytest.mark.parametrize("backend", ["fbgemm", "triton"])
+def test_async_step_has_no_sync(backend):
+    """On the default paths of CPU (FBGEMM's kernels) and CUDA (Triton's, padded segments in
+    backward): a bad batch included. (The interpreter's own copies are ops, not syncs.)"""
+    if backend == "fbgemm":
+        pytest.importorskip("fbgemm_gpu")
+    ebc = collection(RowWiseAdagrad(lr=0.1), backend, "async")
     train_step(ebc, batch())
     kjt = batch(bad_id=(0, -3))
     kjt.offset_per_key()  # what the loader computes on the host

@@ -30,6 +30,7 @@ OP_TESTS = [
     "tests/ops/test_cross_interaction.py",
     "tests/ops/test_fused_mlp.py",
     "tests/ops/test_embedding_bag.py",
+    "tests/ops/test_input_checks.py",
     "tests/ops/test_slot_map.py",
 ]
 

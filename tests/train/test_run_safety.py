@@ -451,3 +451,32 @@ def test_training_on_a_raw_criteo_file_reports_its_malformed_lines(tmp_path, cap
     out = capsys.readouterr().out
     assert f"{log}: skipped 2 malformed line(s)" in out
     assert f"first: {log}:3001: expected 40 tab-separated fields, found 2" in out
+
+
+# ------------------------------------------------------------------------------------------
+# 16. A bad id under train.id_checks = "async": raised at the next train event, naming the
+# step; nothing is saved after it
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_bad_id_stops_the_run_naming_the_step(tmp_path, monkeypatch, mode):
+    original = trainer_module._Run._train_step
+
+    def bad_id_at_step_6(self, batch, timer):
+        if self.step == 5:  # the 6th step's batch: cat_1 (200 rows) gets id 999
+            ids = batch.sparse.values()
+            first_cat_1 = int(batch.sparse.offset_per_key()[1])
+            ids[first_cat_1] = 999
+        return original(self, batch, timer)
+
+    monkeypatch.setattr(trainer_module._Run, "_train_step", bad_id_at_step_6)
+    message = "cat_1: id 999 is out of range for its table with 200 rows"
+    if mode == "async":
+        message = "step 6: " + message
+    with pytest.raises(ValueError, match=message):
+        run(tmp_path, "--train.log_every_steps=4", "--checkpoint.every_steps=2",
+            f'--train.id_checks="{mode}"')  # fmt: skip
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert saved == ["step_00000002", "step_00000004"]  # the run died before saving step 6
+    events = read_metrics(tmp_path / "metrics.jsonl")
+    assert max(e["step"] for e in events if e["split"] == "train") == 4
