@@ -45,6 +45,7 @@ import torch
 
 from recsys.ops._triton import accumulate_dtype, resolve_backend
 from recsys.ops.embedding_bag_cpu import (
+    CHUNK_BYTES,
     FBGEMM_FORWARD_MAX_IDS,
     backward_fbgemm,
     backward_torch,
@@ -368,7 +369,7 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
         )
         if exchange is not None:
             keys, reduced = exchange(keys, reduced[:, : plan.layout.max_dim])
-            update_keyed_rows(plan.layout, flat, fused, keys, reduced, step)
+            update_keyed_rows(plan.layout, flat, fused, keys, reduced, step, CHUNK_BYTES)
         if fused is not None:
             return nothing
         grads = _dense_grads(plan.layout, keys, reduced, needs, flat.dtype)

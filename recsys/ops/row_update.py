@@ -88,9 +88,11 @@ def update_keyed_rows(
     keys: torch.Tensor,
     grad: torch.Tensor,
     step: int,
+    chunk_bytes: int = 1 << 20,
 ) -> None:
-    """Apply ``fused`` to rows ``keys`` of the tables packed in ``flat``: one
-    :func:`update_rows` per dim group (usually one for all tables), not one per table.
+    """Apply ``fused`` to rows ``keys`` of the tables packed in ``flat``: :func:`update_rows`
+    per dim group (usually one for all tables), not per table, on chunks of rows whose
+    gradients take at most ``chunk_bytes`` (cache-sized temporaries; the result is the same).
 
     Args:
         layout, flat: the packed tables (:class:`TableLayout`).
@@ -115,8 +117,11 @@ def update_keyed_rows(
             else layout.group_view(buffer, g)
             for name, buffer in fused.states.items()
         }
-        rows = keys[lo:hi] - starts[g]
         weight = layout.group_view(flat, g)
-        update_rows(
-            fused.optimizer, weight, states, rows, grad[lo:hi, :dim], step, generator, fused.keep
-        )
+        chunk = max(1, chunk_bytes // (dim * grad.element_size()))
+        for first in range(lo, hi, chunk):
+            last = min(hi, first + chunk)
+            rows, rows_grad = keys[first:last] - starts[g], grad[first:last, :dim]
+            update_rows(
+                fused.optimizer, weight, states, rows, rows_grad, step, generator, fused.keep
+            )
