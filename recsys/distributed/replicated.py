@@ -123,7 +123,7 @@ class ReplicatedTables(nn.Module):
         counts = torch.empty(world, dtype=torch.int64, device=device)
         self.comm_stats.add("backward", count)
         with self.comm_stats.timed(device):
-            dist.all_gather_into_tensor(counts, count, group=group)
+            dist.all_gather_single(counts, count, group=group)
         sizes = counts.tolist()
         most, width = max(sizes), grads.shape[1]
         # One message: the gradients, then each key's 8 bytes as gradient-dtype columns.
@@ -135,7 +135,7 @@ class ReplicatedTables(nn.Module):
         if most:
             self.comm_stats.add("backward", packed)
             with self.comm_stats.timed(device):
-                dist.all_gather_into_tensor(gathered, packed, group=group)
+                dist.all_gather_single(gathered, packed, group=group)
         ranks = gathered.view(world, most, -1)
         rows = torch.cat([ranks[r, :n] for r, n in enumerate(sizes)])  # [sum U_r, D + key]
         every_key = rows[:, width:].contiguous().view(torch.int64).view(-1)
