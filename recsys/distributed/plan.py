@@ -45,12 +45,16 @@ class TableFootprint:
         shard_bytes: bytes of weights and optimizer state of each shard, in shard order.
         cache_rows: a tiered table's (rows in host memory or on disk) cache rows per shard,
             which is all ``shard_bytes`` counts; 0: not tiered.
+        cost: the planner's estimated cost per step of this placement, summed over the ranks,
+            in the units of ``ShardingPlan.rank_costs`` (lookups, communication and, for a
+            replicated table, its gradient exchange; see ``plan_sharding``).
     """
 
     data_type: str
     optimizer_state: str
     shard_bytes: tuple[int, ...]
     cache_rows: int = 0
+    cost: float = 0.0
 
 
 class ShardingType(str, enum.Enum):
@@ -290,7 +294,9 @@ def _rank_list(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def _table_line(path: str, name: str, sharding: TableSharding, footprint: TableFootprint):
+def _table_line(
+    path: str, name: str, sharding: TableSharding, footprint: TableFootprint, peak: float
+):
     rows = max(s.row_offset + s.num_rows for s in sharding.shards)
     cols = max(s.col_offset + s.num_cols for s in sharding.shards)
     low, high = (format_bytes(f(footprint.shard_bytes)) for f in (min, max))
@@ -299,14 +305,16 @@ def _table_line(path: str, name: str, sharding: TableSharding, footprint: TableF
     if kind == ShardingType.KEY_WISE:  # a dynamic table: at most its cap, hashed over ranks
         size = f"<={rows} x {cols}"
     label = f"{kind.name} tiered" if footprint.cache_rows else kind.name
-    return [path or "(root)", name, size, footprint.data_type, label, where, memory]
+    cost = f"{footprint.cost / peak:.3f}" if footprint.cost else "-"
+    return [path or "(root)", name, size, footprint.data_type, label, where, memory, cost]
 
 
 def _describe(plan: ShardingPlan) -> str:
     world, budget = plan.world_size, plan.memory_per_rank
     used, num_shards, states = [0] * world, [0] * world, set()
     table_lines = [["collection", "table", "rows x dim", "dtype", "sharding", "ranks"]]
-    table_lines[0].append("memory/shard")
+    table_lines[0] += ["memory/shard", "est. cost"]
+    peak = max(plan.rank_costs, default=0.0) or 1.0
     for path, shardings in plan.collections.items():
         for name, sharding in shardings.items():
             footprint = plan.footprints.get(path, {}).get(name)
@@ -317,8 +325,7 @@ def _describe(plan: ShardingPlan) -> str:
             for shard, size in zip(sharding.shards, footprint.shard_bytes, strict=True):
                 used[shard.rank] += size
                 num_shards[shard.rank] += 1
-            table_lines.append(_table_line(path, name, sharding, footprint))
-    peak = max(plan.rank_costs, default=0.0) or 1.0
+            table_lines.append(_table_line(path, name, sharding, footprint, peak))
     rank_lines = [["rank", "shards", "memory", "of memory_per_rank", "est. cost (busiest = 1)"]]
     for rank in range(world):
         share = f"{used[rank] / budget:.1%}" if budget else "-"
@@ -327,6 +334,10 @@ def _describe(plan: ShardingPlan) -> str:
         rank_lines.append([str(rank), str(num_shards[rank]), memory, share, cost])
     limit = format_bytes(budget) if budget else "not set"
     header = [f"ShardingPlan for {world} rank{'s' * (world > 1)}, memory_per_rank {limit}"]
+    if plan.rank_costs:
+        header.append(
+            "est. cost: per step, of a table (over its ranks) or a rank; busiest rank = 1"
+        )
     if not plan.footprints:
         header.append("hand-built plan: memory assumes fp32 weights (fp32?) and no optimizer state")
     elif states - {""}:

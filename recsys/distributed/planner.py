@@ -357,7 +357,7 @@ def _place(table: _Table, ranks: _Ranks, model: _CostModel, states: dict[str, st
     for rank in range(world):
         ranks.used[rank] += need[rank]
         ranks.costs[rank] += added[rank]
-    return sharding
+    return sharding, math.fsum(added)
 
 
 def _check_known(owner: str, kind: str, names: Iterable[str], known: set[str]) -> None:
@@ -524,12 +524,12 @@ def plan_sharding(
     placed, ranks.unplaced = {}, math.fsum(whole_costs)
     for i in sorted(range(len(tables)), key=largest_first):
         table, ranks.unplaced = tables[i], ranks.unplaced - whole_costs[i]
-        sharding = _place(table, ranks, model, states)
+        sharding, cost = _place(table, ranks, model, states)
         sizes = tuple(
             shard_bytes(table.held(s), table.element_bytes, states) for s in sharding.shards
         )
         dtype, state = table.config.data_type.name.lower(), _state_label(states)
-        footprint = TableFootprint(dtype, state, sizes, table.cache_rows)
+        footprint = TableFootprint(dtype, state, sizes, table.cache_rows, cost)
         placed[table.path, table.config.name] = sharding, footprint
     plan = ShardingPlan(world_size, memory_per_rank=memory_per_rank, rank_costs=ranks.costs)
     for path, group in collections.items():  # in the caller's order, for describe()

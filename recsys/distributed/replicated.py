@@ -2,25 +2,28 @@
 batch with no communication.
 
 Trained by a torch optimizer, their gradients are averaged by DDP like the dense layers'. With
-a fused optimizer, a hook per table collects its gradient in backward; once every replicated
-table has one (they come from one backward node, so back to back), ONE all-reduce averages all
-the gradients over ranks together with the rows any rank touched, and every rank applies the
-same row update (:func:`recsys.ops.row_update.update_rows`, the torch backend's own), so the
-replicas stay equal.
+a fused optimizer, the tables are one packed collection whose backward reduces this rank's
+gradient per touched row (no gradient the size of a table) and hands the rows to
+:meth:`ReplicatedTables.exchange`: one all-gather of every rank's touched rows and their
+gradients (after one of their counts), summed per row in rank order and divided by the world
+size; then every rank applies the same update to the same rows, one
+:func:`recsys.ops.row_update.update_rows` per dim group (the torch backend's own), so the
+replicas stay equal. On 2 ranks the result is bitwise that of summing dense gradients with an
+all-reduce (a + b either way; only a row whose two gradients are both -0.0 gets +0.0).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from recsys.distributed.comm import CommStats
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import FusedOptimizer
-from recsys.ops.embedding_bag_layout import rounding_seed
-from recsys.ops.row_update import update_rows
+from recsys.ops.embedding_bag_layout import sorted_segments
 
 
 class ReplicatedTables(nn.Module):
@@ -34,7 +37,7 @@ class ReplicatedTables(nn.Module):
         optimizer: the collection's fused optimizer, or None.
         is_weighted / backend: as the collection's.
         process_group: the sharded collection's group.
-        comm_stats: where the all-reduce's bytes are counted.
+        comm_stats: where the exchange's bytes are counted.
         device: this rank's device.
     """
 
@@ -56,31 +59,34 @@ class ReplicatedTables(nn.Module):
         self.process_group = process_group
         self.comm_stats = comm_stats
         self.tables = EmbeddingBagCollection(
-            configs, is_weighted=is_weighted, device=device, backend=backend, validate=False
+            configs,
+            is_weighted=is_weighted,
+            device=device,
+            backend=backend,
+            validate=False,
+            optimizer=optimizer,
         )
-        if source is not None:
-            with torch.no_grad():
-                for c in configs:
-                    self.tables.embedding_bags[c.name].weight.copy_(
-                        source.embedding_bags[c.name].weight
-                    )
+        with torch.no_grad():
+            for c in configs:
+                if source is not None:
+                    self.weight(c.name).copy_(source.embedding_bags[c.name].weight)
+                for name, state in self.optimizer_state(c.name).items():
+                    if source is not None:
+                        state.copy_(source.embedding_bags[c.name].get_buffer(name))
+            if optimizer is not None and source is not None:
+                self.tables.optimizer_step.copy_(source.optimizer_step)
         first = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         for table in self.tables.embedding_bags.values():
             dist.broadcast(table.weight.data, src=first, group=process_group)
-        # Fused optimizer state per table (``states[t].<state>``) and the step counter.
-        self.states = nn.ModuleDict()
-        step = source.optimizer_step.clone() if optimizer and source is not None else None
-        if step is None:
-            step = torch.zeros((), dtype=torch.int64)
-        self.register_buffer("step", step.to(device=device, dtype=torch.int64))
-        self._touched: dict[str, torch.Tensor] = {}
-        self._grads: dict[str, torch.Tensor] = {}
-        self._pending_step = 0
         if optimizer is not None:
-            for c in configs:
-                self.states[c.name] = _state_holder(c, optimizer, source, device)
-                weight = self.tables.embedding_bags[c.name].weight
-                weight.register_post_accumulate_grad_hook(self._hook(c.name))
+            self.tables.exchange = self.exchange
+
+    @property
+    def step(self) -> torch.Tensor:
+        """The fused optimizer's step counter (a zero without one)."""
+        if self.optimizer is None:
+            return torch.zeros((), dtype=torch.int64)
+        return self.tables.optimizer_step
 
     def weight(self, table: str) -> nn.Parameter:
         """The whole table ``table`` [num_embeddings, embedding_dim]."""
@@ -88,75 +94,54 @@ class ReplicatedTables(nn.Module):
 
     def optimizer_state(self, table: str) -> dict[str, torch.Tensor]:
         """The fused optimizer's state of ``table`` by name (empty without one)."""
-        if table not in self.states:
+        if self.optimizer is None:
             return {}
-        return dict(self.states[table].named_buffers())
+        bag = self.tables.embedding_bags[table]
+        return {name: bag.get_buffer(name) for name in self.optimizer.states}
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """The replicated tables' pooled vectors of this rank's samples: [B, D_dp]."""
-        pooled = self.tables(features).values()
-        if self.optimizer is not None and torch.is_grad_enabled():
-            self._record_touched(features)
-        return pooled
+        return self.tables(features).values()
 
-    def _record_touched(self, features: KeyedJaggedTensor) -> None:
-        values = features.values().split(features.length_per_key())
-        per_feature = dict(zip(features.keys(), values, strict=True))
-        self._pending_step = int(self.step) + 1
-        for c in self.configs:
-            ids = torch.cat([per_feature[f] for f in c.feature_names]).long()
-            touched = torch.zeros(c.num_embeddings, dtype=torch.bool, device=ids.device)
-            self._touched[c.name] = touched.index_fill_(0, ids, True)
+    def exchange(
+        self, keys: torch.Tensor, grads: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's touched rows and their gradients, averaged over ranks.
 
-    def _hook(self, table: str):
-        """Keep the table's gradient; the last table's hook applies every update."""
+        Args:
+            keys: [U] this rank's sorted distinct touched rows (the packed tables' row space).
+            grads: [U, D] their gradients, reduced over this rank's batch.
 
-        def hook(weight: torch.Tensor) -> None:
-            self._grads[table] = weight.grad
-            weight.grad = None
-            if len(self._grads) == len(self.configs):
-                self._apply_updates()
-
-        return hook
-
-    def _apply_updates(self) -> None:
-        names = [c.name for c in self.configs]
-        grads = [self._grads.pop(name) for name in names]
-        touched = [self._touched.pop(name) for name in names]
-        packed = torch.cat([g.reshape(-1).float() for g in grads] + [t.float() for t in touched])
-        self.comm_stats.add("backward", packed)
-        with self.comm_stats.timed(packed.device):
-            dist.all_reduce(packed, group=self.process_group)  # sums over ranks
-        pieces = packed.split([g.numel() for g in grads] + [t.numel() for t in touched])
-        step = self._pending_step
-        self.step.fill_(step)
-        generator = None
-        if self.optimizer.stochastic_rounding:
-            generator = torch.Generator(device=packed.device)
-            generator.manual_seed(rounding_seed(step))
-        world_size = dist.get_world_size(self.process_group)
-        with torch.no_grad():
-            for t, name in enumerate(names):
-                weight = self.weight(name)
-                grad = pieces[t].view_as(weight) / world_size
-                rows = (pieces[len(names) + t] > 0).nonzero().squeeze(1)
-                states = self.optimizer_state(name)
-                update_rows(self.optimizer, weight, states, rows, grad[rows], step, generator)
-
-
-def _state_holder(
-    config: EmbeddingBagConfig,
-    optimizer: FusedOptimizer,
-    source: EmbeddingBagCollection | None,
-    device: torch.device,
-) -> nn.Module:
-    """A module whose buffers are one table's fused optimizer state, copied from ``source``."""
-    holder = nn.Module()
-    for name, kind in optimizer.states.items():
-        rows, dim = config.num_embeddings, config.embedding_dim
-        shape = (rows,) if kind == "row" else (rows, dim)
-        state = torch.full(shape, optimizer.initial_state(name), device=device)
-        if source is not None:
-            state.copy_(source.embedding_bags[config.name].get_buffer(name))
-        holder.register_buffer(name, state)
-    return holder
+        Returns:
+            the union's sorted rows [U'] and their gradients summed over ranks in rank order,
+            divided by the world size [U', D]; the same on every rank. One host read (the
+            ranks' row counts, which size the all-gather).
+        """
+        group, device = self.process_group, keys.device
+        world = dist.get_world_size(group)
+        count = torch.full((1,), keys.numel(), dtype=torch.int64, device=device)
+        counts = torch.empty(world, dtype=torch.int64, device=device)
+        self.comm_stats.add("backward", count)
+        with self.comm_stats.timed(device):
+            dist.all_gather_single(counts, count, group=group)
+        sizes = counts.tolist()
+        most, width = max(sizes), grads.shape[1]
+        # One message: the gradients, then each key's 8 bytes as gradient-dtype columns.
+        key_cols = 8 // grads.element_size()
+        packed = torch.zeros(most, width + key_cols, dtype=grads.dtype, device=device)
+        packed[: keys.numel(), :width] = grads
+        packed[: keys.numel(), width:] = keys.view(grads.dtype).view(-1, key_cols)
+        gathered = torch.empty(world * most, width + key_cols, dtype=grads.dtype, device=device)
+        if most:
+            self.comm_stats.add("backward", packed)
+            with self.comm_stats.timed(device):
+                dist.all_gather_single(gathered, packed, group=group)
+        ranks = gathered.view(world, most, -1)
+        rows = torch.cat([ranks[r, :n] for r, n in enumerate(sizes)])  # [sum U_r, D + key]
+        every_key = rows[:, width:].contiguous().view(torch.int64).view(-1)
+        # Stable: a row's gradients stay in rank order, and are summed in that order.
+        union, order, starts = sorted_segments(every_key)
+        summed = F.embedding_bag(
+            order, rows[:, :width], starts, mode="sum", include_last_offset=True
+        )
+        return union, summed / world

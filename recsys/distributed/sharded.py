@@ -31,8 +31,9 @@ its own batch with no communication. The routing tables live in
 Backward mirrors it: the gradients of the pooled vectors travel back to the shards' owners,
 whose fused optimizer updates the touched rows. Gradients are averaged over ranks, as DDP does
 for the dense layers, so W ranks with batch B train exactly like one process with batch W*B
-(the same learning rates). A replicated table's gradient is all-reduced (averaged) and, with a
-fused optimizer, the rows any rank touched are updated identically on every rank.
+(the same learning rates). With a fused optimizer, the rows of replicated tables that any rank
+touched are all-gathered with their gradients, averaged, and updated identically on every rank;
+with a torch optimizer, DDP averages their gradients.
 
 The state_dict has the unsharded collection's keys and logical shapes:
 ``embedding_bags.<table>.weight`` [num_embeddings, embedding_dim] (a ShardedTensor for sharded

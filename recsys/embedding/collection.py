@@ -8,6 +8,8 @@ import and checkpoints load both ways. All tables are looked up by one call of
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
@@ -26,6 +28,9 @@ from recsys.ops.embedding_bag import (
 )
 from recsys.ops.embedding_bag_cpu import pool_torch
 from recsys.ops.input_checks import check_mode
+
+# (sorted touched rows [U], their reduced gradients [U, D]) -> the rows and gradients to apply.
+RowExchange = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class EmbeddingTable(nn.Module):
@@ -104,6 +109,9 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
         self.backend = backend
         self.validate = validate
         self.optimizer: FusedOptimizer | None = None
+        # With a fused optimizer, tables replicated on several ranks exchange their touched
+        # rows before the update (recsys.distributed.replicated sets it; see FusedUpdate).
+        self.exchange: RowExchange | None = None
         for config in tables:
             check_table_config(config)
             if not config.feature_names:
@@ -160,7 +168,9 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
         fused = None
         handles = [bag.weight for bag in self.embedding_bags.values()]
         if self.optimizer is not None:
-            fused = FusedUpdate(self.optimizer, self._states, self.optimizer_step)
+            fused = FusedUpdate(
+                self.optimizer, self._states, self.optimizer_step, exchange=self.exchange
+            )
             handles = [self._anchor]
         # Which kernels serve this call (kept for inspection: ``ebc._last_backend``).
         self._last_backend = choose_backend(self.backend, self._plan, self._flat, fused)

@@ -45,6 +45,7 @@ import torch
 
 from recsys.ops._triton import accumulate_dtype, resolve_backend
 from recsys.ops.embedding_bag_cpu import (
+    CHUNK_BYTES,
     FBGEMM_FORWARD_MAX_IDS,
     backward_fbgemm,
     backward_torch,
@@ -62,7 +63,7 @@ from recsys.ops.embedding_bag_layout import (
     stochastic_round,
 )
 from recsys.ops.input_checks import INPUT_ERRORS, CheckedBatch, check_mode
-from recsys.ops.row_update import update_rows
+from recsys.ops.row_update import update_keyed_rows, update_rows
 
 __all__ = [
     "FusedUpdate",
@@ -352,6 +353,7 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
             backward = embedding_bag_triton.backward
         values, offsets, *psw = ctx.saved_tensors
         extra = {"num_lookups": ctx.num_lookups} if ctx.backend == "triton" else {}
+        exchange = None if fused is None else fused.exchange
         keys, reduced = backward(
             plan,
             flat,
@@ -361,10 +363,13 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
             offsets,
             psw[0] if psw else None,
             ctx.batch_size,
-            fused,
+            fused if exchange is None else None,  # exchanged first, then updated below
             step,
             **extra,
         )
+        if exchange is not None:
+            keys, reduced = exchange(keys, reduced[:, : plan.layout.max_dim])
+            update_keyed_rows(plan.layout, flat, fused, keys, reduced, step, CHUNK_BYTES)
         if fused is not None:
             return nothing
         grads = _dense_grads(plan.layout, keys, reduced, needs, flat.dtype)

@@ -240,6 +240,8 @@ def fbgemm_unsupported(plan: LookupPlan, flat: torch.Tensor, fused: FusedUpdate 
         return "it runs on CPU tensors only"
     if fused is None:
         return "it only fuses an optimizer (optimizer=None takes dense gradients)"
+    if fused.exchange is not None:
+        return "the touched rows are exchanged between ranks before the update"
     name, decay = type(fused.optimizer).__name__, fused.optimizer.weight_decay
     if name not in ("SGD", "Adagrad", "RowWiseAdagrad"):
         return f"it has no CPU kernel for {name}"

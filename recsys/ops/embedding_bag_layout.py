@@ -140,12 +140,19 @@ class FusedUpdate:
     counting the updates applied so far (backward increments it: :meth:`advance`). ``keep``: a
     device bool, False when the batch failed its ``"async"`` input check; the backends then
     leave every row and state as it was (the update is withheld without a host sync).
+    ``exchange``: for tables every rank holds (replicated), maps this rank's touched rows (sorted
+    distinct row keys [U] and their reduced gradients [U, max_dim]) to the rows and gradients
+    to apply on every rank (e.g. all ranks' rows, summed and averaged); the backward then
+    applies the update to those rows (:func:`recsys.ops.row_update.update_keyed_rows`).
     """
 
     optimizer: RowOptimizer
     states: dict[str, torch.Tensor]
     step: torch.Tensor
     keep: torch.Tensor | None = None
+    exchange: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = (
+        None
+    )
 
     def advance(self) -> int:
         """``step += 1``; the new value, known on the host without reading the tensor (read

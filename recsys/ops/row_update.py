@@ -19,9 +19,15 @@ from __future__ import annotations
 import torch
 
 from recsys.ops._triton import accumulate_dtype
-from recsys.ops.embedding_bag_layout import RowOptimizer, stochastic_round
+from recsys.ops.embedding_bag_layout import (
+    FusedUpdate,
+    RowOptimizer,
+    TableLayout,
+    rounding_seed,
+    stochastic_round,
+)
 
-__all__ = ["update_rows"]
+__all__ = ["update_keyed_rows", "update_rows"]
 
 
 @torch.no_grad()
@@ -72,3 +78,50 @@ def update_rows(
     weight.index_copy_(0, rows, updated)
     for name, state in states.items():
         state.index_copy_(0, rows, state_rows[name])
+
+
+@torch.no_grad()
+def update_keyed_rows(
+    layout: TableLayout,
+    flat: torch.Tensor,
+    fused: FusedUpdate,
+    keys: torch.Tensor,
+    grad: torch.Tensor,
+    step: int,
+    chunk_bytes: int = 1 << 20,
+) -> None:
+    """Apply ``fused`` to rows ``keys`` of the tables packed in ``flat``: :func:`update_rows`
+    per dim group (usually one for all tables), not per table, on chunks of rows whose
+    gradients take at most ``chunk_bytes`` (cache-sized temporaries; the result is the same).
+
+    Args:
+        layout, flat: the packed tables (:class:`TableLayout`).
+        fused: the optimizer, its flat state buffers and ``keep``.
+        keys: [U] sorted distinct rows in the layout's row space.
+        grad: [U, >= max_dim] their gradients (a group reads its first D columns).
+        step: the step being applied; the stochastic rounding's noise is seeded with
+            :func:`rounding_seed` of it.
+    """
+    generator = torch.Generator(device=flat.device).manual_seed(rounding_seed(step))
+    starts = [layout.row_offsets[tables[0]] for tables in layout.groups]
+    if len(starts) == 1:
+        cuts = [0, keys.numel()]
+    else:  # keys are sorted and groups follow each other in the row space (a host read)
+        bounds = torch.tensor(starts[1:], dtype=keys.dtype, device=keys.device)
+        cuts = [0, *torch.searchsorted(keys, bounds).tolist(), keys.numel()]
+    for g, tables in enumerate(layout.groups):
+        lo, hi, dim = cuts[g], cuts[g + 1], layout.dims[tables[0]]
+        states = {
+            name: layout.group_rows(buffer, g)
+            if fused.optimizer.states[name] == "row"
+            else layout.group_view(buffer, g)
+            for name, buffer in fused.states.items()
+        }
+        weight = layout.group_view(flat, g)
+        chunk = max(1, chunk_bytes // (dim * grad.element_size()))
+        for first in range(lo, hi, chunk):
+            last = min(hi, first + chunk)
+            rows, rows_grad = keys[first:last] - starts[g], grad[first:last, :dim]
+            update_rows(
+                fused.optimizer, weight, states, rows, rows_grad, step, generator, fused.keep
+            )

@@ -350,6 +350,22 @@ def test_describe_lists_tables_ranks_and_memory():
     assert "1.00" in text  # the busiest rank's relative cost
 
 
+def test_describe_shows_the_cost_charged_for_each_table():
+    plan = plan_sharding(MIXED, 4, memory_per_rank=2**30, optimizer_states=ROWWISE_ADAGRAD)
+    lines = plan.describe().splitlines()
+    assert lines[lines.index("") + 1].split()[-2:] == ["est.", "cost"]
+    peak, costs = max(plan.rank_costs), []
+    for path, configs in MIXED.items():
+        for config in configs:
+            cost = plan.footprints[path][config.name].cost
+            assert cost > 0, config.name
+            line = next(x for x in lines if x.startswith(path) and f" {config.name} " in x)
+            assert line.split()[-1] == f"{cost / peak:.3f}", line
+            costs.append(cost)
+    # Every table's cost is charged to some rank: together they are the ranks' costs.
+    assert sum(costs) == pytest.approx(sum(plan.rank_costs))
+
+
 def test_describe_a_hand_built_plan():
     plan = ShardingPlan(
         2, {"": {"a": row_wise(11, 8, 2), "b": column_wise(5, 8, [1, 0]), "c": table_wise(3, 4, 1)}}
