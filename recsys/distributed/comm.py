@@ -23,6 +23,7 @@ vectors for one destination. Decoded values are fp32.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recsys.distributed.assembly import PooledAssembly, ScratchBuffers
 from recsys.distributed.timeline import DeviceTimeline, device_timeline
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
@@ -284,7 +286,9 @@ def source_to_slot_major(
 @dataclass
 class PooledLayout:
     """Shapes of one output dist: this rank computed [sum_s B_s, ``local_width``] pooled rows
-    (``batch_sizes[s]`` of them for rank s) and receives [B_r, ``widths[d]``] from each rank d."""
+    (``batch_sizes[s]`` of them for rank s) and receives [B_r, ``widths[d]``] from each rank d;
+    ``assembly`` puts the received columns in the model's order (None: rank d's columns after
+    rank d-1's)."""
 
     batch_sizes: list[int]
     local_width: int
@@ -292,48 +296,122 @@ class PooledLayout:
     forward: str = "fp32"
     backward: str = "fp32"
     grad_scale: float = 1.0
+    assembly: PooledAssembly | None = None
+
+
+@functools.lru_cache(maxsize=16)
+def _exchange_order(widths: tuple[int, ...], device: torch.device) -> PooledAssembly:
+    return PooledAssembly.exchange_order(list(widths), device)
+
+
+def _wire(
+    flat: torch.Tensor,
+    shapes: Sequence[tuple[int, int]],
+    precision: str,
+    scratch: ScratchBuffers,
+    kind: str,
+) -> torch.Tensor:
+    """Blocks of [rows, width] fp32 values back to back in ``flat`` -> what travels."""
+    if precision == "fp32":
+        return flat
+    if precision in _CASTS:  # elementwise: every block at once
+        wire = scratch.take(f"{kind} send", flat.numel(), _CASTS[precision], flat.device)
+        return wire.copy_(flat)
+    blocks = flat.split([rows * width for rows, width in shapes])
+    return torch.cat(
+        [
+            encode(block.view(rows, width), precision).reshape(-1)
+            for block, (rows, width) in zip(blocks, shapes, strict=True)
+        ]
+    )
 
 
 def _exchange(
-    blocks: Sequence[torch.Tensor],
+    flat: torch.Tensor,
+    send_shapes: Sequence[tuple[int, int]],
     recv_shapes: Sequence[tuple[int, int]],
     precision: str,
     group: dist.ProcessGroup | None,
     stats: CommStats,
     kind: str,
-) -> list[torch.Tensor]:
-    """Send ``blocks[d]`` ([rows, width] fp32) to rank d; receive a [rows, width] block of
-    ``recv_shapes[s]`` from each rank s, through the codec of ``precision``."""
-    encoded = [encode(block, precision).reshape(-1) for block in blocks]
-    send = torch.cat(encoded) if encoded else blocks[0].new_empty(0)
+    scratch: ScratchBuffers,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Send block d of ``flat`` ([rows, width] of ``send_shapes[d]``, fp32, back to back) to
+    rank d; receive a block of ``recv_shapes[s]`` from each rank s, through the codec of
+    ``precision``, into ``out`` (1-D fp32; None: a scratch buffer). Returns the received
+    blocks, back to back. At fp32 nothing is copied: ``flat`` is sent and ``out`` received
+    into as they are."""
+    send = _wire(flat, send_shapes, precision, scratch, kind)
     stats.add(kind, send)
+    send_splits = [rows * wire_width(width, precision) for rows, width in send_shapes]
     recv_splits = [rows * wire_width(width, precision) for rows, width in recv_shapes]
+    if out is None:
+        received = sum(rows * width for rows, width in recv_shapes)
+        out = scratch.take(f"{kind} received", received, torch.float32, flat.device)
+    recv = out
+    if precision != "fp32":
+        recv = scratch.take(f"{kind} wire", sum(recv_splits), send.dtype, send.device)
     with stats.timed(send.device):
-        recv = all_to_all(send, [e.numel() for e in encoded], recv_splits, group)
-    out = []
-    for piece, (rows, width) in zip(recv.split(recv_splits), recv_shapes, strict=True):
-        out.append(decode(piece.view(rows, wire_width(width, precision)), precision))
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+    if precision in _CASTS:
+        out.copy_(recv)
+    elif precision == "int8":
+        pieces = recv.split(recv_splits)
+        targets = out.split([rows * width for rows, width in recv_shapes])
+        for piece, target, (rows, width) in zip(pieces, targets, recv_shapes, strict=True):
+            wire = piece.view(rows, wire_width(width, precision))
+            target.view(rows, width).copy_(decode(wire, precision))
     return out
 
 
 class _PooledAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layout, group, stats, anchor, pooled):
-        ctx.layout, ctx.group, ctx.stats = layout, group, stats
+    def forward(ctx, layout, group, stats, anchor, lengths, pooled, pooled_dp):
         rank_batch = layout.batch_sizes[dist.get_rank(group)]
-        blocks = pooled.float().split(layout.batch_sizes)  # [B_s, local_width] for rank s
-        shapes = [(rank_batch, width) for width in layout.widths]
-        received = _exchange(blocks, shapes, layout.forward, group, stats, "forward")
-        return torch.cat(received, dim=1)  # [B_r, sum_d widths[d]]
+        assembly = layout.assembly or _exchange_order(tuple(layout.widths), pooled.device)
+        index = assembly.index(rank_batch)
+        pool = assembly.new_pool(index, pooled.device)
+        send_shapes = [(b, layout.local_width) for b in layout.batch_sizes]
+        recv_shapes = [(rank_batch, width) for width in layout.widths]
+        received = pool.view(-1)[: rank_batch * sum(layout.widths)]
+        flat = pooled.float().reshape(-1)  # the lookup's rows: rank s's block after s-1's
+        _exchange(
+            flat,
+            send_shapes,
+            recv_shapes,
+            layout.forward,
+            group,
+            stats,
+            "forward",
+            assembly.scratch,
+            out=received,
+        )
+        scale = None if lengths is None else assembly.mean_scale(lengths, rank_batch)
+        dp = None if pooled_dp is None else pooled_dp.float()
+        ctx.layout, ctx.group, ctx.stats = layout, group, stats
+        ctx.assembly, ctx.index, ctx.scale = assembly, index, scale
+        return assembly.forward(pool, dp, scale, index)  # [B_r, N]
 
     @staticmethod
     def backward(ctx, grad):
-        layout = ctx.layout
-        grad = grad.float() * layout.grad_scale
-        blocks = [g.contiguous() for g in grad.split(layout.widths, dim=1)]
-        shapes = [(b, layout.local_width) for b in layout.batch_sizes]
-        received = _exchange(blocks, shapes, layout.backward, ctx.group, ctx.stats, "backward")
-        return None, None, None, None, torch.cat(received, dim=0)
+        layout, assembly, index = ctx.layout, ctx.assembly, ctx.index
+        send = assembly.backward(grad, ctx.scale, layout.grad_scale, index)
+        send_shapes = [(index.batch, width) for width in layout.widths]
+        recv_shapes = [(b, layout.local_width) for b in layout.batch_sizes]
+        received = _exchange(
+            send,
+            send_shapes,
+            recv_shapes,
+            layout.backward,
+            ctx.group,
+            ctx.stats,
+            "backward",
+            assembly.scratch,
+        )
+        grad_pooled = received.view(sum(layout.batch_sizes), layout.local_width)
+        grad_dp = assembly.dp_grad(grad, index) if ctx.needs_input_grad[6] else None
+        return None, None, None, None, None, grad_pooled, grad_dp
 
 
 def pooled_all_to_all(
@@ -342,12 +420,16 @@ def pooled_all_to_all(
     anchor: torch.Tensor,
     group: dist.ProcessGroup | None,
     stats: CommStats,
+    pooled_dp: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Send each rank's rows of ``pooled`` [sum_s B_s, local_width] back to it; returns
-    [B_r, sum_d widths[d]], rank d's columns after rank d-1's.
+    [B_r, N]: with ``layout.assembly`` the model's columns (row-wise partial sums added,
+    ``pooled_dp`` [B_r, N_dp] the replicated tables' columns, ``lengths`` [F, B_r] the bag
+    lengths for mean pooling), else [B_r, sum_d widths[d]], rank d's columns after rank d-1's.
 
     Differentiable: backward sends the gradient the other way, multiplied by
     ``layout.grad_scale``. ``anchor`` is a scalar that requires grad, so the backward (a
     collective) runs on every rank even where ``pooled`` needs no gradient.
     """
-    return _PooledAllToAll.apply(layout, group, stats, anchor, pooled)
+    return _PooledAllToAll.apply(layout, group, stats, anchor, lengths, pooled, pooled_dp)

@@ -26,6 +26,7 @@ import torch
 from torchrec import EmbeddingBagConfig
 from torchrec.modules.embedding_configs import PoolingType
 
+from recsys.distributed.assembly import PooledAssembly
 from recsys.distributed.plan import Shard, ShardingType, TableSharding, row_block
 from recsys.embedding.key_routing import KeyRouting, routing_bucket
 
@@ -160,56 +161,29 @@ class ShardRouting:
     def _build_assembly(
         self, configs: list[EmbeddingBagConfig], plan: dict[str, TableSharding], device
     ) -> None:
-        """Column maps from [received columns | one zero column | replicated pooled] to the
+        """How the received columns (and the replicated tables' pooled vectors) make the
         output [B, sum of feature dims] in the unsharded collection's order."""
-        offsets = [sum(self.widths[:d]) for d in range(self.world_size)]
-        piece: dict[tuple[int, str], int] = {}  # (rank, feature) -> its first received column
+        piece: dict[tuple[int, str], int] = {}  # (rank, feature) -> its first column there
         for rank, placement in enumerate(self.placements):
-            col = offsets[rank]
+            col = 0
             for c, shard in placement:
                 for f in c.feature_names:
                     piece[(rank, f)] = col
                     col += shard.num_cols
-        zero = sum(self.widths)
-        dp_col, out_col = zero + 1, 0
-        direct, rw_cols, rw_parts, rw_features, rw_is_mean, rw_dims = [], [], [], [], [], []
+        features: list[tuple] = []
         for f, name in enumerate(self.features):
             config = configs[self.feature_table[f]]
-            kind, dim = self.kind[config.name], config.embedding_dim
+            kind, shards = self.kind[config.name], plan[config.name].shards
             if kind == ShardingType.DATA_PARALLEL:
-                direct += range(dp_col, dp_col + dim)
-                dp_col += dim
+                features.append(("replicated", config.embedding_dim))
             elif kind in _ONE_OWNER:  # row-wise and key-wise: partial sums from every shard
-                direct += [zero] * dim
-                rw_cols += range(out_col, out_col + dim)
-                parts = [piece[(s.rank, name)] for s in plan[config.name].shards]
-                rw_parts.append([range(p, p + dim) for p in parts])
-                rw_features.append(f)
-                rw_is_mean.append(config.pooling == PoolingType.MEAN)
-                rw_dims.append(dim)
+                parts = [(s.rank, piece[(s.rank, name)]) for s in shards]
+                mean = config.pooling == PoolingType.MEAN
+                features.append(("sum", config.embedding_dim, parts, mean))
             else:
-                for shard in plan[config.name].shards:
-                    start = piece[(shard.rank, name)]
-                    direct += range(start, start + shard.num_cols)
-            out_col += dim
-        self.num_parts = max((len(p) for p in rw_parts), default=0)
-        # Part-major: part p of every row-wise column, missing parts read the zero column.
-        rw_index = [
-            col
-            for p in range(self.num_parts)
-            for parts, dim in zip(rw_parts, rw_dims, strict=True)
-            for col in (parts[p] if p < len(parts) else [zero] * dim)
-        ]
-
-        def index(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        self.direct_index, self.rw_index = index(direct), index(rw_index)
-        self.rw_cols = index(rw_cols)
-        # Row-wise features (in output order) and which of them pool by mean.
-        self.rw_features, self.rw_dims = index(rw_features), index(rw_dims)
-        self.rw_is_mean = index(rw_is_mean, torch.bool)
-        self.any_rw_mean = any(rw_is_mean)
+                pieces = [(s.rank, piece[(s.rank, name)], s.num_cols) for s in shards]
+                features.append(("direct", pieces))
+        self.assembly = PooledAssembly(self.widths, features, device)
 
     def route(
         self,
@@ -263,23 +237,15 @@ class ShardRouting:
         lengths: torch.Tensor,
         batch_size: int,
     ) -> torch.Tensor:
-        """[B, sum of feature dims] in the unsharded order from the received columns (row-wise
-        partials summed, part by part) and the replicated tables' pooled vectors."""
-        device = lengths.device
-        parts = [
-            received if received is not None else torch.zeros(batch_size, 0, device=device),
-            torch.zeros(batch_size, 1, device=device),
-        ]
-        if pooled_dp is not None:
-            parts.append(pooled_dp.float())
-        combined = torch.cat(parts, dim=1)
-        out = combined.index_select(1, self.direct_index)
-        if self.num_parts:
-            rw = combined.index_select(1, self.rw_index)
-            rw = rw.view(batch_size, self.num_parts, self.rw_cols.numel()).sum(dim=1)
-            if self.any_rw_mean:
-                bag_sizes = lengths.index_select(0, self.rw_features).clamp(min=1).float()
-                scale = torch.where(self.rw_is_mean.unsqueeze(1), 1.0 / bag_sizes, 1.0)
-                rw = rw * torch.repeat_interleave(scale.t(), self.rw_dims, dim=1)  # [B, D_rw]
-            out = out.index_add(1, self.rw_cols, rw)
-        return out
+        """[B, sum of feature dims] in the unsharded order from the received columns as one
+        matrix ([B, sum_d widths[d]], rank d's after rank d-1's; row-wise partials summed, part
+        by part, means divided) and the replicated tables' pooled vectors. Not differentiable:
+        the output dist (:func:`~recsys.distributed.comm.pooled_all_to_all`) assembles its
+        own blocks, with a backward."""
+        index = self.assembly.index(batch_size, layout="matrix")
+        pool = self.assembly.new_pool(index, lengths.device)
+        if received is not None:
+            pool.view(-1)[: received.numel()].copy_(received.reshape(-1))
+        scale = self.assembly.mean_scale(lengths, batch_size)
+        dp = None if pooled_dp is None else pooled_dp.float()
+        return self.assembly.forward(pool, dp, scale, index)

@@ -223,14 +223,16 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             batch = ready.local
             if batch is None and ready.pending is not None:
                 batch = self.finish_input_dist(ready.pending)
-        received = None if batch is None else self.output_dist(self.compute(batch), batch)
         pooled_dp = self.replicated(features) if self.replicated is not None else None
-        batch_size = features.stride()
-        lengths = features.lengths().view(len(self.routing.features), batch_size)
+        if batch is None:  # every table replicated: already in the collection's order
+            values = pooled_dp.float()
+        else:
+            lengths = features.lengths().view(len(self.routing.features), features.stride())
+            values = self.output_dist(self.compute(batch), batch, pooled_dp, lengths)
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
-            values=self.routing.assemble(received, pooled_dp, lengths, batch_size),
+            values=values,
         )
 
     def prefetch_input(self, features: KeyedJaggedTensor) -> None:
@@ -409,9 +411,17 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             return torch.zeros(batch.features.stride(), 0, device=self._anchor.device)
         return self.shards(batch.features).values()
 
-    def output_dist(self, pooled: torch.Tensor, batch: LocalBatch) -> torch.Tensor:
-        """Return the pooled vectors to the ranks that own the samples:
-        [B, sum_d widths[d]]; backward sends their gradients the other way."""
+    def output_dist(
+        self,
+        pooled: torch.Tensor,
+        batch: LocalBatch,
+        pooled_dp: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Return the pooled vectors to the ranks that own the samples, in the collection's
+        order: [B, sum of feature dims] (row-wise partial sums added, ``pooled_dp`` the
+        replicated tables' columns, ``lengths`` [F, B] this rank's bag lengths, for mean
+        pooling); backward sends their gradients the other way."""
         layout = PooledLayout(
             batch_sizes=batch.batch_sizes,
             local_width=self.routing.widths[self.rank],
@@ -419,8 +429,11 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             forward=self.forward_precision,
             backward=self.backward_precision,
             grad_scale=1.0 / self.world_size,
+            assembly=self.routing.assembly,
         )
-        return pooled_all_to_all(pooled, layout, self._anchor, self.process_group, self.comm_stats)
+        lengths = lengths if self.routing.assembly.any_mean else None
+        group, stats = self.process_group, self.comm_stats
+        return pooled_all_to_all(pooled, layout, self._anchor, group, stats, pooled_dp, lengths)
 
     # -----------------------------------------------------------------------------------------
     # The collection interface

@@ -310,3 +310,26 @@ def test_pooled_all_to_all_runs_its_backward_through_the_anchor(one_rank):
     assert out.requires_grad
     out.sum().backward()
     assert stats.bytes["backward"] == 3 * 4 * 4
+
+
+def test_fp32_pooled_rows_travel_as_they_lie(one_rank, monkeypatch):
+    """At fp32 the lookup's rows are sent as they are and received where the output is read
+    (no copy on either side); the gradient likewise comes back where the lookup reads it."""
+    buffers = []  # (sent, received) of each all-to-all
+    real = dist.all_to_all_single
+
+    def spy(output, send, *args, **kwargs):
+        buffers.append((send.data_ptr(), output.data_ptr()))
+        return real(output, send, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_to_all_single", spy)
+    pooled = torch.randn(5, 8)
+    lookup = pooled.clone().requires_grad_()
+    rows = lookup * 1.0  # the lookup's output, not a leaf
+    rows.register_hook(lambda grad: buffers.append(grad.data_ptr()))
+    anchor = torch.zeros((), requires_grad=True)
+    out = pooled_all_to_all(rows, PooledLayout([5], 8, [8]), anchor, None, CommStats())
+    assert buffers[0][0] == rows.data_ptr() and out.data_ptr() == buffers[0][1]
+    assert torch.equal(out, pooled)
+    out.backward(torch.ones(5, 8))
+    assert buffers[2] == buffers[1][1]  # the gradient the lookup gets is the received buffer
