@@ -221,10 +221,11 @@ def start_all_to_all_ids(
         counts = torch.stack([torch.full_like(values_per_rank, batch_size), values_per_rank], dim=1)
         counts = counts.to(torch.int64).reshape(-1)  # [W * 2]: (B, num values) per destination
         stats.add("input", counts)
-        received = all_to_all(counts, [2] * world, [2] * world, group).view(world, 2).tolist()
-        batch_sizes = [b for b, _ in received]
-        num_values = [n for _, n in received]
-        sent_values = values_per_rank.tolist()
+        received = all_to_all(counts, [2] * world, [2] * world, group)
+        # The step's one read of the device: what comes in and what goes out, together.
+        known = torch.cat([received, values_per_rank.to(torch.int64)]).tolist()
+        batch_sizes, num_values = known[0 : 2 * world : 2], known[1 : 2 * world : 2]
+        sent_values = known[2 * world :]
         stats.add("input", lengths, values, *(() if weights is None else (weights,)))
         works = []
         recv_lengths, work = all_to_all(
@@ -255,10 +256,10 @@ def source_to_slot_major(
     if len(sizes) == 1 or num_slots <= 1:
         return received.lengths, received.values, received.weights
     # Bag lengths: a fixed permutation of positions.
-    bases = torch.tensor([0, *sizes[:-1]], device=device).cumsum(0) * num_slots
+    bases = [num_slots * sum(sizes[:s]) for s in range(len(sizes))]
     pieces = [
         base + torch.arange(num_slots * b, device=device).view(num_slots, b)
-        for base, b in zip(bases.tolist(), sizes, strict=True)
+        for base, b in zip(bases, sizes, strict=True)
     ]
     lengths = received.lengths[torch.cat(pieces, dim=1).reshape(-1)]
     # Ids: whole (source, slot) segments move; gather each segment's range in the new order.
@@ -273,7 +274,9 @@ def source_to_slot_major(
     starts = (segment.reshape(-1).cumsum(0) - segment.reshape(-1)).view_as(segment)
     segment_t, starts_t = segment.t().reshape(-1), starts.t().reshape(-1)  # slot-major
     new_starts = segment_t.cumsum(0) - segment_t
-    shift = torch.repeat_interleave(starts_t - new_starts, segment_t)
+    shift = torch.repeat_interleave(
+        starts_t - new_starts, segment_t, output_size=received.values.numel()
+    )
     index = shift + torch.arange(shift.numel(), device=device)
     weights = None if received.weights is None else received.weights[index]
     return lengths, received.values[index], weights

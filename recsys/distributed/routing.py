@@ -194,19 +194,26 @@ class ShardRouting:
     ) -> RoutedIds:
         """This rank's ids (``lengths`` [F, B], ``values`` [L]) copied to every shard they
         read, renumbered within row-wise blocks and sorted by (stream, sample)."""
-        device = values.device
+        device, num_ids = values.device, values.numel()
         flat_lengths = lengths.reshape(-1).long()
+        # output_size: the host knows L, so no sync to size the results.
         feature = torch.repeat_interleave(
-            torch.arange(lengths.shape[0], device=device), lengths.sum(dim=1).long()
+            torch.arange(lengths.shape[0], device=device),
+            lengths.sum(dim=1).long(),
+            output_size=num_ids,
         )  # [L]
         sample = torch.repeat_interleave(
-            torch.arange(flat_lengths.numel(), device=device) % max(batch_size, 1), flat_lengths
+            torch.arange(flat_lengths.numel(), device=device) % max(batch_size, 1),
+            flat_lengths,
+            output_size=num_ids,
         )  # [L]
         source = None
-        if self.expand:
+        if self.expand:  # the number of copies is the one size the host does not know
             copies = self.copies[feature]
-            source = torch.repeat_interleave(torch.arange(values.numel(), device=device), copies)
-            first = torch.repeat_interleave(copies.cumsum(0) - copies, copies)
+            source = torch.repeat_interleave(torch.arange(num_ids, device=device), copies)
+            first = torch.repeat_interleave(
+                copies.cumsum(0) - copies, copies, output_size=source.numel()
+            )
             copy = torch.arange(source.numel(), device=device) - first
             feature, sample, values = feature[source], sample[source], values[source]
         else:
@@ -222,7 +229,8 @@ class ShardRouting:
         ids = torch.where(rw, values - owner.to(values.dtype) * block.to(values.dtype), values)
         key = self.stream_table[feature, owner] * batch_size + sample
         order = torch.sort(key, stable=True).indices
-        send_lengths = torch.bincount(key, minlength=self.num_streams * batch_size)
+        send_lengths = torch.zeros(self.num_streams * batch_size, dtype=torch.int64, device=device)
+        send_lengths.index_add_(0, key, torch.ones_like(key))  # bincount: its size would sync
         per_stream = send_lengths.view(self.num_streams, batch_size).sum(dim=1)
         per_rank = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         per_rank.index_add_(0, self.stream_rank, per_stream)

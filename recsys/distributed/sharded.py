@@ -356,7 +356,8 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         if not self.routing.any_key_wise:
             return values
         lengths = features.lengths().view(len(self.routing.features), -1).sum(dim=1)
-        feature = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths)
+        arange = torch.arange(len(lengths), device=values.device)
+        feature = torch.repeat_interleave(arange, lengths, output_size=values.numel())
         key_wise = self.routing.key_buckets[feature] > 0
         check_keys(values.masked_fill(~key_wise, 0), "ids of dynamic tables")
         return values.masked_fill(key_wise, 0)

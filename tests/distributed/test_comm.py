@@ -233,6 +233,15 @@ def test_source_to_slot_major_reorders_when_there_is_something_to_reorder():
     assert lengths.tolist() == [1] * 8
 
 
+def test_source_to_slot_major_reads_nothing_on_the_host():
+    from recsys.train.step_audit import StepAudit  # tests may import the train layer
+
+    received, _ = received_bags([3, 0, 2], 3, weighted=True, seed=1)
+    with StepAudit() as report:
+        source_to_slot_major(received, 3)
+    assert report.syncs == []
+
+
 # ---------------------------------------------------------------------------------------------
 # Byte accounting
 
@@ -333,3 +342,15 @@ def test_fp32_pooled_rows_travel_as_they_lie(one_rank, monkeypatch):
     assert torch.equal(out, pooled)
     out.backward(torch.ones(5, 8))
     assert buffers[2] == buffers[1][1]  # the gradient the lookup gets is the received buffer
+
+
+def test_the_input_dist_reads_its_counts_on_the_host_once(one_rank):
+    """The sizes of the ids' all-to-all (what comes in and what goes out) in one read."""
+    from recsys.train.step_audit import StepAudit
+
+    lengths = torch.randint(0, 4, (6,))
+    values = torch.randint(0, 100, (int(lengths.sum()),))
+    per_rank = torch.tensor([values.numel()])
+    with StepAudit() as report:
+        all_to_all_ids(lengths, values, None, 2, [3], per_rank, None, CommStats())
+    assert [op for op, _ in report.syncs] == ["tolist"]

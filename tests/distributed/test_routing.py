@@ -86,3 +86,25 @@ def test_assemble_sums_row_wise_parts_and_divides_means():
     torch.testing.assert_close(out[:, 2:6], torch.cat([received[:, 2:4], received[:, 6:8]], 1))
     torch.testing.assert_close(out[:, 6:9], pooled_dp)
     torch.testing.assert_close(out[:, 9:11], received[:, 8:10])
+
+
+def test_route_waits_on_the_device_only_to_size_copies():
+    """Routing reads no device value on the host (the id count is known there), except the
+    number of copies when some table is column-wise or replicated (test_layers allows tests to
+    import the train layer's audit)."""
+    from recsys.train.step_audit import StepAudit
+
+    lengths = torch.tensor([[2, 1], [1, 0], [1, 1], [0, 1]])
+    values = torch.tensor([3, 7, 9, 5, 0, 4, 2])
+    mixed = routing(0)
+    with StepAudit() as report:
+        mixed.route(lengths, values, None, batch_size=2)
+    assert [op for op, _ in report.syncs] == ["repeat_interleave"]  # the copies of each id
+    plan = {"rw": P.row_wise(10, 2, 2), "tw": P.table_wise(4, 2, 1)}
+    tables = [configs()[0], configs()[3]]
+    one_owner = ShardRouting(tables, plan, world_size=2, rank=0, device=torch.device("cpu"))
+    lengths, values = lengths[[0, 3]], torch.tensor([3, 7, 9, 2])
+    with StepAudit() as report:
+        routed = one_owner.route(lengths, values, None, batch_size=2)
+    assert report.syncs == []
+    assert routed.send_lengths.tolist() == [1, 0, 1, 1, 0, 1]  # a on 0, a on 1, d on 1
