@@ -57,6 +57,18 @@ class ScratchBuffers:
         return buffer[:numel]
 
 
+def _add_parts(parts: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` = ``parts`` [P, M] added one after another in order, ((p0 + p1) + p2) + ...,
+    with no pass to zero ``out`` first. (torch.sum over P gives the same for P <= 4; past
+    that its order depends on M.)"""
+    if len(parts) == 1:
+        out.copy_(parts[0])
+        return
+    torch.add(parts[0], parts[1], out=out)
+    for p in range(2, len(parts)):
+        out.add_(parts[p])
+
+
 def _sole_holder(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is the only holder of its storage (``untyped_storage()`` adds one)."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2
@@ -296,7 +308,7 @@ class PooledAssembly:
         if index.parts is not None:
             sums = pool[rc + 1 : rc + 1 + batch * self.sum_chunks]
             parts = index.parts(pool).view(self.num_parts, sums.numel())
-            torch.sum(parts, dim=0, out=sums.view(-1))
+            _add_parts(parts, sums.view(-1))
             if scale is not None:
                 sums.view(batch, self.sum_chunks, self.chunk).mul_(scale)
         if self.dp_chunks:

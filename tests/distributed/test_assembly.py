@@ -127,6 +127,19 @@ def test_partial_sums_add_in_shard_order():
     assert not torch.equal(out, ((p[0] + p[2]) + p[1]) + p[3])
 
 
+@pytest.mark.parametrize("num_parts", [1, 2, 4])
+def test_up_to_four_shards_add_as_torch_sum_does(num_parts):
+    """With 2 and 4 ranks the row-wise sums are bitwise what torch.sum over the parts gave
+    before the output dist added them itself."""
+    batch, dim = 50, 24
+    features = [("sum", dim, [(r, 0) for r in range(num_parts)], False)]
+    assembly = PooledAssembly([dim] * num_parts, features, CPU)
+    scales = torch.logspace(-6, 6, num_parts)
+    blocks = [torch.randn(batch, dim) * s for s in scales]
+    out, _, _ = run(assembly, blocks, torch.zeros(batch, 0), None, batch)
+    assert torch.equal(out, torch.stack(blocks, dim=1).sum(dim=1))
+
+
 # Ops that move no data (views, and the allocation of a scratch buffer's first use).
 METADATA = {"view", "slice", "select", "detach", "_unsafe_view", "split", "split_with_sizes"}
 METADATA |= {"as_strided", "empty"}
@@ -163,7 +176,7 @@ def test_every_table_row_wise_adds_the_received_blocks_and_moves_nothing():
     pool.view(-1)[: 3 * batch * widths[0]].copy_(torch.cat([b.reshape(-1) for b in blocks]))
     with _Ops() as ops:
         out = assembly.forward(pool, None, None, index)
-    assert ops.names == ["sum"]
+    assert ops.names == ["add", "add_"]
     assert out.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
     assert torch.equal(out, blocks[0] + blocks[1] + blocks[2])
     grad = torch.randn(batch, widths[0])
