@@ -128,6 +128,11 @@ class ShardRouting:
         )
         stream_rank = [r for r, n in enumerate(self.slots_per_rank) for _ in range(n)]
         self.stream_rank = torch.tensor(stream_rank, dtype=torch.int64, device=device)
+        position = {name: f for f, name in enumerate(self.features)}
+        stream_feature = [position[name] for name, _ in stream]  # in stream order
+        self.stream_feature = torch.tensor(stream_feature, dtype=torch.int64, device=device)
+        # No id has an owner of its own: every stream takes a whole feature's ids.
+        self.by_feature = not any(self.kind[c.name] in _ONE_OWNER for c in configs)
 
     def _build_key_owners(
         self,
@@ -194,6 +199,8 @@ class ShardRouting:
     ) -> RoutedIds:
         """This rank's ids (``lengths`` [F, B], ``values`` [L]) copied to every shard they
         read, renumbered within row-wise blocks and sorted by (stream, sample)."""
+        if self.by_feature:
+            return self._route_features(lengths, values, weights)
         device, num_ids = values.device, values.numel()
         flat_lengths = lengths.reshape(-1).long()
         # output_size: the host knows L, so no sync to size the results.
@@ -237,6 +244,27 @@ class ShardRouting:
         if weights is not None:
             weights = (weights if source is None else weights[source])[order]
         return RoutedIds(send_lengths, ids[order], weights, per_rank)
+
+    def _route_features(
+        self, lengths: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None
+    ) -> RoutedIds:
+        """:meth:`route` where no table is row-wise or key-wise: stream s is feature
+        ``stream_feature[s]``'s ids as they lie, so whole feature segments move (the order
+        the sort by (stream, sample) gives, without sorting)."""
+        device = values.device
+        lengths = lengths.long()
+        send_lengths = lengths.index_select(0, self.stream_feature)  # [S, B]
+        per_stream = send_lengths.sum(dim=1)
+        per_feature = lengths.sum(dim=1)
+        starts = (per_feature.cumsum(0) - per_feature).index_select(0, self.stream_feature)
+        new_starts = per_stream.cumsum(0) - per_stream
+        size = None if self.expand else values.numel()  # copies (or none) of some features
+        shift = torch.repeat_interleave(starts - new_starts, per_stream, output_size=size)
+        index = shift + torch.arange(shift.numel(), device=device)  # [L'] source of each id
+        per_rank = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        per_rank.index_add_(0, self.stream_rank, per_stream)
+        weights = None if weights is None else weights[index]
+        return RoutedIds(send_lengths.reshape(-1), values[index], weights, per_rank)
 
     def assemble(
         self,

@@ -108,3 +108,34 @@ def test_route_waits_on_the_device_only_to_size_copies():
         routed = one_owner.route(lengths, values, None, batch_size=2)
     assert report.syncs == []
     assert routed.send_lengths.tolist() == [1, 0, 1, 1, 0, 1]  # a on 0, a on 1, d on 1
+
+
+def test_tables_without_an_owner_per_id_move_whole_features():
+    """Table-wise and column-wise only: the ids move feature by feature, in the order the sort
+    by (stream, sample) gives, and without any host read when no id is copied."""
+    from recsys.train.step_audit import StepAudit
+
+    tables = [configs()[1], configs()[3]]  # cw over ranks 0, 1; tw on rank 1
+    plan = {"cw": P.column_wise(6, 4, [0, 1]), "tw": P.table_wise(4, 2, 1)}
+    lengths = torch.tensor([[2, 1, 0], [1, 0, 2]])
+    values = torch.tensor([5, 1, 3, 2, 0, 3])
+    weights = torch.rand(6)
+    r = ShardRouting(tables, plan, world_size=2, rank=0, device=torch.device("cpu"))
+    routed = r.route(lengths, values, weights, batch_size=3)
+    assert r.by_feature
+    # streams: b on rank 0; b, d on rank 1
+    assert routed.send_lengths.tolist() == [2, 1, 0, 2, 1, 0, 1, 0, 2]
+    assert routed.ids.tolist() == [5, 1, 3, 5, 1, 3, 2, 0, 3]
+    assert torch.equal(routed.weights, weights[[0, 1, 2, 0, 1, 2, 3, 4, 5]])
+    assert routed.per_rank.tolist() == [3, 6]
+    r.by_feature = False  # the general path agrees
+    general = r.route(lengths, values, weights, batch_size=3)
+    assert torch.equal(general.ids, routed.ids) and torch.equal(general.weights, routed.weights)
+    assert torch.equal(general.send_lengths, routed.send_lengths)
+    table_wise = ShardRouting(
+        [configs()[3]], {"tw": plan["tw"]}, world_size=2, rank=0, device=torch.device("cpu")
+    )
+    ids, one_feature = torch.tensor([0, 3, 1]), lengths[1:]
+    with StepAudit() as report:
+        routed = table_wise.route(one_feature, ids, None, batch_size=3)
+    assert report.syncs == [] and routed.ids.tolist() == [0, 3, 1]
