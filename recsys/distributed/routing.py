@@ -121,6 +121,7 @@ class ShardRouting:
                     table[f, j] = stream[(name, shard.rank)]
         self.num_streams = len(stream)
         self.expand = bool((copies != 1).any())  # column-wise copies (>1), replicated (0)
+        self.feature_copies = copies.tolist()
         self.copies, self.block, self.stream_table = (
             copies.to(device),
             block.to(device),
@@ -196,11 +197,14 @@ class ShardRouting:
         values: torch.Tensor,
         weights: torch.Tensor | None,
         batch_size: int,
+        ids_per_feature: list[int] | None = None,
     ) -> RoutedIds:
         """This rank's ids (``lengths`` [F, B], ``values`` [L]) copied to every shard they
-        read, renumbered within row-wise blocks and sorted by (stream, sample)."""
+        read, renumbered within row-wise blocks and sorted by (stream, sample).
+        ``ids_per_feature``: the ids of each feature, where the host knows them (the
+        KeyedJaggedTensor's length per key): then no table's copies need a host read."""
         if self.by_feature:
-            return self._route_features(lengths, values, weights)
+            return self._route_features(lengths, values, weights, ids_per_feature)
         device, num_ids = values.device, values.numel()
         flat_lengths = lengths.reshape(-1).long()
         # output_size: the host knows L, so no sync to size the results.
@@ -246,7 +250,11 @@ class ShardRouting:
         return RoutedIds(send_lengths, ids[order], weights, per_rank)
 
     def _route_features(
-        self, lengths: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None
+        self,
+        lengths: torch.Tensor,
+        values: torch.Tensor,
+        weights: torch.Tensor | None,
+        ids_per_feature: list[int] | None,
     ) -> RoutedIds:
         """:meth:`route` where no table is row-wise or key-wise: stream s is feature
         ``stream_feature[s]``'s ids as they lie, so whole feature segments move (the order
@@ -259,6 +267,8 @@ class ShardRouting:
         starts = (per_feature.cumsum(0) - per_feature).index_select(0, self.stream_feature)
         new_starts = per_stream.cumsum(0) - per_stream
         size = None if self.expand else values.numel()  # copies (or none) of some features
+        if ids_per_feature is not None:
+            size = sum(c * n for c, n in zip(self.feature_copies, ids_per_feature, strict=True))
         shift = torch.repeat_interleave(starts - new_starts, per_stream, output_size=size)
         index = shift + torch.arange(shift.numel(), device=device)  # [L'] source of each id
         per_rank = torch.zeros(self.world_size, dtype=torch.int64, device=device)

@@ -378,7 +378,8 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         batch_size = features.stride()
         lengths = features.lengths().view(len(self.routing.features), batch_size)
         weights = features.weights_or_none() if self._is_weighted else None
-        routed = self.routing.route(lengths, features.values(), weights, batch_size)
+        per_key = features.length_per_key_or_none()  # known on the host: no read to size
+        routed = self.routing.route(lengths, features.values(), weights, batch_size, per_key)
         return start_all_to_all_ids(
             routed.send_lengths,
             routed.ids,

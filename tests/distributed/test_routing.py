@@ -128,6 +128,9 @@ def test_tables_without_an_owner_per_id_move_whole_features():
     assert routed.ids.tolist() == [5, 1, 3, 5, 1, 3, 2, 0, 3]
     assert torch.equal(routed.weights, weights[[0, 1, 2, 0, 1, 2, 3, 4, 5]])
     assert routed.per_rank.tolist() == [3, 6]
+    with StepAudit() as report:  # the ids per feature known on the host: copies sized there
+        known = r.route(lengths, values, weights, batch_size=3, ids_per_feature=[3, 3])
+    assert report.syncs == [] and torch.equal(known.ids, routed.ids)
     r.by_feature = False  # the general path agrees
     general = r.route(lengths, values, weights, batch_size=3)
     assert torch.equal(general.ids, routed.ids) and torch.equal(general.weights, routed.weights)
