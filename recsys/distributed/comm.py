@@ -320,6 +320,9 @@ def _wire(
     if precision in _CASTS:  # elementwise: every block at once
         wire = scratch.take(f"{kind} send", flat.numel(), _CASTS[precision], flat.device)
         return wire.copy_(flat)
+    width = _one_width(shapes)
+    if width is not None:  # one [rows, width] matrix: encoded at once, rows as they lie
+        return encode(flat.view(-1, width), precision).reshape(-1)
     blocks = flat.split([rows * width for rows, width in shapes])
     return torch.cat(
         [
@@ -327,6 +330,12 @@ def _wire(
             for block, (rows, width) in zip(blocks, shapes, strict=True)
         ]
     )
+
+
+def _one_width(shapes: Sequence[tuple[int, int]]) -> int | None:
+    """The width every block with rows has, if they agree (and there is one)."""
+    widths = {width for rows, width in shapes if rows}
+    return widths.pop() if len(widths) == 1 else None
 
 
 def _exchange(
@@ -360,6 +369,10 @@ def _exchange(
     if precision in _CASTS:
         out.copy_(recv)
     elif precision == "int8":
+        width = _one_width(recv_shapes)
+        if width is not None:  # one [rows, width] matrix: decoded at once
+            out.view(-1, width).copy_(decode(recv.view(-1, width + 4), precision))
+            return out
         pieces = recv.split(recv_splits)
         targets = out.split([rows * width for rows, width in recv_shapes])
         for piece, target, (rows, width) in zip(pieces, targets, recv_shapes, strict=True):
