@@ -100,20 +100,25 @@ def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
         return x.to(_CASTS[precision])
     if x.numel() == 0:  # no rows, or no columns (a rank holding no table): nothing to scale
         return x.new_zeros(x.shape[0], x.shape[1] + 4, dtype=torch.int8)
-    scale = x.abs().amax(dim=1, keepdim=True) / 127.0  # [R, 1]
-    q = torch.round(x / torch.where(scale > 0, scale, 1.0)).to(torch.int8)
-    return torch.cat([q, scale.view(torch.int8)], dim=1)  # the fp32 scale as its 4 bytes
+    low, high = torch.aminmax(x, dim=1, keepdim=True)  # max |x| in one pass, no |x| tensor
+    scale = torch.maximum(high, -low).abs_() / 127.0  # [R, 1]; abs_: +0 for a row of zeros
+    q = torch.div(x, torch.where(scale > 0, scale, 1.0)).round_()
+    out = torch.empty(x.shape[0], x.shape[1] + 4, dtype=torch.int8, device=x.device)
+    out[:, :-4].copy_(q)
+    out[:, -4:].copy_(scale.view(torch.int8))  # the fp32 scale as its 4 bytes
+    return out
 
 
-def decode(y: torch.Tensor, precision: str) -> torch.Tensor:
-    """Inverse of :func:`encode`: [R, C'] received -> [R, C] fp32."""
+def decode(y: torch.Tensor, precision: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`encode`: [R, C'] received -> [R, C] fp32 (written into ``out``
+    when given)."""
     if precision == "fp32":
-        return y
+        return y if out is None else out.copy_(y)
     if precision in _CASTS:
-        return y.float()
+        return y.float() if out is None else out.copy_(y)
     # A copy: one row's 4 scale bytes may start at an offset not divisible by 4.
     scale = y[:, -4:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # [R, 1]
-    return y[:, :-4].float() * scale
+    return torch.mul(y[:, :-4], scale) if out is None else torch.mul(y[:, :-4], scale, out=out)
 
 
 def wire_width(width: int, precision: str) -> int:
@@ -371,13 +376,13 @@ def _exchange(
     elif precision == "int8":
         width = _one_width(recv_shapes)
         if width is not None:  # one [rows, width] matrix: decoded at once
-            out.view(-1, width).copy_(decode(recv.view(-1, width + 4), precision))
+            decode(recv.view(-1, width + 4), precision, out=out.view(-1, width))
             return out
         pieces = recv.split(recv_splits)
         targets = out.split([rows * width for rows, width in recv_shapes])
         for piece, target, (rows, width) in zip(pieces, targets, recv_shapes, strict=True):
             wire = piece.view(rows, wire_width(width, precision))
-            target.view(rows, width).copy_(decode(wire, precision))
+            decode(wire, precision, out=target.view(rows, width))
     return out
 
 

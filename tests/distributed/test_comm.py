@@ -354,3 +354,18 @@ def test_the_input_dist_reads_its_counts_on_the_host_once(one_rank):
     with StepAudit() as report:
         all_to_all_ids(lengths, values, None, 2, [3], per_rank, None, CommStats())
     assert [op for op, _ in report.syncs] == ["tolist"]
+
+
+def test_int8_is_the_documented_formula_bitwise():
+    """scale = max|x| / 127 per row, q = round(x / scale), decoded q * scale; rows of zeros
+    (either sign) send a zero scale and decode to +0."""
+    x = torch.randn(300, 37) * torch.logspace(-30, 30, 300).unsqueeze(1)
+    x[0], x[1] = 0.0, -0.0
+    scale = x.abs().amax(dim=1, keepdim=True) / 127.0
+    q = torch.round(x / torch.where(scale > 0, scale, 1.0)).to(torch.int8)
+    sent = encode(x, "int8")
+    assert torch.equal(sent, torch.cat([q, scale.view(torch.int8)], dim=1))
+    out = torch.empty_like(x)
+    decoded = decode(sent, "int8", out=out)
+    assert decoded is out and torch.equal(out, q.float() * scale)
+    assert not out[:2].signbit().any()
