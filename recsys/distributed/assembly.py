@@ -13,9 +13,10 @@ piece splits one. Forward works in one **pool** of chunks::
 
     [received (B * sum_d w_d) | one zero chunk | row-wise sums (B * N_rw) | replicated (B * N_dp)]
 
-the exchange writes the received part in place, the row-wise parts are summed into theirs with
-one strided sum, and one gather of chunks builds the output (none at all where the output is
-one contiguous range of the pool, as when every table is row-wise). Backward is one gather from
+the exchange writes the received part in place, the row-wise parts (strided views of it where
+they lie in order) are added into theirs one after another, and one gather of chunks builds the
+output (none at all where the output is one contiguous range of the pool, as when every table
+is row-wise). Backward is one gather from
 the output gradient (its row-wise mean columns scaled first) straight into the buffer the
 exchange sends, one contiguous block per destination; no zero-filled buffer, no scatter.
 
@@ -147,6 +148,10 @@ class PooledAssembly:
         self.widths, self.device = list(widths), device
         sizes = [w for w in widths if w]
         for feature in features:
+            if feature[0] not in ("direct", "sum", "replicated"):
+                raise ValueError(
+                    f"feature {feature!r}: expected 'direct', 'sum' or 'replicated' first"
+                )
             if feature[0] == "direct":
                 for _, start, num_cols in feature[1]:
                     sizes += [start, num_cols]

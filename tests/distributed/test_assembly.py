@@ -107,6 +107,11 @@ def test_forward_and_backward_match_the_reference_bitwise(spec, batch):
     assert torch.equal(assembly.dp_grad(grad, index), pooled_dp.grad)
 
 
+def test_an_unknown_feature_form_is_named():
+    with pytest.raises(ValueError, match="'rows'"):
+        PooledAssembly([4], [("rows", 4)], CPU)
+
+
 def test_chunks_are_the_gcd_of_the_pieces():
     assert PooledAssembly(*SPECS["mixed"], CPU).chunk == 1
     assert PooledAssembly(*SPECS["chunked"], CPU).chunk == 4
