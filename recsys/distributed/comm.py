@@ -23,6 +23,7 @@ vectors for one destination. Decoded values are fp32.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recsys.distributed.assembly import PooledAssembly, ScratchBuffers
 from recsys.distributed.timeline import DeviceTimeline, device_timeline
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
@@ -98,20 +100,25 @@ def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
         return x.to(_CASTS[precision])
     if x.numel() == 0:  # no rows, or no columns (a rank holding no table): nothing to scale
         return x.new_zeros(x.shape[0], x.shape[1] + 4, dtype=torch.int8)
-    scale = x.abs().amax(dim=1, keepdim=True) / 127.0  # [R, 1]
-    q = torch.round(x / torch.where(scale > 0, scale, 1.0)).to(torch.int8)
-    return torch.cat([q, scale.view(torch.int8)], dim=1)  # the fp32 scale as its 4 bytes
+    low, high = torch.aminmax(x, dim=1, keepdim=True)  # max |x| in one pass, no |x| tensor
+    scale = torch.maximum(high, -low).abs_() / 127.0  # [R, 1]; abs_: +0 for a row of zeros
+    q = torch.div(x, torch.where(scale > 0, scale, 1.0)).round_()
+    out = torch.empty(x.shape[0], x.shape[1] + 4, dtype=torch.int8, device=x.device)
+    out[:, :-4].copy_(q)
+    out[:, -4:].copy_(scale.view(torch.int8))  # the fp32 scale as its 4 bytes
+    return out
 
 
-def decode(y: torch.Tensor, precision: str) -> torch.Tensor:
-    """Inverse of :func:`encode`: [R, C'] received -> [R, C] fp32."""
+def decode(y: torch.Tensor, precision: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`encode`: [R, C'] received -> [R, C] fp32 (written into ``out``
+    when given)."""
     if precision == "fp32":
-        return y
+        return y if out is None else out.copy_(y)
     if precision in _CASTS:
-        return y.float()
+        return y.float() if out is None else out.copy_(y)
     # A copy: one row's 4 scale bytes may start at an offset not divisible by 4.
     scale = y[:, -4:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # [R, 1]
-    return y[:, :-4].float() * scale
+    return torch.mul(y[:, :-4], scale) if out is None else torch.mul(y[:, :-4], scale, out=out)
 
 
 def wire_width(width: int, precision: str) -> int:
@@ -219,10 +226,11 @@ def start_all_to_all_ids(
         counts = torch.stack([torch.full_like(values_per_rank, batch_size), values_per_rank], dim=1)
         counts = counts.to(torch.int64).reshape(-1)  # [W * 2]: (B, num values) per destination
         stats.add("input", counts)
-        received = all_to_all(counts, [2] * world, [2] * world, group).view(world, 2).tolist()
-        batch_sizes = [b for b, _ in received]
-        num_values = [n for _, n in received]
-        sent_values = values_per_rank.tolist()
+        received = all_to_all(counts, [2] * world, [2] * world, group)
+        # The step's one read of the device: what comes in and what goes out, together.
+        known = torch.cat([received, values_per_rank.to(torch.int64)]).tolist()
+        batch_sizes, num_values = known[0 : 2 * world : 2], known[1 : 2 * world : 2]
+        sent_values = known[2 * world :]
         stats.add("input", lengths, values, *(() if weights is None else (weights,)))
         works = []
         recv_lengths, work = all_to_all(
@@ -253,10 +261,10 @@ def source_to_slot_major(
     if len(sizes) == 1 or num_slots <= 1:
         return received.lengths, received.values, received.weights
     # Bag lengths: a fixed permutation of positions.
-    bases = torch.tensor([0, *sizes[:-1]], device=device).cumsum(0) * num_slots
+    bases = [num_slots * sum(sizes[:s]) for s in range(len(sizes))]
     pieces = [
         base + torch.arange(num_slots * b, device=device).view(num_slots, b)
-        for base, b in zip(bases.tolist(), sizes, strict=True)
+        for base, b in zip(bases, sizes, strict=True)
     ]
     lengths = received.lengths[torch.cat(pieces, dim=1).reshape(-1)]
     # Ids: whole (source, slot) segments move; gather each segment's range in the new order.
@@ -271,7 +279,9 @@ def source_to_slot_major(
     starts = (segment.reshape(-1).cumsum(0) - segment.reshape(-1)).view_as(segment)
     segment_t, starts_t = segment.t().reshape(-1), starts.t().reshape(-1)  # slot-major
     new_starts = segment_t.cumsum(0) - segment_t
-    shift = torch.repeat_interleave(starts_t - new_starts, segment_t)
+    shift = torch.repeat_interleave(
+        starts_t - new_starts, segment_t, output_size=received.values.numel()
+    )
     index = shift + torch.arange(shift.numel(), device=device)
     weights = None if received.weights is None else received.weights[index]
     return lengths, received.values[index], weights
@@ -284,7 +294,9 @@ def source_to_slot_major(
 @dataclass
 class PooledLayout:
     """Shapes of one output dist: this rank computed [sum_s B_s, ``local_width``] pooled rows
-    (``batch_sizes[s]`` of them for rank s) and receives [B_r, ``widths[d]``] from each rank d."""
+    (``batch_sizes[s]`` of them for rank s) and receives [B_r, ``widths[d]``] from each rank d;
+    ``assembly`` puts the received columns in the model's order (None: rank d's columns after
+    rank d-1's)."""
 
     batch_sizes: list[int]
     local_width: int
@@ -292,48 +304,135 @@ class PooledLayout:
     forward: str = "fp32"
     backward: str = "fp32"
     grad_scale: float = 1.0
+    assembly: PooledAssembly | None = None
+
+
+@functools.lru_cache(maxsize=16)
+def _exchange_order(widths: tuple[int, ...], device: torch.device) -> PooledAssembly:
+    return PooledAssembly.exchange_order(list(widths), device)
+
+
+def _wire(
+    flat: torch.Tensor,
+    shapes: Sequence[tuple[int, int]],
+    precision: str,
+    scratch: ScratchBuffers,
+    kind: str,
+) -> torch.Tensor:
+    """Blocks of [rows, width] fp32 values back to back in ``flat`` -> what travels."""
+    if precision == "fp32":
+        return flat
+    if precision in _CASTS:  # elementwise: every block at once
+        wire = scratch.take(f"{kind} send", flat.numel(), _CASTS[precision], flat.device)
+        return wire.copy_(flat)
+    width = _one_width(shapes)
+    if width is not None:  # one [rows, width] matrix: encoded at once, rows as they lie
+        return encode(flat.view(-1, width), precision).reshape(-1)
+    blocks = flat.split([rows * width for rows, width in shapes])
+    return torch.cat(
+        [
+            encode(block.view(rows, width), precision).reshape(-1)
+            for block, (rows, width) in zip(blocks, shapes, strict=True)
+        ]
+    )
+
+
+def _one_width(shapes: Sequence[tuple[int, int]]) -> int | None:
+    """The width every block with rows has, if they agree (and there is one)."""
+    widths = {width for rows, width in shapes if rows}
+    return widths.pop() if len(widths) == 1 else None
 
 
 def _exchange(
-    blocks: Sequence[torch.Tensor],
+    flat: torch.Tensor,
+    send_shapes: Sequence[tuple[int, int]],
     recv_shapes: Sequence[tuple[int, int]],
     precision: str,
     group: dist.ProcessGroup | None,
     stats: CommStats,
     kind: str,
-) -> list[torch.Tensor]:
-    """Send ``blocks[d]`` ([rows, width] fp32) to rank d; receive a [rows, width] block of
-    ``recv_shapes[s]`` from each rank s, through the codec of ``precision``."""
-    encoded = [encode(block, precision).reshape(-1) for block in blocks]
-    send = torch.cat(encoded) if encoded else blocks[0].new_empty(0)
+    scratch: ScratchBuffers,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Send block d of ``flat`` ([rows, width] of ``send_shapes[d]``, fp32, back to back) to
+    rank d; receive a block of ``recv_shapes[s]`` from each rank s, through the codec of
+    ``precision``, into ``out`` (1-D fp32; None: a scratch buffer). Returns the received
+    blocks, back to back. At fp32 nothing is copied: ``flat`` is sent and ``out`` received
+    into as they are."""
+    send = _wire(flat, send_shapes, precision, scratch, kind)
     stats.add(kind, send)
+    send_splits = [rows * wire_width(width, precision) for rows, width in send_shapes]
     recv_splits = [rows * wire_width(width, precision) for rows, width in recv_shapes]
+    if out is None:
+        received = sum(rows * width for rows, width in recv_shapes)
+        out = scratch.take(f"{kind} received", received, torch.float32, flat.device)
+    recv = out
+    if precision != "fp32":
+        recv = scratch.take(f"{kind} wire", sum(recv_splits), send.dtype, send.device)
     with stats.timed(send.device):
-        recv = all_to_all(send, [e.numel() for e in encoded], recv_splits, group)
-    out = []
-    for piece, (rows, width) in zip(recv.split(recv_splits), recv_shapes, strict=True):
-        out.append(decode(piece.view(rows, wire_width(width, precision)), precision))
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+    if precision in _CASTS:
+        out.copy_(recv)
+    elif precision == "int8":
+        width = _one_width(recv_shapes)
+        if width is not None:  # one [rows, width] matrix: decoded at once
+            decode(recv.view(-1, width + 4), precision, out=out.view(-1, width))
+            return out
+        pieces = recv.split(recv_splits)
+        targets = out.split([rows * width for rows, width in recv_shapes])
+        for piece, target, (rows, width) in zip(pieces, targets, recv_shapes, strict=True):
+            wire = piece.view(rows, wire_width(width, precision))
+            decode(wire, precision, out=target.view(rows, width))
     return out
 
 
 class _PooledAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layout, group, stats, anchor, pooled):
-        ctx.layout, ctx.group, ctx.stats = layout, group, stats
+    def forward(ctx, layout, group, stats, anchor, lengths, pooled, pooled_dp):
         rank_batch = layout.batch_sizes[dist.get_rank(group)]
-        blocks = pooled.float().split(layout.batch_sizes)  # [B_s, local_width] for rank s
-        shapes = [(rank_batch, width) for width in layout.widths]
-        received = _exchange(blocks, shapes, layout.forward, group, stats, "forward")
-        return torch.cat(received, dim=1)  # [B_r, sum_d widths[d]]
+        assembly = layout.assembly or _exchange_order(tuple(layout.widths), pooled.device)
+        index = assembly.index(rank_batch)
+        pool = assembly.new_pool(index, pooled.device)
+        send_shapes = [(b, layout.local_width) for b in layout.batch_sizes]
+        recv_shapes = [(rank_batch, width) for width in layout.widths]
+        received = pool.view(-1)[: rank_batch * sum(layout.widths)]
+        flat = pooled.float().reshape(-1)  # the lookup's rows: rank s's block after s-1's
+        _exchange(
+            flat,
+            send_shapes,
+            recv_shapes,
+            layout.forward,
+            group,
+            stats,
+            "forward",
+            assembly.scratch,
+            out=received,
+        )
+        scale = None if lengths is None else assembly.mean_scale(lengths, rank_batch)
+        dp = None if pooled_dp is None else pooled_dp.float()
+        ctx.layout, ctx.group, ctx.stats = layout, group, stats
+        ctx.assembly, ctx.index, ctx.scale = assembly, index, scale
+        return assembly.forward(pool, dp, scale, index)  # [B_r, N]
 
     @staticmethod
     def backward(ctx, grad):
-        layout = ctx.layout
-        grad = grad.float() * layout.grad_scale
-        blocks = [g.contiguous() for g in grad.split(layout.widths, dim=1)]
-        shapes = [(b, layout.local_width) for b in layout.batch_sizes]
-        received = _exchange(blocks, shapes, layout.backward, ctx.group, ctx.stats, "backward")
-        return None, None, None, None, torch.cat(received, dim=0)
+        layout, assembly, index = ctx.layout, ctx.assembly, ctx.index
+        send = assembly.backward(grad, ctx.scale, layout.grad_scale, index)
+        send_shapes = [(index.batch, width) for width in layout.widths]
+        recv_shapes = [(b, layout.local_width) for b in layout.batch_sizes]
+        received = _exchange(
+            send,
+            send_shapes,
+            recv_shapes,
+            layout.backward,
+            ctx.group,
+            ctx.stats,
+            "backward",
+            assembly.scratch,
+        )
+        grad_pooled = received.view(sum(layout.batch_sizes), layout.local_width)
+        grad_dp = assembly.dp_grad(grad, index) if ctx.needs_input_grad[6] else None
+        return None, None, None, None, None, grad_pooled, grad_dp
 
 
 def pooled_all_to_all(
@@ -342,12 +441,16 @@ def pooled_all_to_all(
     anchor: torch.Tensor,
     group: dist.ProcessGroup | None,
     stats: CommStats,
+    pooled_dp: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Send each rank's rows of ``pooled`` [sum_s B_s, local_width] back to it; returns
-    [B_r, sum_d widths[d]], rank d's columns after rank d-1's.
+    [B_r, N]: with ``layout.assembly`` the model's columns (row-wise partial sums added,
+    ``pooled_dp`` [B_r, N_dp] the replicated tables' columns, ``lengths`` [F, B_r] the bag
+    lengths for mean pooling), else [B_r, sum_d widths[d]], rank d's columns after rank d-1's.
 
     Differentiable: backward sends the gradient the other way, multiplied by
     ``layout.grad_scale``. ``anchor`` is a scalar that requires grad, so the backward (a
     collective) runs on every rank even where ``pooled`` needs no gradient.
     """
-    return _PooledAllToAll.apply(layout, group, stats, anchor, pooled)
+    return _PooledAllToAll.apply(layout, group, stats, anchor, lengths, pooled, pooled_dp)

@@ -26,6 +26,7 @@ import torch
 from torchrec import EmbeddingBagConfig
 from torchrec.modules.embedding_configs import PoolingType
 
+from recsys.distributed.assembly import PooledAssembly
 from recsys.distributed.plan import Shard, ShardingType, TableSharding, row_block
 from recsys.embedding.key_routing import KeyRouting, routing_bucket
 
@@ -120,6 +121,7 @@ class ShardRouting:
                     table[f, j] = stream[(name, shard.rank)]
         self.num_streams = len(stream)
         self.expand = bool((copies != 1).any())  # column-wise copies (>1), replicated (0)
+        self.feature_copies = copies.tolist()
         self.copies, self.block, self.stream_table = (
             copies.to(device),
             block.to(device),
@@ -127,6 +129,11 @@ class ShardRouting:
         )
         stream_rank = [r for r, n in enumerate(self.slots_per_rank) for _ in range(n)]
         self.stream_rank = torch.tensor(stream_rank, dtype=torch.int64, device=device)
+        position = {name: f for f, name in enumerate(self.features)}
+        stream_feature = [position[name] for name, _ in stream]  # in stream order
+        self.stream_feature = torch.tensor(stream_feature, dtype=torch.int64, device=device)
+        # No id has an owner of its own: every stream takes a whole feature's ids.
+        self.by_feature = not any(self.kind[c.name] in _ONE_OWNER for c in configs)
 
     def _build_key_owners(
         self,
@@ -160,56 +167,29 @@ class ShardRouting:
     def _build_assembly(
         self, configs: list[EmbeddingBagConfig], plan: dict[str, TableSharding], device
     ) -> None:
-        """Column maps from [received columns | one zero column | replicated pooled] to the
+        """How the received columns (and the replicated tables' pooled vectors) make the
         output [B, sum of feature dims] in the unsharded collection's order."""
-        offsets = [sum(self.widths[:d]) for d in range(self.world_size)]
-        piece: dict[tuple[int, str], int] = {}  # (rank, feature) -> its first received column
+        piece: dict[tuple[int, str], int] = {}  # (rank, feature) -> its first column there
         for rank, placement in enumerate(self.placements):
-            col = offsets[rank]
+            col = 0
             for c, shard in placement:
                 for f in c.feature_names:
                     piece[(rank, f)] = col
                     col += shard.num_cols
-        zero = sum(self.widths)
-        dp_col, out_col = zero + 1, 0
-        direct, rw_cols, rw_parts, rw_features, rw_is_mean, rw_dims = [], [], [], [], [], []
+        features: list[tuple] = []
         for f, name in enumerate(self.features):
             config = configs[self.feature_table[f]]
-            kind, dim = self.kind[config.name], config.embedding_dim
+            kind, shards = self.kind[config.name], plan[config.name].shards
             if kind == ShardingType.DATA_PARALLEL:
-                direct += range(dp_col, dp_col + dim)
-                dp_col += dim
+                features.append(("replicated", config.embedding_dim))
             elif kind in _ONE_OWNER:  # row-wise and key-wise: partial sums from every shard
-                direct += [zero] * dim
-                rw_cols += range(out_col, out_col + dim)
-                parts = [piece[(s.rank, name)] for s in plan[config.name].shards]
-                rw_parts.append([range(p, p + dim) for p in parts])
-                rw_features.append(f)
-                rw_is_mean.append(config.pooling == PoolingType.MEAN)
-                rw_dims.append(dim)
+                parts = [(s.rank, piece[(s.rank, name)]) for s in shards]
+                mean = config.pooling == PoolingType.MEAN
+                features.append(("sum", config.embedding_dim, parts, mean))
             else:
-                for shard in plan[config.name].shards:
-                    start = piece[(shard.rank, name)]
-                    direct += range(start, start + shard.num_cols)
-            out_col += dim
-        self.num_parts = max((len(p) for p in rw_parts), default=0)
-        # Part-major: part p of every row-wise column, missing parts read the zero column.
-        rw_index = [
-            col
-            for p in range(self.num_parts)
-            for parts, dim in zip(rw_parts, rw_dims, strict=True)
-            for col in (parts[p] if p < len(parts) else [zero] * dim)
-        ]
-
-        def index(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        self.direct_index, self.rw_index = index(direct), index(rw_index)
-        self.rw_cols = index(rw_cols)
-        # Row-wise features (in output order) and which of them pool by mean.
-        self.rw_features, self.rw_dims = index(rw_features), index(rw_dims)
-        self.rw_is_mean = index(rw_is_mean, torch.bool)
-        self.any_rw_mean = any(rw_is_mean)
+                pieces = [(s.rank, piece[(s.rank, name)], s.num_cols) for s in shards]
+                features.append(("direct", pieces))
+        self.assembly = PooledAssembly(self.widths, features, device)
 
     def route(
         self,
@@ -217,22 +197,34 @@ class ShardRouting:
         values: torch.Tensor,
         weights: torch.Tensor | None,
         batch_size: int,
+        ids_per_feature: list[int] | None = None,
     ) -> RoutedIds:
         """This rank's ids (``lengths`` [F, B], ``values`` [L]) copied to every shard they
-        read, renumbered within row-wise blocks and sorted by (stream, sample)."""
-        device = values.device
+        read, renumbered within row-wise blocks and sorted by (stream, sample).
+        ``ids_per_feature``: the ids of each feature, where the host knows them (the
+        KeyedJaggedTensor's length per key): then no table's copies need a host read."""
+        if self.by_feature:
+            return self._route_features(lengths, values, weights, ids_per_feature)
+        device, num_ids = values.device, values.numel()
         flat_lengths = lengths.reshape(-1).long()
+        # output_size: the host knows L, so no sync to size the results.
         feature = torch.repeat_interleave(
-            torch.arange(lengths.shape[0], device=device), lengths.sum(dim=1).long()
+            torch.arange(lengths.shape[0], device=device),
+            lengths.sum(dim=1).long(),
+            output_size=num_ids,
         )  # [L]
         sample = torch.repeat_interleave(
-            torch.arange(flat_lengths.numel(), device=device) % max(batch_size, 1), flat_lengths
+            torch.arange(flat_lengths.numel(), device=device) % max(batch_size, 1),
+            flat_lengths,
+            output_size=num_ids,
         )  # [L]
         source = None
-        if self.expand:
+        if self.expand:  # the number of copies is the one size the host does not know
             copies = self.copies[feature]
-            source = torch.repeat_interleave(torch.arange(values.numel(), device=device), copies)
-            first = torch.repeat_interleave(copies.cumsum(0) - copies, copies)
+            source = torch.repeat_interleave(torch.arange(num_ids, device=device), copies)
+            first = torch.repeat_interleave(
+                copies.cumsum(0) - copies, copies, output_size=source.numel()
+            )
             copy = torch.arange(source.numel(), device=device) - first
             feature, sample, values = feature[source], sample[source], values[source]
         else:
@@ -248,13 +240,41 @@ class ShardRouting:
         ids = torch.where(rw, values - owner.to(values.dtype) * block.to(values.dtype), values)
         key = self.stream_table[feature, owner] * batch_size + sample
         order = torch.sort(key, stable=True).indices
-        send_lengths = torch.bincount(key, minlength=self.num_streams * batch_size)
+        send_lengths = torch.zeros(self.num_streams * batch_size, dtype=torch.int64, device=device)
+        send_lengths.index_add_(0, key, torch.ones_like(key))  # bincount: its size would sync
         per_stream = send_lengths.view(self.num_streams, batch_size).sum(dim=1)
         per_rank = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         per_rank.index_add_(0, self.stream_rank, per_stream)
         if weights is not None:
             weights = (weights if source is None else weights[source])[order]
         return RoutedIds(send_lengths, ids[order], weights, per_rank)
+
+    def _route_features(
+        self,
+        lengths: torch.Tensor,
+        values: torch.Tensor,
+        weights: torch.Tensor | None,
+        ids_per_feature: list[int] | None,
+    ) -> RoutedIds:
+        """:meth:`route` where no table is row-wise or key-wise: stream s is feature
+        ``stream_feature[s]``'s ids as they lie, so whole feature segments move (the order
+        the sort by (stream, sample) gives, without sorting)."""
+        device = values.device
+        lengths = lengths.long()
+        send_lengths = lengths.index_select(0, self.stream_feature)  # [S, B]
+        per_stream = send_lengths.sum(dim=1)
+        per_feature = lengths.sum(dim=1)
+        starts = (per_feature.cumsum(0) - per_feature).index_select(0, self.stream_feature)
+        new_starts = per_stream.cumsum(0) - per_stream
+        size = None if self.expand else values.numel()  # copies (or none) of some features
+        if ids_per_feature is not None:
+            size = sum(c * n for c, n in zip(self.feature_copies, ids_per_feature, strict=True))
+        shift = torch.repeat_interleave(starts - new_starts, per_stream, output_size=size)
+        index = shift + torch.arange(shift.numel(), device=device)  # [L'] source of each id
+        per_rank = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        per_rank.index_add_(0, self.stream_rank, per_stream)
+        weights = None if weights is None else weights[index]
+        return RoutedIds(send_lengths.reshape(-1), values[index], weights, per_rank)
 
     def assemble(
         self,
@@ -263,23 +283,15 @@ class ShardRouting:
         lengths: torch.Tensor,
         batch_size: int,
     ) -> torch.Tensor:
-        """[B, sum of feature dims] in the unsharded order from the received columns (row-wise
-        partials summed, part by part) and the replicated tables' pooled vectors."""
-        device = lengths.device
-        parts = [
-            received if received is not None else torch.zeros(batch_size, 0, device=device),
-            torch.zeros(batch_size, 1, device=device),
-        ]
-        if pooled_dp is not None:
-            parts.append(pooled_dp.float())
-        combined = torch.cat(parts, dim=1)
-        out = combined.index_select(1, self.direct_index)
-        if self.num_parts:
-            rw = combined.index_select(1, self.rw_index)
-            rw = rw.view(batch_size, self.num_parts, self.rw_cols.numel()).sum(dim=1)
-            if self.any_rw_mean:
-                bag_sizes = lengths.index_select(0, self.rw_features).clamp(min=1).float()
-                scale = torch.where(self.rw_is_mean.unsqueeze(1), 1.0 / bag_sizes, 1.0)
-                rw = rw * torch.repeat_interleave(scale.t(), self.rw_dims, dim=1)  # [B, D_rw]
-            out = out.index_add(1, self.rw_cols, rw)
-        return out
+        """[B, sum of feature dims] in the unsharded order from the received columns as one
+        matrix ([B, sum_d widths[d]], rank d's after rank d-1's; row-wise partials summed, part
+        by part, means divided) and the replicated tables' pooled vectors. Not differentiable:
+        the output dist (:func:`~recsys.distributed.comm.pooled_all_to_all`) assembles its
+        own blocks, with a backward."""
+        index = self.assembly.index(batch_size, layout="matrix")
+        pool = self.assembly.new_pool(index, lengths.device)
+        if received is not None:
+            pool.view(-1)[: received.numel()].copy_(received.reshape(-1))
+        scale = self.assembly.mean_scale(lengths, batch_size)
+        dp = None if pooled_dp is None else pooled_dp.float()
+        return self.assembly.forward(pool, dp, scale, index)

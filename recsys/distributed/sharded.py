@@ -224,14 +224,16 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             batch = ready.local
             if batch is None and ready.pending is not None:
                 batch = self.finish_input_dist(ready.pending)
-        received = None if batch is None else self.output_dist(self.compute(batch), batch)
         pooled_dp = self.replicated(features) if self.replicated is not None else None
-        batch_size = features.stride()
-        lengths = features.lengths().view(len(self.routing.features), batch_size)
+        if batch is None:  # every table replicated: already in the collection's order
+            values = pooled_dp.float()
+        else:
+            lengths = features.lengths().view(len(self.routing.features), features.stride())
+            values = self.output_dist(self.compute(batch), batch, pooled_dp, lengths)
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
-            values=self.routing.assemble(received, pooled_dp, lengths, batch_size),
+            values=values,
         )
 
     def prefetch_input(self, features: KeyedJaggedTensor) -> None:
@@ -355,7 +357,8 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         if not self.routing.any_key_wise:
             return values
         lengths = features.lengths().view(len(self.routing.features), -1).sum(dim=1)
-        feature = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths)
+        arange = torch.arange(len(lengths), device=values.device)
+        feature = torch.repeat_interleave(arange, lengths, output_size=values.numel())
         key_wise = self.routing.key_buckets[feature] > 0
         check_keys(values.masked_fill(~key_wise, 0), "ids of dynamic tables")
         return values.masked_fill(key_wise, 0)
@@ -376,7 +379,8 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         batch_size = features.stride()
         lengths = features.lengths().view(len(self.routing.features), batch_size)
         weights = features.weights_or_none() if self._is_weighted else None
-        routed = self.routing.route(lengths, features.values(), weights, batch_size)
+        per_key = features.length_per_key_or_none()  # known on the host: no read to size
+        routed = self.routing.route(lengths, features.values(), weights, batch_size, per_key)
         return start_all_to_all_ids(
             routed.send_lengths,
             routed.ids,
@@ -410,9 +414,17 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             return torch.zeros(batch.features.stride(), 0, device=self._anchor.device)
         return self.shards(batch.features).values()
 
-    def output_dist(self, pooled: torch.Tensor, batch: LocalBatch) -> torch.Tensor:
-        """Return the pooled vectors to the ranks that own the samples:
-        [B, sum_d widths[d]]; backward sends their gradients the other way."""
+    def output_dist(
+        self,
+        pooled: torch.Tensor,
+        batch: LocalBatch,
+        pooled_dp: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Return the pooled vectors to the ranks that own the samples, in the collection's
+        order: [B, sum of feature dims] (row-wise partial sums added, ``pooled_dp`` the
+        replicated tables' columns, ``lengths`` [F, B] this rank's bag lengths, for mean
+        pooling); backward sends their gradients the other way."""
         layout = PooledLayout(
             batch_sizes=batch.batch_sizes,
             local_width=self.routing.widths[self.rank],
@@ -420,8 +432,11 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             forward=self.forward_precision,
             backward=self.backward_precision,
             grad_scale=1.0 / self.world_size,
+            assembly=self.routing.assembly,
         )
-        return pooled_all_to_all(pooled, layout, self._anchor, self.process_group, self.comm_stats)
+        lengths = lengths if self.routing.assembly.any_mean else None
+        group, stats = self.process_group, self.comm_stats
+        return pooled_all_to_all(pooled, layout, self._anchor, group, stats, pooled_dp, lengths)
 
     # -----------------------------------------------------------------------------------------
     # The collection interface

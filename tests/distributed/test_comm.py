@@ -233,6 +233,15 @@ def test_source_to_slot_major_reorders_when_there_is_something_to_reorder():
     assert lengths.tolist() == [1] * 8
 
 
+def test_source_to_slot_major_reads_nothing_on_the_host():
+    from recsys.train.step_audit import StepAudit  # tests may import the train layer
+
+    received, _ = received_bags([3, 0, 2], 3, weighted=True, seed=1)
+    with StepAudit() as report:
+        source_to_slot_major(received, 3)
+    assert report.syncs == []
+
+
 # ---------------------------------------------------------------------------------------------
 # Byte accounting
 
@@ -310,3 +319,53 @@ def test_pooled_all_to_all_runs_its_backward_through_the_anchor(one_rank):
     assert out.requires_grad
     out.sum().backward()
     assert stats.bytes["backward"] == 3 * 4 * 4
+
+
+def test_fp32_pooled_rows_travel_as_they_lie(one_rank, monkeypatch):
+    """At fp32 the lookup's rows are sent as they are and received where the output is read
+    (no copy on either side); the gradient likewise comes back where the lookup reads it."""
+    buffers = []  # (sent, received) of each all-to-all
+    real = dist.all_to_all_single
+
+    def spy(output, send, *args, **kwargs):
+        buffers.append((send.data_ptr(), output.data_ptr()))
+        return real(output, send, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_to_all_single", spy)
+    pooled = torch.randn(5, 8)
+    lookup = pooled.clone().requires_grad_()
+    rows = lookup * 1.0  # the lookup's output, not a leaf
+    rows.register_hook(lambda grad: buffers.append(grad.data_ptr()))
+    anchor = torch.zeros((), requires_grad=True)
+    out = pooled_all_to_all(rows, PooledLayout([5], 8, [8]), anchor, None, CommStats())
+    assert buffers[0][0] == rows.data_ptr() and out.data_ptr() == buffers[0][1]
+    assert torch.equal(out, pooled)
+    out.backward(torch.ones(5, 8))
+    assert buffers[2] == buffers[1][1]  # the gradient the lookup gets is the received buffer
+
+
+def test_the_input_dist_reads_its_counts_on_the_host_once(one_rank):
+    """The sizes of the ids' all-to-all (what comes in and what goes out) in one read."""
+    from recsys.train.step_audit import StepAudit
+
+    lengths = torch.randint(0, 4, (6,))
+    values = torch.randint(0, 100, (int(lengths.sum()),))
+    per_rank = torch.tensor([values.numel()])
+    with StepAudit() as report:
+        all_to_all_ids(lengths, values, None, 2, [3], per_rank, None, CommStats())
+    assert [op for op, _ in report.syncs] == ["tolist"]
+
+
+def test_int8_is_the_documented_formula_bitwise():
+    """scale = max|x| / 127 per row, q = round(x / scale), decoded q * scale; rows of zeros
+    (either sign) send a zero scale and decode to +0."""
+    x = torch.randn(300, 37) * torch.logspace(-30, 30, 300).unsqueeze(1)
+    x[0], x[1] = 0.0, -0.0
+    scale = x.abs().amax(dim=1, keepdim=True) / 127.0
+    q = torch.round(x / torch.where(scale > 0, scale, 1.0)).to(torch.int8)
+    sent = encode(x, "int8")
+    assert torch.equal(sent, torch.cat([q, scale.view(torch.int8)], dim=1))
+    out = torch.empty_like(x)
+    decoded = decode(sent, "int8", out=out)
+    assert decoded is out and torch.equal(out, q.float() * scale)
+    assert not out[:2].signbit().any()

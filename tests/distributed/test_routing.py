@@ -86,3 +86,59 @@ def test_assemble_sums_row_wise_parts_and_divides_means():
     torch.testing.assert_close(out[:, 2:6], torch.cat([received[:, 2:4], received[:, 6:8]], 1))
     torch.testing.assert_close(out[:, 6:9], pooled_dp)
     torch.testing.assert_close(out[:, 9:11], received[:, 8:10])
+
+
+def test_route_waits_on_the_device_only_to_size_copies():
+    """Routing reads no device value on the host (the id count is known there), except the
+    number of copies when some table is column-wise or replicated (test_layers allows tests to
+    import the train layer's audit)."""
+    from recsys.train.step_audit import StepAudit
+
+    lengths = torch.tensor([[2, 1], [1, 0], [1, 1], [0, 1]])
+    values = torch.tensor([3, 7, 9, 5, 0, 4, 2])
+    mixed = routing(0)
+    with StepAudit() as report:
+        mixed.route(lengths, values, None, batch_size=2)
+    assert [op for op, _ in report.syncs] == ["repeat_interleave"]  # the copies of each id
+    plan = {"rw": P.row_wise(10, 2, 2), "tw": P.table_wise(4, 2, 1)}
+    tables = [configs()[0], configs()[3]]
+    one_owner = ShardRouting(tables, plan, world_size=2, rank=0, device=torch.device("cpu"))
+    lengths, values = lengths[[0, 3]], torch.tensor([3, 7, 9, 2])
+    with StepAudit() as report:
+        routed = one_owner.route(lengths, values, None, batch_size=2)
+    assert report.syncs == []
+    assert routed.send_lengths.tolist() == [1, 0, 1, 1, 0, 1]  # a on 0, a on 1, d on 1
+
+
+def test_tables_without_an_owner_per_id_move_whole_features():
+    """Table-wise and column-wise only: the ids move feature by feature, in the order the sort
+    by (stream, sample) gives, and without any host read when no id is copied."""
+    from recsys.train.step_audit import StepAudit
+
+    tables = [configs()[1], configs()[3]]  # cw over ranks 0, 1; tw on rank 1
+    plan = {"cw": P.column_wise(6, 4, [0, 1]), "tw": P.table_wise(4, 2, 1)}
+    lengths = torch.tensor([[2, 1, 0], [1, 0, 2]])
+    values = torch.tensor([5, 1, 3, 2, 0, 3])
+    weights = torch.rand(6)
+    r = ShardRouting(tables, plan, world_size=2, rank=0, device=torch.device("cpu"))
+    routed = r.route(lengths, values, weights, batch_size=3)
+    assert r.by_feature
+    # streams: b on rank 0; b, d on rank 1
+    assert routed.send_lengths.tolist() == [2, 1, 0, 2, 1, 0, 1, 0, 2]
+    assert routed.ids.tolist() == [5, 1, 3, 5, 1, 3, 2, 0, 3]
+    assert torch.equal(routed.weights, weights[[0, 1, 2, 0, 1, 2, 3, 4, 5]])
+    assert routed.per_rank.tolist() == [3, 6]
+    with StepAudit() as report:  # the ids per feature known on the host: copies sized there
+        known = r.route(lengths, values, weights, batch_size=3, ids_per_feature=[3, 3])
+    assert report.syncs == [] and torch.equal(known.ids, routed.ids)
+    r.by_feature = False  # the general path agrees
+    general = r.route(lengths, values, weights, batch_size=3)
+    assert torch.equal(general.ids, routed.ids) and torch.equal(general.weights, routed.weights)
+    assert torch.equal(general.send_lengths, routed.send_lengths)
+    table_wise = ShardRouting(
+        [configs()[3]], {"tw": plan["tw"]}, world_size=2, rank=0, device=torch.device("cpu")
+    )
+    ids, one_feature = torch.tensor([0, 3, 1]), lengths[1:]
+    with StepAudit() as report:
+        routed = table_wise.route(one_feature, ids, None, batch_size=3)
+    assert report.syncs == [] and routed.ids.tolist() == [0, 3, 1]
