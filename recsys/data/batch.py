@@ -146,11 +146,12 @@ class Batch:
         lengths = kjt.lengths().view(num_keys, -1)[:, rows].long()  # [F, R]
         starts = kjt.offsets()[:-1].view(num_keys, -1)[:, rows].long()  # [F, R]
         flat_lengths, flat_starts = lengths.reshape(-1), starts.reshape(-1)
-        # Position of every id of every picked bag: its bag's start + its rank in the bag.
+        # Position of every id of every picked bag: its bag's start + its rank in the bag, where
+        # rank = (its index in the output) - (its bag's first index in the output).
         total = int(flat_lengths.sum())
         bag_first = torch.cumsum(flat_lengths, 0) - flat_lengths  # [F*R], exclusive
-        rank = torch.arange(total) - torch.repeat_interleave(bag_first, flat_lengths)
-        positions = torch.repeat_interleave(flat_starts, flat_lengths) + rank
+        shift = torch.repeat_interleave(flat_starts - bag_first, flat_lengths, output_size=total)
+        positions = torch.arange(total) + shift
         weights = kjt.weights_or_none()
         return Batch(
             dense=self.dense[rows],
@@ -161,6 +162,28 @@ class Batch:
                 weights=None if weights is None else weights[positions],
             ),
             labels=self.labels[rows],
+        )
+
+    def with_offsets(self) -> Batch:
+        """This batch with everything a step needs to know about its KJT computed now, on the
+        host: the offsets, the ids per key (``length_per_key``), where each key starts
+        (``offset_per_key``) and the stride. They travel with the batch (``.to(device)``
+        keeps them), so a step on a device never reads them back from a device tensor. The
+        loader delivers every batch this way; the values are those the KJT would compute."""
+        kjt = self.sparse
+        return Batch(
+            dense=self.dense,
+            sparse=KeyedJaggedTensor(
+                keys=kjt.keys(),
+                values=kjt.values(),
+                weights=kjt.weights_or_none(),
+                lengths=kjt.lengths(),
+                offsets=kjt.offsets(),
+                stride=kjt.stride(),
+                length_per_key=kjt.length_per_key(),
+                offset_per_key=kjt.offset_per_key(),
+            ),
+            labels=self.labels,
         )
 
     @staticmethod
