@@ -9,6 +9,7 @@ group) and the loader cuts and joins them into training batches with :meth:`Batc
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -140,28 +141,58 @@ class Batch:
         )
 
     def take(self, rows: torch.Tensor) -> Batch:
-        """Rows ``rows`` (int64 [R], any order, repeats allowed) as a new batch."""
+        """Rows ``rows`` (int64 [R], any order, repeats allowed) as a new batch.
+
+        Key by key, into preallocated outputs: a key whose bags all have m ids (one-hot: m = 1)
+        is a [B, m] block of values, gathered by row; another key gathers each id by its
+        position.
+        """
         kjt = self.sparse
-        num_keys = len(kjt.keys())
-        lengths = kjt.lengths().view(num_keys, -1)[:, rows].long()  # [F, R]
-        starts = kjt.offsets()[:-1].view(num_keys, -1)[:, rows].long()  # [F, R]
-        flat_lengths, flat_starts = lengths.reshape(-1), starts.reshape(-1)
-        # Position of every id of every picked bag: its bag's start + its rank in the bag, where
-        # rank = (its index in the output) - (its bag's first index in the output).
-        total = int(flat_lengths.sum())
-        bag_first = torch.cumsum(flat_lengths, 0) - flat_lengths  # [F*R], exclusive
-        shift = torch.repeat_interleave(flat_starts - bag_first, flat_lengths, output_size=total)
-        positions = torch.arange(total) + shift
+        num_keys, num_rows, num_taken = len(kjt.keys()), self.batch_size, len(rows)
+        lengths = kjt.lengths().view(num_keys, num_rows)  # [F, B]
+        spans = kjt.offset_per_key()
+        same = (lengths == lengths[:, :1]).all(1).tolist() if num_rows else [True] * num_keys
+        taken_lengths = torch.empty((num_keys, num_taken), dtype=lengths.dtype)  # [F, R]
+        positions: list[torch.Tensor | None] = []  # per key: its ids' positions, None: a block
+        sizes = []
+        for f in range(num_keys):
+            if same[f]:
+                width = (spans[f + 1] - spans[f]) // max(num_rows, 1)
+                taken_lengths[f].fill_(width)
+                positions.append(None)
+                sizes.append(width * num_taken)
+            else:
+                torch.index_select(lengths[f], 0, rows, out=taken_lengths[f])
+                positions.append(_id_positions(lengths[f].long(), rows, taken_lengths[f].long()))
+                sizes.append(len(positions[-1]))
+        starts = [0, *itertools.accumulate(sizes)]
         weights = kjt.weights_or_none()
+        gathered = []
+        for source in (kjt.values(), weights):
+            if source is None:
+                gathered.append(None)
+                continue
+            out = torch.empty(starts[-1], dtype=source.dtype)
+            for f in range(num_keys):
+                key_source = source[spans[f] : spans[f + 1]]
+                key_out = out[starts[f] : starts[f + 1]]
+                if positions[f] is not None:
+                    torch.index_select(key_source, 0, positions[f], out=key_out)
+                elif sizes[f] == num_taken:  # one id per bag
+                    torch.index_select(key_source, 0, rows, out=key_out)
+                elif sizes[f]:
+                    block = key_out.view(num_taken, -1)
+                    torch.index_select(key_source.view(num_rows, -1), 0, rows, out=block)
+            gathered.append(out)
         return Batch(
-            dense=self.dense[rows],
+            dense=self.dense.index_select(0, rows),
             sparse=KeyedJaggedTensor(
                 keys=kjt.keys(),
-                values=kjt.values()[positions],
-                lengths=lengths.reshape(-1).to(kjt.lengths().dtype),
-                weights=None if weights is None else weights[positions],
+                values=gathered[0],
+                lengths=taken_lengths.view(-1),
+                weights=gathered[1],
             ),
-            labels=self.labels[rows],
+            labels=self.labels.index_select(0, rows),
         )
 
     def with_offsets(self) -> Batch:
@@ -209,3 +240,14 @@ class Batch:
             ),
             labels=torch.cat([b.labels for b in batches]),
         )
+
+
+def _id_positions(lengths: torch.Tensor, rows: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """Where the ids of bags ``rows`` are among one key's values (bag lengths ``lengths`` [B],
+    ``picked`` = lengths[rows]): each id's bag start + its rank in the bag, where rank = (its
+    index in the output) - (its bag's first index in the output)."""
+    starts = (torch.cumsum(lengths, 0) - lengths).index_select(0, rows)  # [R]
+    total = int(picked.sum())
+    bag_first = torch.cumsum(picked, 0) - picked  # [R], exclusive
+    shift = torch.repeat_interleave(starts - bag_first, picked, output_size=total)
+    return torch.arange(total) + shift

@@ -161,6 +161,46 @@ def test_take_gathers_rows_with_their_bags():
     assert torch.equal(kept.sparse.weights(), batch.sparse.weights())
 
 
+def test_take_gathers_blocks_of_fixed_width_keys_and_ragged_keys():
+    # Keys with every bag of 1, 2 and 0 ids (gathered as blocks) beside a ragged one.
+    num_rows = 7
+    lengths = torch.cat(
+        [
+            torch.ones(num_rows, dtype=torch.int32),
+            torch.full((num_rows,), 2, dtype=torch.int32),
+            torch.zeros(num_rows, dtype=torch.int32),
+            torch.tensor([0, 3, 1, 0, 2, 5, 1], dtype=torch.int32),
+        ]
+    )
+    total = int(lengths.sum())
+    batch = Batch(
+        dense=torch.randn(num_rows, 2),
+        sparse=KeyedJaggedTensor(
+            keys=["one", "two", "none", "ragged"],
+            values=torch.randperm(total),
+            lengths=lengths,
+            weights=torch.rand(total),
+        ),
+        labels=torch.rand(num_rows, 1),
+    )
+    order = torch.tensor([6, 1, 1, 0, 5, 3])
+    taken = batch.take(order)
+    expected_values, expected_weights, expected_lengths = [], [], []
+    for bag in batch.sparse.to_dict().values():
+        offsets = bag.offsets()
+        for i in order.tolist():
+            expected_values.append(bag.values()[offsets[i] : offsets[i + 1]])
+            expected_weights.append(bag.weights()[offsets[i] : offsets[i + 1]])
+            expected_lengths.append(int(bag.lengths()[i]))
+    assert taken.sparse.keys() == batch.sparse.keys()
+    assert torch.equal(taken.sparse.values(), torch.cat(expected_values))
+    assert torch.equal(taken.sparse.weights(), torch.cat(expected_weights))
+    assert taken.sparse.lengths().tolist() == expected_lengths
+    assert taken.sparse.lengths().dtype == torch.int32
+    assert torch.equal(taken.dense, batch.dense[order])
+    assert len(batch.take(torch.tensor([], dtype=torch.long))) == 0
+
+
 def assert_same_batches(expected: list[Batch], actual: list[Batch]) -> None:
     """Bitwise the same batches: dense, labels, KJT keys, values, lengths, offsets, dtypes."""
     assert len(actual) == len(expected)
