@@ -10,6 +10,7 @@ group) and the loader cuts and joins them into training batches with :meth:`Batc
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -141,59 +142,11 @@ class Batch:
         )
 
     def take(self, rows: torch.Tensor) -> Batch:
-        """Rows ``rows`` (int64 [R], any order, repeats allowed) as a new batch.
-
-        Key by key, into preallocated outputs: a key whose bags all have m ids (one-hot: m = 1)
-        is a [B, m] block of values, gathered by row; another key gathers each id by its
-        position.
-        """
-        kjt = self.sparse
-        num_keys, num_rows, num_taken = len(kjt.keys()), self.batch_size, len(rows)
-        lengths = kjt.lengths().view(num_keys, num_rows)  # [F, B]
-        spans = kjt.offset_per_key()
-        same = (lengths == lengths[:, :1]).all(1).tolist() if num_rows else [True] * num_keys
-        taken_lengths = torch.empty((num_keys, num_taken), dtype=lengths.dtype)  # [F, R]
-        positions: list[torch.Tensor | None] = []  # per key: its ids' positions, None: a block
-        sizes = []
-        for f in range(num_keys):
-            if same[f]:
-                width = (spans[f + 1] - spans[f]) // max(num_rows, 1)
-                taken_lengths[f].fill_(width)
-                positions.append(None)
-                sizes.append(width * num_taken)
-            else:
-                torch.index_select(lengths[f], 0, rows, out=taken_lengths[f])
-                positions.append(_id_positions(lengths[f].long(), rows, taken_lengths[f].long()))
-                sizes.append(len(positions[-1]))
-        starts = [0, *itertools.accumulate(sizes)]
-        weights = kjt.weights_or_none()
-        gathered = []
-        for source in (kjt.values(), weights):
-            if source is None:
-                gathered.append(None)
-                continue
-            out = torch.empty(starts[-1], dtype=source.dtype)
-            for f in range(num_keys):
-                key_source = source[spans[f] : spans[f + 1]]
-                key_out = out[starts[f] : starts[f + 1]]
-                if positions[f] is not None:
-                    torch.index_select(key_source, 0, positions[f], out=key_out)
-                elif sizes[f] == num_taken:  # one id per bag
-                    torch.index_select(key_source, 0, rows, out=key_out)
-                elif sizes[f]:
-                    block = key_out.view(num_taken, -1)
-                    torch.index_select(key_source.view(num_rows, -1), 0, rows, out=block)
-            gathered.append(out)
-        return Batch(
-            dense=self.dense.index_select(0, rows),
-            sparse=KeyedJaggedTensor(
-                keys=kjt.keys(),
-                values=gathered[0],
-                lengths=taken_lengths.view(-1),
-                weights=gathered[1],
-            ),
-            labels=self.labels.index_select(0, rows),
-        )
+        """Rows ``rows`` (int64 [R], any order, repeats allowed) as a new batch (several
+        batches of one batch's rows at once: :func:`gather_batches`)."""
+        if not len(rows):
+            return self.slice(0, 0)
+        return gather_batches(self, rows, [len(rows)])[0]
 
     def with_offsets(self) -> Batch:
         """This batch with everything a step needs to know about its KJT computed now, on the
@@ -242,12 +195,111 @@ class Batch:
         )
 
 
-def _id_positions(lengths: torch.Tensor, rows: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
-    """Where the ids of bags ``rows`` are among one key's values (bag lengths ``lengths`` [B],
-    ``picked`` = lengths[rows]): each id's bag start + its rank in the bag, where rank = (its
-    index in the output) - (its bag's first index in the output)."""
-    starts = (torch.cumsum(lengths, 0) - lengths).index_select(0, rows)  # [R]
-    total = int(picked.sum())
-    bag_first = torch.cumsum(picked, 0) - picked  # [R], exclusive
-    shift = torch.repeat_interleave(starts - bag_first, picked, output_size=total)
-    return torch.arange(total) + shift
+Allocate = Callable[[int, torch.dtype], torch.Tensor]
+"""``allocate(size, dtype)``: an uninitialized [size] tensor (``torch.empty``, or one in
+shared memory)."""
+
+
+def gather_batches(
+    batch: Batch, rows: torch.Tensor, sizes: Sequence[int], allocate: Allocate | None = None
+) -> list[Batch]:
+    """Rows ``rows`` (int64 [R], indices into ``batch``, any order, repeats allowed) of
+    ``batch``, cut into consecutive batches of ``sizes`` rows (summing to R), each carrying its
+    KJT's offsets, ids per key and key offsets (as :meth:`Batch.with_offsets`).
+
+    Each key's ids of all R rows are gathered in one pass (a key whose bags all hold m ids,
+    one-hot m = 1, as a [B, m] block by row; a ragged key id by id, at its bag's start + its
+    rank in the bag), then copied batch by batch into one allocation per tensor
+    (``allocate``, default ``torch.empty``; in shared memory the batches cross to another
+    process as they are), the batches being views of it.
+    """
+    if allocate is None:
+        allocate = lambda size, dtype: torch.empty(size, dtype=dtype)  # noqa: E731
+    kjt = batch.sparse
+    num_keys, num_rows, num_taken = len(kjt.keys()), batch.batch_size, len(rows)
+    if sum(sizes) != num_taken or any(size < 1 for size in sizes):
+        raise ValueError(f"batch sizes {list(sizes)} do not cut {num_taken} rows")
+    lengths = kjt.lengths().view(num_keys, num_rows)  # [F, B]
+    spans = kjt.offset_per_key()
+    same = (lengths == lengths[:, :1]).all(1).tolist() if num_rows else [True] * num_keys
+    firsts = [0, *itertools.accumulate(sizes)]  # [P + 1], first row of each batch
+    firsts_t = torch.tensor(firsts)
+    weights = kjt.weights_or_none()
+    taken_lengths = torch.empty((num_keys, num_taken), dtype=lengths.dtype)  # [F, R]
+    key_ids: list[list[torch.Tensor | None]] = []  # per key: its values, weights of all R rows
+    ids_before: list[list[int]] = []  # per key: its ids in rows [0, firsts[p])
+    for f in range(num_keys):
+        sources = [
+            None if t is None else t[spans[f] : spans[f + 1]] for t in (kjt.values(), weights)
+        ]
+        if same[f]:
+            width = (spans[f + 1] - spans[f]) // max(num_rows, 1)
+            taken_lengths[f].fill_(width)
+            key_ids.append(
+                [
+                    None if t is None else t.view(num_rows, width).index_select(0, rows).view(-1)
+                    for t in sources
+                ]
+            )
+            ids_before.append([width * first for first in firsts])
+            continue
+        torch.index_select(lengths[f], 0, rows, out=taken_lengths[f])
+        key_lengths, picked = lengths[f].long(), taken_lengths[f].long()
+        ends = torch.cumsum(picked, 0)  # [R], inclusive
+        total = int(ends[-1])
+        shift = (torch.cumsum(key_lengths, 0) - key_lengths).index_select(0, rows) - (
+            ends - picked
+        )  # each picked bag's start in the key's values - its start among the picked ids
+        positions = torch.arange(total) + torch.repeat_interleave(shift, picked, output_size=total)
+        key_ids.append([None if t is None else t.index_select(0, positions) for t in sources])
+        ids_before.append(torch.cat([torch.zeros(1, dtype=torch.long), ends])[firsts_t].tolist())
+    # Per batch: ids per key, where each key starts, where its ids start in the allocation.
+    length_per_key = [
+        [ids_before[f][p + 1] - ids_before[f][p] for f in range(num_keys)]
+        for p in range(len(sizes))
+    ]
+    num_ids = [sum(per_key) for per_key in length_per_key]
+    id_starts = [0, *itertools.accumulate(num_ids)]
+    out = {
+        "values": allocate(id_starts[-1], kjt.values().dtype),
+        "weights": None if weights is None else allocate(id_starts[-1], weights.dtype),
+        "lengths": allocate(num_keys * num_taken, lengths.dtype),
+        "offsets": allocate(num_keys * num_taken + len(sizes), lengths.dtype),
+    }
+    dense = allocate(num_taken * batch.dense.shape[1], batch.dense.dtype).view(num_taken, -1)
+    torch.index_select(batch.dense, 0, rows, out=dense)
+    labels = allocate(num_taken * batch.labels.shape[1], batch.labels.dtype).view(num_taken, -1)
+    torch.index_select(batch.labels, 0, rows, out=labels)
+    batches = []
+    for p, size in enumerate(sizes):
+        first, bags = firsts[p], slice(num_keys * firsts[p], num_keys * firsts[p + 1])
+        out["lengths"][bags].view(num_keys, size).copy_(taken_lengths[:, first : first + size])
+        offsets = out["offsets"][bags.start + p : bags.stop + p + 1]
+        offsets[0] = 0
+        torch.cumsum(out["lengths"][bags], 0, dtype=offsets.dtype, out=offsets[1:])
+        offset_per_key = [0, *itertools.accumulate(length_per_key[p])]
+        ids = slice(id_starts[p], id_starts[p + 1])
+        for name, column in (("values", 0), ("weights", 1)):
+            if out[name] is None:
+                continue
+            for f in range(num_keys):
+                start = id_starts[p] + offset_per_key[f]
+                part = key_ids[f][column][ids_before[f][p] : ids_before[f][p + 1]]
+                out[name][start : start + len(part)].copy_(part)
+        batches.append(
+            Batch(
+                dense=dense[first : first + size],
+                sparse=KeyedJaggedTensor(
+                    keys=kjt.keys(),
+                    values=out["values"][ids],
+                    weights=None if weights is None else out["weights"][ids],
+                    lengths=out["lengths"][bags],
+                    offsets=offsets,
+                    stride=size,
+                    length_per_key=length_per_key[p],
+                    offset_per_key=offset_per_key,
+                ),
+                labels=labels[first : first + size],
+            )
+        )
+    return batches

@@ -32,6 +32,7 @@ the plan is a function of (seed, epoch, position) alone.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -41,9 +42,9 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from recsys.data.batch import Batch, DatasetSpec
+from recsys.data.batch import Allocate, Batch, DatasetSpec, gather_batches
 from recsys.data.layout import Reshard, Segment, epoch_layout
-from recsys.data.workers import WorkerPool, usable_cpus
+from recsys.data.workers import WorkerPool, shared_empty, usable_cpus
 
 MAX_AUTO_WORKERS = 8
 """The most worker processes ``workers=-1`` starts per rank."""
@@ -179,7 +180,8 @@ class BatchLoader:
         pin = self.device.type == "cuda"
         pool = None
         if self.workers > 0 and self.tasks:
-            pool = WorkerPool(self.build_task, len(self.tasks), self.workers, self.workers, pin)
+            build = functools.partial(self.build_task, allocate=shared_empty)
+            pool = WorkerPool(build, len(self.tasks), self.workers, self.workers, pin)
             batches = _background(self._join(pool.results()), max(self.prefetch, 1))
         else:
             built = (self.build_task(task) for task in range(len(self.tasks)))
@@ -224,26 +226,33 @@ class BatchLoader:
             row += span[1] - span[0]
         return tasks
 
-    def build_task(self, index: int) -> list[tuple[int, Batch]]:
+    def build_task(self, index: int, allocate: Allocate | None = None) -> list[tuple[int, Batch]]:
         """Task ``index`` (of :attr:`tasks`; what a worker runs): its buffer's rows cut at batch
         boundaries, per batch it touches the batch (or, when the batch spans another task too,
-        its piece of it) with the batch's index in the epoch, offsets computed."""
+        its piece of it) with the batch's index in the epoch, offsets computed; all gathered
+        in one pass per tensor (into ``allocate``'s memory) by :func:`gather_batches`."""
         task = self.tasks[index]
-        buffer = self._buffer(task.segment)
-        pieces: list[tuple[int, Batch]] = []
-        row = task.first_row
+        buffer = Batch.concat([self.dataset.chunk(self.split, c) for c in task.segment.chunks])
+        if self.shuffle:
+            seed = np.random.SeedSequence([self.seed, self.epoch, task.segment.buffer, 1])
+            order = torch.from_numpy(np.random.default_rng(seed).permutation(len(buffer)))
+        else:
+            order = torch.arange(len(buffer))
+        rows, end_row = [], task.first_row
         for start, end in task.spans:
-            while start < end and row < self._num_rows:
-                batch = row // self.batch_size
-                take = min(end - start, (batch + 1) * self.batch_size - row, self._num_rows - row)
-                whole = start == 0 and take == len(buffer)
-                pieces.append((batch, buffer if whole else buffer.slice(start, start + take)))
-                start, row = start + take, row + take
-        built = []
-        for batch in dict.fromkeys(b for b, _ in pieces):
-            joined = Batch.concat([piece for b, piece in pieces if b == batch])
-            built.append((self.start_batch + batch, joined.with_offsets()))
-        return built
+            end = min(end, start + self._num_rows - end_row)  # nothing past the last batch
+            if end <= start:
+                break
+            rows.append(order[start:end])
+            end_row += end - start
+        sizes, batches, row = [], [], task.first_row
+        while row < end_row:
+            batch = row // self.batch_size
+            sizes.append(min((batch + 1) * self.batch_size, end_row) - row)
+            batches.append(self.start_batch + batch)
+            row += sizes[-1]
+        pieces = gather_batches(buffer, torch.cat(rows), sizes, allocate)
+        return list(zip(batches, pieces, strict=True))
 
     def _join(self, built: Iterator[list[tuple[int, Batch]]]) -> Iterator[Batch]:
         """The batches of the tasks' results in order, a batch split over tasks joined."""
@@ -260,15 +269,6 @@ class BatchLoader:
                     yield pending[0] if len(pending) == 1 else Batch.concat(pending).with_offsets()
                     pending, rows = [], 0
         assert not pending, "a batch was left incomplete"
-
-    def _buffer(self, segment: Segment) -> Batch:
-        """The rows of ``segment``'s whole buffer: its chunks, permuted when shuffling."""
-        buffer = Batch.concat([self.dataset.chunk(self.split, c) for c in segment.chunks])
-        if self.shuffle:
-            seed = np.random.SeedSequence([self.seed, self.epoch, segment.buffer, 1])
-            order = np.random.default_rng(seed).permutation(len(buffer))
-            buffer = buffer.take(torch.from_numpy(order))
-        return buffer
 
 
 class _Task(NamedTuple):
