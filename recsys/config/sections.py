@@ -170,9 +170,16 @@ class DataConfig:
     criteo: CriteoConfig = field(default_factory=CriteoConfig)
     """Settings of the direct Criteo TSV reader."""
     prefetch_batches: Annotated[int, Range(min=-1)] = -1
-    """Batches built ahead by a background thread while the current one trains. -1: 4 on CUDA,
-    0 on CPU (there the thread competes with training for the same cores; measured in
-    benchmarks/data.py); 0: build batches in the training thread."""
+    """Batches made ready ahead by a background thread of the training process while the
+    current one trains (with loader_workers: received from the workers and, on CUDA, pinned).
+    -1: 4 on CUDA, 0 on CPU (without workers the thread would build batches there, competing
+    with training for the interpreter and the same cores; measured in benchmarks/data.py);
+    0: in the training thread."""
+    loader_workers: Annotated[int, Range(min=-1)] = -1
+    """Processes that build the batches (each a shuffle buffer's worth ahead of training), so
+    that a step does not wait for its batch; the batches are the same for any value. -1: half
+    the CPUs of each rank on this machine, at most 8, and 0 where a rank has fewer than 2;
+    0: build them in the training process."""
     shuffle: bool = True
     """Shuffle the train split every epoch: the order of its chunks and the rows within each
     shuffle buffer."""

@@ -1,4 +1,4 @@
-"""BatchLoader: training batches cut from a dataset's chunks, built ahead in a background thread.
+"""BatchLoader: training batches cut from a dataset's chunks, built ahead in worker processes.
 
 A dataset (synthetic today; Criteo and parquet share the interface) exposes its splits as
 chunks, each a :class:`~recsys.data.batch.Batch` of many rows:
@@ -19,20 +19,45 @@ the up to W x batch_size rows this leaves over are dropped from that epoch. With
 A resume on another number of ranks or batch size passes ``reshards``, the layouts the epoch was
 read in before: the loader then reads exactly the rows of the epoch not yet trained, cut anew
 for this shape (:mod:`recsys.data.layout`).
+
+The work is planned as tasks, one per shuffle buffer (the run of this rank's segments cut from
+it): build the buffer, cut its rows at the batch boundaries, and compute each batch's KJT
+offsets, ids per key and key offsets on the host (:meth:`Batch.with_offsets
+<recsys.data.batch.Batch.with_offsets>`), so that the step never asks the device for them.
+With ``workers`` the tasks run in that many processes (:mod:`recsys.data.workers`), ahead of
+the training loop; a batch that spans two buffers is joined as it arrives. Without, they run in
+the caller (or a background thread with ``prefetch``). The batches are the same either way:
+the plan is a function of (seed, epoch, position) alone.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import queue
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
-from recsys.data.batch import Batch, DatasetSpec
+from recsys.data.batch import Allocate, Batch, DatasetSpec, gather_batches
 from recsys.data.layout import Reshard, Segment, epoch_layout
+from recsys.data.workers import WorkerPool, shared_empty, usable_cpus
+
+MAX_AUTO_WORKERS = 8
+"""The most worker processes ``workers=-1`` starts per rank."""
+
+
+def default_workers(world_size: int = 1) -> int:
+    """The worker processes ``workers=-1`` (``data.loader_workers = -1``) starts: half the CPUs
+    each rank of this machine has (``LOCAL_WORLD_SIZE`` ranks, else ``world_size``), at most
+    :data:`MAX_AUTO_WORKERS`; 0 (batches built in the training process) when a rank has fewer
+    than 2 CPUs, where a worker could only take them from training."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    cpus = usable_cpus() // max(ranks_here, 1)
+    return 0 if cpus < 2 else min(MAX_AUTO_WORKERS, cpus // 2)
 
 
 class ChunkedDataset(Protocol):
@@ -58,9 +83,13 @@ class BatchLoader:
         drop_last: drop the final partial batch and equalize the batch count across ranks.
         rank: this rank's index.
         world_size: number of ranks W.
-        prefetch: batches built ahead by a background thread (0: build in the caller).
+        prefetch: batches made ready ahead by a background thread (0: in the caller; with
+            ``workers``, at least 1: that thread receives the workers' batches).
         device: where batches are delivered; on CUDA they are pinned in the background thread
             and copied with ``non_blocking=True``.
+        workers: processes that build the batches (a task of one shuffle buffer each, each
+            worker one ahead of the batches being trained); 0: build them in this process;
+            -1: :func:`default_workers`.
         shuffle_buffer_chunks: with ``shuffle``, rows of this many consecutive chunks (of this
             rank's order) are permuted together before batches are cut.
         start_batch: resume inside the epoch: skip this many batches (the chunks they came
@@ -92,6 +121,7 @@ class BatchLoader:
         shuffle_buffer_chunks: int = 1,
         start_batch: int = 0,
         reshards: Sequence[Reshard] = (),
+        workers: int = 0,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -99,6 +129,8 @@ class BatchLoader:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if workers < -1:
+            raise ValueError(f"workers must be -1 (auto) or >= 0, got {workers}")
         self.dataset = dataset
         self.split = split
         if shuffle_buffer_chunks < 1:
@@ -133,66 +165,120 @@ class BatchLoader:
         if not 0 <= start_batch <= self.num_batches:
             raise ValueError(f"start_batch {start_batch} outside [0, {self.num_batches}]")
         self.start_batch = start_batch
+        if workers < 0:
+            workers = default_workers(world_size)
+        self.workers = workers
+        rows = sum(segment.num_rows for segment in self.segments) - start_batch * batch_size
+        self._num_rows = max(0, min(rows, (self.num_batches - start_batch) * batch_size))
+        self.tasks = self._plan(start_batch)
+        """The work of this epoch from ``start_batch`` on: one task per shuffle buffer read."""
 
     def __len__(self) -> int:
         return self.num_batches
 
     def __iter__(self) -> Iterator[Batch]:
         pin = self.device.type == "cuda"
-        batches = self._cpu_batches(pin)
-        if self.prefetch > 0:
-            batches = _background(batches, self.prefetch)
-        for batch in batches:
-            yield batch.to(self.device, non_blocking=pin) if self.device.type != "cpu" else batch
+        pool = None
+        if self.workers > 0 and self.tasks:
+            build = functools.partial(self.build_task, allocate=shared_empty)
+            pool = WorkerPool(build, len(self.tasks), self.workers, self.workers, pin)
+            batches = _background(self._join(pool.results()), max(self.prefetch, 1))
+        else:
+            built = (self.build_task(task) for task in range(len(self.tasks)))
+            batches = (b.pin_memory() if pin else b for b in self._join(built))
+            if self.prefetch > 0:
+                batches = _background(batches, self.prefetch)
+        try:
+            for batch in batches:
+                yield (
+                    batch.to(self.device, non_blocking=pin) if self.device.type != "cpu" else batch
+                )
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:  # stops the background thread
+                close()
+            if pool is not None:
+                pool.close()
 
-    def _pieces(self) -> Iterator[Batch]:
-        """This rank's rows of the epoch in order, as pieces of one segment each, starting
-        ``start_batch * batch_size`` rows in (segments before that point are not even read)."""
-        skip = self.start_batch * self.batch_size
-        built_key, built = None, None  # the last buffer read: a reshard may cut one in two
+    def _plan(self, start_batch: int) -> list[_Task]:
+        """This rank's rows of the epoch from batch ``start_batch`` on, as tasks: the runs of
+        consecutive segments of one buffer (segments before that batch are not read, nor are
+        buffers past the last batch)."""
+        skip = start_batch * self.batch_size
+        tasks: list[_Task] = []
+        row = 0
         for segment in self.segments:
+            if row >= self._num_rows:
+                break
             if skip >= segment.num_rows:
                 skip -= segment.num_rows
                 continue
-            if (segment.buffer, segment.chunks) != built_key:
-                built_key, built = (segment.buffer, segment.chunks), self._buffer(segment)
-            piece = built
-            start, skip = segment.start + skip, 0
-            if start or segment.end != len(piece):
-                piece = piece.slice(start, segment.end)
-            yield piece
+            span = (segment.start + skip, segment.end)
+            skip = 0
+            last = tasks[-1] if tasks else None
+            if last is not None and (last.segment.buffer, last.segment.chunks) == (
+                segment.buffer,
+                segment.chunks,
+            ):  # a reshard cut this buffer in two: read it once
+                tasks[-1] = _Task(last.segment, (*last.spans, span), last.first_row)
+            else:
+                tasks.append(_Task(segment, (span,), row))
+            row += span[1] - span[0]
+        return tasks
 
-    def _buffer(self, segment: Segment) -> Batch:
-        """The rows of ``segment``'s whole buffer: its chunks, permuted when shuffling."""
-        buffer = Batch.concat([self.dataset.chunk(self.split, c) for c in segment.chunks])
+    def build_task(self, index: int, allocate: Allocate | None = None) -> list[tuple[int, Batch]]:
+        """Task ``index`` (of :attr:`tasks`; what a worker runs): its buffer's rows cut at batch
+        boundaries, per batch it touches the batch (or, when the batch spans another task too,
+        its piece of it) with the batch's index in the epoch, offsets computed; all gathered
+        in one pass per tensor (into ``allocate``'s memory) by :func:`gather_batches`."""
+        task = self.tasks[index]
+        buffer = Batch.concat([self.dataset.chunk(self.split, c) for c in task.segment.chunks])
         if self.shuffle:
-            seed = np.random.SeedSequence([self.seed, self.epoch, segment.buffer, 1])
-            order = np.random.default_rng(seed).permutation(len(buffer))
-            buffer = buffer.take(torch.from_numpy(order))
-        return buffer
+            seed = np.random.SeedSequence([self.seed, self.epoch, task.segment.buffer, 1])
+            order = torch.from_numpy(np.random.default_rng(seed).permutation(len(buffer)))
+        else:
+            order = torch.arange(len(buffer))
+        rows, end_row = [], task.first_row
+        for start, end in task.spans:
+            end = min(end, start + self._num_rows - end_row)  # nothing past the last batch
+            if end <= start:
+                break
+            rows.append(order[start:end])
+            end_row += end - start
+        sizes, batches, row = [], [], task.first_row
+        while row < end_row:
+            batch = row // self.batch_size
+            sizes.append(min((batch + 1) * self.batch_size, end_row) - row)
+            batches.append(self.start_batch + batch)
+            row += sizes[-1]
+        pieces = gather_batches(buffer, torch.cat(rows), sizes, allocate)
+        return list(zip(batches, pieces, strict=True))
 
-    def _cpu_batches(self, pin: bool) -> Iterator[Batch]:
-        produced = self.start_batch
+    def _join(self, built: Iterator[list[tuple[int, Batch]]]) -> Iterator[Batch]:
+        """The batches of the tasks' results in order, a batch split over tasks joined."""
         pending: list[Batch] = []
-        pending_rows = 0
-        for piece in self._pieces():
-            position = 0
-            while position < len(piece) and produced < self.num_batches:
-                take = min(self.batch_size - pending_rows, len(piece) - position)
-                whole = position == 0 and take == len(piece)
-                pending.append(piece if whole else piece.slice(position, position + take))
-                pending_rows += take
-                position += take
-                if pending_rows == self.batch_size:
-                    batch = Batch.concat(pending)
-                    yield batch.pin_memory() if pin else batch
-                    produced += 1
-                    pending, pending_rows = [], 0
-            if produced == self.num_batches:
-                return
-        if pending:
-            batch = Batch.concat(pending)
-            yield batch.pin_memory() if pin else batch
+        rows = 0
+        for pieces in built:
+            for index, piece in pieces:
+                pending.append(piece)
+                rows += len(piece)
+                full = min(
+                    self.batch_size, self._num_rows - (index - self.start_batch) * self.batch_size
+                )
+                if rows == full:
+                    yield pending[0] if len(pending) == 1 else Batch.concat(pending).with_offsets()
+                    pending, rows = [], 0
+        assert not pending, "a batch was left incomplete"
+
+
+class _Task(NamedTuple):
+    """Rows of one buffer, read in one go: ``spans`` ([start, end) of its permuted rows, in
+    order), the first of them row ``first_row`` of this rank's rows from ``start_batch`` on;
+    ``segment`` names the buffer."""
+
+    segment: Segment
+    spans: tuple[tuple[int, int], ...]
+    first_row: int
 
 
 _DONE = object()
@@ -220,6 +306,10 @@ def _background(items: Iterator[Batch], size: int) -> Iterator[Batch]:
             put(_DONE)
         except BaseException as error:  # forwarded to the consumer
             put(error)
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:  # a generator's cleanup runs here, in its own thread
+                close()
 
     worker = threading.Thread(target=produce, name="recsys-batch-prefetch", daemon=True)
     worker.start()

@@ -1,6 +1,7 @@
 """The pipelined train step (``train.pipeline``): while batch i trains, batch i+1 is already
-pulled from the loader, on the device (:class:`~recsys.data.loader.BatchLoader` builds, pins and
-copies batches ahead in a background thread with ``data.prefetch_batches``) and, under torchrun,
+pulled from the loader, on the device (:class:`~recsys.data.loader.BatchLoader` builds batches
+ahead in worker processes, ``data.loader_workers``, and pins and copies them ahead in a
+background thread, ``data.prefetch_batches``) and, under torchrun,
 its ids have been through every sharded collection's input_dist: the stage TorchRec's
 ``TrainPipelineSparseDist`` runs ahead.
 

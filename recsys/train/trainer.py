@@ -438,6 +438,7 @@ class _Run:
             shuffle_buffer_chunks=self.config.data.shuffle_buffer_chunks,
             start_batch=start_batch,
             reshards=reshards,
+            workers=self.config.data.loader_workers,
         )
 
     def _prefetch(self) -> int:
