@@ -34,7 +34,9 @@ lengths), and that a shuffled epoch without ``drop_last`` holds every row exactl
 sums).
 
 Run: ``python -m benchmarks.data [--quick | --full]``; rows go to
-``benchmarks/results/data.csv`` (see ``benchmarks/_harness.py``).
+``benchmarks/results/data.csv`` (see ``benchmarks/_harness.py``). ``--loader-only``: the loader
+alone, from parquet and the synthetic source, against a GPU step's consumption
+(``benchmarks/_loader_rates.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
+from benchmarks import _loader_rates
 from benchmarks._harness import (
     REPO_ROOT,
     Row,
@@ -484,7 +487,11 @@ def main() -> None:
         help="keep the generated TSV here and reuse it across runs (default: a temp dir)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--loader-only", action="store_true", help=_loader_rates.__doc__)
+    parser.add_argument("--synthetic-batches", type=int, default=128, help="with --loader-only")
     args = parser.parse_args()
+    if args.loader_only:
+        return _loader_rates.loader_only(args, write_input, TOPIC)
     device = resolve_device(args.device)
     if device.type != "cpu":
         raise SystemExit("benchmarks.data measures the CPU data path; run it with --device cpu")
