@@ -403,7 +403,11 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous(tmp_
     assert first.returncode == 0, first.stderr
     limited = code.replace(
         "from recsys", "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))\nfrom recsys"
-    ).replace("--train.max_steps=2", "--train.max_steps=4', '--checkpoint.resume=latest")
+    ).replace(
+        # The limit caps the loader workers' shared-memory files too, which a full disk does not
+        "--train.max_steps=2",
+        "--train.max_steps=4', '--checkpoint.resume=latest', '--data.loader_workers=0",
+    )
     second = subprocess.run(
         [sys.executable, "-c", limited], cwd=ROOT, capture_output=True, text=True
     )
