@@ -56,7 +56,7 @@ __all__ = ["KeyArena", "build_arenas", "joins_arena"]
 # Hint entries per slot of a table (more: fewer keys sharing an entry, more memory and cache
 # traffic), and the most hint entries of an arena (2**23: 64 MiB): past that, the largest
 # tables get fewer per slot, and hints serve their hot keys.
-HINTS_PER_SLOT = 4
+HINTS_PER_SLOT = 2
 MAX_HINTS = 1 << 23
 # Fibonacci hashing: bits 32.. of key * 2**64 / golden ratio pick a hint entry.
 _FIBONACCI = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as int64
