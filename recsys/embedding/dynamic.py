@@ -61,9 +61,9 @@ from recsys.embedding.dynamic_table import (
 )
 from recsys.embedding.inputs import feature_positions, feature_spans
 from recsys.embedding.interface import TABLES, WEIGHT, TableDelta
-from recsys.embedding.key_arena import build_arenas
+from recsys.embedding.key_arena import KeyArena, Placed, build_arenas
 from recsys.embedding.optim import FusedOptimizer
-from recsys.embedding.row_init import table_seed
+from recsys.embedding.row_init import initial_rows, table_seed
 from recsys.embedding.slot_map import Insertion
 from recsys.embedding.tables import options_by_table, row_bytes
 from recsys.ops.slot_map import find_slots_torch
@@ -127,6 +127,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         self._arenas = build_arenas(keyed, features)
         self._arena_tables = {name for arena in self._arenas for name in arena.names}
         self._zero_rows = None  # (layout, element and row indices of the arena zero rows)
+        self._arena_offsets = {}  # id(arena) -> (layout, its tables' element and row offsets)
         self.seed = seed
         self.register_buffer(DYNAMIC_STEP, torch.zeros((), dtype=torch.int64, device=self.device))
         self._step_seen = (None, -1, 0)  # (buffer, its version, the step it holds)
@@ -200,18 +201,32 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         step = self._advance_step() if training else None
         out, missing = values, set()
         for arena in self._arenas:
-            rows, mapped, names = arena.lookup(features, step)
+            rows, mapped, names, placed = arena.lookup(features, step)
             out = rows if mapped is None else torch.where(mapped, rows, out)
             missing.update(names)
+            if placed is not None and arena.places_keys:
+                self._init_placed_rows(arena, placed)
         if training and self._arenas:
             self._reset_zero_rows()
         per_table = [n for n in self.dynamic if n not in self._arena_tables or n in missing]
         if not per_table:
             return out
+        out = self._per_table_rows(features, out, per_table, step)
+        for arena in self._arenas:
+            if missing.intersection(arena.names):
+                arena.refresh()  # the maps these tables grew or filled
+        return out
+
+    def _per_table_rows(
+        self, features: KeyedJaggedTensor, out: torch.Tensor, names: list[str], step: int | None
+    ) -> torch.Tensor:
+        """Each table of ``names`` on its own insert path: its ids' rows written into ``out``."""
+        values = features.values()
         out = values.clone() if out is values else out
         spans = feature_spans(features)
+        training = step is not None
         for index, config in enumerate(self._logical_configs):
-            if config.name not in per_table:
+            if config.name not in names:
                 continue
             where = feature_positions(spans, config.feature_names)
             ids = values[where]
@@ -223,6 +238,37 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
             self._place(index, table, insertion, keys)
             out[where] = rows
         return out
+
+    def _init_placed_rows(self, arena: KeyArena, placed: Placed) -> None:
+        """The initial rows and optimizer state of the keys ``arena`` placed (one write per
+        packed buffer; its tables share one dim)."""
+        layout = self._layout
+        cached = self._arena_offsets.get(id(arena))
+        if cached is None or cached[0] is not layout or cached[1].device != self._flat.device:
+            index = {c.name: t for t, c in enumerate(self._logical_configs)}
+            tables = [index[name] for name in arena.names]
+            elements = [*(layout.elem_offsets[t] for t in tables), 0]
+            rows = [*(layout.row_offsets[t] for t in tables), 0]
+            cached = (
+                layout,
+                torch.tensor(elements, device=self.device),
+                torch.tensor(rows, device=self.device),
+            )
+            self._arena_offsets[id(arena)] = cached
+        _, element_offsets, row_offsets = cached
+        dim = arena.tables[0].dim
+        tables = placed.tables
+        seeds = arena.per_table("seed").index_select(0, tables)
+        bounds = arena.per_table("bound").index_select(0, tables)
+        values = initial_rows(placed.keys, seeds, dim, bounds, self._flat.dtype)  # [U, D]
+        rows = row_offsets.index_select(0, tables) + placed.rows  # [U] in the row space
+        first = element_offsets.index_select(0, tables) + placed.rows * dim
+        elements = first.unsqueeze(1) + torch.arange(dim, device=self.device)  # [U, D]
+        with torch.no_grad():
+            self._flat.index_put_((elements.view(-1),), values.view(-1))
+            for name, buffer in self._states.items():
+                where = rows if self.optimizer.states[name] == "row" else elements.view(-1)
+                buffer.index_fill_(0, where, self.optimizer.initial_state(name))
 
     def _advance_step(self) -> int:
         """Count a training step in ``dynamic_step`` and return it, from a host copy: the

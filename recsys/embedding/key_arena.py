@@ -49,7 +49,14 @@ from torchrec import KeyedJaggedTensor
 from recsys.embedding.dynamic_table import DynamicTable
 from recsys.embedding.score_policy import LFU, LRU
 from recsys.ops._triton import resolve_backend
-from recsys.ops.slot_map import EMPTY_KEY, check_keys, find_arena_slots, find_slots_torch
+from recsys.ops.slot_map import (
+    EMPTY_KEY,
+    RESERVED_KEY,
+    bucket_of,
+    check_keys,
+    find_arena_slots,
+    find_slots_torch,
+)
 
 __all__ = ["KeyArena", "build_arenas", "joins_arena"]
 
@@ -107,6 +114,33 @@ class _Ids:
     lfu: torch.Tensor
     hint_base: torch.Tensor
     hint_mask: torch.Tensor
+
+
+@dataclass
+class Placed:
+    """What :meth:`KeyArena.lookup` did with the U ids it scanned (shape [U], in their order)
+    and, sorted by (table, key), their distinct keys that got a row in this call.
+
+    Attributes:
+        slots: [U] each scanned id's slot (-1: its key has none; its table inserts it).
+        fresh: [U] True for ids whose key got its slot in this call.
+        tables: [U] the arena table of each sorted entry.
+        rows: [U] the row each sorted entry's key got, the table's zero row for entries that
+            got none in this call (a repeat, a hit, or not placed): the caller gives the new
+            rows their initial values and optimizer state, and the zero rows are reset after.
+        keys: [U] the key of each sorted entry.
+        placed_keys: [T + 1] keys placed per table.
+    """
+
+    slots: torch.Tensor
+    fresh: torch.Tensor
+    tables: torch.Tensor
+    rows: torch.Tensor
+    keys: torch.Tensor
+    placed_keys: torch.Tensor
+
+
+_PER_ID = ("num_buckets", "first_bucket", "base", "zero_row", "lfu", "hint_base", "hint_mask")
 
 
 class KeyArena:
@@ -174,6 +208,8 @@ class KeyArena:
             "base": [*bases, 0],
             "zero_row": [*capacities, 0],
             "lfu": [*self._lfu, False],
+            "seed": [*(table.seed for table in self.tables), 0],
+            "insertable": [*(self._insertable(table) for table in self.tables), False],
         }
         # each table's own region of hints (a power of two), then one entry for ids of no
         # table, all naming the scratch slot (EMPTY_KEY, of no table) until written
@@ -188,8 +224,47 @@ class KeyArena:
         self._per_table = {
             name: torch.tensor(values, device=self.device) for name, values in per_table.items()
         }
+        self._per_table["bound"] = torch.tensor(
+            [*(table.bound for table in self.tables), 0.0], dtype=torch.float64, device=self.device
+        )
+        # the most live keys each table takes before it must grow (as SlotMap._buckets_for)
+        self._per_table["room"] = torch.tensor(
+            [*(m.load_factor * m.capacity for m in maps), 0.0],
+            dtype=torch.float64,
+            device=self.device,
+        )
         self._per_ids.clear()
+        self.refresh_sizes()
         self._generations = tuple(m.generation for m in maps)
+
+    @property
+    def places_keys(self) -> bool:
+        """Whether the arena places any table's new keys (see :meth:`_insertable`)."""
+        return any(self._insertable(table) for table in self.tables)
+
+    def _insertable(self, table: DynamicTable) -> bool:
+        """Whether the arena places ``table``'s new keys: without admission (its counter is
+        a map of its own), and every table of the arena of one dim (one write of new rows)."""
+        return table.admission is None and len({t.dim for t in self.tables}) == 1
+
+    def per_table(self, name: str) -> torch.Tensor:
+        """[T + 1] the per-table tensor ``name`` (``seed``, ``bound``, ``base``, ...), with a
+        last entry for ids of no table of the arena."""
+        return self._per_table[name]
+
+    def refresh(self) -> None:
+        """After some tables ran their own insert path: rebuild if a map took new tensors,
+        else copy the live-key counts to the device."""
+        if self._generations != tuple(table.map.generation for table in self.tables):
+            self._rebuild()
+        else:
+            self.refresh_sizes()
+
+    def refresh_sizes(self) -> None:
+        """Copy the maps' live-key counts to the device (after their own insert path ran)."""
+        self._sizes = torch.tensor(
+            [*(table.map.size for table in self.tables), 0], device=self.device
+        )
 
     def release(self) -> None:
         """Give every map its own tensors again (an exported program holds a map's keys as a
@@ -222,7 +297,7 @@ class KeyArena:
         key_ends = features.offsets()[stride::stride].contiguous()  # [F] where keys end
         position = torch.arange(num_ids, device=self.device)
         table = feature_table[torch.searchsorted(key_ends, position, right=True)]  # [V]
-        per_table = {name: values[table] for name, values in self._per_table.items()}
+        per_table = {name: self._per_table[name][table] for name in _PER_ID}
         per_id = _Ids(
             table=table,
             mine=table < len(self.tables),
@@ -240,7 +315,7 @@ class KeyArena:
 
     def lookup(
         self, features: KeyedJaggedTensor, step: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[str]]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[str], Placed | None]:
         """The row of every id of this arena's tables in ``features``.
 
         Args:
@@ -261,25 +336,33 @@ class KeyArena:
         self._current()
         ids = features.values()
         if not ids.numel():
-            return ids, torch.zeros_like(ids, dtype=torch.bool), []
+            return ids, torch.zeros_like(ids, dtype=torch.bool), [], None
         per_id = self._per_id(features, ids.numel())
         found, scanned = self._find(ids, per_id)  # [V], -1 where absent
         rows = found - per_id.base
         if step is None:
             check_keys(ids)
             rows = torch.where(found >= 0, rows, per_id.zero_row)
-            return rows, None if per_id.every_id else per_id.mine, []
-        mapped, missing = None if per_id.every_id else per_id.mine, []
+            return rows, None if per_id.every_id else per_id.mine, [], None
+        mapped, missing, fresh = None if per_id.every_id else per_id.mine, [], None
         if scanned is not None:  # misses can only be among the scanned ids
             where, slots = scanned
+            fresh = self._place_new(ids.index_select(0, where), per_id, where, slots)
+            # [T + 1] ids still without a row per table (their tables take the insert path)
             missed = torch.zeros_like(self.hits)
-            missed.index_add_(0, per_id.table.index_select(0, where), (slots < 0).long())
-            missing = [name for name, n in zip(self.names, missed.tolist(), strict=False) if n]
-            if missing:  # the ids of tables with no miss
+            missed.index_add_(0, per_id.table.index_select(0, where), (fresh.slots < 0).long())
+            counts = torch.stack([missed, fresh.placed_keys]).tolist()
+            missing = [n for n, m in zip(self.names, counts[0], strict=False) if m]
+            self._count_inserts(counts[1])
+            found.index_put_((where,), torch.where(fresh.slots >= 0, fresh.slots, found[where]))
+            rows = found - per_id.base
+            if missing:  # the ids of tables with no miss left
                 mapped = per_id.mine & (missed == 0).index_select(0, per_id.table)
         # [V] each mapped id's slot, the scratch for the rest
         target = found if mapped is None else torch.where(mapped, found, self.scratch)
-        self._count_hits(target, mapped, per_id.table, per_id.position)
+        self._count_hits(
+            target, mapped, per_id.table, per_id.position, fresh, None if fresh is None else where
+        )
         self.last_seen.index_fill_(0, target, step)
         if not any(self._lfu):
             self.scores.index_fill_(0, target, step)
@@ -289,7 +372,7 @@ class KeyArena:
             lfu_target = torch.where(per_id.lfu, target, self.scratch)
             self.scores.index_put_((lfu_target,), self._one, accumulate=True)
             self.scores.index_fill_(0, torch.where(per_id.lfu, self.scratch, target), step)
-        return rows, mapped, missing
+        return rows, mapped, missing, fresh
 
     def _find(
         self, ids: torch.Tensor, per_id: _Ids
@@ -311,7 +394,9 @@ class KeyArena:
         # [V] a hint of the id's own table, the slot it names (the scratch where none)
         hint_at = (((ids * _FIBONACCI) >> 32) & per_id.hint_mask) + per_id.hint_base
         slot = self._hints.index_select(0, hint_at)
-        unsure = self.keys.index_select(0, slot) != ids
+        # (a free slot holds EMPTY_KEY: an id of that reserved value must scan, find nothing
+        # and reach the insert path's error)
+        unsure = (self.keys.index_select(0, slot) != ids) | (ids == EMPTY_KEY)
         if not per_id.every_id:
             unsure &= per_id.mine
         # the one host read of a step whose ids all have a valid hint
@@ -329,18 +414,91 @@ class KeyArena:
         self._hints.index_put_((hint_at.index_select(0, where),), hints)
         return slot.index_put_((where,), slots), (where, slots)
 
+    def _place_new(
+        self, keys: torch.Tensor, per_id: _Ids, where: torch.Tensor, found: torch.Tensor
+    ) -> Placed:
+        """Give the new keys among the scanned ids (``keys`` [U] at positions ``where``,
+        ``found`` [U] their slots or -1) a free slot of their bucket, by the map's rule (a
+        bucket's new keys by ascending key take its free slots by ascending slot), for every
+        table where all of them get one without growing past its load factor; the other
+        tables' new keys are left to their insert path."""
+        tables = per_id.table.index_select(0, where)  # [U]
+        missing = found < 0
+        # distinct (table, key) runs: sorted by key, then stably by table
+        order = torch.sort(keys, stable=True).indices
+        order = order.index_select(0, torch.sort(tables.index_select(0, order), stable=True)[1])
+        key, table = keys.index_select(0, order), tables.index_select(0, order)
+        starts = torch.ones_like(missing)
+        starts[1:] = (key[1:] != key[:-1]) | (table[1:] != table[:-1])
+        new = starts & missing.index_select(0, order)  # one entry per distinct new key
+        run = torch.cumsum(starts, 0) - 1  # [U] the run (distinct key) of each entry
+        per_table = self._per_table
+        bucket = per_table["first_bucket"].index_select(0, table) + bucket_of(
+            key, per_table["num_buckets"].index_select(0, table)
+        )
+        # each new key's rank among its bucket's new keys (ascending key: a stable sort)
+        by_bucket, bucket_order = torch.sort(torch.where(new, bucket, self.scratch), stable=True)
+        position = torch.arange(len(key), device=key.device)
+        first = torch.ones_like(new)
+        first[1:] = by_bucket[1:] != by_bucket[:-1]
+        rank_sorted = position - torch.cummax(torch.where(first, position, 0), 0).values
+        rank = torch.empty_like(rank_sorted).index_copy_(0, bucket_order, rank_sorted)
+        # the rank-th free slot of the bucket [U, S]
+        bucket = torch.where(new, bucket, 0)
+        rows = self.keys[: self.scratch].view(-1, self.bucket_size).index_select(0, bucket)
+        free = rows == EMPTY_KEY  # [U, S]
+        take = free & (torch.cumsum(free, 1) - 1 == rank.unsqueeze(1))
+        slot = bucket * self.bucket_size + take.to(torch.int8).argmax(1)
+        short = new & (~take.any(1) | (key <= RESERVED_KEY))  # a reserved key: the error path
+        num_new = torch.zeros_like(self.hits).index_add_(0, table, new.long())
+        num_short = torch.zeros_like(self.hits).index_add_(0, table, short.long())
+        fits = (self._sizes + num_new).double() <= per_table["room"]
+        placeable = (num_short == 0) & fits & per_table["insertable"]
+        place = new & placeable.index_select(0, table)  # [U]
+        target = torch.where(place, slot, self.scratch)
+        self.keys.index_put_((target,), key)
+        self.keys[self.scratch :].fill_(EMPTY_KEY)  # the scratch took the rest
+        self.scores.index_fill_(0, target, 0)  # LFU adds the batch's count after
+        placed_keys = num_new * placeable
+        self._sizes += placed_keys
+        # each entry's slot: its run's new slot where placed, else what find said
+        run_slot = torch.full((len(key) + 1,), -1, dtype=torch.int64, device=key.device)
+        run_slot.index_put_((torch.where(place, run, len(key)),), slot)
+        got = run_slot.index_select(0, run)
+        slots_sorted = torch.where(got >= 0, got, found.index_select(0, order))
+        fresh_sorted = got >= 0
+        base = per_table["base"].index_select(0, table)
+        zero_row = per_table["zero_row"].index_select(0, table)
+        return Placed(
+            slots=torch.empty_like(found).index_copy_(0, order, slots_sorted),
+            fresh=torch.empty_like(missing).index_copy_(0, order, fresh_sorted),
+            tables=table,
+            rows=torch.where(place, slot - base, zero_row),
+            keys=key,
+            placed_keys=placed_keys,
+        )
+
+    def _count_inserts(self, placed_keys: list[int]) -> None:
+        for table, count in zip(self.tables, placed_keys, strict=False):
+            if count:
+                table.map.count_placed(count)
+
     def _count_hits(
         self,
         target: torch.Tensor,
         mapped: torch.Tensor | None,
         table_of: torch.Tensor,
         positions: torch.Tensor,
+        placed: Placed | None,
+        where: torch.Tensor | None,
     ) -> None:
-        """Add each table's distinct mapped keys to its pending hits: each id writes its
-        position into its slot's last step, and the one whose position stays counts the slot
-        (the last steps are written again right after)."""
+        """Add each table's distinct mapped keys that had a row before this call to its
+        pending hits: each id writes its position into its slot's last step, and the one whose
+        position stays counts the slot (the last steps are written again right after)."""
         self.last_seen.index_put_((target,), positions)
         won = self.last_seen.index_select(0, target) == positions
         if mapped is not None:
             won &= mapped
+        if placed is not None:  # new keys are misses, counted with the inserts
+            won.index_put_((where,), won.index_select(0, where) & ~placed.fresh)
         self.hits.index_add_(0, table_of, won.long())

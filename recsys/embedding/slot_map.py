@@ -201,6 +201,13 @@ class SlotMap:
             self._stats["hits"] += int(self.pending_hits)
             self.pending_hits.zero_()
 
+    def count_placed(self, count: int) -> None:
+        """Count ``count`` new keys an arena (:mod:`recsys.embedding.key_arena`) wrote into
+        free slots of this map: misses and inserts, now live."""
+        self._stats["misses"] += count
+        self._stats["inserts"] += count
+        self._size += count
+
     def adopt(self, keys: torch.Tensor, scores: torch.Tensor, last_seen: torch.Tensor) -> None:
         """Hold the map's keys, scores and last steps in ``keys`` / ``scores`` / ``last_seen``
         (views of an arena's buffers, already holding the same values) from now on."""

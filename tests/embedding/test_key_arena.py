@@ -14,17 +14,20 @@ from recsys.embedding.dynamic_table import DynamicTableOptions
 from recsys.embedding.key_arena import joins_arena
 from recsys.embedding.optim import Adam, RowWiseAdagrad
 from recsys.embedding.score_policy import ScorePolicy
-from recsys.ops.slot_map import RESERVED_KEY
+from recsys.embedding.slot_map import SlotMap
+from recsys.ops.slot_map import EMPTY_KEY, RESERVED_KEY
 from recsys.train.step_audit import StepAudit
 
 FEATURES = {"u": "user", "i": "item", "j": "item", "c": "city", "f": "fixed"}
 
 
-def _collection(arena: bool, options: dict[str, DynamicTableOptions], optimizer, validate=True):
+def _collection(
+    arena: bool, options: dict[str, DynamicTableOptions], optimizer, validate=True, item_dim=8
+):
     configs = [
         EmbeddingBagConfig(name="user", embedding_dim=4, num_embeddings=64, feature_names=["u"]),
         EmbeddingBagConfig(
-            name="item", embedding_dim=8, num_embeddings=32, feature_names=["i", "j"]
+            name="item", embedding_dim=item_dim, num_embeddings=32, feature_names=["i", "j"]
         ),
         EmbeddingBagConfig(name="city", embedding_dim=4, num_embeddings=32, feature_names=["c"]),
         EmbeddingBagConfig(name="fixed", embedding_dim=4, num_embeddings=16, feature_names=["f"]),
@@ -82,6 +85,13 @@ OPTIONS = {
         "item": DynamicTableOptions(score="lfu", bucket_size=8),
         "city": DynamicTableOptions(score="lfu"),
     },
+    # one bucket size and dim: the arena places new keys itself while they fit (below and at
+    # the cap), the tables' own path grows them and evicts
+    "one_dim_capped": {
+        "user": DynamicTableOptions(max_capacity=48, bucket_size=8),
+        "item": DynamicTableOptions(max_capacity=80, bucket_size=8, score="lfu"),
+        "city": DynamicTableOptions(bucket_size=8),
+    },
     "capped_with_admission": {
         "user": DynamicTableOptions(max_capacity=48, bucket_size=8, admit_after=2),
         "item": DynamicTableOptions(max_capacity=80, bucket_size=8, score="lfu"),
@@ -91,9 +101,18 @@ OPTIONS = {
 
 
 @pytest.mark.parametrize("case", sorted(OPTIONS))
-def test_arena_trains_bitwise_like_each_tables_own_path(case):
-    models = {arena: _collection(arena, OPTIONS[case], RowWiseAdagrad(lr=0.1)) for arena in (0, 1)}
+def test_arena_trains_bitwise_like_each_tables_own_path(case, monkeypatch):
+    item_dim = 4 if case == "one_dim_capped" else 8
+    models = {
+        arena: _collection(arena, OPTIONS[case], RowWiseAdagrad(lr=0.1), item_dim=item_dim)
+        for arena in (0, 1)
+    }
     assert models[1]._arenas and not models[0]._arenas
+    placed = []
+    count_placed = SlotMap.count_placed
+    monkeypatch.setattr(
+        SlotMap, "count_placed", lambda m, n: (placed.append(n), count_placed(m, n))
+    )
     for step, features in enumerate(_batches(14, batch=24, universe=400, seed=5)):
         train = step % 5 != 4  # every fifth batch is only looked up
         outputs = {}
@@ -114,8 +133,11 @@ def test_arena_trains_bitwise_like_each_tables_own_path(case):
     stats = models[1].dynamic_stats()
     assert models[0].dynamic_stats() == stats
     assert all(stats[name]["hits"] > 0 for name in stats), stats
-    grew_or_evicted = "evictions" if case == "capped_with_admission" else "grows"
-    assert all(stats[name][grew_or_evicted] > 0 for name in stats), stats
+    grew_or_evicted = "grows" if case == "lru_and_lfu" else "evictions"
+    tables = ("user", "item") if case == "one_dim_capped" else stats
+    assert all(stats[name][grew_or_evicted] > 0 for name in tables), stats
+    # the arena placed new keys itself, except where admission counts them first
+    assert (sum(placed) > 0) == (case != "capped_with_admission"), placed
 
 
 def test_arena_groups_tables_by_bucket_size_and_leaves_ttl_and_custom_scores_out():
@@ -154,15 +176,16 @@ def test_all_hits_lookup_waits_at_most_twice_and_a_reserved_key_still_raises():
         ebc.lookup_ids(features)
     # the reserved-key check of a lookup, the hint count (and no table's misses read)
     assert 1 <= lookups.num_syncs <= 2, lookups.describe()
-    bad = KeyedJaggedTensor(
-        keys=list(FEATURES),
-        values=torch.tensor([5, RESERVED_KEY, 7, 8, 1]),
-        lengths=torch.ones(5, dtype=torch.int64),
-    )
-    for training in (False, True):
-        ebc.train(training)
-        with pytest.raises(ValueError, match="reserved"):
-            ebc(bad)
+    for reserved in (EMPTY_KEY, RESERVED_KEY):
+        bad = KeyedJaggedTensor(
+            keys=list(FEATURES),
+            values=torch.tensor([5, reserved, 7, 8, 1]),
+            lengths=torch.ones(5, dtype=torch.int64),
+        )
+        for training in (False, True):
+            ebc.train(training)
+            with pytest.raises(ValueError, match="reserved"):
+                ebc(bad)
 
 
 def test_arena_rebuilds_after_a_table_grows_or_loads():
