@@ -9,12 +9,18 @@ of its range, so its own insert, eviction, expiry and checkpoint code is unchang
 takes new tensors (it grew, or was restored) the arena is rebuilt before its next use (one
 copy of every map: growth doubles, so this is rare).
 
-:meth:`KeyArena.lookup`, for every id of a batch at once (shape letters: V ids of the batch, T
-tables of the arena)::
+:meth:`KeyArena.lookup`, for every id of a batch at once (shape letters: V ids of the batch, U
+ids that scanned their bucket, T tables of the arena)::
 
-    ids -> each id's own map: find (one launch) -> misses per table (the one host read)
-        tables without a miss: scores and last steps updated, hits counted, on the device
-        tables with a miss: named to the caller, which runs their full insert path
+    ids -> each id's own map: find -> [U ids scanned: misses per table]
+        no miss: scores, last steps and hits updated on the device
+        misses: new keys placed in free slots -> [placed per table]
+            tables whose new keys all fit: placed, their ids then as hits
+            the others: named to the caller, which runs their own insert path
+
+The host reads (``[...]``): on CUDA the misses per table (1 per step) and, on a step with new
+keys, what was placed (2); on CPU first the list of ids without a valid hint (below), then the
+same two reads only when that list is not empty (1 to 3 per step; a step of hits: 1 or 2).
 
 Finding the slots: on CUDA one Triton launch scans each id's bucket
 (:func:`~recsys.ops.slot_map.find_arena_slots`). On CPU, where scanning the [V, S] bucket rows
@@ -22,9 +28,16 @@ costs more than the rest of the step, each id first tries its **hint**: the entr
 a hash of the key in its table's own region of a hint buffer, naming a slot; a hint is
 accepted only if its slot holds the key (only the table's ids write its region, so the slot
 is the key's slot in that table). The ids without a valid hint (new keys, two hot keys on one
-entry, slots moved by a rehash) are listed (``nonzero``: the step's one host read) and only
-those scan their bucket, then write their hint. Hints never change a result, only how it is
-found.
+entry, slots moved by a rehash) are listed (``nonzero``) and only those scan their bucket,
+then write their hint. Hints never change a result, only how it is found.
+
+Placing new keys (:meth:`KeyArena._place_new`) follows the map's own rule: the distinct new keys
+of a bucket, by ascending key, take its free slots by ascending slot. A table's new keys are
+placed only if all of them find a free slot and the table stays within its load factor (else
+it would grow or evict: its own insert path does that, and is the reference the arena is tested
+against), it has no admission counter, and the arena's tables share one dim (their initial rows
+are written in one pass by the collection). A placed key starts as a fresh row: its initial row
+of (seed, table, key), the optimizer's initial state, score 0 before the batch's update.
 
 The all-hits update is bitwise the per-table path's (:meth:`SlotMap.insert` on the distinct
 keys): an LRU score becomes the step, an LFU score adds one per occurrence (the per-key count
@@ -347,15 +360,18 @@ class KeyArena:
         mapped, missing, fresh = None if per_id.every_id else per_id.mine, [], None
         if scanned is not None:  # misses can only be among the scanned ids
             where, slots = scanned
-            fresh = self._place_new(ids.index_select(0, where), per_id, where, slots)
-            # [T + 1] ids still without a row per table (their tables take the insert path)
-            missed = torch.zeros_like(self.hits)
-            missed.index_add_(0, per_id.table.index_select(0, where), (fresh.slots < 0).long())
-            counts = torch.stack([missed, fresh.placed_keys]).tolist()
-            missing = [n for n, m in zip(self.names, counts[0], strict=False) if m]
-            self._count_inserts(counts[1])
-            found.index_put_((where,), torch.where(fresh.slots >= 0, fresh.slots, found[where]))
-            rows = found - per_id.base
+            tables = per_id.table.index_select(0, where)
+            # [T + 1] ids without a row per table: a host read
+            missed = torch.zeros_like(self.hits).index_add_(0, tables, (slots < 0).long())
+            if any(missed.tolist()):
+                fresh = self._place_new(ids.index_select(0, where), per_id, where, slots)
+                # those still without a row (their tables take the insert path): another read
+                missed = torch.zeros_like(self.hits).index_add_(0, tables, (fresh.slots < 0).long())
+                counts = torch.stack([missed, fresh.placed_keys]).tolist()
+                missing = [n for n, m in zip(self.names, counts[0], strict=False) if m]
+                self._count_inserts(counts[1])
+                found.index_put_((where,), fresh.slots)
+                rows = found - per_id.base
             if missing:  # the ids of tables with no miss left
                 mapped = per_id.mine & (missed == 0).index_select(0, per_id.table)
         # [V] each mapped id's slot, the scratch for the rest
@@ -380,7 +396,7 @@ class KeyArena:
         """Each id's slot in the arena, -1 where its table does not hold it, and the ids whose
         bucket was scanned (positions [U], their slots [U]; None when every id of the arena
         had a valid hint). Triton: one scan of every id's bucket. Torch: the hints, then a scan
-        of the ids without a valid one; the one host read is their list."""
+        of the ids without a valid one, listed by a host read."""
         if self._hints is None:
             found = find_arena_slots(
                 self.keys[: self.scratch],
@@ -399,7 +415,7 @@ class KeyArena:
         unsure = (self.keys.index_select(0, slot) != ids) | (ids == EMPTY_KEY)
         if not per_id.every_id:
             unsure &= per_id.mine
-        # the one host read of a step whose ids all have a valid hint
+        # the first host read of a step (its only one when every id has a valid hint)
         where = unsure.nonzero().squeeze(1)  # [U]
         if not len(where):
             return slot, None
