@@ -12,9 +12,10 @@ Providers:
   a step is one step of the trainer's loop (the train step and what the loop does around it:
   the next batch from the loader, the schedule, the loss window).
 - ``recsys_dynamic``: the same run with every table dynamic (``model.dynamic.tables=["all"]``):
-  fresh samples every step, so most steps bring new keys to some tables.
-- ``recsys_dynamic_hits``: the dynamic run on one batch of samples, epoch after epoch: every
-  key of a step is already held (the steady state of the key arena, no insert).
+  fresh samples every step, so most steps bring new keys to some tables (the audited step, the
+  fourth, still grows tables). The step of hits only and a step that inserts after the growth
+  are audited by ``tests/train/test_step_budget.py`` (``step_audit_budget.json``), the step time
+  of hits by ``benchmarks/dynamic.py``.
 - ``recsys_sharded``: the same run on 2 gloo ranks (``torch.multiprocessing`` processes, one
   torch thread each; the planner's plan, DDP on the dense part); counts of rank 0 (rank 1's in
   ``notes`` where they differ), the slower rank's step time, batch per rank. CPU only (not
@@ -28,12 +29,11 @@ Providers:
   (``benchmarks/_torchrec_peers.py``, ``benchmarks/models.py``).
 
 Batch sizes 32, 256 and 2048 for ``recsys``, ``recsys_model_step`` and ``torchrec_dmp``;
-``recsys_dynamic``, ``recsys_dynamic_hits`` and ``recsys_sharded`` at 2048 (the recipe's
-batch). Each provider warms up (3 steps), one step is audited, then steps are timed
-(``benchmarks/_harness.py``; CUDA events on a GPU): the providers of one batch size in
-alternation, each trainer step followed by an untimed pause as long as itself, in which its
-loader thread builds the next batch (rather than during the next provider's step); the ranks in
-processes of their own, before the rest.
+``recsys_dynamic`` and ``recsys_sharded`` at 2048 (the recipe's batch). Each provider warms up
+(3 steps), one step is audited, then steps are timed (``benchmarks/_harness.py``; CUDA events
+on a GPU): the providers of one batch size in alternation, each trainer step followed by an
+untimed pause as long as itself, in which its loader thread builds the next batch (rather than
+during the next provider's step); the ranks in processes of their own, before the rest.
 ``notes``: the files of the syncs (``file xN``), the load average.
 
 Run: ``python -m benchmarks.step_audit [--quick] [--device cuda]``; rows go to
@@ -212,13 +212,7 @@ def bench_one_process(device: torch.device, batch_sizes: list[int], repeats: int
     dataset = build_dataset(recipe.data, recipe.run.seed)
     trainers = [(batch, "recsys", ()) for batch in batch_sizes]
     if RECIPE_BATCH in batch_sizes:
-        dynamic = '--model.dynamic.tables=["all"]'
-        trainers.append((RECIPE_BATCH, "recsys_dynamic", (dynamic,)))
-        one_batch = (
-            f"--data.synthetic.num_train_samples={RECIPE_BATCH}",
-            f"--train.epochs={steps + 20}",
-        )
-        trainers.append((RECIPE_BATCH, "recsys_dynamic_hits", (dynamic, *one_batch)))
+        trainers.append((RECIPE_BATCH, "recsys_dynamic", ('--model.dynamic.tables=["all"]',)))
     results = []
     with contextlib.ExitStack() as stack:
         paced, audited = {}, {}
@@ -314,8 +308,7 @@ def describe(r: dict) -> str:
     threads = "" if r["ranks"] > 1 else f" threads={torch.get_num_threads()}"
     # The trainer's runs check ids on the device, as on a GPU (sharded tables check in sync
     # mode); the plain loop's collections keep their default (sync).
-    trainer_runs = ("recsys", "recsys_dynamic", "recsys_dynamic_hits")
-    checks = " id_checks=async" if r["provider"] in trainer_runs else ""
+    checks = " id_checks=async" if r["provider"] in ("recsys", "recsys_dynamic") else ""
     return (
         f"{RECIPE.relative_to(REPO_ROOT)} batch={r['batch']}x{r['ranks']} ranks={r['ranks']}"
         f"{threads} optim=adam+fused_adagrad{checks}"
