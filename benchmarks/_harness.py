@@ -155,12 +155,18 @@ def time_fns(
     repeats: int = 10,
     min_time_s: float = 0.5,
     max_repeats: int = 1000,
+    block: int = 1,
 ) -> dict[str, Timing]:
     """:func:`time_fn` for several callables (the providers of one case), interleaved: each
     round times every callable that still needs samples once, so a slow stretch of a shared
-    machine falls on all providers alike instead of on whichever ran then."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    machine falls on all providers alike instead of on whichever ran then.
+
+    ``block`` > 1: each round runs ``block`` consecutive calls of a provider, the first untimed
+    (it finds the caches holding the other provider's data), the rest timed: each call then
+    runs warm, as the steps of a training run do, and the interleaving still spreads a slow
+    stretch over all providers."""
+    if repeats < 1 or block < 1:
+        raise ValueError(f"repeats and block must be >= 1, got {repeats} and {block}")
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -173,7 +179,10 @@ def time_fns(
 
     while pending := [name for name, samples in times_ms.items() if needs_more(samples)]:
         for name in pending:
-            times_ms[name].append(_time_once(fns[name], device))
+            if block > 1:
+                fns[name]()
+            for _ in range(max(1, block - 1)):
+                times_ms[name].append(_time_once(fns[name], device))
     return {name: summarize(samples) for name, samples in times_ms.items()}
 
 

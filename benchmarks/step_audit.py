@@ -11,7 +11,11 @@ Providers:
   fixed tables, one process, the loader in its background thread (``data.prefetch_batches=2``);
   a step is one step of the trainer's loop (the train step and what the loop does around it:
   the next batch from the loader, the schedule, the loss window).
-- ``recsys_dynamic``: the same run with every table dynamic (``model.dynamic.tables=["all"]``).
+- ``recsys_dynamic``: the same run with every table dynamic (``model.dynamic.tables=["all"]``):
+  fresh samples every step, so most steps bring new keys to some tables (the audited step, the
+  fourth, still grows tables). The step of hits only and a step that inserts after the growth
+  are audited by ``tests/train/test_step_budget.py`` (``step_audit_budget.json``), the step time
+  of hits by ``benchmarks/dynamic.py``.
 - ``recsys_sharded``: the same run on 2 gloo ranks (``torch.multiprocessing`` processes, one
   torch thread each; the planner's plan, DDP on the dense part); counts of rank 0 (rank 1's in
   ``notes`` where they differ), the slower rank's step time, batch per rank. CPU only (not
@@ -26,8 +30,8 @@ Providers:
 
 Batch sizes 32, 256 and 2048 for ``recsys``, ``recsys_model_step`` and ``torchrec_dmp``;
 ``recsys_dynamic`` and ``recsys_sharded`` at 2048 (the recipe's batch). Each provider warms up
-(3 steps), one step is audited, then steps are timed (``benchmarks/_harness.py``; CUDA events on
-a GPU): the providers of one batch size in alternation, each trainer step followed by an
+(3 steps), one step is audited, then steps are timed (``benchmarks/_harness.py``; CUDA events
+on a GPU): the providers of one batch size in alternation, each trainer step followed by an
 untimed pause as long as itself, in which its loader thread builds the next batch (rather than
 during the next provider's step); the ranks in processes of their own, before the rest.
 ``notes``: the files of the syncs (``file xN``), the load average.

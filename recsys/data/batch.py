@@ -118,7 +118,8 @@ class Batch:
         )
 
     def slice(self, start: int, stop: int) -> Batch:
-        """Rows ``[start, stop)`` as a new batch (values are copied only for the sparse part)."""
+        """Rows ``[start, stop)`` as a new batch (values are copied only for the sparse part);
+        its KJT carries its lengths and offsets per key."""
         kjt = self.sparse
         num_keys = len(kjt.keys())
         lengths = kjt.lengths().view(num_keys, -1)  # [F, B]
@@ -130,6 +131,7 @@ class Batch:
         weights = kjt.weights_or_none()
         if weights is not None:
             weights = torch.cat([weights[a:b] for a, b in zip(starts, stops, strict=True)])
+        length_per_key = [b - a for a, b in zip(starts, stops, strict=True)]
         return Batch(
             dense=self.dense[start:stop],
             sparse=KeyedJaggedTensor(
@@ -137,6 +139,8 @@ class Batch:
                 values=values,
                 lengths=lengths[:, start:stop].reshape(-1).clone(),
                 weights=weights,
+                length_per_key=length_per_key,
+                offset_per_key=[0, *itertools.accumulate(length_per_key)],
             ),
             labels=self.labels[start:stop],
         )

@@ -61,8 +61,9 @@ from recsys.embedding.dynamic_table import (
 )
 from recsys.embedding.inputs import feature_positions, feature_spans
 from recsys.embedding.interface import TABLES, WEIGHT, TableDelta
+from recsys.embedding.key_arena import KeyArena, Placed, build_arenas
 from recsys.embedding.optim import FusedOptimizer
-from recsys.embedding.row_init import table_seed
+from recsys.embedding.row_init import initial_rows, table_seed
 from recsys.embedding.slot_map import Insertion
 from recsys.embedding.tables import options_by_table, row_bytes
 from recsys.ops.slot_map import find_slots_torch
@@ -122,8 +123,14 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         super().__init__(packed, is_weighted, device, backend=backend, validate=validate)
         self._logical_configs = tables
         self.dynamic = nn.ModuleDict(keyed)
+        features = {c.name: c.feature_names for c in tables}
+        self._arenas = build_arenas(keyed, features)
+        self._arena_tables = {name for arena in self._arenas for name in arena.names}
+        self._zero_rows = None  # (layout, element and row indices of the arena zero rows)
+        self._arena_offsets = {}  # id(arena) -> (layout, its tables' element and row offsets)
         self.seed = seed
         self.register_buffer(DYNAMIC_STEP, torch.zeros((), dtype=torch.int64, device=self.device))
+        self._step_seen = (None, -1, 0)  # (buffer, its version, the step it holds)
         self.set_optimizer(optimizer)  # binds the state buffers of the packed tables
         self.reset_parameters()
         self.register_state_dict_post_hook(_save_key_layout)
@@ -178,20 +185,48 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
 
     def lookup_ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """The ids with every dynamic table's keys replaced by their rows: assigned (inserting
-        keys) in a training forward with a fused optimizer, else only looked up."""
+        keys) in a training forward with a fused optimizer, else only looked up.
+
+        The tables of an arena (:mod:`recsys.embedding.key_arena`) are looked up together,
+        without waiting on the device except for one read of which tables miss a key; only
+        those, and the tables outside an arena, take the per-table insert path."""
         values = features.values()
         if not self.dynamic:
             return values
         if torch.compiler.is_exporting():
+            for arena in self._arenas:
+                arena.release()
             return self._exported_rows(features)
-        spans = feature_spans(features)
-        out = values.clone()
         training = self.training and self.optimizer is not None
-        if training:
-            self.dynamic_step += 1
-        step = int(self.dynamic_step)
+        step = self._advance_step() if training else None
+        out, missing = values, set()
+        for arena in self._arenas:
+            rows, mapped, names, placed = arena.lookup(features, step)
+            out = rows if mapped is None else torch.where(mapped, rows, out)
+            missing.update(names)
+            if placed is not None and arena.places_keys:
+                self._init_placed_rows(arena, placed)
+        if training and self._arenas:
+            self._reset_zero_rows()
+        per_table = [n for n in self.dynamic if n not in self._arena_tables or n in missing]
+        if not per_table:
+            return out
+        out = self._per_table_rows(features, out, per_table, step)
+        for arena in self._arenas:
+            if missing.intersection(arena.names):
+                arena.refresh()  # the maps these tables grew or filled
+        return out
+
+    def _per_table_rows(
+        self, features: KeyedJaggedTensor, out: torch.Tensor, names: list[str], step: int | None
+    ) -> torch.Tensor:
+        """Each table of ``names`` on its own insert path: its ids' rows written into ``out``."""
+        values = features.values()
+        out = values.clone() if out is values else out
+        spans = feature_spans(features)
+        training = step is not None
         for index, config in enumerate(self._logical_configs):
-            if config.name not in self.dynamic:
+            if config.name not in names:
                 continue
             where = feature_positions(spans, config.feature_names)
             ids = values[where]
@@ -203,6 +238,78 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
             self._place(index, table, insertion, keys)
             out[where] = rows
         return out
+
+    def _init_placed_rows(self, arena: KeyArena, placed: Placed) -> None:
+        """The initial rows and optimizer state of the keys ``arena`` placed (one write per
+        packed buffer; its tables share one dim)."""
+        layout = self._layout
+        cached = self._arena_offsets.get(id(arena))
+        if cached is None or cached[0] is not layout or cached[1].device != self._flat.device:
+            index = {c.name: t for t, c in enumerate(self._logical_configs)}
+            tables = [index[name] for name in arena.names]
+            elements = [*(layout.elem_offsets[t] for t in tables), 0]
+            rows = [*(layout.row_offsets[t] for t in tables), 0]
+            cached = (
+                layout,
+                torch.tensor(elements, device=self.device),
+                torch.tensor(rows, device=self.device),
+            )
+            self._arena_offsets[id(arena)] = cached
+        _, element_offsets, row_offsets = cached
+        dim = arena.tables[0].dim
+        tables = placed.tables
+        seeds = arena.per_table("seed").index_select(0, tables)
+        bounds = arena.per_table("bound").index_select(0, tables)
+        values = initial_rows(placed.keys, seeds, dim, bounds, self._flat.dtype)  # [U, D]
+        rows = row_offsets.index_select(0, tables) + placed.rows  # [U] in the row space
+        first = element_offsets.index_select(0, tables) + placed.rows * dim
+        elements = first.unsqueeze(1) + torch.arange(dim, device=self.device)  # [U, D]
+        with torch.no_grad():
+            self._flat.index_put_((elements.view(-1),), values.view(-1))
+            for name, buffer in self._states.items():
+                where = rows if self.optimizer.states[name] == "row" else elements.view(-1)
+                buffer.index_fill_(0, where, self.optimizer.initial_state(name))
+
+    def _advance_step(self) -> int:
+        """Count a training step in ``dynamic_step`` and return it, from a host copy: the
+        buffer is read only when something else wrote it (a load, a reshard)."""
+        buffer = self.dynamic_step
+        seen, version, step = self._step_seen
+        if buffer is not seen or buffer._version != version:
+            step = int(buffer)
+        buffer.fill_(step + 1)
+        self._step_seen = (buffer, buffer._version, step + 1)
+        return step + 1
+
+    def _reset_zero_rows(self) -> None:
+        """Put the zero row of every arena table back to zero and its optimizer state to the
+        initial value (as :meth:`_place` does for a table on the insert path): one write per
+        packed buffer."""
+        layout = self._layout
+        if self._zero_rows is None or (self._zero_rows[0], self._zero_rows[1].device) != (
+            layout,
+            self._flat.device,
+        ):
+            index = {name: t for t, name in enumerate(c.name for c in self._logical_configs)}
+            tables = [index[name] for name in self._arena_tables]
+            elements = torch.cat(
+                [
+                    torch.arange(layout.dims[t], device=self.device)
+                    + layout.elem_offsets[t]
+                    + (layout.rows[t] - 1) * layout.dims[t]
+                    for t in tables
+                ]
+            )
+            rows = torch.tensor(
+                [layout.row_offsets[t] + layout.rows[t] - 1 for t in tables], device=self.device
+            )
+            self._zero_rows = (layout, elements, rows)
+        _, elements, rows = self._zero_rows
+        with torch.no_grad():
+            self._flat.index_fill_(0, elements, 0)
+            for name, buffer in self._states.items():
+                where = rows if self.optimizer.states[name] == "row" else elements
+                buffer.index_fill_(0, where, self.optimizer.initial_state(name))
 
     def _place(self, index: int, table: DynamicTable, insertion: Insertion, keys: torch.Tensor):
         """After an insertion: follow the map's growth, give new keys their initial rows and

@@ -59,6 +59,10 @@ def initial_rows(
     Computed in float64 and rounded once to ``dtype``, so a row is the same in every dtype's
     precision."""
     keys = keys.to(torch.int64).reshape(-1, 1)
+    if isinstance(seed, torch.Tensor):  # one per key: keys of several tables at once
+        seed = seed.reshape(-1, 1)
+    if isinstance(bound, torch.Tensor):
+        bound = bound.to(torch.float64).reshape(-1, 1)
     columns = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * GOLDEN
     z = mix64(mix64(keys ^ seed) + columns)  # [K, dim]
     top = (z >> 40) & ((1 << 24) - 1)

@@ -136,6 +136,12 @@ class SlotMap:
         self.load_factor = load_factor
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.backend = backend
+        self.generation = 0
+        """Counts the times the map took new tensors (grew, was restored): a caller holding
+        views of them (:mod:`recsys.embedding.key_arena`) rebuilds when it changes."""
+        self.pending_hits: torch.Tensor | None = None
+        """A 0-d device counter of hits counted by an arena's step, added to ``hits`` when the
+        stats are read (the one place they are read on the host)."""
         self._use(_empty_layout(math.ceil(capacity / bucket_size), bucket_size, self.device))
         self._size = 0
         self._warned = False  # about keys without room at the maximum size
@@ -177,6 +183,7 @@ class SlotMap:
         and misses (keys looked up by :meth:`insert`), inserts (new rows), evictions,
         expirations (TTL), rejected (misses not admitted), overflow (admitted misses that found
         no room: a full bucket at the maximum size) and grows (rehashes)."""
+        self._take_pending_hits()
         return {
             "size": self._size,
             "capacity": self.capacity,
@@ -186,7 +193,31 @@ class SlotMap:
 
     def reset_stats(self) -> None:
         """Zero the cumulative counters (size and capacity stay)."""
+        self._take_pending_hits()
         self._stats = dict.fromkeys(self._stats, 0)
+
+    def _take_pending_hits(self) -> None:
+        if self.pending_hits is not None:
+            self._stats["hits"] += int(self.pending_hits)
+            self.pending_hits.zero_()
+
+    def count_placed(self, count: int) -> None:
+        """Count ``count`` new keys an arena (:mod:`recsys.embedding.key_arena`) wrote into
+        free slots of this map: misses and inserts, now live."""
+        self._stats["misses"] += count
+        self._stats["inserts"] += count
+        self._size += count
+
+    def adopt(self, keys: torch.Tensor, scores: torch.Tensor, last_seen: torch.Tensor) -> None:
+        """Hold the map's keys, scores and last steps in ``keys`` / ``scores`` / ``last_seen``
+        (views of an arena's buffers, already holding the same values) from now on."""
+        if not keys.shape == scores.shape == last_seen.shape == self.keys.shape:
+            raise ValueError(
+                f"table {self.name!r}: adopt tensors of shapes {tuple(keys.shape)}, "
+                f"{tuple(scores.shape)}, {tuple(last_seen.shape)}; expected "
+                f"{tuple(self.keys.shape)}"
+            )
+        self.keys, self.scores, self.last_seen = keys, scores, last_seen
 
     # ------------------------------------------------------------------ lookups
 
@@ -467,6 +498,8 @@ class SlotMap:
         return Insertion(out_slots, inserted, moved, evicted)
 
     def _use(self, layout: _Layout) -> None:
+        if layout.keys is not getattr(self, "keys", None):
+            self.generation += 1
         self.num_buckets = layout.num_buckets
         self.keys, self.scores, self.last_seen = layout.keys, layout.scores, layout.last_seen
 

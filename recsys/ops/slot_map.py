@@ -16,6 +16,11 @@ There is no probing outside the bucket and no tombstone: removing a key writes `
 
 Find (:func:`find_slots`): the slot of each key [N] in its bucket's row, or -1.
 
+Arena find (:func:`find_arena_slots`): several maps side by side in one buffer (an arena, see
+:mod:`recsys.embedding.key_arena`), map m taking the buckets ``[first_m, first_m +
+num_buckets_m)``; each key is looked up in its own map: bucket ``first + bucket_of(k,
+num_buckets)`` with per-key ``first`` and ``num_buckets``. One launch for every table.
+
 Assign (:func:`assign_slots`): M new keys (distinct, absent from the map). Per bucket b that
 receives n_b of them, ranked r = 0..n_b-1 by ascending key, the bucket's candidate slots are
 ordered
@@ -54,6 +59,7 @@ __all__ = [
     "assign_slots",
     "bucket_of",
     "check_keys",
+    "find_arena_slots",
     "find_slots",
     "find_slots_torch",
     "hash_keys",
@@ -123,8 +129,9 @@ def hash_keys(keys: torch.Tensor, seed: int = 0) -> torch.Tensor:
     return mix64(keys.to(torch.int64) ^ salt)
 
 
-def bucket_of(keys: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """Bucket of each key: ``(mix64(k) >>> 1) mod num_buckets``, int64 in [0, num_buckets)."""
+def bucket_of(keys: torch.Tensor, num_buckets: int | torch.Tensor) -> torch.Tensor:
+    """Bucket of each key: ``(mix64(k) >>> 1) mod num_buckets``, int64 in [0, num_buckets)
+    (``num_buckets``: one count, or one per key)."""
     return _shift_right_logical(mix64(keys), 1) % num_buckets
 
 
@@ -155,22 +162,29 @@ def _check_layout(table_keys: torch.Tensor, num_buckets: int, bucket_size: int) 
 
 
 def find_slots_torch(
-    table_keys: torch.Tensor, num_buckets: int, bucket_size: int, keys: torch.Tensor
+    table_keys: torch.Tensor,
+    num_buckets: int | torch.Tensor,
+    bucket_size: int,
+    keys: torch.Tensor,
+    first_bucket: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch find, with no validation, sync or data-dependent shape: usable inside
     ``torch.export`` (inference maps keys to rows with it). Reserved keys find -1.
 
     Args:
-        table_keys: [C] int64, C = num_buckets * bucket_size.
-        num_buckets: buckets of the map.
+        table_keys: [C] int64, C = (buckets of every map) * bucket_size.
+        num_buckets: buckets of the map, or [N] int64 per key (an arena's maps).
         bucket_size: slots per bucket.
         keys: [N] int64.
+        first_bucket: None (one map), or [N] int64 the first bucket of each key's map.
 
     Returns:
         [N] int64: the slot holding each key, -1 where absent.
     """
     bucket = bucket_of(keys, num_buckets)  # [N]
-    rows = table_keys.view(num_buckets, bucket_size).index_select(0, bucket)  # [N, S]
+    if first_bucket is not None:
+        bucket = bucket + first_bucket
+    rows = table_keys.view(-1, bucket_size).index_select(0, bucket)  # [N, S]
     match = (rows == keys.unsqueeze(1)) & (keys != EMPTY_KEY).unsqueeze(1)  # [N, S]
     position = match.to(torch.int8).argmax(dim=1)  # [N]; 0 where no match
     slot = bucket * bucket_size + position
@@ -253,6 +267,20 @@ def _bucket_of(keys, num_buckets):
 
 
 @triton.jit
+def _slot_in_bucket(
+    table_ptr, key, bucket, n_mask, BUCKET_SIZE: tl.constexpr, BLOCK_S: tl.constexpr
+):
+    """The slot holding each key [BLOCK_N] in its bucket's row of ``table_ptr``, -1 if none."""
+    s = tl.arange(0, BLOCK_S)
+    first = bucket * BUCKET_SIZE  # int64 slot of the bucket's first slot
+    row_mask = n_mask[:, None] & (s < BUCKET_SIZE)[None, :]
+    row = tl.load(table_ptr + first[:, None] + s[None, :], mask=row_mask, other=_EMPTY)
+    match = (row == key[:, None]) & (key != _EMPTY)[:, None]  # [BLOCK_N, BLOCK_S]
+    position = tl.min(tl.where(match, s[None, :], BLOCK_S), axis=1)
+    return tl.where(position < BLOCK_S, first + position, -1)
+
+
+@triton.jit
 def _find_slots_kernel(
     table_ptr,
     keys_ptr,
@@ -267,13 +295,28 @@ def _find_slots_kernel(
     n_mask = n < num_keys
     key = tl.load(keys_ptr + n, mask=n_mask, other=_EMPTY)  # [BLOCK_N]
     bucket = _bucket_of(key, num_buckets)
-    s = tl.arange(0, BLOCK_S)
-    first = bucket * BUCKET_SIZE  # int64 slot of the bucket's first slot
-    row_mask = n_mask[:, None] & (s < BUCKET_SIZE)[None, :]
-    row = tl.load(table_ptr + first[:, None] + s[None, :], mask=row_mask, other=_EMPTY)
-    match = (row == key[:, None]) & (key != _EMPTY)[:, None]  # [BLOCK_N, BLOCK_S]
-    position = tl.min(tl.where(match, s[None, :], BLOCK_S), axis=1)
-    slot = tl.where(position < BLOCK_S, first + position, -1)
+    slot = _slot_in_bucket(table_ptr, key, bucket, n_mask, BUCKET_SIZE, BLOCK_S)
+    tl.store(out_ptr + n, slot, mask=n_mask)
+
+
+@triton.jit
+def _find_arena_kernel(
+    table_ptr,
+    keys_ptr,
+    num_buckets_ptr,
+    first_bucket_ptr,
+    out_ptr,
+    num_keys,
+    BUCKET_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < num_keys
+    key = tl.load(keys_ptr + n, mask=n_mask, other=_EMPTY)  # [BLOCK_N]
+    num_buckets = tl.load(num_buckets_ptr + n, mask=n_mask, other=1)
+    bucket = tl.load(first_bucket_ptr + n, mask=n_mask, other=0) + _bucket_of(key, num_buckets)
+    slot = _slot_in_bucket(table_ptr, key, bucket, n_mask, BUCKET_SIZE, BLOCK_S)
     tl.store(out_ptr + n, slot, mask=n_mask)
 
 
@@ -418,6 +461,84 @@ def find_slots(
     parts = [
         find_slots_torch(table_keys, num_buckets, bucket_size, chunk)
         for chunk in keys.split(_FIND_CHUNK)
+    ]
+    return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+
+def find_arena_slots(
+    table_keys: torch.Tensor,
+    bucket_size: int,
+    num_buckets: torch.Tensor,
+    first_bucket: torch.Tensor,
+    keys: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The slot of each key in its own map of an arena (maps side by side in ``table_keys``),
+    or -1 where that map does not hold it. Read-only; duplicates allowed; reserved keys (not
+    checked here: no map holds them) find -1. No host sync.
+
+    Args:
+        table_keys: [C] int64 keys of every map (``EMPTY_KEY`` where free), C a multiple of
+            ``bucket_size``.
+        bucket_size: slots per bucket of every map, 1..128.
+        num_buckets: [N] int64 buckets of each key's map.
+        first_bucket: [N] int64 first bucket of each key's map in ``table_keys``.
+        keys: [N] int64 keys to look up.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        [N] int64 slots in ``table_keys`` (-1 where absent).
+
+    Raises:
+        ValueError: a layout or shape that does not match, a non-int64 tensor, or an unknown
+            backend.
+
+    Example::
+
+        # maps of 4 and 2 buckets of 8 slots in one [48] buffer; key 7 in the second map
+        find_arena_slots(arena, 8, torch.tensor([2]), torch.tensor([4]), torch.tensor([7]))
+    """
+    if not 1 <= bucket_size <= MAX_BUCKET_SIZE or table_keys.numel() % bucket_size:
+        raise ValueError(
+            f"table_keys has {table_keys.numel()} slots and bucket_size={bucket_size}; expected "
+            "1 <= bucket_size <= 128 dividing the slots"
+        )
+    for name, tensor in (
+        ("keys", keys),
+        ("num_buckets", num_buckets),
+        ("first_bucket", first_bucket),
+    ):
+        if tensor.dtype != torch.int64 or tensor.shape != keys.shape or tensor.dim() != 1:
+            raise ValueError(
+                f"{name} is {tensor.dtype} {tuple(tensor.shape)}; expected torch.int64 "
+                f"{tuple(keys.shape[:1])} (one per key)"
+            )
+    chosen = resolve_backend(backend, keys.device, op="find_arena_slots", has_triton=True)
+    if chosen == "triton":
+        out = torch.empty_like(keys)
+        block_s = triton.next_power_of_2(bucket_size)
+        block_n = _FIND_TILE // block_s
+        if len(keys):
+            _find_arena_kernel[(triton.cdiv(len(keys), block_n),)](
+                table_keys.contiguous(),
+                keys.contiguous(),
+                num_buckets.contiguous(),
+                first_bucket.contiguous(),
+                out,
+                len(keys),
+                BUCKET_SIZE=bucket_size,
+                BLOCK_N=block_n,
+                BLOCK_S=block_s,
+            )
+        return out
+    parts = [
+        find_slots_torch(table_keys, buckets, bucket_size, chunk, first)
+        for chunk, buckets, first in zip(
+            keys.split(_FIND_CHUNK),
+            num_buckets.split(_FIND_CHUNK),
+            first_bucket.split(_FIND_CHUNK),
+            strict=True,
+        )
     ]
     return torch.cat(parts) if len(parts) != 1 else parts[0]
 

@@ -9,6 +9,7 @@ from recsys.ops.slot_map import (
     RESERVED_KEY,
     assign_slots,
     bucket_of,
+    find_arena_slots,
     find_slots,
     find_slots_torch,
     hash_keys,
@@ -169,6 +170,46 @@ def test_find_rejects_bad_layouts_and_dtypes():
         find_slots(torch.full((129,), EMPTY_KEY), 1, 129, torch.tensor([1]))
     with pytest.raises(ValueError, match="torch.int64"):
         find_slots(table, 3, 8, torch.tensor([1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bucket_size", [1, 8, 32, 128])
+def test_arena_find_looks_each_key_up_in_its_own_map(backend, bucket_size):
+    """Maps of 1, 5 and 13 buckets side by side: each key is found in its own map only (a key
+    of one map asked of another finds -1), free slots never match."""
+    maps = [random_table(n, bucket_size, fill=0.6)[0] for n in (1, 5, 13)]
+    arena = torch.cat(maps)
+    firsts = torch.tensor([0, 1, 6])
+    keys, which, expected = [], [], []
+    for table in maps:
+        stored = table[table != EMPTY_KEY]
+        probe = torch.cat([stored[:20], random_keys(5)])
+        for asked, other in enumerate(maps):  # its own keys, and the other maps' (absent)
+            keys.append(probe)
+            which.append(torch.full_like(probe, asked))
+            found = find_reference(other, len(other) // bucket_size, bucket_size, probe)
+            expected.append(torch.where(found >= 0, found + firsts[asked] * bucket_size, -1))
+    keys.append(torch.tensor([EMPTY_KEY, EMPTY_KEY]))  # never matches a free slot
+    which.append(torch.tensor([0, 2]))
+    expected.append(torch.tensor([-1, -1]))
+    keys, which, expected = torch.cat(keys), torch.cat(which), torch.cat(expected)
+    order = torch.randperm(len(keys))
+    keys, which, expected = keys[order], which[order], expected[order]
+    num_buckets = torch.tensor([len(t) // bucket_size for t in maps])[which]
+    out = find_arena_slots(arena, bucket_size, num_buckets, firsts[which], keys, backend)
+    assert torch.equal(out, expected)
+    assert (expected >= 0).sum() > 0 and (expected < 0).sum() > 0
+
+
+def test_arena_find_rejects_bad_shapes():
+    arena = torch.full((24,), EMPTY_KEY)
+    one = torch.ones(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="bucket_size=7"):
+        find_arena_slots(arena, 7, one, one, one)
+    with pytest.raises(ValueError, match="first_bucket is torch.int64 \\(3,\\); expected"):
+        find_arena_slots(arena, 8, one, torch.zeros(3, dtype=torch.int64), one)
+    with pytest.raises(ValueError, match="num_buckets is torch.int32"):
+        find_arena_slots(arena, 8, one.int(), one, one)
 
 
 def test_find_slots_torch_exports():

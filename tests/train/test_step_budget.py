@@ -1,7 +1,9 @@
 """One steady-state training step of the default recipe (``configs/dlrm_synthetic.toml``),
 audited by :class:`recsys.train.step_audit.StepAudit`, against the budget recorded in
 ``step_audit_budget.json``: in one process (fixed tables, ``train.id_checks = "async"`` as on
-a GPU: no sync at all) and on each of 2 gloo ranks (the sharded step). A sync beyond the
+a GPU: no sync at all), in one process with every table dynamic and every key of the step
+already held (at most 2 syncs and twice the fixed step's ops), and on each of 2 gloo ranks (the
+sharded step). A sync beyond the
 budget fails naming its ``file:line``; ops beyond it name the files whose count grew.
 
 After removing syncs or ops, record the lower numbers:
@@ -10,6 +12,7 @@ After removing syncs or ops, record the lower numbers:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import Counter
@@ -19,8 +22,10 @@ from typing import Any
 import torch
 
 from recsys.config import load_config
+from recsys.embedding.slot_map import SlotMap
+from recsys.train import step_audit
 from recsys.train import trainer as trainer_module
-from recsys.train.step_audit import AuditReport, audit_training
+from recsys.train.step_audit import AuditReport, StepAudit, audit_training
 from tests.distributed.spawn import run_ranks
 
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "dlrm_synthetic.toml"
@@ -136,6 +141,57 @@ def test_one_process_step_within_budget(tmp_path):
     assert_nothing_logged(tmp_path / "run")
     assert report.num_syncs == 0, "host syncs in the training step:\n" + report.describe()
     check("one_process", [summary(report)])
+
+
+def test_dynamic_all_hits_step_within_budget(tmp_path):
+    """Every table dynamic, one batch of data over and over (every key of the audited step is
+    held): the key arena's reads only (at most 2 syncs), at most twice the fixed step's ops."""
+    one_batch = [
+        *recipe(tmp_path / "run", ranks=1),
+        '--train.id_checks="async"',
+        '--model.dynamic.tables=["all"]',
+        f"--data.synthetic.num_train_samples={BATCH}",
+        f"--train.epochs={WARMUP + 2}",
+    ]
+    report = audit_training(load_config(RECIPE, one_batch), warmup=WARMUP, steps=1)
+    assert_nothing_logged(tmp_path / "run")
+    fixed = json.loads(BUDGET_FILE.read_text())["one_process"]
+    assert report.num_syncs <= 2, report.describe()
+    assert {site.split(":")[0] for _, site in report.syncs} <= {"recsys/embedding/key_arena.py"}
+    assert report.num_ops <= 2 * sum(fixed["ops"].values()), report.describe()
+    check("dynamic_all_hits", [summary(report)])
+
+
+def test_dynamic_new_keys_step_within_budget(tmp_path, monkeypatch):
+    """Every table dynamic, fresh samples: once the tables have grown, a step whose batch
+    brings new keys places them in the key arena, with one more sync than a step of hits."""
+    placed, at_audit = [], []
+    count_placed = SlotMap.count_placed
+    monkeypatch.setattr(
+        SlotMap, "count_placed", lambda m, n: (placed.append(n), count_placed(m, n))
+    )
+
+    @contextlib.contextmanager
+    def audit(device):
+        at_audit.append(len(placed))
+        with StepAudit(device) as report:
+            yield report
+
+    monkeypatch.setattr(step_audit, "StepAudit", audit)
+    warmup = 40
+    fresh = [
+        *recipe(tmp_path / "run", ranks=1),
+        '--train.id_checks="async"',
+        '--model.dynamic.tables=["all"]',
+        f"--data.synthetic.num_train_samples={BATCH * (warmup + 4)}",
+    ]
+    report = audit_training(load_config(RECIPE, fresh), warmup=warmup, steps=1)
+    assert_nothing_logged(tmp_path / "run")
+    assert len(placed) > at_audit[0], "the audited step placed no new key"
+    # the ids without a valid hint, their misses, what was placed: one read more than hits
+    assert report.num_syncs <= 3, report.describe()
+    assert {site.split(":")[0] for _, site in report.syncs} <= {"recsys/embedding/key_arena.py"}
+    check("dynamic_new_keys", [summary(report)])
 
 
 def _audit_rank(rank: int, world: int, out: str) -> None:

@@ -1,0 +1,520 @@
+"""One buffer for the id -> slot maps of a collection's dynamic tables, and a lookup that maps
+the ids of all of them at once.
+
+A :class:`KeyArena` holds the keys, scores and last steps of several dynamic tables' maps side
+by side: table t's slots are ``[base_t, base_t + capacity_t)`` of one buffer (its buckets
+``[first_t, first_t + num_buckets_t)``), and one scratch slot at the end takes the writes of
+ids that must change nothing. Each :class:`~recsys.embedding.slot_map.SlotMap` works on views
+of its range, so its own insert, eviction, expiry and checkpoint code is unchanged; when a map
+takes new tensors (it grew, or was restored) the arena is rebuilt before its next use (one
+copy of every map: growth doubles, so this is rare).
+
+:meth:`KeyArena.lookup`, for every id of a batch at once (shape letters: V ids of the batch, U
+ids that scanned their bucket, T tables of the arena)::
+
+    ids -> each id's own map: find -> [U ids scanned: misses per table]
+        no miss: scores, last steps and hits updated on the device
+        misses: new keys placed in free slots -> [placed per table]
+            tables whose new keys all fit: placed, their ids then as hits
+            the others: named to the caller, which runs their own insert path
+
+The host reads (``[...]``): on CUDA the misses per table (1 per step) and, on a step with new
+keys, what was placed (2); on CPU first the list of ids without a valid hint (below), then the
+same two reads only when that list is not empty (1 to 3 per step; a step of hits: 1 or 2).
+
+Finding the slots: on CUDA one Triton launch scans each id's bucket
+(:func:`~recsys.ops.slot_map.find_arena_slots`). On CPU, where scanning the [V, S] bucket rows
+costs more than the rest of the step, each id first tries its **hint**: the entry picked by
+a hash of the key in its table's own region of a hint buffer, naming a slot; a hint is
+accepted only if its slot holds the key (only the table's ids write its region, so the slot
+is the key's slot in that table). The ids without a valid hint (new keys, two hot keys on one
+entry, slots moved by a rehash) are listed (``nonzero``) and only those scan their bucket,
+then write their hint. Hints never change a result, only how it is found.
+
+Placing new keys (:meth:`KeyArena._place_new`) follows the map's own rule: the distinct new keys
+of a bucket, by ascending key, take its free slots by ascending slot. A table's new keys are
+placed only if all of them find a free slot and the table stays within its load factor (else
+it would grow or evict: its own insert path does that, and is the reference the arena is tested
+against), it has no admission counter, and the arena's tables share one dim (their initial rows
+are written in one pass by the collection). A placed key starts as a fresh row: its initial row
+of (seed, table, key), the optimizer's initial state, score 0 before the batch's update.
+
+The all-hits update is bitwise the per-table path's (:meth:`SlotMap.insert` on the distinct
+keys): an LRU score becomes the step, an LFU score adds one per occurrence (the per-key count
+the per-table path adds), a last step becomes the step. ``hits`` counts distinct keys without
+deduplicating them: every id scatters its position into its slot's last step, and the one id
+whose position stays (whichever wins) counts its slot; the counts stay on the device until the
+map's stats are read.
+
+Which tables join (:func:`joins_arena`): those scored ``"lru"`` or ``"lfu"`` without a TTL (a
+TTL scans the whole map every step, a custom :class:`~recsys.embedding.score_policy.ScorePolicy`
+needs each key's count); tables of one bucket size and device share an arena.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torchrec import KeyedJaggedTensor
+
+from recsys.embedding.dynamic_table import DynamicTable
+from recsys.embedding.score_policy import LFU, LRU
+from recsys.ops._triton import resolve_backend
+from recsys.ops.slot_map import (
+    EMPTY_KEY,
+    RESERVED_KEY,
+    bucket_of,
+    check_keys,
+    find_arena_slots,
+    find_slots_torch,
+)
+
+__all__ = ["KeyArena", "build_arenas", "joins_arena"]
+
+# Hint entries per slot of a table (more: fewer keys sharing an entry, more memory and cache
+# traffic), and the most hint entries of an arena (2**23: 64 MiB): past that, the largest
+# tables get fewer per slot, and hints serve their hot keys.
+HINTS_PER_SLOT = 2
+MAX_HINTS = 1 << 23
+# Fibonacci hashing: bits 32.. of key * 2**64 / golden ratio pick a hint entry.
+_FIBONACCI = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as int64
+
+
+def joins_arena(table: DynamicTable) -> bool:
+    """Whether ``table``'s keys are mapped by an arena: scored LRU or LFU, without a TTL."""
+    return type(table.map.policy) in (LRU, LFU) and not table.options.ttl_steps
+
+
+def hint_sizes(capacities: list[int]) -> list[int]:
+    """Hint entries of each table: a power of two near ``HINTS_PER_SLOT`` per slot (at least
+    64), the largest halved while they sum past ``MAX_HINTS``."""
+    sizes = [max(64, 1 << (HINTS_PER_SLOT * c - 1).bit_length()) for c in capacities]
+    while sum(sizes) > MAX_HINTS and max(sizes) > 64:
+        largest = sizes.index(max(sizes))
+        sizes[largest] //= 2
+    return sizes
+
+
+def build_arenas(tables: dict[str, DynamicTable], features: dict[str, list[str]]):
+    """The arenas of a collection's dynamic ``tables`` (name -> table, in config order) that
+    :func:`joins_arena`: one per (bucket size, device). ``features``: name -> the features
+    the table reads."""
+    groups: dict[tuple[int, torch.device], list[str]] = {}
+    for name, table in tables.items():
+        if joins_arena(table):
+            groups.setdefault((table.map.bucket_size, table.map.device), []).append(name)
+    return [
+        KeyArena([tables[n] for n in names], [features[n] for n in names])
+        for names in groups.values()
+    ]
+
+
+@dataclass
+class _Ids:
+    """Per id of a batch [V]: its arena table (``T`` for ids of no table of the arena), that
+    table's entries of the per-table tensors, its position; whether every id is the arena's."""
+
+    table: torch.Tensor
+    mine: torch.Tensor
+    position: torch.Tensor
+    every_id: bool
+    num_buckets: torch.Tensor
+    first_bucket: torch.Tensor
+    base: torch.Tensor
+    zero_row: torch.Tensor
+    lfu: torch.Tensor
+    hint_base: torch.Tensor
+    hint_mask: torch.Tensor
+
+
+@dataclass
+class Placed:
+    """What :meth:`KeyArena.lookup` did with the U ids it scanned (shape [U], in their order)
+    and, sorted by (table, key), their distinct keys that got a row in this call.
+
+    Attributes:
+        slots: [U] each scanned id's slot (-1: its key has none; its table inserts it).
+        fresh: [U] True for ids whose key got its slot in this call.
+        tables: [U] the arena table of each sorted entry.
+        rows: [U] the row each sorted entry's key got, the table's zero row for entries that
+            got none in this call (a repeat, a hit, or not placed): the caller gives the new
+            rows their initial values and optimizer state, and the zero rows are reset after.
+        keys: [U] the key of each sorted entry.
+        placed_keys: [T + 1] keys placed per table.
+    """
+
+    slots: torch.Tensor
+    fresh: torch.Tensor
+    tables: torch.Tensor
+    rows: torch.Tensor
+    keys: torch.Tensor
+    placed_keys: torch.Tensor
+
+
+_PER_ID = ("num_buckets", "first_bucket", "base", "zero_row", "lfu", "hint_base", "hint_mask")
+
+
+class KeyArena:
+    """The maps of ``tables`` in one buffer (see the module docstring).
+
+    Args:
+        tables: dynamic tables of one bucket size, on one device.
+        features: per table, the features it reads.
+    """
+
+    def __init__(self, tables: list[DynamicTable], features: list[list[str]]) -> None:
+        maps = [table.map for table in tables]
+        if len({(m.bucket_size, m.device) for m in maps}) != 1:
+            raise ValueError("the tables of an arena share one bucket size and one device")
+        self.tables = tables
+        self.names = [table.name for table in tables]
+        self.features = features
+        self.bucket_size = maps[0].bucket_size
+        self.device = maps[0].device
+        self.backend = resolve_backend(
+            maps[0].backend, self.device, op="find_arena_slots", has_triton=True
+        )
+        # Per table, and a last entry for ids of no table of the arena.
+        self.hits = torch.zeros(len(tables) + 1, dtype=torch.int64, device=self.device)
+        for t, slot_map in enumerate(maps):
+            slot_map.pending_hits = self.hits[t]
+        self._lfu = [isinstance(m.policy, LFU) for m in maps]
+        self._one = torch.ones((), dtype=torch.int64, device=self.device)
+        self._generations: tuple[int, ...] | None = None
+        self._feature_tables: dict[tuple[str, ...], torch.Tensor] = {}
+        self._per_ids: dict[tuple[object, ...], _Ids] = {}
+
+    # ------------------------------------------------------------------ layout
+
+    def _current(self) -> None:
+        """Rebuild the buffers if a map took new tensors since the last build."""
+        if self._generations != tuple(table.map.generation for table in self.tables):
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        maps = [table.map for table in self.tables]
+        capacities = [m.capacity for m in maps]
+        total = sum(capacities)
+        buffers = {}
+        for name, fill in (("keys", EMPTY_KEY), ("scores", 0), ("last_seen", 0)):
+            buffer = torch.full((total + 1,), fill, dtype=torch.int64, device=self.device)
+            torch.cat([getattr(m, name) for m in maps], out=buffer[:total])
+            buffers[name] = buffer
+        self.keys, self.scores, self.last_seen = (
+            buffers["keys"],
+            buffers["scores"],
+            buffers["last_seen"],
+        )
+        self.scratch = total
+        bases, base = [], 0
+        for slot_map, capacity in zip(maps, capacities, strict=True):
+            span = slice(base, base + capacity)
+            slot_map.adopt(self.keys[span], self.scores[span], self.last_seen[span])
+            bases.append(base)
+            base += capacity
+        # Per table, then the entry of ids of no table: one bucket at 0 (their find is masked).
+        per_table = {
+            "num_buckets": [*(m.num_buckets for m in maps), 1],
+            "first_bucket": [*(b // self.bucket_size for b in bases), 0],
+            "base": [*bases, 0],
+            "zero_row": [*capacities, 0],
+            "lfu": [*self._lfu, False],
+            "seed": [*(table.seed for table in self.tables), 0],
+            "insertable": [*(self._insertable(table) for table in self.tables), False],
+        }
+        # each table's own region of hints (a power of two), then one entry for ids of no
+        # table, all naming the scratch slot (EMPTY_KEY, of no table) until written
+        sizes = hint_sizes(capacities)
+        per_table["hint_base"] = [*itertools.accumulate([0, *sizes[:-1]]), sum(sizes)]
+        per_table["hint_mask"] = [*(n - 1 for n in sizes), 0]
+        self._hints = None
+        if self.backend == "torch":
+            self._hints = torch.full(
+                (sum(sizes) + 1,), total, dtype=torch.int64, device=self.device
+            )
+        self._per_table = {
+            name: torch.tensor(values, device=self.device) for name, values in per_table.items()
+        }
+        self._per_table["bound"] = torch.tensor(
+            [*(table.bound for table in self.tables), 0.0], dtype=torch.float64, device=self.device
+        )
+        # the most live keys each table takes before it must grow (as SlotMap._buckets_for)
+        self._per_table["room"] = torch.tensor(
+            [*(m.load_factor * m.capacity for m in maps), 0.0],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        self._per_ids.clear()
+        self.refresh_sizes()
+        self._generations = tuple(m.generation for m in maps)
+
+    @property
+    def places_keys(self) -> bool:
+        """Whether the arena places any table's new keys (see :meth:`_insertable`)."""
+        return any(self._insertable(table) for table in self.tables)
+
+    def _insertable(self, table: DynamicTable) -> bool:
+        """Whether the arena places ``table``'s new keys: without admission (its counter is
+        a map of its own), and every table of the arena of one dim (one write of new rows)."""
+        return table.admission is None and len({t.dim for t in self.tables}) == 1
+
+    def per_table(self, name: str) -> torch.Tensor:
+        """[T + 1] the per-table tensor ``name`` (``seed``, ``bound``, ``base``, ...), with a
+        last entry for ids of no table of the arena."""
+        return self._per_table[name]
+
+    def refresh(self) -> None:
+        """After some tables ran their own insert path: rebuild if a map took new tensors,
+        else copy the live-key counts to the device."""
+        if self._generations != tuple(table.map.generation for table in self.tables):
+            self._rebuild()
+        else:
+            self.refresh_sizes()
+
+    def refresh_sizes(self) -> None:
+        """Copy the maps' live-key counts to the device (after their own insert path ran)."""
+        self._sizes = torch.tensor(
+            [*(table.map.size for table in self.tables), 0], device=self.device
+        )
+
+    def release(self) -> None:
+        """Give every map its own tensors again (an exported program holds a map's keys as a
+        constant, which must not be a view of the whole arena); the next lookup rebuilds."""
+        if self._generations is None:  # not built since the last release
+            return
+        for table in self.tables:
+            m = table.map
+            m.adopt(m.keys.clone(), m.scores.clone(), m.last_seen.clone())
+        self._generations = None
+
+    def _per_id(self, features: KeyedJaggedTensor, num_ids: int) -> _Ids:
+        """Each id's arena table and that table's entries of the per-table tensors, found
+        from the KJT's offsets on the device (no host read); cached by the offsets per key
+        when the batch carries them (until the next rebuild)."""
+        keys = tuple(features.keys())
+        offsets = features.offset_per_key_or_none()
+        cache_key = (keys, tuple(offsets)) if offsets is not None else None
+        cached = self._per_ids.get(cache_key) if cache_key else None
+        if cached is not None:
+            return cached
+        table_of = {f: t for t, fs in enumerate(self.features) for f in fs}
+        feature_table = self._feature_tables.get(keys)
+        if feature_table is None:
+            feature_table = torch.tensor(
+                [table_of.get(key, len(self.tables)) for key in keys], device=self.device
+            )
+            self._feature_tables[keys] = feature_table
+        stride = features.stride()
+        key_ends = features.offsets()[stride::stride].contiguous()  # [F] where keys end
+        position = torch.arange(num_ids, device=self.device)
+        table = feature_table[torch.searchsorted(key_ends, position, right=True)]  # [V]
+        per_table = {name: self._per_table[name][table] for name in _PER_ID}
+        per_id = _Ids(
+            table=table,
+            mine=table < len(self.tables),
+            position=position,
+            every_id=all(key in table_of for key in keys),
+            **per_table,
+        )
+        if cache_key:
+            if len(self._per_ids) >= 8:  # lengths per key vary: keep the recent ones
+                self._per_ids.clear()
+            self._per_ids[cache_key] = per_id
+        return per_id
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(
+        self, features: KeyedJaggedTensor, step: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[str], Placed | None]:
+        """The row of every id of this arena's tables in ``features``.
+
+        Args:
+            features: the batch (ids are ``features.values()``).
+            step: the training step (scores and last steps updated; tables with new keys
+                named), or None to only look up (keys without a row read the zero row).
+
+        Returns:
+            ``(rows, mapped, missing)``: rows [V] int64, each id's row in its table where
+            ``mapped`` [V] bool (None: every id); ``missing``, the names of tables with ids
+            their map does not hold (their rows here are not set and nothing of theirs was
+            updated: the caller inserts them). ``missing`` is empty without ``step``.
+
+        Raises:
+            ValueError: a reserved key, when looking up without ``step`` (with ``step``,
+                a reserved key is a miss and the insert path raises).
+        """
+        self._current()
+        ids = features.values()
+        if not ids.numel():
+            return ids, torch.zeros_like(ids, dtype=torch.bool), [], None
+        per_id = self._per_id(features, ids.numel())
+        found, scanned = self._find(ids, per_id)  # [V], -1 where absent
+        rows = found - per_id.base
+        if step is None:
+            check_keys(ids)
+            rows = torch.where(found >= 0, rows, per_id.zero_row)
+            return rows, None if per_id.every_id else per_id.mine, [], None
+        mapped, missing, fresh = None if per_id.every_id else per_id.mine, [], None
+        if scanned is not None:  # misses can only be among the scanned ids
+            where, slots = scanned
+            tables = per_id.table.index_select(0, where)
+            # [T + 1] ids without a row per table: a host read
+            missed = torch.zeros_like(self.hits).index_add_(0, tables, (slots < 0).long())
+            if any(missed.tolist()):
+                fresh = self._place_new(ids.index_select(0, where), per_id, where, slots)
+                # those still without a row (their tables take the insert path): another read
+                missed = torch.zeros_like(self.hits).index_add_(0, tables, (fresh.slots < 0).long())
+                counts = torch.stack([missed, fresh.placed_keys]).tolist()
+                missing = [n for n, m in zip(self.names, counts[0], strict=False) if m]
+                self._count_inserts(counts[1])
+                found.index_put_((where,), fresh.slots)
+                rows = found - per_id.base
+            if missing:  # the ids of tables with no miss left
+                mapped = per_id.mine & (missed == 0).index_select(0, per_id.table)
+        # [V] each mapped id's slot, the scratch for the rest
+        target = found if mapped is None else torch.where(mapped, found, self.scratch)
+        self._count_hits(
+            target, mapped, per_id.table, per_id.position, fresh, None if fresh is None else where
+        )
+        self.last_seen.index_fill_(0, target, step)
+        if not any(self._lfu):
+            self.scores.index_fill_(0, target, step)
+        elif all(self._lfu):
+            self.scores.index_put_((target,), self._one, accumulate=True)
+        else:
+            lfu_target = torch.where(per_id.lfu, target, self.scratch)
+            self.scores.index_put_((lfu_target,), self._one, accumulate=True)
+            self.scores.index_fill_(0, torch.where(per_id.lfu, self.scratch, target), step)
+        return rows, mapped, missing, fresh
+
+    def _find(
+        self, ids: torch.Tensor, per_id: _Ids
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each id's slot in the arena, -1 where its table does not hold it, and the ids whose
+        bucket was scanned (positions [U], their slots [U]; None when every id of the arena
+        had a valid hint). Triton: one scan of every id's bucket. Torch: the hints, then a scan
+        of the ids without a valid one, listed by a host read."""
+        if self._hints is None:
+            found = find_arena_slots(
+                self.keys[: self.scratch],
+                self.bucket_size,
+                per_id.num_buckets,
+                per_id.first_bucket,
+                ids,
+                self.backend,
+            )
+            return found, (per_id.position, found)
+        # [V] a hint of the id's own table, the slot it names (the scratch where none)
+        hint_at = (((ids * _FIBONACCI) >> 32) & per_id.hint_mask) + per_id.hint_base
+        slot = self._hints.index_select(0, hint_at)
+        # (a free slot holds EMPTY_KEY: an id of that reserved value must scan, find nothing
+        # and reach the insert path's error)
+        unsure = (self.keys.index_select(0, slot) != ids) | (ids == EMPTY_KEY)
+        if not per_id.every_id:
+            unsure &= per_id.mine
+        # the first host read of a step (its only one when every id has a valid hint)
+        where = unsure.nonzero().squeeze(1)  # [U]
+        if not len(where):
+            return slot, None
+        slots = find_slots_torch(
+            self.keys[: self.scratch],
+            per_id.num_buckets.index_select(0, where),
+            self.bucket_size,
+            ids.index_select(0, where),
+            per_id.first_bucket.index_select(0, where),
+        )  # [U]
+        hints = torch.where(slots >= 0, slots, self.scratch)
+        self._hints.index_put_((hint_at.index_select(0, where),), hints)
+        return slot.index_put_((where,), slots), (where, slots)
+
+    def _place_new(
+        self, keys: torch.Tensor, per_id: _Ids, where: torch.Tensor, found: torch.Tensor
+    ) -> Placed:
+        """Give the new keys among the scanned ids (``keys`` [U] at positions ``where``,
+        ``found`` [U] their slots or -1) a free slot of their bucket, by the map's rule (a
+        bucket's new keys by ascending key take its free slots by ascending slot), for every
+        table where all of them get one without growing past its load factor; the other
+        tables' new keys are left to their insert path."""
+        tables = per_id.table.index_select(0, where)  # [U]
+        missing = found < 0
+        # distinct (table, key) runs: sorted by key, then stably by table
+        order = torch.sort(keys, stable=True).indices
+        order = order.index_select(0, torch.sort(tables.index_select(0, order), stable=True)[1])
+        key, table = keys.index_select(0, order), tables.index_select(0, order)
+        starts = torch.ones_like(missing)
+        starts[1:] = (key[1:] != key[:-1]) | (table[1:] != table[:-1])
+        new = starts & missing.index_select(0, order)  # one entry per distinct new key
+        run = torch.cumsum(starts, 0) - 1  # [U] the run (distinct key) of each entry
+        per_table = self._per_table
+        bucket = per_table["first_bucket"].index_select(0, table) + bucket_of(
+            key, per_table["num_buckets"].index_select(0, table)
+        )
+        # each new key's rank among its bucket's new keys (ascending key: a stable sort)
+        by_bucket, bucket_order = torch.sort(torch.where(new, bucket, self.scratch), stable=True)
+        position = torch.arange(len(key), device=key.device)
+        first = torch.ones_like(new)
+        first[1:] = by_bucket[1:] != by_bucket[:-1]
+        rank_sorted = position - torch.cummax(torch.where(first, position, 0), 0).values
+        rank = torch.empty_like(rank_sorted).index_copy_(0, bucket_order, rank_sorted)
+        # the rank-th free slot of the bucket [U, S]
+        bucket = torch.where(new, bucket, 0)
+        rows = self.keys[: self.scratch].view(-1, self.bucket_size).index_select(0, bucket)
+        free = rows == EMPTY_KEY  # [U, S]
+        take = free & (torch.cumsum(free, 1) - 1 == rank.unsqueeze(1))
+        slot = bucket * self.bucket_size + take.to(torch.int8).argmax(1)
+        short = new & (~take.any(1) | (key <= RESERVED_KEY))  # a reserved key: the error path
+        num_new = torch.zeros_like(self.hits).index_add_(0, table, new.long())
+        num_short = torch.zeros_like(self.hits).index_add_(0, table, short.long())
+        fits = (self._sizes + num_new).double() <= per_table["room"]
+        placeable = (num_short == 0) & fits & per_table["insertable"]
+        place = new & placeable.index_select(0, table)  # [U]
+        target = torch.where(place, slot, self.scratch)
+        self.keys.index_put_((target,), key)
+        self.keys[self.scratch :].fill_(EMPTY_KEY)  # the scratch took the rest
+        self.scores.index_fill_(0, target, 0)  # LFU adds the batch's count after
+        placed_keys = num_new * placeable
+        self._sizes += placed_keys
+        # each entry's slot: its run's new slot where placed, else what find said
+        run_slot = torch.full((len(key) + 1,), -1, dtype=torch.int64, device=key.device)
+        run_slot.index_put_((torch.where(place, run, len(key)),), slot)
+        got = run_slot.index_select(0, run)
+        slots_sorted = torch.where(got >= 0, got, found.index_select(0, order))
+        fresh_sorted = got >= 0
+        base = per_table["base"].index_select(0, table)
+        zero_row = per_table["zero_row"].index_select(0, table)
+        return Placed(
+            slots=torch.empty_like(found).index_copy_(0, order, slots_sorted),
+            fresh=torch.empty_like(missing).index_copy_(0, order, fresh_sorted),
+            tables=table,
+            rows=torch.where(place, slot - base, zero_row),
+            keys=key,
+            placed_keys=placed_keys,
+        )
+
+    def _count_inserts(self, placed_keys: list[int]) -> None:
+        for table, count in zip(self.tables, placed_keys, strict=False):
+            if count:
+                table.map.count_placed(count)
+
+    def _count_hits(
+        self,
+        target: torch.Tensor,
+        mapped: torch.Tensor | None,
+        table_of: torch.Tensor,
+        positions: torch.Tensor,
+        placed: Placed | None,
+        where: torch.Tensor | None,
+    ) -> None:
+        """Add each table's distinct mapped keys that had a row before this call to its
+        pending hits: each id writes its position into its slot's last step, and the one whose
+        position stays counts the slot (the last steps are written again right after)."""
+        self.last_seen.index_put_((target,), positions)
+        won = self.last_seen.index_select(0, target) == positions
+        if mapped is not None:
+            won &= mapped
+        if placed is not None:  # new keys are misses, counted with the inserts
+            won.index_put_((where,), won.index_select(0, where) & ~placed.fresh)
+        self.hits.index_add_(0, table_of, won.long())

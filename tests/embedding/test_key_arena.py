@@ -1,0 +1,206 @@
+"""The key arena: a dynamic collection's tables looked up together give bitwise what each
+table's own insert path gives (rows, pooled output, trained weights, map state, stats), through
+growth, eviction at the cap, admission and LRU / LFU scores; and the all-hits step of a training
+run waits on the host at most twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.key_arena import joins_arena
+from recsys.embedding.optim import Adam, RowWiseAdagrad
+from recsys.embedding.score_policy import ScorePolicy
+from recsys.embedding.slot_map import SlotMap
+from recsys.ops.slot_map import EMPTY_KEY, RESERVED_KEY
+from recsys.train.step_audit import StepAudit
+
+FEATURES = {"u": "user", "i": "item", "j": "item", "c": "city", "f": "fixed"}
+
+
+def _collection(
+    arena: bool, options: dict[str, DynamicTableOptions], optimizer, validate=True, item_dim=8
+):
+    configs = [
+        EmbeddingBagConfig(name="user", embedding_dim=4, num_embeddings=64, feature_names=["u"]),
+        EmbeddingBagConfig(
+            name="item", embedding_dim=item_dim, num_embeddings=32, feature_names=["i", "j"]
+        ),
+        EmbeddingBagConfig(name="city", embedding_dim=4, num_embeddings=32, feature_names=["c"]),
+        EmbeddingBagConfig(name="fixed", embedding_dim=4, num_embeddings=16, feature_names=["f"]),
+    ]
+    torch.manual_seed(0)  # the fixed table's init
+    ebc = DynamicEmbeddingBagCollection(
+        configs, options, seed=3, backend="torch", optimizer=optimizer, validate=validate
+    )
+    if not arena:  # every table on its own insert path, as before arenas
+        ebc._arenas, ebc._arena_tables = [], set()
+    return ebc
+
+
+def _batches(steps: int, batch: int, universe: int, seed: int):
+    """Batches of raw keys, heavy repeats, new keys in most (growth, then eviction at a cap),
+    lengths 0-3, every third batch the one before again (all hits); the fixed feature's ids
+    are in its table."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randint(-(2**62), 2**62, (universe,), generator=generator) * 2 + 1
+    batch_before = None
+    for step in range(steps):
+        if step % 3 == 2:
+            yield batch_before
+            continue
+        values, lengths = [], []
+        for feature in FEATURES:
+            length = torch.randint(0, 4, (batch,), generator=generator)
+            count = int(length.sum())
+            if feature == "f":
+                ids = torch.randint(0, 16, (count,), generator=generator)
+            else:  # a growing vocabulary, hot keys first
+                seen = min(universe, 40 + 25 * step)
+                ids = keys[(torch.rand(count, generator=generator) ** 2 * seen).long()]
+            values.append(ids)
+            lengths.append(length)
+        batch_before = KeyedJaggedTensor(
+            keys=list(FEATURES), values=torch.cat(values), lengths=torch.cat(lengths)
+        )
+        yield batch_before
+
+
+def _map_state(ebc: DynamicEmbeddingBagCollection) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, table in ebc.dynamic.items():
+        keys, slots = table.map.entries()
+        out[f"{name}.keys"] = keys
+        out[f"{name}.scores"] = table.map.scores[slots]
+        out[f"{name}.last_seen"] = table.map.last_seen[slots]
+    return out
+
+
+OPTIONS = {
+    "lru_and_lfu": {
+        "user": DynamicTableOptions(score="lru"),
+        "item": DynamicTableOptions(score="lfu", bucket_size=8),
+        "city": DynamicTableOptions(score="lfu"),
+    },
+    # one bucket size and dim: the arena places new keys itself while they fit (below and at
+    # the cap), the tables' own path grows them and evicts
+    "one_dim_capped": {
+        "user": DynamicTableOptions(max_capacity=48, bucket_size=8),
+        "item": DynamicTableOptions(max_capacity=80, bucket_size=8, score="lfu"),
+        "city": DynamicTableOptions(bucket_size=8),
+    },
+    "capped_with_admission": {
+        "user": DynamicTableOptions(max_capacity=48, bucket_size=8, admit_after=2),
+        "item": DynamicTableOptions(max_capacity=80, bucket_size=8, score="lfu"),
+        "city": DynamicTableOptions(max_capacity=48, bucket_size=8),
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPTIONS))
+def test_arena_trains_bitwise_like_each_tables_own_path(case, monkeypatch):
+    item_dim = 4 if case == "one_dim_capped" else 8
+    models = {
+        arena: _collection(arena, OPTIONS[case], RowWiseAdagrad(lr=0.1), item_dim=item_dim)
+        for arena in (0, 1)
+    }
+    assert models[1]._arenas and not models[0]._arenas
+    placed = []
+    count_placed = SlotMap.count_placed
+    monkeypatch.setattr(
+        SlotMap, "count_placed", lambda m, n: (placed.append(n), count_placed(m, n))
+    )
+    for step, features in enumerate(_batches(14, batch=24, universe=400, seed=5)):
+        train = step % 5 != 4  # every fifth batch is only looked up
+        outputs = {}
+        for arena, model in models.items():
+            model.train(train)
+            pooled = model(features).values()
+            if train:
+                pooled.square().sum().backward()
+            outputs[arena] = pooled.detach()
+        assert torch.equal(outputs[0], outputs[1]), f"step {step}"
+    states = [m.state_dict() for m in models.values()]
+    assert states[0].keys() == states[1].keys()
+    for key in states[0]:
+        assert torch.equal(states[0][key], states[1][key]), key
+    maps = [_map_state(m) for m in models.values()]
+    for key in maps[0]:
+        assert torch.equal(maps[0][key], maps[1][key]), key
+    stats = models[1].dynamic_stats()
+    assert models[0].dynamic_stats() == stats
+    assert all(stats[name]["hits"] > 0 for name in stats), stats
+    grew_or_evicted = "grows" if case == "lru_and_lfu" else "evictions"
+    tables = ("user", "item") if case == "one_dim_capped" else stats
+    assert all(stats[name][grew_or_evicted] > 0 for name in tables), stats
+    # the arena placed new keys itself, except where admission counts them first
+    assert (sum(placed) > 0) == (case != "capped_with_admission"), placed
+
+
+def test_arena_groups_tables_by_bucket_size_and_leaves_ttl_and_custom_scores_out():
+    class Newest(ScorePolicy):
+        def update(self, old, is_new, counts, step):
+            return torch.full_like(old, step)
+
+    options = {
+        "user": DynamicTableOptions(bucket_size=8),
+        "item": DynamicTableOptions(ttl_steps=3),
+        "city": DynamicTableOptions(score=Newest()),
+    }
+    ebc = _collection(True, options, Adam(lr=0.01))
+    assert [a.names for a in ebc._arenas] == [["user"]]
+    assert not joins_arena(ebc.dynamic["item"]) and not joins_arena(ebc.dynamic["city"])
+    for features in _batches(6, batch=16, universe=200, seed=2):
+        ebc(features).values().sum().backward()  # the others on their own path, together
+    assert ebc.dynamic_stats()["item"]["hits"] > 0
+
+
+def test_all_hits_lookup_waits_at_most_twice_and_a_reserved_key_still_raises():
+    options = {name: DynamicTableOptions(score="lfu") for name in ("user", "city")}
+    options["item"] = DynamicTableOptions(score="lru")
+    ebc = _collection(True, options, RowWiseAdagrad(lr=0.1))
+    features = next(_batches(1, batch=64, universe=300, seed=9))
+    for _ in range(2):  # inserts every key, then rebuilds the arena of the grown maps
+        ebc(features).values().sum().backward()
+    with StepAudit(torch.device("cpu")) as report:
+        ebc.lookup_ids(features)
+    # the reads: how many ids have no valid hint (on CPU) and, when some do, which tables miss
+    # a key among them (none)
+    assert 1 <= report.num_syncs <= 2, report.describe()
+    assert {site.split(":")[0] for _, site in report.syncs} == {"recsys/embedding/key_arena.py"}
+    ebc.train(False)
+    with StepAudit(torch.device("cpu")) as lookups:
+        ebc.lookup_ids(features)
+    # the reserved-key check of a lookup, the hint count (and no table's misses read)
+    assert 1 <= lookups.num_syncs <= 2, lookups.describe()
+    for reserved in (EMPTY_KEY, RESERVED_KEY):
+        bad = KeyedJaggedTensor(
+            keys=list(FEATURES),
+            values=torch.tensor([5, reserved, 7, 8, 1]),
+            lengths=torch.ones(5, dtype=torch.int64),
+        )
+        for training in (False, True):
+            ebc.train(training)
+            with pytest.raises(ValueError, match="reserved"):
+                ebc(bad)
+
+
+def test_arena_rebuilds_after_a_table_grows_or_loads():
+    ebc = _collection(True, OPTIONS["lru_and_lfu"], RowWiseAdagrad(lr=0.1))
+    arena = ebc._arenas[0]
+    for features in _batches(8, batch=32, universe=600, seed=4):
+        ebc(features).values().sum().backward()
+    user = ebc.dynamic["user"].map
+    assert user.stats()["grows"] > 0
+    # every map is a view of the arena's buffers after the last lookup's rebuild
+    features = next(_batches(1, batch=8, universe=20, seed=4))
+    ebc(features).values().sum().backward()
+    assert user.keys.untyped_storage().data_ptr() == arena.keys.untyped_storage().data_ptr()
+    copy = _collection(True, OPTIONS["lru_and_lfu"], RowWiseAdagrad(lr=0.1))
+    copy.load_state_dict(ebc.state_dict())
+    ebc.train(False)
+    copy.train(False)
+    assert torch.equal(copy(features).values(), ebc(features).values())
