@@ -23,7 +23,7 @@ keys, what was placed (2); on CPU first the list of ids without a valid hint (be
 same two reads only when that list is not empty (1 to 3 per step; a step of hits: 1 or 2).
 
 Finding the slots: on CUDA one Triton launch scans each id's bucket
-(:func:`~recsys.ops.slot_map.find_arena_slots`). On CPU, where scanning the [V, S] bucket rows
+(:func:`~recsys.ops.slot_map_arena.find_arena_slots`). On CPU, where scanning the [V, S] bucket rows
 costs more than the rest of the step, each id first tries its **hint**: the entry picked by
 a hash of the key in its table's own region of a hint buffer, naming a slot; a hint is
 accepted only if its slot holds the key (only the table's ids write its region, so the slot
@@ -67,9 +67,9 @@ from recsys.ops.slot_map import (
     RESERVED_KEY,
     bucket_of,
     check_keys,
-    find_arena_slots,
     find_slots_torch,
 )
+from recsys.ops.slot_map_arena import find_arena_slots
 
 __all__ = ["KeyArena", "build_arenas", "joins_arena"]
 

@@ -24,64 +24,20 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from recsys.embedding.score_policy import LFU, LRU, ScorePolicy, score_policy
+from recsys.embedding.slot_layout import (
+    Insertion,
+    Layout,
+    check_unique,
+    compose_slot_maps,
+    empty_layout,
+)
 from recsys.ops.slot_map import EMPTY_KEY, assign_slots, check_keys, find_slots, keep_per_bucket
 
 __all__ = ["LFU", "LRU", "Insertion", "ScorePolicy", "SlotMap", "score_policy"]
-
-
-@dataclass
-class Insertion:
-    """What :meth:`SlotMap.insert` did; all tensors follow the order of the keys passed in.
-
-    Attributes:
-        slots: [U] int64 slot of each key after the call, -1 where not admitted.
-        inserted: [U] bool, True where the key got a new row in this call: the caller
-            initializes that row and resets its optimizer state.
-        moved: ``(old_slots, new_slots)`` [L] of every key live before the call that is still
-            live after the rehash, when the map grew during the call (else None): the caller
-            moves its rows old -> new into buffers of the new capacity before using ``slots``.
-        evicted: [E] int64 keys that lost their row in this call.
-    """
-
-    slots: torch.Tensor
-    inserted: torch.Tensor
-    moved: tuple[torch.Tensor, torch.Tensor] | None
-    evicted: torch.Tensor
-
-
-@dataclass
-class _Layout:
-    """Tensors of a map of ``num_buckets`` buckets, before they replace the map's own."""
-
-    num_buckets: int
-    keys: torch.Tensor
-    scores: torch.Tensor
-    last_seen: torch.Tensor
-
-
-def _empty_layout(num_buckets: int, bucket_size: int, device: torch.device) -> _Layout:
-    capacity = num_buckets * bucket_size
-    zeros = torch.zeros(capacity, dtype=torch.int64, device=device)
-    keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=device)
-    return _Layout(num_buckets, keys, zeros, zeros.clone())
-
-
-def _compose(first: torch.Tensor | None, then: torch.Tensor) -> torch.Tensor:
-    """Slot maps old -> mid and mid -> new (-1: gone) composed into old -> new."""
-    if first is None:
-        return then
-    return torch.where(first >= 0, then[first.clamp(min=0)], first)
-
-
-def _check_unique(sorted_keys: torch.Tensor, name: str) -> None:
-    if len(sorted_keys) > 1 and bool((sorted_keys[1:] == sorted_keys[:-1]).any()):
-        key = sorted_keys[1:][sorted_keys[1:] == sorted_keys[:-1]][0].item()
-        raise ValueError(f"table {name!r}: key {key} appears twice; expected distinct keys")
 
 
 class SlotMap:
@@ -142,7 +98,7 @@ class SlotMap:
         self.pending_hits: torch.Tensor | None = None
         """A 0-d device counter of hits counted by an arena's step, added to ``hits`` when the
         stats are read (the one place they are read on the host)."""
-        self._use(_empty_layout(math.ceil(capacity / bucket_size), bucket_size, self.device))
+        self._use(empty_layout(math.ceil(capacity / bucket_size), bucket_size, self.device))
         self._size = 0
         self._warned = False  # about keys without room at the maximum size
         self.dropped = torch.empty(0, dtype=torch.int64)
@@ -309,7 +265,7 @@ class SlotMap:
     ) -> Insertion:
         """The common case, every key already at ``slots``: only their scores and last steps
         change (no growth or assignment)."""
-        _check_unique(torch.sort(keys).values, self.name)
+        check_unique(torch.sort(keys).values, self.name)
         counts = counts.to(self.device, torch.int64)
         not_new = torch.zeros_like(keys, dtype=torch.bool)
         self.scores[slots] = self.policy.update(self.scores[slots], not_new, counts, step).to(
@@ -333,7 +289,7 @@ class SlotMap:
         the caller has looked them up already."""
         keys = keys.to(self.device)  # checked by find (a reserved key raises)
         sorted_keys, order = torch.sort(keys)
-        _check_unique(sorted_keys, self.name)
+        check_unique(sorted_keys, self.name)
         counts = counts.to(self.device, torch.int64)[order]
         admit = torch.ones_like(keys, dtype=torch.bool) if admit is None else admit
         admit = admit.to(self.device, torch.bool)[order]
@@ -353,21 +309,21 @@ class SlotMap:
 
     def _plan(
         self, hit_slots: torch.Tensor, new_keys: torch.Tensor, skip_overflow: bool
-    ) -> tuple[_Layout, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    ) -> tuple[Layout, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Grow as needed and assign slots to ``new_keys``, on new tensors where it grows.
 
         Returns:
             (layout after growth, old -> new slot map or None, slots of the new keys, keys
             evicted by the rehash and the assignment).
         """
-        layout = _Layout(self.num_buckets, self.keys, self.scores, self.last_seen)
+        layout = Layout(self.num_buckets, self.keys, self.scores, self.last_seen)
         to_new, dropped = None, []
         target = self._buckets_for(self._size + len(new_keys))
         while True:
             if target > layout.num_buckets:
                 layout, slot_map, gone = self._rehash(layout, hit_slots, target)
                 hit_slots = slot_map[hit_slots]
-                to_new, dropped = _compose(to_new, slot_map), [*dropped, gone]
+                to_new, dropped = compose_slot_maps(to_new, slot_map), [*dropped, gone]
             pinned = torch.zeros_like(layout.keys, dtype=torch.bool)
             pinned[hit_slots] = True
             slots, evicted, overflow = self._assign(layout, pinned, new_keys)
@@ -381,7 +337,7 @@ class SlotMap:
         return layout, to_new, slots, torch.cat([*dropped, evicted[evicted != EMPTY_KEY]])
 
     def _assign(
-        self, layout: _Layout, pinned: torch.Tensor, keys: torch.Tensor
+        self, layout: Layout, pinned: torch.Tensor, keys: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return assign_slots(
             layout.keys,
@@ -402,8 +358,8 @@ class SlotMap:
         return buckets
 
     def _rehash(
-        self, layout: _Layout, hit_slots: torch.Tensor, num_buckets: int
-    ) -> tuple[_Layout, torch.Tensor, torch.Tensor]:
+        self, layout: Layout, hit_slots: torch.Tensor, num_buckets: int
+    ) -> tuple[Layout, torch.Tensor, torch.Tensor]:
         """Every live key of ``layout`` placed into an empty map of ``num_buckets``.
 
         Doubling splits each bucket in two (bucket mod 2n determines bucket mod n), so only a
@@ -422,7 +378,7 @@ class SlotMap:
         keep = torch.ones_like(keys, dtype=torch.bool)
         if num_buckets == self.max_buckets:
             keep = keep_per_bucket(keys, scores, pinned[live], num_buckets, self.bucket_size)
-        new = _empty_layout(num_buckets, self.bucket_size, self.device)
+        new = empty_layout(num_buckets, self.bucket_size, self.device)
         no_pins = torch.zeros_like(new.keys, dtype=torch.bool)
         slots, _, overflow = self._assign(new, no_pins, keys[keep])
         if len(overflow):  # only pinned keys left, see above
@@ -445,7 +401,7 @@ class SlotMap:
 
     def _commit(
         self,
-        layout: _Layout,
+        layout: Layout,
         keys: torch.Tensor,
         slots: torch.Tensor,
         is_new: torch.Tensor,
@@ -497,7 +453,7 @@ class SlotMap:
             moved = (old, to_new[old])
         return Insertion(out_slots, inserted, moved, evicted)
 
-    def _use(self, layout: _Layout) -> None:
+    def _use(self, layout: Layout) -> None:
         if layout.keys is not getattr(self, "keys", None):
             self.generation += 1
         self.num_buckets = layout.num_buckets
@@ -584,11 +540,11 @@ class SlotMap:
             )
         keys = keys.to(self.device)
         check_keys(keys)
-        _check_unique(torch.sort(keys).values, self.name)
+        check_unique(torch.sort(keys).values, self.name)
         scores = scores.to(self.device, torch.int64)
         keep = torch.ones_like(keys, dtype=torch.bool)
         while True:
-            layout = _empty_layout(num_buckets, self.bucket_size, self.device)
+            layout = empty_layout(num_buckets, self.bucket_size, self.device)
             no_pins = torch.zeros_like(layout.keys, dtype=torch.bool)
             slots, _, overflow = self._assign(layout, no_pins, keys[keep])
             if not (grow and len(overflow)):

@@ -16,10 +16,7 @@ There is no probing outside the bucket and no tombstone: removing a key writes `
 
 Find (:func:`find_slots`): the slot of each key [N] in its bucket's row, or -1.
 
-Arena find (:func:`find_arena_slots`): several maps side by side in one buffer (an arena, see
-:mod:`recsys.embedding.key_arena`), map m taking the buckets ``[first_m, first_m +
-num_buckets_m)``; each key is looked up in its own map: bucket ``first + bucket_of(k,
-num_buckets)`` with per-key ``first`` and ``num_buckets``. One launch for every table.
+Arena find: :mod:`recsys.ops.slot_map_arena`.
 
 Assign (:func:`assign_slots`): M new keys (distinct, absent from the map). Per bucket b that
 receives n_b of them, ranked r = 0..n_b-1 by ascending key, the bucket's candidate slots are
@@ -59,7 +56,6 @@ __all__ = [
     "assign_slots",
     "bucket_of",
     "check_keys",
-    "find_arena_slots",
     "find_slots",
     "find_slots_torch",
     "hash_keys",
@@ -72,13 +68,14 @@ RESERVED_KEY = -(2**63) + 1
 # registers of the assign kernel hold an [S, S] comparison
 MAX_BUCKET_SIZE = 128
 # the torch find gathers [chunk, S] rows at a time
-_FIND_CHUNK = 1 << 16
+FIND_CHUNK = 1 << 16
 # keys x slots compared per find program (64 keys of a 32-slot bucket): more spills at S = 128
-_FIND_TILE = 2048
+FIND_TILE = 2048
 
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-_EMPTY = tl.constexpr(EMPTY_KEY)
+# EMPTY_KEY inside kernels (this module's and recsys.ops.slot_map_arena's)
+EMPTY_CONST = tl.constexpr(EMPTY_KEY)
 
 
 def _signed(value: int) -> int:
@@ -261,21 +258,21 @@ def _mix64_bits(keys):
 
 
 @triton.jit
-def _bucket_of(keys, num_buckets):
+def bucket_of_bits(keys, num_buckets):
     """bucket_of(keys) as int64."""
     return (_mix64_bits(keys) >> 1).to(tl.int64, bitcast=True) % num_buckets
 
 
 @triton.jit
-def _slot_in_bucket(
+def slot_in_bucket(
     table_ptr, key, bucket, n_mask, BUCKET_SIZE: tl.constexpr, BLOCK_S: tl.constexpr
 ):
     """The slot holding each key [BLOCK_N] in its bucket's row of ``table_ptr``, -1 if none."""
     s = tl.arange(0, BLOCK_S)
     first = bucket * BUCKET_SIZE  # int64 slot of the bucket's first slot
     row_mask = n_mask[:, None] & (s < BUCKET_SIZE)[None, :]
-    row = tl.load(table_ptr + first[:, None] + s[None, :], mask=row_mask, other=_EMPTY)
-    match = (row == key[:, None]) & (key != _EMPTY)[:, None]  # [BLOCK_N, BLOCK_S]
+    row = tl.load(table_ptr + first[:, None] + s[None, :], mask=row_mask, other=EMPTY_CONST)
+    match = (row == key[:, None]) & (key != EMPTY_CONST)[:, None]  # [BLOCK_N, BLOCK_S]
     position = tl.min(tl.where(match, s[None, :], BLOCK_S), axis=1)
     return tl.where(position < BLOCK_S, first + position, -1)
 
@@ -293,30 +290,9 @@ def _find_slots_kernel(
 ):
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < num_keys
-    key = tl.load(keys_ptr + n, mask=n_mask, other=_EMPTY)  # [BLOCK_N]
-    bucket = _bucket_of(key, num_buckets)
-    slot = _slot_in_bucket(table_ptr, key, bucket, n_mask, BUCKET_SIZE, BLOCK_S)
-    tl.store(out_ptr + n, slot, mask=n_mask)
-
-
-@triton.jit
-def _find_arena_kernel(
-    table_ptr,
-    keys_ptr,
-    num_buckets_ptr,
-    first_bucket_ptr,
-    out_ptr,
-    num_keys,
-    BUCKET_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < num_keys
-    key = tl.load(keys_ptr + n, mask=n_mask, other=_EMPTY)  # [BLOCK_N]
-    num_buckets = tl.load(num_buckets_ptr + n, mask=n_mask, other=1)
-    bucket = tl.load(first_bucket_ptr + n, mask=n_mask, other=0) + _bucket_of(key, num_buckets)
-    slot = _slot_in_bucket(table_ptr, key, bucket, n_mask, BUCKET_SIZE, BLOCK_S)
+    key = tl.load(keys_ptr + n, mask=n_mask, other=EMPTY_CONST)  # [BLOCK_N]
+    bucket = bucket_of_bits(key, num_buckets)
+    slot = slot_in_bucket(table_ptr, key, bucket, n_mask, BUCKET_SIZE, BLOCK_S)
     tl.store(out_ptr + n, slot, mask=n_mask)
 
 
@@ -327,7 +303,7 @@ def _candidate_ranks(key, score, pinned, s, BUCKET_SIZE: tl.constexpr):
     2 pinned) is lower, or both are free and j < i, or both are unpinned and (score, key) of
     j is lower."""
     valid = s < BUCKET_SIZE
-    free = (key == _EMPTY) & valid
+    free = (key == EMPTY_CONST) & valid
     candidate = free | ((pinned == 0) & valid)
     klass = tl.where(free, 0, tl.where(candidate, 1, 2))
     ki = klass[:, None]
@@ -358,7 +334,7 @@ def _assign_slots_kernel(
     num_new = tl.load(offsets_ptr + g + 1) - start
     s = tl.arange(0, BLOCK_S)
     valid = s < BUCKET_SIZE
-    key = tl.load(table_ptr + first + s, mask=valid, other=_EMPTY)
+    key = tl.load(table_ptr + first + s, mask=valid, other=EMPTY_CONST)
     score = tl.load(scores_ptr + first + s, mask=valid, other=0)
     pinned = tl.load(pinned_ptr + first + s, mask=valid, other=1).to(tl.int32)
     rank, candidate = _candidate_ranks(key, score, pinned, s, BUCKET_SIZE)
@@ -406,7 +382,7 @@ def _find_triton(
 ) -> torch.Tensor:
     out = torch.empty_like(keys)
     block_s = triton.next_power_of_2(bucket_size)
-    block_n = _FIND_TILE // block_s
+    block_n = FIND_TILE // block_s
     if len(keys):
         _find_slots_kernel[(triton.cdiv(len(keys), block_n),)](
             table_keys,
@@ -460,85 +436,7 @@ def find_slots(
         return _find_triton(table_keys.contiguous(), num_buckets, bucket_size, keys)
     parts = [
         find_slots_torch(table_keys, num_buckets, bucket_size, chunk)
-        for chunk in keys.split(_FIND_CHUNK)
-    ]
-    return torch.cat(parts) if len(parts) != 1 else parts[0]
-
-
-def find_arena_slots(
-    table_keys: torch.Tensor,
-    bucket_size: int,
-    num_buckets: torch.Tensor,
-    first_bucket: torch.Tensor,
-    keys: torch.Tensor,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """The slot of each key in its own map of an arena (maps side by side in ``table_keys``),
-    or -1 where that map does not hold it. Read-only; duplicates allowed; reserved keys (not
-    checked here: no map holds them) find -1. No host sync.
-
-    Args:
-        table_keys: [C] int64 keys of every map (``EMPTY_KEY`` where free), C a multiple of
-            ``bucket_size``.
-        bucket_size: slots per bucket of every map, 1..128.
-        num_buckets: [N] int64 buckets of each key's map.
-        first_bucket: [N] int64 first bucket of each key's map in ``table_keys``.
-        keys: [N] int64 keys to look up.
-        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
-
-    Returns:
-        [N] int64 slots in ``table_keys`` (-1 where absent).
-
-    Raises:
-        ValueError: a layout or shape that does not match, a non-int64 tensor, or an unknown
-            backend.
-
-    Example::
-
-        # maps of 4 and 2 buckets of 8 slots in one [48] buffer; key 7 in the second map
-        find_arena_slots(arena, 8, torch.tensor([2]), torch.tensor([4]), torch.tensor([7]))
-    """
-    if not 1 <= bucket_size <= MAX_BUCKET_SIZE or table_keys.numel() % bucket_size:
-        raise ValueError(
-            f"table_keys has {table_keys.numel()} slots and bucket_size={bucket_size}; expected "
-            "1 <= bucket_size <= 128 dividing the slots"
-        )
-    for name, tensor in (
-        ("keys", keys),
-        ("num_buckets", num_buckets),
-        ("first_bucket", first_bucket),
-    ):
-        if tensor.dtype != torch.int64 or tensor.shape != keys.shape or tensor.dim() != 1:
-            raise ValueError(
-                f"{name} is {tensor.dtype} {tuple(tensor.shape)}; expected torch.int64 "
-                f"{tuple(keys.shape[:1])} (one per key)"
-            )
-    chosen = resolve_backend(backend, keys.device, op="find_arena_slots", has_triton=True)
-    if chosen == "triton":
-        out = torch.empty_like(keys)
-        block_s = triton.next_power_of_2(bucket_size)
-        block_n = _FIND_TILE // block_s
-        if len(keys):
-            _find_arena_kernel[(triton.cdiv(len(keys), block_n),)](
-                table_keys.contiguous(),
-                keys.contiguous(),
-                num_buckets.contiguous(),
-                first_bucket.contiguous(),
-                out,
-                len(keys),
-                BUCKET_SIZE=bucket_size,
-                BLOCK_N=block_n,
-                BLOCK_S=block_s,
-            )
-        return out
-    parts = [
-        find_slots_torch(table_keys, buckets, bucket_size, chunk, first)
-        for chunk, buckets, first in zip(
-            keys.split(_FIND_CHUNK),
-            num_buckets.split(_FIND_CHUNK),
-            first_bucket.split(_FIND_CHUNK),
-            strict=True,
-        )
+        for chunk in keys.split(FIND_CHUNK)
     ]
     return torch.cat(parts) if len(parts) != 1 else parts[0]
 

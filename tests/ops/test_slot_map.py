@@ -9,13 +9,13 @@ from recsys.ops.slot_map import (
     RESERVED_KEY,
     assign_slots,
     bucket_of,
-    find_arena_slots,
     find_slots,
     find_slots_torch,
     hash_keys,
     keep_per_bucket,
     mix64,
 )
+from recsys.ops.slot_map_arena import find_arena_slots
 
 BACKENDS = ("torch", "triton")
 EXTREMES = [0, 1, -1, 2, 2**63 - 1, -(2**63) + 2, 2**62, -(2**62), 0x5555555555555555]
