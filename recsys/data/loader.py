@@ -282,6 +282,8 @@ class _Task(NamedTuple):
 
 
 _DONE = object()
+# How long closing a loader waits for its background thread to finish the batch in hand.
+_JOIN_TIMEOUT_S = 60.0
 
 
 def _background(items: Iterator[Batch], size: int) -> Iterator[Batch]:
@@ -323,3 +325,7 @@ def _background(items: Iterator[Batch], size: int) -> Iterator[Batch]:
             yield item
     finally:
         stop.set()
+        # The thread stops at its next put (after the batch it is building): wait for it, so
+        # no thread is inside torch when the interpreter shuts down (that aborts the process:
+        # "terminate called without an active exception").
+        worker.join(timeout=_JOIN_TIMEOUT_S)

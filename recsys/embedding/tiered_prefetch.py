@@ -27,7 +27,9 @@ class PrefetchBatch:
 
     def start(self, work) -> None:
         self.started = True
-        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True)
+        # Not a daemon: a run that stops (or fails) with a batch in preparation waits for it
+        # at exit instead of shutting the interpreter down under a thread inside torch.
+        self._thread = threading.Thread(target=self._run, args=(work,))
         self._thread.start()
 
     def _run(self, work) -> None:
