@@ -245,8 +245,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         layout = self._layout
         cached = self._arena_offsets.get(id(arena))
         if cached is None or cached[0] is not layout or cached[1].device != self._flat.device:
-            index = {c.name: t for t, c in enumerate(self._logical_configs)}
-            tables = [index[name] for name in arena.names]
+            tables = self._table_indices(arena.names)
             elements = [*(layout.elem_offsets[t] for t in tables), 0]
             rows = [*(layout.row_offsets[t] for t in tables), 0]
             cached = (
@@ -266,9 +265,12 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         elements = first.unsqueeze(1) + torch.arange(dim, device=self.device)  # [U, D]
         with torch.no_grad():
             self._flat.index_put_((elements.view(-1),), values.view(-1))
-            for name, buffer in self._states.items():
-                where = rows if self.optimizer.states[name] == "row" else elements.view(-1)
-                buffer.index_fill_(0, where, self.optimizer.initial_state(name))
+            self._initial_state_at(rows, elements.view(-1))
+
+    def _table_indices(self, names) -> list[int]:
+        """The index of each table of ``names`` in the packed layout (config order)."""
+        index = {c.name: t for t, c in enumerate(self._logical_configs)}
+        return [index[name] for name in names]
 
     def _advance_step(self) -> int:
         """Count a training step in ``dynamic_step`` and return it, from a host copy: the
@@ -290,8 +292,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
             layout,
             self._flat.device,
         ):
-            index = {name: t for t, name in enumerate(c.name for c in self._logical_configs)}
-            tables = [index[name] for name in self._arena_tables]
+            tables = self._table_indices(self._arena_tables)
             elements = torch.cat(
                 [
                     torch.arange(layout.dims[t], device=self.device)
@@ -307,9 +308,14 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         _, elements, rows = self._zero_rows
         with torch.no_grad():
             self._flat.index_fill_(0, elements, 0)
-            for name, buffer in self._states.items():
-                where = rows if self.optimizer.states[name] == "row" else elements
-                buffer.index_fill_(0, where, self.optimizer.initial_state(name))
+            self._initial_state_at(rows, elements)
+
+    def _initial_state_at(self, rows: torch.Tensor, elements: torch.Tensor) -> None:
+        """Put the optimizer state of packed ``rows`` (per-row state) and ``elements`` (state
+        per element) back to its initial value."""
+        for name, buffer in self._states.items():
+            where = rows if self.optimizer.states[name] == "row" else elements
+            buffer.index_fill_(0, where, self.optimizer.initial_state(name))
 
     def _place(self, index: int, table: DynamicTable, insertion: Insertion, keys: torch.Tensor):
         """After an insertion: follow the map's growth, give new keys their initial rows and

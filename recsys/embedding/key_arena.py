@@ -352,10 +352,9 @@ class KeyArena:
             return ids, torch.zeros_like(ids, dtype=torch.bool), [], None
         per_id = self._per_id(features, ids.numel())
         found, scanned = self._find(ids, per_id)  # [V], -1 where absent
-        rows = found - per_id.base
         if step is None:
             check_keys(ids)
-            rows = torch.where(found >= 0, rows, per_id.zero_row)
+            rows = torch.where(found >= 0, found - per_id.base, per_id.zero_row)
             return rows, None if per_id.every_id else per_id.mine, [], None
         mapped, missing, fresh = None if per_id.every_id else per_id.mine, [], None
         if scanned is not None:  # misses can only be among the scanned ids
@@ -371,7 +370,6 @@ class KeyArena:
                 missing = [n for n, m in zip(self.names, counts[0], strict=False) if m]
                 self._count_inserts(counts[1])
                 found.index_put_((where,), fresh.slots)
-                rows = found - per_id.base
             if missing:  # the ids of tables with no miss left
                 mapped = per_id.mine & (missed == 0).index_select(0, per_id.table)
         # [V] each mapped id's slot, the scratch for the rest
@@ -388,7 +386,7 @@ class KeyArena:
             lfu_target = torch.where(per_id.lfu, target, self.scratch)
             self.scores.index_put_((lfu_target,), self._one, accumulate=True)
             self.scores.index_fill_(0, torch.where(per_id.lfu, self.scratch, target), step)
-        return rows, mapped, missing, fresh
+        return found - per_id.base, mapped, missing, fresh
 
     def _find(
         self, ids: torch.Tensor, per_id: _Ids

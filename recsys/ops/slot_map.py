@@ -74,8 +74,7 @@ FIND_TILE = 2048
 
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-# EMPTY_KEY inside kernels (this module's and recsys.ops.slot_map_arena's)
-EMPTY_CONST = tl.constexpr(EMPTY_KEY)
+_EMPTY = tl.constexpr(EMPTY_KEY)
 
 
 def _signed(value: int) -> int:
@@ -258,41 +257,44 @@ def _mix64_bits(keys):
 
 
 @triton.jit
-def bucket_of_bits(keys, num_buckets):
+def _bucket_of(keys, num_buckets):
     """bucket_of(keys) as int64."""
     return (_mix64_bits(keys) >> 1).to(tl.int64, bitcast=True) % num_buckets
 
 
 @triton.jit
-def slot_in_bucket(
-    table_ptr, key, bucket, n_mask, BUCKET_SIZE: tl.constexpr, BLOCK_S: tl.constexpr
-):
-    """The slot holding each key [BLOCK_N] in its bucket's row of ``table_ptr``, -1 if none."""
-    s = tl.arange(0, BLOCK_S)
-    first = bucket * BUCKET_SIZE  # int64 slot of the bucket's first slot
-    row_mask = n_mask[:, None] & (s < BUCKET_SIZE)[None, :]
-    row = tl.load(table_ptr + first[:, None] + s[None, :], mask=row_mask, other=EMPTY_CONST)
-    match = (row == key[:, None]) & (key != EMPTY_CONST)[:, None]  # [BLOCK_N, BLOCK_S]
-    position = tl.min(tl.where(match, s[None, :], BLOCK_S), axis=1)
-    return tl.where(position < BLOCK_S, first + position, -1)
-
-
-@triton.jit
-def _find_slots_kernel(
+def find_slots_kernel(
     table_ptr,
     keys_ptr,
+    num_buckets_ptr,
+    first_bucket_ptr,
     out_ptr,
     num_keys,
     num_buckets,
+    PER_KEY: tl.constexpr,
     BUCKET_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
+    """The slot of each key in its bucket's row, -1 if none. ``PER_KEY``: each key's map has
+    its own bucket count and first bucket (``num_buckets_ptr``, ``first_bucket_ptr``: an
+    arena, :mod:`recsys.ops.slot_map_arena`); else one map of ``num_buckets`` buckets."""
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < num_keys
-    key = tl.load(keys_ptr + n, mask=n_mask, other=EMPTY_CONST)  # [BLOCK_N]
-    bucket = bucket_of_bits(key, num_buckets)
-    slot = slot_in_bucket(table_ptr, key, bucket, n_mask, BUCKET_SIZE, BLOCK_S)
+    key = tl.load(keys_ptr + n, mask=n_mask, other=_EMPTY)  # [BLOCK_N]
+    if PER_KEY:
+        buckets = tl.load(num_buckets_ptr + n, mask=n_mask, other=1)
+        first_bucket = tl.load(first_bucket_ptr + n, mask=n_mask, other=0)
+        bucket = first_bucket + _bucket_of(key, buckets)
+    else:
+        bucket = _bucket_of(key, num_buckets)
+    s = tl.arange(0, BLOCK_S)
+    first = bucket * BUCKET_SIZE  # int64 slot of the bucket's first slot
+    row_mask = n_mask[:, None] & (s < BUCKET_SIZE)[None, :]
+    row = tl.load(table_ptr + first[:, None] + s[None, :], mask=row_mask, other=_EMPTY)
+    match = (row == key[:, None]) & (key != _EMPTY)[:, None]  # [BLOCK_N, BLOCK_S]
+    position = tl.min(tl.where(match, s[None, :], BLOCK_S), axis=1)
+    slot = tl.where(position < BLOCK_S, first + position, -1)
     tl.store(out_ptr + n, slot, mask=n_mask)
 
 
@@ -303,7 +305,7 @@ def _candidate_ranks(key, score, pinned, s, BUCKET_SIZE: tl.constexpr):
     2 pinned) is lower, or both are free and j < i, or both are unpinned and (score, key) of
     j is lower."""
     valid = s < BUCKET_SIZE
-    free = (key == EMPTY_CONST) & valid
+    free = (key == _EMPTY) & valid
     candidate = free | ((pinned == 0) & valid)
     klass = tl.where(free, 0, tl.where(candidate, 1, 2))
     ki = klass[:, None]
@@ -334,7 +336,7 @@ def _assign_slots_kernel(
     num_new = tl.load(offsets_ptr + g + 1) - start
     s = tl.arange(0, BLOCK_S)
     valid = s < BUCKET_SIZE
-    key = tl.load(table_ptr + first + s, mask=valid, other=EMPTY_CONST)
+    key = tl.load(table_ptr + first + s, mask=valid, other=_EMPTY)
     score = tl.load(scores_ptr + first + s, mask=valid, other=0)
     pinned = tl.load(pinned_ptr + first + s, mask=valid, other=1).to(tl.int32)
     rank, candidate = _candidate_ranks(key, score, pinned, s, BUCKET_SIZE)
@@ -384,12 +386,15 @@ def _find_triton(
     block_s = triton.next_power_of_2(bucket_size)
     block_n = FIND_TILE // block_s
     if len(keys):
-        _find_slots_kernel[(triton.cdiv(len(keys), block_n),)](
+        find_slots_kernel[(triton.cdiv(len(keys), block_n),)](
             table_keys,
+            keys,
+            keys,  # no per-key map parameters (PER_KEY=False): not read
             keys,
             out,
             len(keys),
             num_buckets,
+            PER_KEY=False,
             BUCKET_SIZE=bucket_size,
             BLOCK_N=block_n,
             BLOCK_S=block_s,

@@ -7,49 +7,26 @@ lives in bucket ``first_m + bucket_of(k, num_buckets_m)`` (the bucket rule of
 up the keys of every table. Shape letters: C slots of the arena, S bucket_size, N keys.
 
 Backends: the torch path is :func:`~recsys.ops.slot_map.find_slots_torch` with per-key map
-parameters; the Triton kernel runs a block of keys per program, each scanning its bucket's
-row. Read-only, no atomics, no host sync: deterministic, the backends bitwise equal.
+parameters; the Triton path is the map's own find kernel with per-key map parameters
+(``PER_KEY``), a block of keys per program, each scanning its bucket's row. Read-only, no
+atomics, no host sync: deterministic, the backends bitwise equal.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from recsys.ops._triton import resolve_backend
 from recsys.ops.slot_map import (
-    EMPTY_CONST,
     FIND_CHUNK,
     FIND_TILE,
     MAX_BUCKET_SIZE,
-    bucket_of_bits,
+    find_slots_kernel,
     find_slots_torch,
-    slot_in_bucket,
 )
 
 __all__ = ["find_arena_slots"]
-
-
-@triton.jit
-def _find_arena_kernel(
-    table_ptr,
-    keys_ptr,
-    num_buckets_ptr,
-    first_bucket_ptr,
-    out_ptr,
-    num_keys,
-    BUCKET_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < num_keys
-    key = tl.load(keys_ptr + n, mask=n_mask, other=EMPTY_CONST)  # [BLOCK_N]
-    num_buckets = tl.load(num_buckets_ptr + n, mask=n_mask, other=1)
-    bucket = tl.load(first_bucket_ptr + n, mask=n_mask, other=0) + bucket_of_bits(key, num_buckets)
-    slot = slot_in_bucket(table_ptr, key, bucket, n_mask, BUCKET_SIZE, BLOCK_S)
-    tl.store(out_ptr + n, slot, mask=n_mask)
 
 
 def find_arena_slots(
@@ -106,13 +83,15 @@ def find_arena_slots(
         block_s = triton.next_power_of_2(bucket_size)
         block_n = FIND_TILE // block_s
         if len(keys):
-            _find_arena_kernel[(triton.cdiv(len(keys), block_n),)](
+            find_slots_kernel[(triton.cdiv(len(keys), block_n),)](
                 table_keys.contiguous(),
                 keys.contiguous(),
                 num_buckets.contiguous(),
                 first_bucket.contiguous(),
                 out,
                 len(keys),
+                0,  # per key instead
+                PER_KEY=True,
                 BUCKET_SIZE=bucket_size,
                 BLOCK_N=block_n,
                 BLOCK_S=block_s,
