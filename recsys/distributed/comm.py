@@ -100,7 +100,9 @@ def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
         return x.to(_CASTS[precision])
     if x.numel() == 0:  # no rows, or no columns (a rank holding no table): nothing to scale
         return x.new_zeros(x.shape[0], x.shape[1] + 4, dtype=torch.int8)
-    low, high = torch.aminmax(x, dim=1, keepdim=True)  # max |x| in one pass, no |x| tensor
+    # max |x| without an |x| tensor; amax and amin apart: torch's CPU aminmax over rows runs
+    # ~6x slower than the two reductions together.
+    low, high = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
     scale = torch.maximum(high, -low).abs_() / 127.0  # [R, 1]; abs_: +0 for a row of zeros
     q = torch.div(x, torch.where(scale > 0, scale, 1.0)).round_()
     out = torch.empty(x.shape[0], x.shape[1] + 4, dtype=torch.int8, device=x.device)
@@ -118,7 +120,11 @@ def decode(y: torch.Tensor, precision: str, out: torch.Tensor | None = None) -> 
         return y.float() if out is None else out.copy_(y)
     # A copy: one row's 4 scale bytes may start at an offset not divisible by 4.
     scale = y[:, -4:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # [R, 1]
-    return torch.mul(y[:, :-4], scale) if out is None else torch.mul(y[:, :-4], scale, out=out)
+    # The int8 values to fp32 first, then an in-place product: the same values as a mixed
+    # int8 x fp32 mul, which converts through a temporary and runs ~2x slower on CPU.
+    if out is None:
+        out = torch.empty(y.shape[0], y.shape[1] - 4, dtype=torch.float32, device=y.device)
+    return out.copy_(y[:, :-4]).mul_(scale)
 
 
 def wire_width(width: int, precision: str) -> int:
