@@ -441,7 +441,10 @@ def plan_sharding(
     from memory, and traffic to the rank itself is free (communication scales by (W - 1) / W).
     With W ranks, B = ``batch_size``, G = B * W, P the table's pooling factor, R x D elements
     of e bytes: DATA_PARALLEL costs every rank a lookup of B * P * D * e plus a ring
-    all-reduce of the fp32 gradient, 4 * R * D * 4 (2x the table each way). A shard with r
+    all-reduce of the fp32 gradient, 4 * R * D * 4 (2x the table each way). That is an upper
+    bound of what a replicated table with a fused optimizer moves, since it exchanges only its
+    touched rows and their gradients (:mod:`recsys.distributed.replicated`); a torch optimizer's
+    replicated table is all-reduced whole, by DDP. A shard with r
     rows and c columns costs its rank a lookup of G * P * r / R * c * e, receiving those ids
     (8 bytes each), sending G pooled c-vectors and receiving their gradients
     (``forward_comm_bytes`` and ``backward_comm_bytes`` per value). TABLE_WISE is one whole
