@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 
 from recsys._files import describe_os_error
-from recsys.config import config_reference, load_config, to_toml
+from recsys.config import PreprocessConfig, config_reference, load_config, to_toml
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -223,7 +223,7 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
 
 
 _PREPROCESS_FLAGS = {
-    "format": "criteo | parquet | csv",
+    "format": "criteo | parquet | csv | interactions",
     "input": "training data: file, directory or glob",
     "valid": "validation data (default: carved out of --input)",
     "test": "test data (default: carved out of --input)",
@@ -234,6 +234,10 @@ _PREPROCESS_FLAGS = {
     "label": "parquet/csv: comma-separated 0/1 label column(s)",
     "apply": "DATA_DIR written by preprocess: transform the input with its fitted workflow "
     "(same ids, table sizes and fingerprint; roles come from there)",
+    "user": "interactions: the user column",
+    "item": "interactions: the item column",
+    "time": "interactions: the time column (a user's events are ordered by it)",
+    "max-len": "interactions: the most recent events kept of a history (default 200)",
 }
 
 
@@ -246,6 +250,9 @@ def _preprocess(args: argparse.Namespace, overrides: list[str]) -> None:
         if (value := getattr(args, flag.replace("-", "_"))) is not None
     ]
     config = load_config(args.config, [*flags, *overrides]).preprocess
+    if config.format == "interactions":
+        _preprocess_interactions(config)
+        return
     report = preprocess(config)
     rows = ", ".join(f"{split} {n:,}" for split, n in report.rows.items())
     tables = ", ".join(f"{c['name']}={c['cardinality']:,}" for c in report.metadata["categorical"])
@@ -267,6 +274,26 @@ def _preprocess(args: argparse.Namespace, overrides: list[str]) -> None:
     if report.rows["valid"]:  # an --apply output for scoring has train/ only
         recipe = "configs/dlrm_synthetic.toml"
         print(f"train on it: recsys train --config {recipe} --data.path={report.output}")
+
+
+def _preprocess_interactions(config: PreprocessConfig) -> None:
+    from recsys.data.sequences import preprocess_interactions
+
+    report = preprocess_interactions(config)
+    rows = ", ".join(f"{split} {n:,}" for split, n in report.rows.items())
+    read = report.metadata["input"]
+    sequence = report.metadata["sequence"]
+    items = f"{sequence['num_items']:,} item ids" if sequence["num_items"] else "raw item keys"
+    print(
+        f"recsys: {read['interactions']:,} interactions of {read['users']:,} users -> histories "
+        f"in {report.output} in {report.seconds:.1f} s: users {rows}; {items} "
+        f"({report.metadata['encoding']}), max_len {sequence['max_len']}"
+    )
+    print(report.malformed.summary())
+    for example in report.malformed.examples[1:]:
+        print(f"  {example}")
+    for note in report.notes():
+        print(note)
 
 
 def _export(args: argparse.Namespace) -> None:

@@ -195,9 +195,11 @@ class DataConfig:
 class PreprocessConfig:
     """``recsys preprocess``: raw logs or tables -> parquet + metadata that training reads."""
 
-    format: Literal["criteo", "parquet", "csv"] = "criteo"
+    format: Literal["criteo", "parquet", "csv", "interactions"] = "criteo"
     """Input format: Criteo TSV (label, 13 counts, 26 hex categories; .gz allowed), or parquet /
-    CSV with named columns (give their roles below)."""
+    CSV with named columns (give their roles below); ``interactions``: an interaction log
+    (parquet or CSV, by file suffix) with ``user``, ``item`` and ``time`` columns, turned into
+    per-user histories (``recsys.data.sequences``)."""
     input: str = ""
     """Training data: a file, a directory of files, or a glob."""
     valid: str = ""
@@ -234,6 +236,16 @@ class PreprocessConfig:
     12 and "12" agree; Criteo hex lowercased), missing -> 0; the same value gets the same key
     in any run, file or process (``recsys.data.keys``). The data then needs dynamic tables
     (metadata.json says ``id_encoding = "raw"``, cardinalities 0). Not with normalize_dense."""
+    user: str = ""
+    """interactions: the user column (any type; its text identifies the user)."""
+    item: str = ""
+    """interactions: the item column (any type), encoded as ``encoding`` says."""
+    time: str = ""
+    """interactions: the time column (numbers, or parquet timestamps); a user's events are
+    ordered by it, ties in input order."""
+    max_len: Annotated[int, AtLeast1] = 200
+    """interactions: the most recent events kept of a history (train rows keep max_len + 1, so
+    that max_len next-item targets remain)."""
     freq_threshold: Annotated[int, AtLeast0] = 1
     """categorify: values seen fewer times than this in train share the rare id."""
     hash_buckets: Annotated[int, AtLeast1] = 1_000_000

@@ -33,7 +33,6 @@ by renaming it aside, renaming the new one in, then deleting the old one.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import shutil
 import time
@@ -67,6 +66,7 @@ from recsys.data.prepared import (
     SPLITS,
     check_output,
     file_fingerprint,
+    input_files,
     new_directory_beside,
     read_metadata,
     replace_output,
@@ -257,10 +257,10 @@ def _run_raw(
 
 def _sources(config: PreprocessConfig) -> dict[str, list[Path]]:
     """The files of each split given as input: train always, valid / test when given."""
-    sources = {"train": _files(config.input, "input")}
+    sources = {"train": input_files(config.input, "input")}
     for split in ("valid", "test"):
         if getattr(config, split):
-            sources[split] = _files(getattr(config, split), split)
+            sources[split] = input_files(getattr(config, split), split)
     return sources
 
 
@@ -373,22 +373,6 @@ def _applied(
         if not any(label in names for label in roles.labels):  # unlabeled: for scoring
             placeholders, roles.labels = roles.labels, []
     return config, roles, placeholders
-
-
-def _files(spec: str, what: str) -> list[Path]:
-    if not spec:
-        raise ValueError(f"preprocess.{what} is empty; give the file(s) to read (--{what} PATH)")
-    path = Path(spec)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-    elif any(ch in spec for ch in "*?["):
-        files = sorted(Path(p) for p in glob.glob(spec))
-    else:
-        files = [path]
-    missing = [str(p) for p in files if not p.is_file()]
-    if missing or not files:
-        raise FileNotFoundError(f"{what}: no such file(s): {', '.join(missing) or spec}")
-    return files
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ NVTabular workflow) and ``categories/`` (neither for ``encoding = "raw"``: nothi
 
 from __future__ import annotations
 
+import glob
 import json
 import secrets
 import shutil
@@ -159,3 +160,21 @@ def replace_output(output: Path, work: Path) -> None:
         aside.rmdir()
         raise
     shutil.rmtree(aside)
+
+
+def input_files(spec: str, what: str) -> list[Path]:
+    """The files ``spec`` names (a file, a directory's visible files, or a glob), sorted;
+    ``what`` names the option in errors."""
+    if not spec:
+        raise ValueError(f"preprocess.{what} is empty; give the file(s) to read (--{what} PATH)")
+    path = Path(spec)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    elif any(ch in spec for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(spec))
+    else:
+        files = [path]
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing or not files:
+        raise FileNotFoundError(f"{what}: no such file(s): {', '.join(missing) or spec}")
+    return files
