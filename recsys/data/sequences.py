@@ -69,7 +69,7 @@ from recsys.data.prepared import (
 )
 from recsys.data.readers import MalformedLines
 
-__all__ = ["SEQUENCE_KIND", "SequenceReport", "preprocess_interactions"]
+__all__ = ["SEQUENCE_KIND", "SequenceReport", "preprocess_interactions", "segment_index"]
 
 SEQUENCE_KIND = "sequences"  # metadata.json "kind"
 PADDING_ID, MISSING_ID, RARE_ID, FIRST_ID = 0, 1, 2, 3
@@ -367,8 +367,9 @@ def _histories(path: Path) -> _Histories:
     return _Histories(users, item_key, items, times[order], starts, ends)
 
 
-def _segments(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The concatenated indices of ``[starts[i], ends[i])`` and the list offsets of the pieces."""
+def segment_index(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The concatenated indices of ``[starts[i], ends[i])`` and the list offsets (int32) of the
+    pieces."""
     lengths = ends - starts
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     index = np.arange(offsets[-1], dtype=np.int64) + np.repeat(starts - offsets[:-1], lengths)
@@ -389,7 +390,7 @@ def _train_counts(buckets: list[Path]) -> _Counts:
     keys, counts, texts = [], [], []
     for path in buckets:
         h = _histories(path)
-        index, _ = _segments(h.starts, h.train_ends)
+        index, _ = segment_index(h.starts, h.train_ends)
         k, first, c = np.unique(h.item_key[index], return_index=True, return_counts=True)
         keys.append(k)
         counts.append(c)
@@ -494,7 +495,7 @@ def _split_tables(
     }
     tables = {}
     for split, (users, first, last, target) in plans.items():
-        index, offsets = _segments(first[users], last[users])
+        index, offsets = segment_index(first[users], last[users])
         columns = {
             "user": h.user.filter(pa.array(users)),
             "items": pa.ListArray.from_arrays(offsets, encoder(h.item_key[index])),
