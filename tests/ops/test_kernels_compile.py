@@ -32,6 +32,7 @@ OP_TESTS = [
     "tests/ops/test_embedding_bag.py",
     "tests/ops/test_input_checks.py",
     "tests/ops/test_slot_map.py",
+    "tests/ops/test_jagged_attention.py",
 ]
 
 
