@@ -4,19 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
-from recsys.config import PreprocessConfig
-from recsys.data.sequence_batches import SequenceBatch, SequenceLoader
-from recsys.data.sequences import preprocess_interactions
-from recsys.data.synthetic_sequences import SyntheticSequences, generate_log, oracle_metrics
+from recsys.data.sequence_batches import SequenceBatch
 from recsys.models.next_item import next_item_loss
 from recsys.models.sasrec import CANDIDATES, HISTORY, SASRec
-from recsys.train.ranking_metrics import RankingMetrics
+from tests.models.sequence_training import train_and_rank
 
 
 def _model(num_items: int = 40, dim: int = 8, max_len: int = 12, seed: int = 0) -> SASRec:
@@ -118,42 +114,8 @@ def test_bad_models_and_batches_are_named():
 
 def test_it_learns_the_synthetic_process(tmp_path: Path):
     """A few epochs on a small synthetic log: HR@10 well above popularity, toward the oracle."""
-    params = SyntheticSequences(
-        num_users=600, num_items=120, num_topics=6, mean_events=15, max_events=30, seed=2
+    hr, popular, oracle = train_and_rank(
+        lambda num_items: _model(num_items=num_items, dim=16, max_len=20), tmp_path
     )
-    log, truth = generate_log(params)
-    pq.write_table(log, tmp_path / "log.parquet")
-    config = PreprocessConfig(
-        format="interactions",
-        input=str(tmp_path / "log.parquet"),
-        output=str(tmp_path / "data"),
-        user="user",
-        item="item",
-        time="time",
-        max_len=20,
-    )
-    preprocess_interactions(config)
-    train = SequenceLoader(tmp_path / "data", "train", 64, seed=0)
-    test = SequenceLoader(tmp_path / "data", "test", 256)
-    model = _model(num_items=train.num_items, dim=16, max_len=20)
-    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
-    generator = torch.Generator().manual_seed(0)
-    for epoch in range(6):
-        for batch in train.epoch(epoch):
-            loss = next_item_loss(model, batch, first_item=3, generator=generator)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    model.eval()
-    metrics = RankingMetrics(first_item=3)
-    popular = RankingMetrics(first_item=3)
-    counts = torch.bincount(torch.from_numpy(train.histories.values), minlength=train.num_items)
-    with torch.no_grad():
-        items = model.item_vectors()
-        for batch in test.epoch():
-            metrics.update(model.user_vectors(batch.items, batch.max_length), items, batch.targets)
-            by_count = counts.float()[None, :].expand(batch.size, -1)  # one score per item
-            popular.update(by_count.contiguous(), torch.eye(train.num_items), batch.targets)
-    hr, oracle = metrics.compute()["hr@10"], oracle_metrics(params, truth)["hr@10"]
-    assert hr > popular.compute()["hr@10"] + 0.1
+    assert hr > popular + 0.1
     assert hr > 0.6 * oracle

@@ -1,0 +1,110 @@
+"""HSTU (Zhai et al. 2024, "Actions Speak Louder than Words"): the generative recommender's
+sequential transduction units over jagged item histories, for next-item retrieval.
+
+One block, on the jagged rows x [sum L, D] of a batch (no padding anywhere):
+
+    u, v, q, k = split(silu(W1 LayerNorm(x) + b1))         u, v: [H, Dv]   q, k: [H, Dqk]
+    a = jagged_attention(q, k, v)                          silu(alpha q.k) / N, causal
+    x = x + Dropout(W2 (LayerNorm(a) * u) + b2)
+
+with ``alpha = 1 / sqrt(Dqk)`` and N the model's ``max_len`` (one normalizer whatever the batch,
+so a user's vector does not depend on who shares the batch). ``num_blocks`` blocks, then a final
+LayerNorm. Inputs, positions and the lookup of history and candidates are
+:class:`~recsys.models.sequence.SequenceEncoder`'s; learned positions stand in for the
+paper's relative attention bias, which :mod:`recsys.ops.jagged_attention` does not have yet.
+The attention runs on ``recsys.ops.jagged_attention``: its Triton kernels on CUDA, the padded
+torch path on CPU (``backend``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recsys.models.sequence import CANDIDATES, HISTORY, Events, SequenceEncoder
+from recsys.ops.jagged_attention import jagged_attention
+
+__all__ = ["CANDIDATES", "HISTORY", "HSTU"]
+
+
+class _Block(nn.Module):
+    def __init__(
+        self, dim: int, heads: int, qk_dim: int, v_dim: int, dropout: float, backend: str
+    ) -> None:
+        super().__init__()
+        self.heads, self.qk_dim, self.v_dim, self.backend = heads, qk_dim, v_dim, backend
+        self.norm = nn.LayerNorm(dim)
+        self.uvqk = nn.Linear(dim, heads * (2 * v_dim + 2 * qk_dim))
+        self.out_norm = nn.LayerNorm(heads * v_dim)
+        self.out = nn.Linear(heads * v_dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+        total, heads = x.shape[0], self.heads
+        sizes = [heads * self.v_dim] * 2 + [heads * self.qk_dim] * 2
+        u, v, q, k = F.silu(self.uvqk(self.norm(x))).split(sizes, dim=1)
+        attended = jagged_attention(
+            q.reshape(total, heads, self.qk_dim),
+            k.reshape(total, heads, self.qk_dim),
+            v.reshape(total, heads, self.v_dim),
+            offsets,
+            max_len,
+            alpha=1.0 / math.sqrt(self.qk_dim),
+            backend=self.backend,
+            validate=False,  # the model checked the longest history against max_len
+        )
+        mixed = self.out_norm(attended.reshape(total, heads * self.v_dim)) * u
+        return x + self.drop(self.out(mixed))
+
+
+class HSTU(SequenceEncoder):
+    """HSTU blocks over item histories (see the module docstring).
+
+    Args:
+        embeddings / max_len: as :class:`~recsys.models.sequence.SequenceEncoder`.
+        num_blocks / num_heads: depth and heads.
+        qk_dim / v_dim: per-head widths of q, k and of u, v (default: dim // num_heads).
+        dropout: on the inputs and each block's output.
+        backend: ``jagged_attention``'s backend ("auto", "triton", "torch").
+
+    Example:
+        >>> from torchrec import EmbeddingCollection, EmbeddingConfig
+        >>> table = EmbeddingConfig(name="item", num_embeddings=100, embedding_dim=16,
+        ...                         feature_names=[HISTORY, CANDIDATES])
+        >>> model = HSTU(EmbeddingCollection(tables=[table]), max_len=20, num_heads=2)
+    """
+
+    def __init__(
+        self,
+        embeddings: nn.Module,
+        *,
+        max_len: int,
+        num_blocks: int = 2,
+        num_heads: int = 1,
+        qk_dim: int | None = None,
+        v_dim: int | None = None,
+        dropout: float = 0.2,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(embeddings, max_len=max_len)
+        if num_blocks < 1 or num_heads < 1 or self.dim < num_heads:
+            raise ValueError(
+                f"num_blocks={num_blocks} and num_heads={num_heads} must be >= 1 and num_heads "
+                f"<= the item dim {self.dim}"
+            )
+        qk_dim = qk_dim or self.dim // num_heads
+        v_dim = v_dim or self.dim // num_heads
+        self.input_dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            _Block(self.dim, num_heads, qk_dim, v_dim, dropout, backend) for _ in range(num_blocks)
+        )
+        self.norm = nn.LayerNorm(self.dim)
+
+    def encode(self, events: Events) -> torch.Tensor:
+        x = self.input_dropout(events.x)
+        for block in self.blocks:
+            x = block(x, events.offsets, self.max_len)
+        return self.norm(x)

@@ -1,0 +1,124 @@
+"""What every sequence retrieval model here shares: one unpooled item table looked up once per
+step for the history and the candidates, learned positions counted back from the most recent
+event, and the user and item vectors that full-corpus ranking scores.
+
+A model subclasses :class:`SequenceEncoder` and implements :meth:`SequenceEncoder.encode`, which
+turns the position-aware inputs of every event (jagged, ``[sum L, D]``) into hidden states of
+the same layout. ``forward(history, max_length, candidates)`` returns those and the candidates'
+vectors, the contract :func:`recsys.models.next_item.next_item_loss` trains.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchrec import KeyedJaggedTensor
+
+__all__ = ["CANDIDATES", "HISTORY", "Events", "SequenceEncoder"]
+
+HISTORY, CANDIDATES = "history", "candidates"
+
+
+@dataclass
+class Events:
+    """The events of a batch of histories, jagged: ``x`` [sum L, D] the model's inputs
+    (``sqrt(D) e(item) + p(position)``), ``user`` and ``column`` [sum L] each event's
+    history and place in it, ``lengths`` [B] and ``offsets`` [B + 1] the histories, and
+    ``max_length`` the longest (host-known)."""
+
+    x: torch.Tensor
+    user: torch.Tensor
+    column: torch.Tensor
+    lengths: torch.Tensor
+    offsets: torch.Tensor
+    max_length: int
+
+
+class SequenceEncoder(nn.Module):
+    """Base of the sequence retrieval models (see the module docstring).
+
+    Args:
+        embeddings: an unpooled embedding collection with one table whose features are
+            ``history`` and ``candidates`` (:data:`HISTORY`, :data:`CANDIDATES`).
+        max_len: the longest history (learned positions 0 .. max_len - 1).
+    """
+
+    def __init__(self, embeddings: nn.Module, *, max_len: int) -> None:
+        super().__init__()
+        name = type(self).__name__
+        configs = embeddings.embedding_configs()
+        features = [sorted(c.feature_names) for c in configs]
+        if len(configs) != 1 or features[0] != sorted([HISTORY, CANDIDATES]):
+            raise ValueError(
+                f"{name} needs one item table with features {[HISTORY, CANDIDATES]}; the "
+                f"collection has tables {[c.name for c in configs]} with features {features}"
+            )
+        if max_len < 1:
+            raise ValueError(f"max_len={max_len}; expected >= 1")
+        self.embeddings, self.max_len = embeddings, max_len
+        self.dim = configs[0].embedding_dim
+        self.num_items = configs[0].num_embeddings
+        self.positions = nn.Embedding(max_len, self.dim)
+        nn.init.normal_(self.positions.weight, std=0.02)
+
+    def encode(self, events: Events) -> torch.Tensor:
+        """Hidden states [sum L, D], aligned with ``events.x``."""
+        raise NotImplementedError
+
+    def forward(
+        self, history: KeyedJaggedTensor, max_length: int, candidates: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states [sum L, D] at every position of ``history`` (one key, any name; lengths
+        [B]; ``max_length`` its longest history, known on the host), and the vectors
+        [C, D] of the item ids ``candidates`` [C] (None: none), from one lookup."""
+        lengths = history.lengths()
+        ids = history.values()
+        total = ids.numel()
+        if max_length > self.max_len:
+            raise ValueError(
+                f"a history of {max_length} items; this {type(self).__name__} has positions for "
+                f"{self.max_len}"
+            )
+        extra = candidates if candidates is not None else ids.new_zeros(0)
+        both = KeyedJaggedTensor(
+            keys=[HISTORY, CANDIDATES],
+            values=torch.cat([ids, extra]),
+            lengths=torch.stack([lengths.sum(), lengths.new_tensor(extra.numel())]),
+            stride=1,
+            length_per_key=[total, extra.numel()],
+            offset_per_key=[0, total, total + extra.numel()],
+        )
+        looked_up = self.embeddings(both)
+        items = looked_up[HISTORY].values()  # [sum L, D]
+        batch = lengths.numel()
+        user = torch.repeat_interleave(
+            torch.arange(batch, device=ids.device), lengths, output_size=total
+        )
+        ends = torch.cumsum(lengths, 0)
+        offsets = torch.cat([ends.new_zeros(1), ends])
+        column = torch.arange(total, device=ids.device) - offsets[user]
+        position = lengths[user] - 1 - column  # 0 for the most recent event
+        x = items * math.sqrt(self.dim) + self.positions(position)
+        hidden = self.encode(Events(x, user, column, lengths, offsets, max_length))
+        out = looked_up[CANDIDATES].values() if candidates is not None else None
+        return hidden, out
+
+    def user_vectors(self, history: KeyedJaggedTensor, max_length: int) -> torch.Tensor:
+        """[B, D]: each user's hidden state at the most recent event (zeros for an empty
+        history)."""
+        hidden, _ = self.forward(history, max_length)
+        lengths = history.lengths()
+        last = torch.cumsum(lengths, 0) - 1
+        picked = hidden[last.clamp(min=0)] if hidden.shape[0] else hidden.new_zeros(0, self.dim)
+        return torch.where((lengths > 0)[:, None], picked, 0.0)
+
+    def item_vectors(self) -> torch.Tensor:
+        """[N, D] every item's vector (for full-corpus ranking): row i is item id i."""
+        ids = torch.arange(self.num_items, device=self.positions.weight.device)
+        empty = KeyedJaggedTensor(
+            keys=[HISTORY], values=ids[:0], lengths=ids.new_zeros(1), stride=1
+        )
+        return self.forward(empty, 0, candidates=ids)[1]
