@@ -10,8 +10,10 @@ from __future__ import annotations
 from recsys.models.dcn import DCN
 from recsys.models.deepfm import DeepFM
 from recsys.models.dlrm import DLRM, DLRM_DCN
+from recsys.models.hstu import HSTU
 from recsys.models.mmoe import MMoE
 from recsys.models.pnn import PNN
+from recsys.models.sasrec import SASRec
 from recsys.models.tables import linear_table_configs, table_configs
 from recsys.models.wide_deep import WideDeep
 from recsys.models.xdeepfm import XDeepFM
@@ -20,9 +22,11 @@ __all__ = [
     "DCN",
     "DLRM",
     "DLRM_DCN",
+    "HSTU",
     "PNN",
     "DeepFM",
     "MMoE",
+    "SASRec",
     "WideDeep",
     "XDeepFM",
     "linear_table_configs",
