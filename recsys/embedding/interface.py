@@ -11,6 +11,9 @@ not depend on how (or whether) the collection is sharded:
   ``[num_embeddings]`` or per element, see :attr:`FusedOptimizer.states`);
 - ``optimizer_step``: the fused optimizer's step counter.
 
+The unpooled :class:`recsys.EmbeddingCollection` keys its tables ``embeddings.<table>....`` instead
+(TorchRec's name, :attr:`EmbeddingCollectionInterface.tables_key`).
+
 A collection whose modules are arranged otherwise inside (a sharded one) re-keys its own state
 to this layout; no other module reads the names of a collection's submodules.
 """

@@ -71,6 +71,12 @@ class PackedTables(EmbeddingCollectionInterface):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"duplicate table names: {duplicates}")
+        reserved = [n for n in names if hasattr(nn.ModuleDict, n)]
+        if reserved:  # TorchRec's collections (a ModuleDict of tables) cannot take them either
+            raise ValueError(
+                f"table names {reserved} are names of nn.ModuleDict methods, which hold the "
+                "tables (as in TorchRec); rename the tables"
+            )
         # Default: where a new tensor goes (CPU, or the device of a `with torch.device(...)`).
         self._device = torch.device(device) if device is not None else torch.empty(()).device
         self._embedding_bag_configs = tables

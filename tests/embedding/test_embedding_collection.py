@@ -4,6 +4,7 @@ weights, and its fused optimizers against a float64 reference of the update."""
 import pytest
 import torch
 import torchrec
+from torch import nn
 from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import DataType
 
@@ -262,6 +263,9 @@ def test_bad_input_errors():
     pooled = EmbeddingBagConfig(name="bag", embedding_dim=4, num_embeddings=5, feature_names=["x"])
     with pytest.raises(ValueError, match="'bag' is an EmbeddingBagConfig"):
         EmbeddingCollection([pooled])
+    items = EmbeddingConfig(name="items", embedding_dim=4, num_embeddings=5)
+    with pytest.raises(ValueError, match=r"table names \['items'\] are names of nn.ModuleDict"):
+        EmbeddingCollection([items])
     with pytest.raises(ValueError, match="duplicate table names"):
         EmbeddingCollection([tables()[0], tables()[0]])
     with pytest.raises(ValueError, match="share one data_type"):
@@ -309,3 +313,28 @@ def test_fp16_tables_return_fp32_rows():
     rows = ours(kjt)["t"].values()
     assert rows.dtype == torch.float32
     assert torch.equal(rows, ours.embeddings.t.weight[[1, 8, 1]].float())
+
+
+class _History(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ec = EmbeddingCollection(tables(dims=(4, 8, 3)))
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        keys = ["user", "friend", "item_id", "one", "single"]
+        out = self.ec(KeyedJaggedTensor(keys=keys, values=values, lengths=lengths))
+        return [jt.values() for jt in out.values()]
+
+
+def test_torch_export_runs_the_tables_parameters():
+    model = _History()
+    kjt = random_kjt()
+    exported = torch.export.export(model, (kjt.values(), kjt.lengths()), strict=False)
+    names = [n for n, _ in exported.named_parameters()]
+    assert names == [f"ec.embeddings.{c.name}.weight" for c in tables()]
+    for a, b in zip(
+        exported.module()(kjt.values(), kjt.lengths()),
+        model(kjt.values(), kjt.lengths()),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
