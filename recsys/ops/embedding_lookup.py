@@ -215,15 +215,15 @@ def table_batched_embedding_lookup(
         validate="off",
         keep=keep,
     )  # [B', sum_g D_g]
+    # Split (not sliced): backward then joins the features' gradients with one concatenation,
+    # where a slice per feature would zero-fill a whole [B', sum_g D_g] gradient each.
+    per_group = rows.split(groups.dims, dim=1) if len(groups.dims) > 1 else (rows,)
     out: list[torch.Tensor | None] = [None] * len(feature_to_key)
-    col = 0
     for g, features in enumerate(groups.group_features):
-        first = 0
-        for f in features:
-            n = ids_per_key[feature_to_key[f]]
-            out[f] = rows[first : first + n, col : col + groups.dims[g]]
-            first += n
-        col += groups.dims[g]
+        sizes = [ids_per_key[feature_to_key[f]] for f in features]
+        padding = [bags - group_ids[g]] if bags > group_ids[g] else []
+        for f, part in zip(features, per_group[g].split(sizes + padding), strict=False):
+            out[f] = part
     return out
 
 
