@@ -89,6 +89,16 @@ class LookupGroups:
         self.pooled = LookupPlan(self.group_layout, range(num_groups), ["sum"] * num_groups)
         # The per-table plan the id checks read (each id against its own table).
         self.checks = LookupPlan(layout, self.feature_to_table, ["sum"] * len(layout.rows))
+        self._steps: dict[torch.device, torch.Tensor] = {}
+
+    def steps(self, count: int, device: torch.device) -> torch.Tensor:
+        """``arange(count)`` on ``device``: a view of one cached range, grown (doubled) when a
+        batch needs more, so a step computes none."""
+        cached = self._steps.get(device)
+        if cached is None or cached.numel() < count:
+            size = max(count, 2 * (0 if cached is None else cached.numel()), 1024)
+            cached = self._steps[device] = torch.arange(size, device=device)
+        return cached[:count]
 
     def group_weights(
         self, flat: torch.Tensor, tables: Sequence[torch.Tensor]
@@ -201,7 +211,7 @@ def table_batched_embedding_lookup(
         group_values = values  # the KJT's keys are the features in group order
     else:
         group_values = torch.cat(pieces)
-    group_offsets = _group_offsets(group_ids, bags, values.device)
+    group_offsets = _group_offsets(group_ids, bags, groups.steps(bags + 1, values.device))
     rows = table_batched_embedding_bag(
         groups.pooled,
         flat,
@@ -222,20 +232,22 @@ def table_batched_embedding_lookup(
     for g, features in enumerate(groups.group_features):
         sizes = [ids_per_key[feature_to_key[f]] for f in features]
         padding = [bags - group_ids[g]] if bags > group_ids[g] else []
+        if len(sizes) == 1 and not padding:
+            out[features[0]] = per_group[g]  # its rows are the whole output: no split to undo
+            continue
         for f, part in zip(features, per_group[g].split(sizes + padding), strict=False):
             out[f] = part
     return out
 
 
-def _group_offsets(group_ids: Sequence[int], bags: int, device: torch.device) -> torch.Tensor:
+def _group_offsets(group_ids: Sequence[int], bags: int, steps: torch.Tensor) -> torch.Tensor:
     """Offsets [G*B' + 1] of the virtual KJT: group g's bag b holds its id b (past its ids,
-    nothing)."""
+    nothing). ``steps``: 0 .. B'."""
     if len(group_ids) == 1 and group_ids[0] == bags:
-        return torch.arange(bags + 1, device=device)
-    steps = torch.arange(bags, device=device)
+        return steps
     parts, base = [], 0
     for n in group_ids:
-        parts.append(steps.clamp(max=n) + base)
+        parts.append(steps[:bags].clamp(max=n) + base)
         base += n
-    parts.append(torch.full((1,), base, dtype=torch.int64, device=device))
+    parts.append(torch.full((1,), base, dtype=steps.dtype, device=steps.device))
     return torch.cat(parts)
