@@ -4,6 +4,7 @@ TorchRec's types (KeyedJaggedTensor, EmbeddingBagConfig, KeyedTensor) in and out
 modules and kernels underneath. Moving a TorchRec model over is one import::
 
     from recsys import EmbeddingBagCollection   # instead of torchrec's
+    from recsys import EmbeddingCollection      # unpooled (sequence features)
 """
 
 import logging
@@ -12,11 +13,19 @@ import logging
 # warning that users cannot act on; keep that one logger quiet.
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
+from torchrec import (
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    JaggedTensor,
+    KeyedJaggedTensor,
+    KeyedTensor,
+    PoolingType,
+)
 
 from recsys.config import Config, load_config
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.unpooled import EmbeddingCollection
 from recsys.models import DCN, DLRM, DLRM_DCN, PNN, DeepFM, MMoE, WideDeep, XDeepFM
 
 __version__ = "0.1.0"
@@ -32,6 +41,9 @@ __all__ = [
     "DeepFM",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
+    "EmbeddingCollection",
+    "EmbeddingConfig",
+    "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
     "MMoE",

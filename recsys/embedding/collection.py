@@ -8,44 +8,27 @@ import and checkpoints load both ways. All tables are looked up by one call of
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
 from recsys.embedding.inputs import FeatureOrder, input_weights, is_symbolic
-from recsys.embedding.interface import EmbeddingCollectionInterface
 from recsys.embedding.optim import FusedOptimizer
-from recsys.embedding.tables import check_table_config, output_keys, pooling_mode, table_dtype
+from recsys.embedding.packed import EmbeddingTable, PackedTables, RowExchange
+from recsys.embedding.tables import check_table_config, output_keys, pooling_mode
 from recsys.ops._triton import accumulate_dtype
 from recsys.ops.embedding_bag import (
     FusedUpdate,
     LookupPlan,
-    TableLayout,
     choose_backend,
     table_batched_embedding_bag,
 )
 from recsys.ops.embedding_bag_cpu import pool_torch
-from recsys.ops.input_checks import check_mode
 
-# (sorted touched rows [U], their reduced gradients [U, D]) -> the rows and gradients to apply.
-RowExchange = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+__all__ = ["EmbeddingBagCollection", "EmbeddingTable", "RowExchange", "TracedLookup"]
 
 
-class EmbeddingTable(nn.Module):
-    """One table's weight [num_embeddings, embedding_dim] (a view of its collection's packed
-    buffer) and, with a fused optimizer, its optimizer state; looked up by its collection."""
-
-    def __init__(self, weight: torch.Tensor, requires_grad: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=requires_grad)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, {self.weight.shape[1]}, dtype={self.weight.dtype}"
-
-
-class EmbeddingBagCollection(EmbeddingCollectionInterface):
+class EmbeddingBagCollection(PackedTables):
     """Pooled embeddings of several tables, each serving one or more features.
 
     Args:
@@ -94,46 +77,11 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
         validate: bool | str = True,
         optimizer: FusedOptimizer | None = None,
     ) -> None:
-        super().__init__()
-        check_mode(validate)
-        names = [t.name for t in tables]
-        if not tables:
-            raise ValueError("EmbeddingBagCollection needs at least one table")
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"duplicate table names: {duplicates}")
-        # Default: where a new tensor goes (CPU, or the device of a `with torch.device(...)`).
-        self._device = torch.device(device) if device is not None else torch.empty(()).device
+        super().__init__(tables, device, backend=backend, validate=validate, optimizer=optimizer)
         self._is_weighted = is_weighted
-        self._embedding_bag_configs = tables
-        self.backend = backend
-        self.validate = validate
-        self.optimizer: FusedOptimizer | None = None
-        # With a fused optimizer, tables replicated on several ranks exchange their touched
-        # rows before the update (recsys.distributed.replicated sets it; see FusedUpdate).
-        self.exchange: RowExchange | None = None
-        for config in tables:
-            check_table_config(config)
-            if not config.feature_names:
-                config.feature_names = [config.name]
-        dtypes = {table_dtype(c) for c in tables}
-        if len(dtypes) > 1:
-            raise ValueError(f"all tables of a collection must share one data_type, got {dtypes}")
-        self._layout = TableLayout.build(
-            [c.num_embeddings for c in tables], [c.embedding_dim for c in tables]
-        )
-        self._flat = torch.empty(self._layout.numel, dtype=dtypes.pop(), device=self._device)
-        self._states: dict[str, torch.Tensor] = {}
-        # Autograd input that makes backward run when the tables themselves take no gradient.
-        self._anchor = torch.zeros((), device=self._device, requires_grad=True)
-        self.embedding_bags = nn.ModuleDict()
-        for config, view in zip(tables, self._layout.table_views(self._flat), strict=True):
-            self.embedding_bags[config.name] = EmbeddingTable(view, requires_grad=True)
-        self.set_optimizer(optimizer)
         self._embedding_names, self._lengths_per_embedding = output_keys(tables)
-        feature_to_table = [t for t, c in enumerate(tables) for _ in c.feature_names]
         self._features = FeatureOrder([f for c in tables for f in c.feature_names])
-        self._plan = LookupPlan(self._layout, feature_to_table, [pooling_mode(c) for c in tables])
+        self._plan = self._lookup_plan()
         self._traced_lookup = TracedLookup(self)
         self.reset_parameters()
 
@@ -212,114 +160,13 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
         themselves (a dynamic collection maps its keys to rows)."""
         return features.values()
 
-    def resize_table(
-        self, index: int, rows: int, moved: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> None:
-        """Give table ``index`` (in config order) ``rows`` rows, rebuilding the packed
-        buffers (one copy): rows ``moved[0]`` of the old table land in rows ``moved[1]`` of the
-        new one with their optimizer state; every other row of it starts at zero weight and
-        the optimizer's initial state. The other tables keep their values."""
-        old, rows_now = self._layout, list(self._layout.rows)
-        rows_now[index] = rows
-        new = TableLayout.build(rows_now, old.dims)
+    def _check_config(self, config: EmbeddingBagConfig) -> None:
+        check_table_config(config)
 
-        def rebuilt(buffer: torch.Tensor, per_row: bool, fill: float) -> torch.Tensor:
-            size = new.total_rows if per_row else new.numel
-            out = torch.full((size,), fill, dtype=buffer.dtype, device=buffer.device)
-            views = old.row_views if per_row else old.table_views
-            new_views = new.row_views if per_row else new.table_views
-            for t, (src, dst) in enumerate(zip(views(buffer), new_views(out), strict=True)):
-                if t != index:
-                    dst.copy_(src)
-                elif moved is not None:
-                    dst[moved[1]] = src[moved[0]]
-            return out
-
-        with torch.no_grad():
-            self._flat = rebuilt(self._flat, False, 0.0)
-            for name, buffer in self._states.items():
-                per_row = self.optimizer.states[name] == "row"
-                self._states[name] = rebuilt(buffer, per_row, self.optimizer.initial_state(name))
-        self._layout = new
-        poolings = [pooling_mode(c) for c in self._embedding_bag_configs]
-        self._plan = LookupPlan(new, self._plan.feature_to_table, poolings)
-        self._bind_views()
-
-    def set_optimizer(self, optimizer: FusedOptimizer | None) -> None:
-        """Fuse ``optimizer`` into backward from now on (fresh state, step 0), or with None
-        go back to dense gradients for a torch optimizer."""
-        if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
-            raise ValueError(
-                f"optimizer={optimizer!r}; expected None or a fused optimizer from "
-                "recsys.embedding.optim (SGD, Adagrad, RowWiseAdagrad, Adam)"
-            )
-        for table in self.embedding_bags.values():
-            for name in list(table._buffers):
-                del table._buffers[name]
-            table.weight.requires_grad_(optimizer is None)
-        self._states = {}
-        self._buffers.pop("optimizer_step", None)
-        self.optimizer = optimizer
-        if optimizer is not None:
-            for name, kind in optimizer.states.items():
-                size = self._layout.total_rows if kind == "row" else self._layout.numel
-                self._states[name] = torch.full(
-                    (size,), optimizer.initial_state(name), device=self._device
-                )
-            self.register_buffer(
-                "optimizer_step", torch.zeros((), dtype=torch.int64, device=self._device)
-            )
-        self._bind_views()
-
-    def _bind_views(self) -> None:
-        """Point every table's weight (and state buffers) at its slice of the packed buffers."""
-        weight_views = self._layout.table_views(self._flat)
-        state_views = {
-            name: (
-                self._layout.row_views(buffer)
-                if self.optimizer.states[name] == "row"
-                else self._layout.table_views(buffer)
-            )
-            for name, buffer in self._states.items()
-        }
-        for t, table in enumerate(self.embedding_bags.values()):
-            table.weight.data = weight_views[t]
-            for name, views in state_views.items():
-                table._buffers[name] = views[t]
-
-    def _views_intact(self) -> bool:
-        base, size = self._flat.data_ptr(), self._flat.element_size()
-        return all(
-            table.weight.data_ptr() == base + offset * size
-            and table.weight.dtype == self._flat.dtype
-            for table, offset in zip(
-                self.embedding_bags.values(), self._layout.elem_offsets, strict=True
-            )
-        )
-
-    def _repack(self) -> None:
-        """Rebuild the packed buffers from the tables' current tensors: needed when something
-        replaced a parameter instead of writing into it (``load_state_dict(assign=True)``,
-        ``param.data = ...``)."""
-        tables = list(self.embedding_bags.values())
-        self._flat = self._layout.pack([t.weight for t in tables])
-        for name in self._states:
-            self._states[name] = self._layout.pack([t._buffers[name] for t in tables])
-        self._device = self._flat.device
-        self._bind_views()
-
-    def _apply(self, fn, recurse: bool = True):
-        # Move or convert the packed buffers once, then re-point the tables' views at them
-        # (applying ``fn`` table by table would unpack the tables into separate tensors).
-        self._flat = fn(self._flat)
-        self._states = {name: fn(buffer) for name, buffer in self._states.items()}
-        for name, buffer in self._buffers.items():
-            if buffer is not None:
-                self._buffers[name] = fn(buffer)
-        self._anchor = torch.zeros((), device=self._flat.device, requires_grad=True)
-        self._device = self._flat.device
-        self._bind_views()
-        return self
+    def _lookup_plan(self) -> LookupPlan:
+        tables = self._embedding_bag_configs
+        feature_to_table = [t for t, c in enumerate(tables) for _ in c.feature_names]
+        return LookupPlan(self._layout, feature_to_table, [pooling_mode(c) for c in tables])
 
     def is_weighted(self) -> bool:
         return self._is_weighted
@@ -333,19 +180,6 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def reset_parameters(self) -> None:
-        """Initialize every table with its config's ``init_fn`` (TorchRec's default: uniform
-        in +-sqrt(1 / num_embeddings))."""
-        if self._device.type == "meta":
-            return
-        for config in self._embedding_bag_configs:
-            with torch.no_grad():
-                config.init_fn(self.embedding_bags[config.name].weight)
 
 
 class TracedLookup(nn.Module):

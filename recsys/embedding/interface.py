@@ -11,6 +11,9 @@ not depend on how (or whether) the collection is sharded:
   ``[num_embeddings]`` or per element, see :attr:`FusedOptimizer.states`);
 - ``optimizer_step``: the fused optimizer's step counter.
 
+The unpooled :class:`recsys.EmbeddingCollection` keys its tables ``embeddings.<table>....`` instead
+(TorchRec's name, :attr:`EmbeddingCollectionInterface.tables_key`).
+
 A collection whose modules are arranged otherwise inside (a sharded one) re-keys its own state
 to this layout; no other module reads the names of a collection's submodules.
 """
@@ -30,6 +33,8 @@ from recsys.embedding.optim import FusedOptimizer
 WEIGHT = "weight"
 OPTIMIZER_STEP = "optimizer_step"
 TABLES = "embedding_bags"
+# The unpooled collection's name for them (TorchRec's EmbeddingCollection: ``embeddings``).
+UNPOOLED_TABLES = "embeddings"
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,10 @@ class EmbeddingCollectionInterface(nn.Module):
     #: The fused optimizer applied inside backward (None: tables take dense gradients, or are
     #: frozen).
     optimizer: FusedOptimizer | None = None
+
+    #: What the tables' state keys start with: ``embedding_bags`` (pooled collections) or
+    #: ``embeddings`` (the unpooled EmbeddingCollection), as in TorchRec.
+    tables_key: str = TABLES
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The logical tables, in output order."""
@@ -167,7 +176,7 @@ class EmbeddingCollectionInterface(nn.Module):
 
     def weight_keys(self) -> list[str]:
         """The state keys of the table weights (relative to the collection)."""
-        return [f"{TABLES}.{c.name}.{WEIGHT}" for c in self.embedding_bag_configs()]
+        return [f"{self.tables_key}.{c.name}.{WEIGHT}" for c in self.embedding_bag_configs()]
 
     def is_optimizer_state_key(self, key: str) -> bool:
         """Whether state key ``key`` (relative to the collection) is fused optimizer state, in
@@ -176,18 +185,24 @@ class EmbeddingCollectionInterface(nn.Module):
             return True
         parts = key.split(".")
         names = {c.name for c in self.embedding_bag_configs()}
-        return len(parts) == 3 and parts[0] == TABLES and parts[1] in names and parts[2] != WEIGHT
+        return (
+            len(parts) == 3
+            and parts[0] == self.tables_key
+            and parts[1] in names
+            and parts[2] != WEIGHT
+        )
 
 
 def is_optimizer_state(key: str) -> bool:
     """Whether a model state key (full, with the collection's path) has the shape of fused
     optimizer state in the logical layout: ``...optimizer_step`` or
-    ``...embedding_bags.<table>.<state>`` other than ``weight``. For keys of a checkpoint, whose
-    collections and tables the current model may not have."""
+    ``...embedding_bags.<table>.<state>`` (or ``...embeddings.<table>.<state>``) other than
+    ``weight``. For keys of a checkpoint, whose collections and tables the current model may
+    not have."""
     parts = key.split(".")
     if parts[-1] == OPTIMIZER_STEP:
         return True
-    return len(parts) >= 3 and parts[-3] == TABLES and parts[-1] != WEIGHT
+    return len(parts) >= 3 and parts[-3] in (TABLES, UNPOOLED_TABLES) and parts[-1] != WEIGHT
 
 
 def embedding_collections(model: nn.Module) -> dict[str, EmbeddingCollectionInterface]:

@@ -69,6 +69,7 @@ __all__ = [
     "FusedUpdate",
     "LookupPlan",
     "TableLayout",
+    "check_on_device",
     "choose_backend",
     "embedding_bag",
     "embedding_bag_reference",
@@ -221,7 +222,7 @@ def _check_ids(
         )
 
 
-def _check_on_device(
+def check_on_device(
     plan: LookupPlan,
     values: torch.Tensor,
     offsets: torch.Tensor,
@@ -455,6 +456,7 @@ def table_batched_embedding_bag(
     backend: str = "auto",
     validate: bool | str = True,
     feature_names: Sequence[str] | None = None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pooled lookup of every feature over tables packed in ``flat`` (see :class:`TableLayout`).
 
@@ -475,13 +477,17 @@ def table_batched_embedding_bag(
             ``INPUT_ERRORS.raise_first()``, the batch's fused update withheld; see
             :mod:`recsys.ops.input_checks`), ``False`` / ``"off"``.
         feature_names: names used in validation errors.
+        keep: a device bool from an ``"async"`` check the caller ran itself (with ``validate``
+            off): where False, the batch gives no gradient and no fused update.
 
     Returns:
         [B, total_D] pooled embeddings; fp32 (fp64 for fp64 tables).
     """
-    mode, keep = check_mode(validate), None
+    mode = check_mode(validate)
+    if keep is not None and fused is not None:
+        fused = dataclasses.replace(fused, keep=keep)
     if mode == "async":
-        checked = _check_on_device(
+        checked = check_on_device(
             plan, values, offsets, feature_to_key, batch_size, per_sample_weights, feature_names
         )
         values, offsets, keep = checked.values, checked.offsets, checked.ok
