@@ -27,6 +27,8 @@ from recsys.cli import main
 from recsys.config import load_config
 from recsys.serve.export import export_model, load_program, predict
 from recsys.serve.exported_deltas import exported_tables
+from recsys.serve.online.requests import rows_from_json
+from recsys.serve.online.served import ServedModel
 from recsys.train.trainer import train
 
 RUN = [
@@ -364,6 +366,58 @@ def test_sigterm_lets_requests_in_flight_finish(run, server):
             scores, _ = answer.result()
             assert scores.shape == (len(samples),)
     assert server.get("/v2/health/live")[0] is None  # gone
+
+
+def test_every_batch_is_scored_by_one_version(run, tmp_path):
+    """Batches scored while deltas are published each equal predict --deltas at the step they
+    report: never a mix of two versions' tables."""
+    run_dir, base, rows = run
+    batch = rows_from_json(_samples(rows), ServedModel(base).spec, 256)
+    expected = {}
+    for step in (4, 8, 12):
+        upto = tmp_path / f"upto_{step}"
+        upto.mkdir()
+        for delta in (d for d in (2, 4, 6, 8, 10, 12) if d <= step):
+            _copy_delta(run_dir, delta, upto)
+        expected[step] = _offline(base, rows, upto, tmp_path / f"{step}.parquet")
+    watched = tmp_path / "deltas"
+    watched.mkdir()
+    served = ServedModel(base, deltas=watched)
+    seen = []
+    done = False
+
+    def score_until_done():
+        while not done:
+            seen.append(served.score(batch.dense, batch.lengths, batch.values))
+
+    with ThreadPoolExecutor(2) as pool:
+        scorers = [pool.submit(score_until_done) for _ in range(2)]
+        for steps in ((2, 4), (6, 8), (10, 12)):  # two deltas a version
+            for step in steps:
+                _copy_delta(run_dir, step, watched)
+            served.refresh()
+            time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while not any(step == 12 for _, step in seen) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        done = True
+        for scorer in scorers:
+            scorer.result()
+    assert served.step == 12 and {step for _, step in seen} >= {4, 12}, {s for _, s in seen}
+    for scores, step in seen:
+        assert np.array_equal(scores[:, 0], expected[step]), step
+
+
+def test_a_checkpoint_serves_as_its_export(run):
+    run_dir, base, rows = run
+    from_export, from_checkpoint = (
+        ServedModel(base),
+        ServedModel(run_dir / "checkpoints" / "step_00000004"),
+    )
+    batch = rows_from_json(_samples(rows), from_export.spec, 256)
+    got, step = from_checkpoint.score(batch.dense, batch.lengths, batch.values)
+    expected, expected_step = from_export.score(batch.dense, batch.lengths, batch.values)
+    assert step == expected_step == 4 and np.array_equal(got, expected)
 
 
 def test_cli_errors_are_one_line(run, tmp_path, capsys):

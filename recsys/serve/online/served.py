@@ -18,6 +18,7 @@ import copy
 import logging
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,7 +173,10 @@ class ServedModel:
                 step, applied = delta.step, applied + 1
             if not applied:
                 return 0
-            module = copy.deepcopy(served.module)
+            with warnings.catch_warnings():
+                # torch's pytree copies the program's input spec through a deprecated class
+                warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+                module = copy.deepcopy(served.module)
             try:
                 put_exported_tables(module, self._info, tables)
             except ValueError as error:
