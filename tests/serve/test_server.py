@@ -243,7 +243,10 @@ def test_scores_equal_predicts_and_requests_merge(run, server, tmp_path):
     _, base, rows = run
     samples = _samples(rows)
     status, text = server.get("/v2/models/recsys")
-    assert status == 200 and json.loads(text)["inputs"][0]["shape"] == [-1, 3]
+    metadata = json.loads(text)
+    assert status == 200 and metadata["inputs"][0]["shape"] == [-1, 3]
+    assert metadata["parameters"]["sparse_names"] == ["cat_0", "cat_1", "cat_2"]
+    assert metadata["parameters"]["step"] == 4
 
     # One request of every row: predict's scores (one batch of the same rows), bitwise.
     expected = _offline(base, rows, None, tmp_path / "base.parquet")

@@ -28,6 +28,7 @@ from mlserver.settings import ModelSettings
 from mlserver.types import (
     InferenceRequest,
     InferenceResponse,
+    MetadataModelResponse,
     MetadataTensor,
     Parameters,
     RequestInput,
@@ -162,17 +163,25 @@ class RecsysRuntime(MLModel):
         self.outputs = [
             MetadataTensor(name="scores", datatype="FP32", shape=[-1, len(spec.label_names)])
         ]
-        self.settings.parameters.extra.update(
-            dense_names=list(spec.dense_names),
-            sparse_names=list(spec.sparse_names),
-            label_names=list(spec.label_names),
-            id_encoding=spec.id_encoding,
-        )
         metrics = _metrics()
         metrics["step"].set_function(lambda: served.step)
         metrics["refused"].set_function(lambda: served.num_refused)
         served.watch(float(extra.get("poll_seconds", 1.0)))
         return True
+
+    async def metadata(self) -> MetadataModelResponse:
+        """The engine's metadata, with the feature names, id encoding and served step."""
+        metadata = await super().metadata()
+        spec = self.served.spec
+        metadata.parameters = Parameters(
+            dense_names=list(spec.dense_names),
+            sparse_names=list(spec.sparse_names),
+            label_names=list(spec.label_names),
+            id_encoding=spec.id_encoding,
+            max_ids=self.max_ids,
+            step=self.served.step,
+        )
+        return metadata
 
     async def unload(self) -> bool:
         await asyncio.to_thread(self.served.close)
