@@ -429,3 +429,7 @@ def test_cli_errors_are_one_line(run, tmp_path, capsys):
     assert "--model" in capsys.readouterr().err
     assert main(["serve", "--model", str(base), "--max-batch-size", "0"]) == 2
     assert "--max-batch-size must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["serve", "--model", str(base), "--deltas", str(tmp_path / "none")]) == 2
+    assert f"deltas directory not found: '{tmp_path / 'none'}'" in capsys.readouterr().err
+    assert main(["serve", "--model", str(base), "--deltas", str(tmp_path)]) == 2
+    assert "is not a deltas directory" in capsys.readouterr().err

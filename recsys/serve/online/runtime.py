@@ -184,9 +184,11 @@ class RecsysRuntime(MLModel):
         return metadata
 
     async def unload(self) -> bool:
-        await asyncio.to_thread(self.served.close)
-        if self.served in _SERVED:
-            _SERVED.remove(self.served)
+        served = getattr(self, "served", None)  # None: the load failed
+        if served is not None:
+            await asyncio.to_thread(served.close)
+            if served in _SERVED:
+                _SERVED.remove(served)
         return True
 
     async def predict(self, payload: InferenceRequest) -> InferenceResponse:

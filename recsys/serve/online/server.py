@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from recsys.checkpoint.deltas import deltas_directory
+
 __all__ = ["ServeOptions", "serve"]
 
 
@@ -41,7 +43,8 @@ class ServeOptions:
     """How often ``deltas`` is checked for new deltas."""
 
     def check(self) -> None:
-        """Raise ValueError naming a bad option, FileNotFoundError for a missing model."""
+        """Raise ValueError naming a bad option, FileNotFoundError for a missing model or
+        deltas directory."""
         if not Path(self.model).exists():
             raise FileNotFoundError(
                 f"--model '{self.model}' not found: give a .pt2 file from `recsys export` or a "
@@ -56,6 +59,8 @@ class ServeOptions:
             raise ValueError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
         if not self.poll_seconds > 0:
             raise ValueError(f"--poll-seconds must be > 0, got {self.poll_seconds}")
+        if self.deltas is not None:
+            deltas_directory(self.deltas)  # before the server starts: a one-line error
 
 
 def serve(options: ServeOptions) -> None:
