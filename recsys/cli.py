@@ -1,4 +1,5 @@
-"""Command line: ``recsys train``, ``config``, ``preprocess``, ``export`` and ``predict``.
+"""Command line: ``recsys train``, ``config``, ``preprocess``, ``export``, ``predict`` and
+``serve``.
 
     recsys train --config configs/dlrm_synthetic.toml [--section.key=value ...]
     recsys config --config configs/dlrm_synthetic.toml [--section.key=value ...]   # resolved TOML
@@ -8,6 +9,7 @@
     recsys predict --model model.pt2 --input test.parquet --output scores.parquet
     recsys predict --model base.pt2 --deltas runs/dlrm/deltas --input ... --output ...
     recsys report runs/a runs/b [--output compare.png]      # loss / AUC / speed of runs, PNG
+    recsys serve --model model.pt2 [--deltas runs/dlrm] [--port 8080]   # online, KServe v2
 
 User errors (a missing file, a config typo, bad input data) print one ``recsys: error: ...`` line
 and exit with status 2 instead of a traceback.
@@ -40,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_preprocess(commands)
     _add_export(commands)
     _add_predict(commands)
+    _add_serve(commands)
     _add_eval(commands)
     _add_report(commands)
     return parser
@@ -199,6 +202,46 @@ def _add_predict(commands: argparse._SubParsersAction) -> None:
     )
 
 
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve an exported model online (Open Inference Protocol on MLServer)",
+        description="Answers POST /v2/models/NAME/infer (KServe v2 tensors dense [B, N], "
+        "lengths [B, F], values [L]) and POST /predict (named features as JSON), batching "
+        "concurrent requests; /v2/health/ready turns ready once the tables are loaded; "
+        "Prometheus metrics on --metrics-port. With --deltas the dynamic tables follow the "
+        "run's deltas, each applied atomically; every response says the step it was served at.",
+        epilog=_epilog(
+            "recsys serve --model model.pt2 --deltas runs/dlrm_synthetic --port 8080",
+            keys=_NO_OVERRIDES_HELP,
+        ),
+    )
+    serve.add_argument(
+        "--model", required=True, help="a .pt2 file from recsys export, or a checkpoint / run"
+    )
+    serve.add_argument(
+        "--deltas",
+        metavar="DIR",
+        help="the deltas directory (or run directory) of the run the model comes from: apply "
+        "each new delta while serving; one that does not continue the served step is refused",
+    )
+    serve.add_argument("--name", default="recsys", help="model name in /v2/models/NAME")
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
+    serve.add_argument("--grpc-port", type=int, help="gRPC port (default --port + 1)")
+    serve.add_argument("--metrics-port", type=int, help="metrics port (default --port + 2)")
+    serve.add_argument(
+        "--max-batch-size", type=int, default=64, help="most requests merged (default 64)"
+    )
+    serve.add_argument(
+        "--max-wait-ms", type=float, default=2.0, help="longest wait to merge (default 2)"
+    )
+    serve.add_argument("--max-ids", type=int, default=256, help="most ids per bag (default 256)")
+    serve.add_argument(
+        "--poll-seconds", type=float, default=1.0, help="how often --deltas is read (default 1)"
+    )
+
+
 def _add_report(commands: argparse._SubParsersAction) -> None:
     report = commands.add_parser(
         "report",
@@ -332,6 +375,26 @@ def _predict(args: argparse.Namespace) -> None:
     )
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from recsys.serve.online.server import ServeOptions, serve
+
+    serve(
+        ServeOptions(
+            model=args.model,
+            deltas=args.deltas,
+            name=args.name,
+            host=args.host,
+            port=args.port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            max_batch_size=args.max_batch_size,
+            max_wait_ms=args.max_wait_ms,
+            max_ids=args.max_ids,
+            poll_seconds=args.poll_seconds,
+        )
+    )
+
+
 def _report(args: argparse.Namespace) -> None:
     from recsys.report import write_report
 
@@ -402,13 +465,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "eval":
             _eval(args, overrides)
             return 0
-        if args.command in ("export", "predict", "report"):
+        if args.command in ("export", "predict", "serve", "report"):
             if overrides:
                 raise ValueError(f"unrecognized arguments: {' '.join(overrides)}")
             if args.command == "export":
                 _export(args)
             elif args.command == "predict":
                 _predict(args)
+            elif args.command == "serve":
+                _serve(args)
             else:
                 _report(args)
             return 0

@@ -82,6 +82,7 @@ __all__ = [
     "PredictReport",
     "export_model",
     "load_exported",
+    "load_program",
     "predict",
 ]
 
@@ -211,15 +212,15 @@ def load_exported(
         with torch.no_grad():
             scores = model(dense, values, lengths)  # [B, len(spec.label_names)]
     """
-    module, spec, dynamic = _load_program(path)
+    module, spec, dynamic = load_program(path)
     if deltas is not None:
         apply_exported_deltas(module, dynamic, deltas, path)
     return module, spec
 
 
-def _load_program(path: str | Path) -> tuple[nn.Module, DatasetSpec, dict | None]:
+def load_program(path: str | Path) -> tuple[nn.Module, DatasetSpec, dict | None]:
     """:func:`load_exported` without deltas, and the export's ``dynamic.json`` (None when it
-    predates deltas)."""
+    predates deltas): what ``recsys predict`` and ``recsys serve`` score with."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"exported model not found: '{path}' (`recsys export` writes one)")
@@ -330,7 +331,7 @@ def predict(
     if not transform and (data is not None or format is not None):
         raise ValueError("data and format describe raw input: they need transform")
     start = time.perf_counter()
-    model, spec, dynamic = _load_program(model_path)
+    model, spec, dynamic = load_program(model_path)
     deltas_step = None
     if deltas is not None:
         deltas_step = apply_exported_deltas(model, dynamic, deltas, model_path)

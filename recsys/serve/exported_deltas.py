@@ -16,14 +16,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from recsys.checkpoint.deltas import DeltaBase, replay_deltas
+from recsys.checkpoint.deltas import DeltaBase, Tables, replay_deltas
 from recsys.checkpoint.lineage import Lineage
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.interface import TABLES, WEIGHT, embedding_collections, state_prefix
 from recsys.embedding.slot_map import SlotMap
 from recsys.ops.slot_map import EMPTY_KEY
 
-__all__ = ["DYNAMIC_FILE", "apply_exported_deltas", "export_base", "exported_dynamic_tables"]
+__all__ = [
+    "DYNAMIC_FILE",
+    "apply_exported_deltas",
+    "export_base",
+    "exported_dynamic_tables",
+    "exported_tables",
+    "put_exported_tables",
+]
 
 DYNAMIC_FILE = "dynamic.json"
 """The extra file of an export locating its dynamic tables (:func:`exported_dynamic_tables`)."""
@@ -107,11 +114,28 @@ def apply_exported_deltas(
             f"export '{path}' has no {DYNAMIC_FILE}: it was exported by a recsys without "
             "deltas; export its checkpoint again to apply deltas to it"
         )
-    tables = {name: _exported_rows(module, entry) for name, entry in info["tables"].items()}
-    tables, step = replay_deltas(tables, export_base(info, path), deltas)
+    tables, step = replay_deltas(exported_tables(module, info), export_base(info, path), deltas)
+    put_exported_tables(module, info, tables)
+    return step
+
+
+def exported_tables(module: nn.Module, info: dict[str, Any]) -> Tables:
+    """The dynamic tables of a loaded export (``info``: its ``dynamic.json``) as table name ->
+    (keys ascending, rows float32), the form deltas apply to
+    (:func:`~recsys.checkpoint.deltas.apply_delta`)."""
+    return {name: _exported_rows(module, entry) for name, entry in info["tables"].items()}
+
+
+def put_exported_tables(module: nn.Module, info: dict[str, Any], tables: Tables) -> None:
+    """Replace the dynamic tables of a loaded export by ``tables`` (name -> (keys, rows)), in
+    place, in the program's map layout.
+
+    Raises:
+        ValueError: a table whose keys no longer fit the program's map (named, with the slots
+            it would need: export a later checkpoint).
+    """
     for name, (keys, rows) in tables.items():
         _put_rows(module, name, info["tables"][name], keys, rows)
-    return step
 
 
 def _exported_rows(module: nn.Module, entry: dict) -> tuple[torch.Tensor, torch.Tensor]:
