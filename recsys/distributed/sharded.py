@@ -5,7 +5,8 @@
 - **input_dist**: each rank routes its batch's ids to the ranks owning the shards they read
   (table-wise: the table's rank; column-wise: every column shard's rank; row-wise: rank
   ``id // block``, ids renumbered within the block) and exchanges them in a two-phase
-  all-to-all (counts, then lengths / ids / weights; :mod:`recsys.distributed.comm`).
+  all-to-all (counts, with the verdict of the input check; then lengths, ids and weights in
+  one buffer; :mod:`recsys.distributed.comm`, :mod:`recsys.distributed.sharded_input`).
 - **compute**: the rank's shards are one local :class:`EmbeddingBagCollection` (the same fused
   kernel and fused optimizer as the unsharded collection), run over the ids every rank sent it,
   as one batch of sum_s B_s samples.
@@ -57,9 +58,10 @@ from recsys.distributed.comm import (
     PendingIds,
     PooledLayout,
     check_precision,
+    exchange_counts,
     pooled_all_to_all,
+    send_ids,
     source_to_slot_major,
-    start_all_to_all_ids,
 )
 from recsys.distributed.plan import Shard, ShardingType, TableSharding
 from recsys.distributed.replicated import ReplicatedTables
@@ -71,6 +73,12 @@ from recsys.distributed.sharded_dynamic import (
     key_wise_targets,
     load_key_wise,
 )
+from recsys.distributed.sharded_input import (
+    InputSpec,
+    check_now,
+    check_on_device,
+    raise_on_bad_input,
+)
 from recsys.distributed.sharded_state import load_logical, logical_optimizer_state, logical_state
 from recsys.embedding.collection import EmbeddingBagCollection, EmbeddingTable
 from recsys.embedding.dynamic import DYNAMIC, DYNAMIC_STEP
@@ -80,9 +88,7 @@ from recsys.embedding.key_routing import KeyRouting
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import output_keys, pooling_mode
 from recsys.embedding.tiered_files import TablePart, TieredFiles
-from recsys.ops.embedding_bag import validate_inputs
 from recsys.ops.input_checks import check_mode
-from recsys.ops.slot_map import check_keys
 
 
 @dataclass(frozen=True)
@@ -166,12 +172,17 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         self.optimizer: FusedOptimizer | None = module.optimizer
         self._features = FeatureOrder([f for c in configs for f in c.feature_names])
         self._embedding_names, self._lengths_per_embedding = output_keys(configs)
-        self._table_rows = [c.num_embeddings for c in configs]
-        self._table_pooling = [pooling_mode(c) for c in configs]
         self._anchor = torch.zeros((), device=device, requires_grad=True)
         buckets = {name: options.routing_buckets for name, options in self._dynamic.items()}
         self.routing = ShardRouting(
             configs, self.plan, self.world_size, self.rank, device, routing_buckets=buckets
+        )
+        self._input_spec = InputSpec(
+            names=self._features.features,
+            table_of=self.routing.feature_table,
+            table_rows=[c.num_embeddings for c in configs],
+            poolings=[pooling_mode(c) for c in configs],
+            key_buckets=self.routing.key_buckets if self.routing.any_key_wise else None,
         )
         source = None if module.device.type == "meta" else module
         self.shards = build_shards(
@@ -332,36 +343,17 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         return None
 
     def _checked(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """``features`` in the collection's order, once checked: shape, weights, ids within the
-        fixed tables, no reserved key in a dynamic one."""
+        """``features`` in the collection's order, their shape and weights checked; their ids,
+        offsets and weights are checked by input_dist (:mod:`recsys.distributed.sharded_input`),
+        or here, on the host, when no table exchanges ids."""
         input_weights(features, self._is_weighted)  # raises on a malformed input
         features = self._select(features)
-        if check_mode(self.validate) != "off":  # "async" too: the update runs on other ranks
-            validate_inputs(
-                self._table_rows,
-                self._fixed_ids(features),
-                features.offsets(),
-                list(range(len(self._features.features))),
-                self.routing.feature_table,
-                self._table_pooling,
-                features.stride(),
-                features.weights_or_none() if self._is_weighted else None,
-                self._features.features,
-            )
+        if check_mode(self.validate) != "off" and not self.routing.num_streams:
+            check_now(self._input_spec, features, self._weights(features))
         return features
 
-    def _fixed_ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        """The ids to check against the table sizes: a dynamic table's keys (any int64 but the
-        two reserved values, checked here) read as 0."""
-        values = features.values()
-        if not self.routing.any_key_wise:
-            return values
-        lengths = features.lengths().view(len(self.routing.features), -1).sum(dim=1)
-        arange = torch.arange(len(lengths), device=values.device)
-        feature = torch.repeat_interleave(arange, lengths, output_size=values.numel())
-        key_wise = self.routing.key_buckets[feature] > 0
-        check_keys(values.masked_fill(~key_wise, 0), "ids of dynamic tables")
-        return values.masked_fill(key_wise, 0)
+    def _weights(self, features: KeyedJaggedTensor) -> torch.Tensor | None:
+        return features.weights_or_none() if self._is_weighted else None
 
     def _select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The input's features in the collection's order (a permute when they differ)."""
@@ -376,29 +368,36 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
     def start_input_dist(self, features: KeyedJaggedTensor) -> PendingIds:
         """Route the ids and send them; the counts are exchanged now, the ids in the
         background (a prefetched batch's ids travel while the step before it runs)."""
-        batch_size = features.stride()
+        batch_size, weights = features.stride(), self._weights(features)
         lengths = features.lengths().view(len(self.routing.features), batch_size)
-        weights = features.weights_or_none() if self._is_weighted else None
+        values, checked = features.values(), None
+        if check_mode(self.validate) != "off":  # "async" too: the update runs on other ranks
+            checked = check_on_device(self._input_spec, features, weights)
+            lengths, values = checked.lengths, checked.values
         per_key = features.length_per_key_or_none()  # known on the host: no read to size
-        routed = self.routing.route(lengths, features.values(), weights, batch_size, per_key)
-        return start_all_to_all_ids(
+        routed = self.routing.route(lengths, values, weights, batch_size, per_key)
+        group, stats = self.process_group, self.comm_stats
+        verdict = None if checked is None else checked.ok
+        counts = exchange_counts(batch_size, routed.per_rank, group, stats, verdict)
+        if checked is not None:  # every rank raises here for a bad batch of any rank
+            verdicts = [extras[0] for extras in counts.extras]
+            raise_on_bad_input(verdicts, self.rank, self._input_spec, features, weights)
+        return send_ids(
             routed.send_lengths,
             routed.ids,
             routed.weights,
             batch_size,
             self.routing.slots_per_rank,
-            routed.per_rank,
-            self.process_group,
-            self.comm_stats,
+            counts,
+            group,
+            stats,
         )
 
     def finish_input_dist(self, pending: PendingIds) -> LocalBatch:
         """Wait for the ids :meth:`start_input_dist` sent; this rank's local batch."""
         with self.comm_stats.timed(self._anchor.device):
             received = pending.wait()
-        local_lengths, local_values, local_weights = source_to_slot_major(
-            received, self.routing.slots_per_rank[self.rank]
-        )
+        local_lengths, local_values, local_weights = source_to_slot_major(received)
         local = KeyedJaggedTensor(
             keys=self.routing.local_features,
             values=local_values,
