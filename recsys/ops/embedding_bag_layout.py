@@ -144,6 +144,8 @@ class FusedUpdate:
     distinct row keys [U] and their reduced gradients [U, max_dim]) to the rows and gradients
     to apply on every rank (e.g. all ranks' rows, summed and averaged); the backward then
     applies the update to those rows (:func:`recsys.ops.row_update.update_keyed_rows`).
+    ``distinct_rows``: with ``exchange``, per dim group the distinct rows this batch touches,
+    when the host knows them (the torch backend then reads nothing on the host).
     """
 
     optimizer: RowOptimizer
@@ -153,6 +155,7 @@ class FusedUpdate:
     exchange: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = (
         None
     )
+    distinct_rows: tuple[int, ...] | None = None
 
     def advance(self) -> int:
         """``step += 1``; the new value, known on the host without reading the tensor (read
