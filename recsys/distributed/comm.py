@@ -219,7 +219,7 @@ class ReceivedIds:
 
     ``batch_sizes[s]`` samples and ``num_values[s]`` ids came from rank s, for ``num_slots``
     slots; ``weight_dtype`` is the weights' dtype (None: no weights); ``counts`` the counts
-    exchange's device tensor (see :class:`Counts`)."""
+    exchange's device tensor and ``extras[s]`` what rank s sent along (see :class:`Counts`)."""
 
     batch_sizes: list[int]
     num_values: list[int]
@@ -227,6 +227,7 @@ class ReceivedIds:
     buffer: torch.Tensor
     weight_dtype: torch.dtype | None
     counts: torch.Tensor
+    extras: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -327,7 +328,13 @@ def send_ids(
         buffer, work = all_to_all(send, send_splits, recv_splits, group, async_op=True)
         dtype = None if weights is None else weights.dtype
         received = ReceivedIds(
-            counts.batch_sizes, counts.num_values, num_slots, buffer, dtype, counts.received
+            counts.batch_sizes,
+            counts.num_values,
+            num_slots,
+            buffer,
+            dtype,
+            counts.received,
+            counts.extras,
         )
         return PendingIds(received, [work])
 

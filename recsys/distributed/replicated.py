@@ -8,11 +8,18 @@ gradient per touched row (no gradient the size of a table) and hands the rows to
 gradients (after one of their counts), summed per row in rank order and divided by the world
 size; then every rank applies the same update to the same rows, one
 :func:`recsys.ops.row_update.update_rows` per dim group (the torch backend's own), so the
-replicas stay equal. On 2 ranks the result is bitwise that of summing dense gradients with an
-all-reduce (a + b either way; only a row whose two gradients are both -0.0 gets +0.0).
+replicas stay equal. Where the sharded collection exchanges ids, each rank counts the distinct
+rows its batch touches before the input dist (:meth:`ReplicatedTables.count_rows`, on the
+device) and the counts travel with the input dist's (one host read for both): the backward's
+reduction and the all-gather then read no size on the host (:class:`TouchedRows`).
+On 2 ranks the result is bitwise that of summing dense gradients with an all-reduce (a + b
+either way; only a row whose two gradients are both -0.0 gets +0.0).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,7 +30,16 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from recsys.distributed.comm import CommStats
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import FusedOptimizer
-from recsys.ops.embedding_bag_layout import sorted_segments
+from recsys.ops.embedding_bag_layout import TableLayout, sorted_segments
+
+
+@dataclass(frozen=True)
+class TouchedRows:
+    """The distinct rows one batch touches, known on the host: ``mine`` per dim group of the
+    packed tables on this rank, ``per_rank[r]`` in all on rank r."""
+
+    mine: list[int]
+    per_rank: list[int]
 
 
 class ReplicatedTables(nn.Module):
@@ -39,6 +55,8 @@ class ReplicatedTables(nn.Module):
         process_group: the sharded collection's group.
         comm_stats: where the exchange's bytes are counted.
         device: this rank's device.
+        features: the sharded collection's features, in its order (what
+            :meth:`count_rows` reads).
     """
 
     def __init__(
@@ -52,6 +70,7 @@ class ReplicatedTables(nn.Module):
         process_group: dist.ProcessGroup | None,
         comm_stats: CommStats,
         device: torch.device,
+        features: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.configs = configs
@@ -80,6 +99,22 @@ class ReplicatedTables(nn.Module):
             dist.broadcast(table.weight.data, src=first, group=process_group)
         if optimizer is not None:
             self.tables.exchange = self.exchange
+        layout = TableLayout.build(
+            [c.num_embeddings for c in configs], [c.embedding_dim for c in configs]
+        )
+        first_row = {
+            f: layout.row_offsets[t] for t, c in enumerate(configs) for f in c.feature_names
+        }
+        self._rows = layout.total_rows
+        self._feature_row = torch.tensor(
+            [first_row.get(f, self._rows) for f in features], dtype=torch.int64, device=device
+        )  # a feature of no replicated table: the spare row past the last
+        group_ends = [
+            layout.row_offsets[tables[0]] + sum(layout.rows[t] for t in tables)
+            for tables in layout.groups
+        ]
+        self._group_last = torch.tensor(group_ends, dtype=torch.int64, device=device) - 1
+        self._sizes: list[int] | None = None  # the batch in training's rows per rank
 
     @property
     def step(self) -> torch.Tensor:
@@ -99,9 +134,34 @@ class ReplicatedTables(nn.Module):
         bag = self.tables.embedding_bags[table]
         return {name: bag.get_buffer(name) for name in self.optimizer.states}
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        """The replicated tables' pooled vectors of this rank's samples: [B, D_dp]."""
-        return self.tables(features).values()
+    @property
+    def counts_rows(self) -> bool:
+        """Whether the backward exchanges touched rows (a fused optimizer), whose counts
+        :meth:`count_rows` can give ahead."""
+        return self.optimizer is not None
+
+    def count_rows(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Per dim group, the distinct rows of the replicated tables a batch touches: [G] int64
+        on the device, no sync. ``values`` [L] and ``lengths`` [F, B]: the sharded
+        collection's batch, features in its order (ids within their tables)."""
+        per_feature = lengths.sum(dim=1)
+        first = torch.repeat_interleave(self._feature_row, per_feature, output_size=values.numel())
+        rows = torch.where(first < self._rows, first + values, self._rows).clamp_(0, self._rows)
+        touched = torch.zeros(self._rows + 1, dtype=torch.int64, device=values.device)
+        touched.index_fill_(0, rows, 1)
+        upto = touched.cumsum(0).index_select(
+            0, self._group_last
+        )  # rows touched up to a group's end
+        return upto.diff(prepend=upto.new_zeros(1))
+
+    def forward(
+        self, features: KeyedJaggedTensor, touched: TouchedRows | None = None
+    ) -> torch.Tensor:
+        """The replicated tables' pooled vectors of this rank's samples: [B, D_dp].
+        ``touched``: the rows this batch touches, when known (see :meth:`count_rows`)."""
+        self._sizes = None if touched is None else touched.per_rank
+        mine = None if touched is None else touched.mine
+        return self.tables.pooled_values(features, distinct_rows=mine)
 
     def exchange(
         self, keys: torch.Tensor, grads: torch.Tensor
@@ -114,17 +174,20 @@ class ReplicatedTables(nn.Module):
 
         Returns:
             the union's sorted rows [U'] and their gradients summed over ranks in rank order,
-            divided by the world size [U', D]; the same on every rank. One host read (the
-            ranks' row counts, which size the all-gather).
+            divided by the world size [U', D]; the same on every rank. The ranks' row
+            counts size the all-gather: known from the forward (:class:`TouchedRows`), else
+            gathered and read on the host first.
         """
         group, device = self.process_group, keys.device
         world = dist.get_world_size(group)
-        count = torch.full((1,), keys.numel(), dtype=torch.int64, device=device)
-        counts = torch.empty(world, dtype=torch.int64, device=device)
-        self.comm_stats.add("backward", count)
-        with self.comm_stats.timed(device):
-            dist.all_gather_single(counts, count, group=group)
-        sizes = counts.tolist()
+        sizes, self._sizes = self._sizes, None
+        if sizes is None:
+            count = torch.full((1,), keys.numel(), dtype=torch.int64, device=device)
+            counts = torch.empty(world, dtype=torch.int64, device=device)
+            self.comm_stats.add("backward", count)
+            with self.comm_stats.timed(device):
+                dist.all_gather_single(counts, count, group=group)
+            sizes = counts.tolist()
         most, width = max(sizes), grads.shape[1]
         # One message: the gradients, then each key's 8 bytes as gradient-dtype columns.
         key_cols = 8 // grads.element_size()

@@ -44,7 +44,7 @@ likewise, and ``optimizer_step``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +64,7 @@ from recsys.distributed.comm import (
     source_to_slot_major,
 )
 from recsys.distributed.plan import Shard, ShardingType, TableSharding
-from recsys.distributed.replicated import ReplicatedTables
+from recsys.distributed.replicated import ReplicatedTables, TouchedRows
 from recsys.distributed.routing import ShardRouting
 from recsys.distributed.shard_build import build_shards, checked_plan, dynamic_parts, tiered_of
 from recsys.distributed.sharded_dynamic import (
@@ -72,6 +72,7 @@ from recsys.distributed.sharded_dynamic import (
     key_wise_stats,
     key_wise_targets,
     load_key_wise,
+    owner_test,
 )
 from recsys.distributed.sharded_input import (
     InputSpec,
@@ -79,7 +80,12 @@ from recsys.distributed.sharded_input import (
     check_on_device,
     raise_on_bad_input,
 )
-from recsys.distributed.sharded_state import load_logical, logical_optimizer_state, logical_state
+from recsys.distributed.sharded_state import (
+    hide_internal_keys,
+    load_logical,
+    logical_optimizer_state,
+    logical_state,
+)
 from recsys.embedding.collection import EmbeddingBagCollection, EmbeddingTable
 from recsys.embedding.dynamic import DYNAMIC, DYNAMIC_STEP
 from recsys.embedding.inputs import FeatureOrder, input_weights
@@ -98,6 +104,7 @@ class LocalBatch:
 
     features: KeyedJaggedTensor
     batch_sizes: list[int]
+    touched: TouchedRows | None = None  # the rows the batch touches in the replicated tables
 
 
 MAX_PREFETCHED = 2  # batches kept with their input_dist done: the one training, the next
@@ -210,12 +217,13 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
                 process_group=process_group,
                 comm_stats=self.comm_stats,
                 device=device,
+                features=self._features.features,
             )
         if module.is_frozen():
             for parameter in self.parameters():  # frozen tables stay frozen once sharded
                 parameter.requires_grad_(False)
-        self._load_prefix = ""
-        self.register_load_state_dict_post_hook(_hide_internal_keys)
+        self.load_prefix = ""
+        self.register_load_state_dict_post_hook(hide_internal_keys)
         self._prefetched: list[_Prefetched] = []
 
     # -----------------------------------------------------------------------------------------
@@ -235,7 +243,9 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             batch = ready.local
             if batch is None and ready.pending is not None:
                 batch = self.finish_input_dist(ready.pending)
-        pooled_dp = self.replicated(features) if self.replicated is not None else None
+        pooled_dp = None
+        if self.replicated is not None:
+            pooled_dp = self.replicated(features, None if batch is None else batch.touched)
         if batch is None:  # every table replicated: already in the collection's order
             values = pooled_dp.float()
         else:
@@ -322,7 +332,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             sharding, shard = self.plan[name], self.local_shard(name)
             index, count = sharding.shards.index(shard), len(sharding.shards)
             if name in self._dynamic:
-                owns = _owner_test(self.routing_of(name), count, index)
+                owns = owner_test(self.routing_of(name), count, index)
                 parts[name] = TablePart(owns=owns, index=index, count=count)
             else:
                 parts[name] = TablePart(
@@ -377,8 +387,11 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         per_key = features.length_per_key_or_none()  # known on the host: no read to size
         routed = self.routing.route(lengths, values, weights, batch_size, per_key)
         group, stats = self.process_group, self.comm_stats
-        verdict = None if checked is None else checked.ok
-        counts = exchange_counts(batch_size, routed.per_rank, group, stats, verdict)
+        along = [] if checked is None else [checked.ok]  # with the counts: read with them
+        if self._counts_rows:
+            along.append(self.replicated.count_rows(values, lengths))
+        extras = torch.cat(along) if along else None
+        counts = exchange_counts(batch_size, routed.per_rank, group, stats, extras)
         if checked is not None:  # every rank raises here for a bad batch of any rank
             verdicts = [extras[0] for extras in counts.extras]
             raise_on_bad_input(verdicts, self.rank, self._input_spec, features, weights)
@@ -405,7 +418,15 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             weights=local_weights,
             stride=sum(received.batch_sizes),
         )
-        return LocalBatch(local, list(received.batch_sizes))
+        touched = None
+        if self._counts_rows:  # after the check's verdict, if any
+            rows = [extras[check_mode(self.validate) != "off" :] for extras in received.extras]
+            touched = TouchedRows(rows[self.rank], [sum(r) for r in rows])
+        return LocalBatch(local, list(received.batch_sizes), touched)
+
+    @property
+    def _counts_rows(self) -> bool:
+        return self.replicated is not None and self.replicated.counts_rows
 
     def compute(self, batch: LocalBatch) -> torch.Tensor:
         """Pool the received ids on this rank's shards: [sum_s B_s, widths[rank]]."""
@@ -555,8 +576,8 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
     ) -> None:
         """Load the logical layout (plain full tensors, or ShardedTensors whose local shard is
         this rank's): each rank copies its own shards' rows and columns. The internal
-        submodules' own keys are never expected (see ``_hide_internal_keys``)."""
-        self._load_prefix = prefix
+        submodules' own keys are never expected (see ``hide_internal_keys``)."""
+        self.load_prefix = prefix
         expected = {prefix + key for key in self._state_keys()}
         given = {key for key in state_dict if key.startswith(prefix)}
         missing_keys.extend(sorted(expected - given))
@@ -575,24 +596,3 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             for name, entries in dynamic.items():
                 if f"{DYNAMIC}.{name}.keys" in entries:
                     load_key_wise(self, name, entries)
-
-
-def _hide_internal_keys(module: ShardedEmbeddingBagCollection, incompatible) -> None:
-    """load_state_dict visits the submodules too; the keys they expect are not the logical
-    layout's, and ``_load_from_state_dict`` filled them already."""
-    prefix = module._load_prefix
-    internal = tuple(f"{prefix}{name}." for name, _ in module.named_children())
-    incompatible.missing_keys[:] = [
-        k for k in incompatible.missing_keys if not k.startswith(internal)
-    ]
-
-
-def _owner_test(
-    routing: KeyRouting, parts: int, part: int
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A function marking the keys of a KEY_WISE table that shard ``part`` of ``parts`` holds."""
-
-    def owns(keys: torch.Tensor) -> torch.Tensor:
-        return routing.owners(parts, keys.device)[routing.buckets(keys)] == part
-
-    return owns
