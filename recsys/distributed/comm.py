@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,15 +156,17 @@ class Counts:
     """What the counts exchange (:func:`exchange_counts`) made known on the host.
 
     ``batch_sizes[s]`` samples and ``num_values[s]`` ids come from rank s; ``sent_values[d]``
-    ids go to rank d; ``extras[s]`` are the values rank s sent along (the same to every rank).
-    ``received`` is the exchange's device tensor ([W, 2 + E] int64: B_s, ids, extras), which
-    the receiver's index arithmetic reads on the device."""
+    ids go to rank d; ``extras[s]`` are the values rank s sent along (the same to every rank);
+    ``derived`` what the exchange's ``derive`` computed from them. ``received`` is the
+    exchange's device tensor ([W, 2 + E] int64: B_s, ids, extras), which the receiver's index
+    arithmetic reads on the device."""
 
     batch_sizes: list[int]
     num_values: list[int]
     sent_values: list[int]
     extras: list[list[int]]
     received: torch.Tensor
+    derived: list[int] = field(default_factory=list)
 
 
 def exchange_counts(
@@ -173,11 +175,13 @@ def exchange_counts(
     group: dist.ProcessGroup | None,
     stats: CommStats,
     extras: torch.Tensor | None = None,
+    derive: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Counts:
     """The first phase of the input dist: every rank tells every rank how many samples and ids
     it sends it (``values_per_rank`` [W]), and ``extras`` ([E] int64, the same to every rank:
     what all ranks must know before the ids travel, e.g. a check's verdict). One small blocking
-    all-to-all and the step's one host read (what comes in and what goes out together)."""
+    all-to-all and the step's one host read (what comes in and what goes out together, and
+    ``derive``'s int64 result, computed on the device from the received [W, E] extras)."""
     with stats.timed(values_per_rank.device):
         world = dist.get_world_size(group)
         per_rank = values_per_rank.to(torch.int64).view(world, 1)
@@ -188,14 +192,18 @@ def exchange_counts(
         width = counts.shape[1]
         stats.add("input", counts)
         received = all_to_all(counts.reshape(-1), [width] * world, [width] * world, group)
-        known = torch.cat([received, per_rank.view(-1)]).tolist()
+        read = [received, per_rank.view(-1)]
+        if derive is not None:
+            read.append(derive(received.view(world, width)[:, 2:]).to(torch.int64).view(-1))
+        known = torch.cat(read).tolist()
         rows = [known[s * width : (s + 1) * width] for s in range(world)]
         return Counts(
             batch_sizes=[row[0] for row in rows],
             num_values=[row[1] for row in rows],
-            sent_values=known[world * width :],
+            sent_values=known[world * width : world * (width + 1)],
             extras=[row[2:] for row in rows],
             received=received.view(world, width),
+            derived=known[world * (width + 1) :],
         )
 
 
@@ -219,7 +227,8 @@ class ReceivedIds:
 
     ``batch_sizes[s]`` samples and ``num_values[s]`` ids came from rank s, for ``num_slots``
     slots; ``weight_dtype`` is the weights' dtype (None: no weights); ``counts`` the counts
-    exchange's device tensor and ``extras[s]`` what rank s sent along (see :class:`Counts`)."""
+    exchange's device tensor, ``extras[s]`` what rank s sent along and ``derived`` what was
+    derived from them (see :class:`Counts`)."""
 
     batch_sizes: list[int]
     num_values: list[int]
@@ -228,6 +237,7 @@ class ReceivedIds:
     weight_dtype: torch.dtype | None
     counts: torch.Tensor
     extras: list[list[int]] = field(default_factory=list)
+    derived: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -335,6 +345,7 @@ def send_ids(
             dtype,
             counts.received,
             counts.extras,
+            counts.derived,
         )
         return PendingIds(received, [work])
 

@@ -391,7 +391,9 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         if self._counts_rows:
             along.append(self.replicated.count_rows(values, lengths))
         extras = torch.cat(along) if along else None
-        counts = exchange_counts(batch_size, routed.per_rank, group, stats, extras)
+        skip = len(along) - self._counts_rows  # the rows' counts come after the verdict
+        derive = (lambda x: self.replicated.union_rows(x[:, skip:])) if self._counts_rows else None
+        counts = exchange_counts(batch_size, routed.per_rank, group, stats, extras, derive)
         if checked is not None:  # every rank raises here for a bad batch of any rank
             verdicts = [extras[0] for extras in counts.extras]
             raise_on_bad_input(verdicts, self.rank, self._input_spec, features, weights)
@@ -420,8 +422,8 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         )
         touched = None
         if self._counts_rows:  # after the check's verdict, if any
-            rows = [extras[check_mode(self.validate) != "off" :] for extras in received.extras]
-            touched = TouchedRows(rows[self.rank], [sum(r) for r in rows])
+            skip = int(check_mode(self.validate) != "off")
+            touched = self.replicated.touched_rows(received, skip, self.rank)
         return LocalBatch(local, list(received.batch_sizes), touched)
 
     @property

@@ -154,11 +154,15 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
         )
 
     def pooled_values(
-        self, features: KeyedJaggedTensor, distinct_rows: Sequence[int] | None = None
+        self,
+        features: KeyedJaggedTensor,
+        distinct_rows: Sequence[int] | None = None,
+        exchanged_rows: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """The eager lookup: [B, sum of the features' dims], the values of :meth:`forward`.
-        ``distinct_rows``: with an :attr:`exchange`, per dim group of the tables the distinct
-        rows ``features`` touch, when the caller knows them (see ``FusedUpdate``)."""
+        ``distinct_rows`` / ``exchanged_rows``: with an :attr:`exchange`, per dim group of the
+        tables the distinct rows ``features`` touch / the exchange returns, when the caller
+        knows them (see ``FusedUpdate``)."""
         weights = input_weights(features, self._is_weighted)
         if torch.compiler.is_exporting():
             return self._pool_for_export(features, weights)
@@ -178,6 +182,7 @@ class EmbeddingBagCollection(EmbeddingCollectionInterface):
                 self.optimizer_step,
                 exchange=self.exchange,
                 distinct_rows=None if distinct_rows is None else tuple(distinct_rows),
+                exchanged_rows=None if exchanged_rows is None else tuple(exchanged_rows),
             )
             handles = [self._anchor]
         # Which kernels serve this call (kept for inspection: ``ebc._last_backend``).

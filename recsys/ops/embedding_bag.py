@@ -235,7 +235,9 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
         )
         if exchange is not None:
             keys, reduced = exchange(keys, reduced[:, : plan.layout.max_dim])
-            update_keyed_rows(plan.layout, flat, fused, keys, reduced, step, CHUNK_BYTES)
+            update_keyed_rows(
+                plan.layout, flat, fused, keys, reduced, step, CHUNK_BYTES, fused.exchanged_rows
+            )
         if fused is not None:
             return nothing
         grads = _dense_grads(plan.layout, keys, reduced, needs, flat.dtype)

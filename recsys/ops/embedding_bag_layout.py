@@ -145,7 +145,8 @@ class FusedUpdate:
     to apply on every rank (e.g. all ranks' rows, summed and averaged); the backward then
     applies the update to those rows (:func:`recsys.ops.row_update.update_keyed_rows`).
     ``distinct_rows``: with ``exchange``, per dim group the distinct rows this batch touches,
-    when the host knows them (the torch backend then reads nothing on the host).
+    when the host knows them (the torch backend then reads nothing on the host);
+    ``exchanged_rows``: per dim group, the rows ``exchange`` returns, when the host knows them.
     """
 
     optimizer: RowOptimizer
@@ -156,6 +157,7 @@ class FusedUpdate:
         None
     )
     distinct_rows: tuple[int, ...] | None = None
+    exchanged_rows: tuple[int, ...] | None = None
 
     def advance(self) -> int:
         """``step += 1``; the new value, known on the host without reading the tensor (read
