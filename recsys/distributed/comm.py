@@ -155,11 +155,12 @@ def all_to_all(
 class Counts:
     """What the counts exchange (:func:`exchange_counts`) made known on the host.
 
-    ``batch_sizes[s]`` samples and ``num_values[s]`` ids come from rank s; ``sent_values[d]``
-    ids go to rank d; ``extras[s]`` are the values rank s sent along (the same to every rank);
-    ``derived`` what the exchange's ``derive`` computed from them. ``received`` is the
-    exchange's device tensor ([W, 2 + E] int64: B_s, ids, extras), which the receiver's index
-    arithmetic reads on the device."""
+    ``batch_sizes[s]`` samples and ``num_values[s]`` ids come from rank s, ``slot_values[s]``
+    of them for each of this rank's slots (when sent); ``sent_values[d]`` ids go to rank d;
+    ``extras[s]`` are the values rank s sent along (the same to every rank); ``derived`` what
+    the exchange's ``derive`` computed from them. ``received`` is the exchange's device tensor
+    ([W, 2 + S + E] int64: B_s, ids, the slots' ids, extras), which the receiver's index
+    arithmetic reads on the device, and ``received_extras`` its last E columns."""
 
     batch_sizes: list[int]
     num_values: list[int]
@@ -167,6 +168,11 @@ class Counts:
     extras: list[list[int]]
     received: torch.Tensor
     derived: list[int] = field(default_factory=list)
+    slot_values: list[list[int]] = field(default_factory=list)
+
+    @property
+    def received_extras(self) -> torch.Tensor:
+        return self.received[:, self.received.shape[1] - len(self.extras[0]) :]
 
 
 def exchange_counts(
@@ -176,35 +182,60 @@ def exchange_counts(
     stats: CommStats,
     extras: torch.Tensor | None = None,
     derive: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    values_per_slot: torch.Tensor | None = None,
+    slots_per_rank: Sequence[int] = (),
 ) -> Counts:
     """The first phase of the input dist: every rank tells every rank how many samples and ids
-    it sends it (``values_per_rank`` [W]), and ``extras`` ([E] int64, the same to every rank:
-    what all ranks must know before the ids travel, e.g. a check's verdict). One small blocking
-    all-to-all and the step's one host read (what comes in and what goes out together, and
-    ``derive``'s int64 result, computed on the device from the received [W, E] extras)."""
+    it sends it (``values_per_rank`` [W]; with ``values_per_slot`` [sum_d S_d], rank-major,
+    also how many for each slot of rank d's ``slots_per_rank[d]``), and ``extras`` ([E] int64,
+    the same to every rank: what all ranks must know before the ids travel, e.g. a check's
+    verdict). One small blocking all-to-all and the step's one host read (what comes in and
+    what goes out together, and ``derive``'s int64 result, computed on the device from the
+    received [W, E] extras)."""
     with stats.timed(values_per_rank.device):
-        world = dist.get_world_size(group)
-        per_rank = values_per_rank.to(torch.int64).view(world, 1)
-        columns = [torch.full_like(per_rank, batch_size), per_rank]
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        num_extras = 0 if extras is None else extras.numel()
+        slots = list(slots_per_rank) if values_per_slot is not None else [0] * world
+        parts = [torch.full((world,), batch_size, device=values_per_rank.device), values_per_rank]
+        if values_per_slot is not None:
+            parts.append(values_per_slot)
         if extras is not None:
-            columns.append(extras.to(torch.int64).view(1, -1).expand(world, -1))
-        counts = torch.cat(columns, dim=1)  # [W, 2 + E]: row d goes to rank d
-        width = counts.shape[1]
-        stats.add("input", counts)
-        received = all_to_all(counts.reshape(-1), [width] * world, [width] * world, group)
-        read = [received, per_rank.view(-1)]
+            parts.append(extras)
+        flat = torch.cat([p.to(torch.int64).view(-1) for p in parts])
+        send = flat.index_select(0, _counts_order(world, tuple(slots), num_extras, flat.device))
+        width = 2 + slots[rank] + num_extras  # what each rank sends this one
+        stats.add("input", send)
+        received = all_to_all(send, [2 + s + num_extras for s in slots], [width] * world, group)
+        received = received.view(world, width)
+        read = [received.view(-1), values_per_rank.to(torch.int64).view(-1)]
         if derive is not None:
-            read.append(derive(received.view(world, width)[:, 2:]).to(torch.int64).view(-1))
+            read.append(derive(received[:, width - num_extras :]).to(torch.int64).view(-1))
         known = torch.cat(read).tolist()
         rows = [known[s * width : (s + 1) * width] for s in range(world)]
         return Counts(
             batch_sizes=[row[0] for row in rows],
             num_values=[row[1] for row in rows],
             sent_values=known[world * width : world * (width + 1)],
-            extras=[row[2:] for row in rows],
-            received=received.view(world, width),
+            extras=[row[width - num_extras :] for row in rows],
+            slot_values=[row[2 : 2 + slots[rank]] for row in rows],
+            received=received,
             derived=known[world * (width + 1) :],
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _counts_order(
+    world: int, slots: tuple[int, ...], num_extras: int, device: torch.device
+) -> torch.Tensor:
+    """Where each value of the counts message comes from in [B] * W, ids per rank [W], ids
+    per slot [sum_d S_d] and extras [E] back to back: per destination d its B, its ids, its
+    slots' ids and the extras."""
+    order, slot_start, extras_start = [], 2 * world, 2 * world + sum(slots)
+    for d, num_slots in enumerate(slots):
+        first = slot_start + sum(slots[:d])
+        order += [d, world + d, *range(first, first + num_slots)]
+        order += range(extras_start, extras_start + num_extras)
+    return torch.tensor(order, dtype=torch.int64, device=device)
 
 
 _WIDE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -227,8 +258,9 @@ class ReceivedIds:
 
     ``batch_sizes[s]`` samples and ``num_values[s]`` ids came from rank s, for ``num_slots``
     slots; ``weight_dtype`` is the weights' dtype (None: no weights); ``counts`` the counts
-    exchange's device tensor, ``extras[s]`` what rank s sent along and ``derived`` what was
-    derived from them (see :class:`Counts`)."""
+    exchange's device tensor, ``extras[s]`` what rank s sent along (``extras_on_device``: on
+    the device, [W, E]), ``derived`` what was derived from them and ``slot_values[s]`` rank
+    s's ids per slot (see :class:`Counts`)."""
 
     batch_sizes: list[int]
     num_values: list[int]
@@ -238,6 +270,8 @@ class ReceivedIds:
     counts: torch.Tensor
     extras: list[list[int]] = field(default_factory=list)
     derived: list[int] = field(default_factory=list)
+    slot_values: list[list[int]] = field(default_factory=list)
+    extras_on_device: torch.Tensor | None = None
 
 
 @dataclass
@@ -346,6 +380,8 @@ def send_ids(
             counts.received,
             counts.extras,
             counts.derived,
+            counts.slot_values,
+            counts.received_extras,
         )
         return PendingIds(received, [work])
 

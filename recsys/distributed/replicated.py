@@ -183,7 +183,7 @@ class ReplicatedTables(nn.Module):
         :meth:`count_rows` (after its first ``skip`` extras) and :meth:`union_rows`."""
         per_group = [list(e[skip : skip + self._groups]) for e in received.extras]
         union = list(received.derived) if self._marked else None
-        marks = received.counts[:, 2 + skip + self._groups :] if self._marked else None
+        marks = received.extras_on_device[:, skip + self._groups :] if self._marked else None
         return TouchedRows(per_group[rank], [sum(g) for g in per_group], union, marks)
 
     def _union(self, words: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ class RoutedIds:
     ids: torch.Tensor  # [L'] ids, renumbered within row-wise shards
     weights: torch.Tensor | None  # [L'] per-id weights, in the same order
     per_rank: torch.Tensor  # [W] ids sent to each rank
+    per_stream: torch.Tensor  # [num_streams] ids sent in each stream (rank-major)
 
 
 class ShardRouting:
@@ -251,7 +252,7 @@ class ShardRouting:
         per_rank.index_add_(0, self.stream_rank, per_stream)
         if weights is not None:
             weights = (weights if source is None else weights[source])[order]
-        return RoutedIds(send_lengths, ids[order], weights, per_rank)
+        return RoutedIds(send_lengths, ids[order], weights, per_rank, per_stream)
 
     def _route_features(
         self,
@@ -276,7 +277,7 @@ class ShardRouting:
         per_rank = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         per_rank.index_add_(0, self.stream_rank, per_stream)
         weights = None if weights is None else weights[index]
-        return RoutedIds(send_lengths.reshape(-1), values[index], weights, per_rank)
+        return RoutedIds(send_lengths.reshape(-1), values[index], weights, per_rank, per_stream)
 
     def _num_copies(self, ids_per_feature: list[int] | None) -> int | None:
         """How many copies of the ids travel (None: unknown on the host)."""

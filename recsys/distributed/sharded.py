@@ -393,19 +393,16 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         extras = torch.cat(along) if along else None
         skip = len(along) - self._counts_rows  # the rows' counts come after the verdict
         derive = (lambda x: self.replicated.union_rows(x[:, skip:])) if self._counts_rows else None
-        counts = exchange_counts(batch_size, routed.per_rank, group, stats, extras, derive)
+        slots = self.routing.slots_per_rank
+        counts = exchange_counts(
+            batch_size, routed.per_rank, group, stats, extras, derive, routed.per_stream, slots
+        )
         if checked is not None:  # every rank raises here for a bad batch of any rank
             verdicts = [extras[0] for extras in counts.extras]
             raise_on_bad_input(verdicts, self.rank, self._input_spec, features, weights)
+        ids, id_weights = routed.ids, routed.weights
         return send_ids(
-            routed.send_lengths,
-            routed.ids,
-            routed.weights,
-            batch_size,
-            self.routing.slots_per_rank,
-            counts,
-            group,
-            stats,
+            routed.send_lengths, ids, id_weights, batch_size, slots, counts, group, stats
         )
 
     def finish_input_dist(self, pending: PendingIds) -> LocalBatch:
@@ -419,6 +416,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             lengths=local_lengths,
             weights=local_weights,
             stride=sum(received.batch_sizes),
+            length_per_key=[sum(ids) for ids in zip(*received.slot_values, strict=True)],
         )
         touched = None
         if self._counts_rows:  # after the check's verdict, if any

@@ -387,6 +387,16 @@ def test_the_counts_exchange_carries_extras_to_every_rank(one_rank):
     assert counts.received.tolist() == [[5, 7, 1, -3]]
 
 
+def test_the_counts_exchange_carries_the_ids_per_slot(one_rank):
+    """With the ids of each stream, every rank learns how many ids each source sends each of
+    its slots (the received KeyedJaggedTensor's length per key, known on the host)."""
+    counts = exchange_counts(
+        5, torch.tensor([7]), None, CommStats(), torch.tensor([1]), None, torch.tensor([3, 4]), [2]
+    )
+    assert (counts.num_values, counts.slot_values, counts.extras) == ([7], [[3, 4]], [[1]])
+    assert counts.received_extras.tolist() == [[1]]
+
+
 def test_int8_is_the_documented_formula_bitwise():
     """scale = max|x| / 127 per row, q = round(x / scale), decoded q * scale; rows of zeros
     (either sign) send a zero scale and decode to +0."""
