@@ -276,8 +276,8 @@ class ReceivedIds:
 
 @dataclass
 class PendingIds:
-    """An input dist whose ids are still on their way (:func:`start_all_to_all_ids`): the
-    counts are known, the bags arrive in the background; :meth:`wait` returns them."""
+    """An input dist whose ids are still on their way (:func:`send_ids`): the counts are
+    known, the bags arrive in the background; :meth:`wait` returns them."""
 
     received: ReceivedIds
     works: list[Any]
@@ -300,27 +300,8 @@ def all_to_all_ids(
     group: dist.ProcessGroup | None,
     stats: CommStats,
 ) -> ReceivedIds:
-    """Two-phase all-to-all of bags, waited for: :func:`start_all_to_all_ids` then
-    :meth:`PendingIds.wait` (same arguments)."""
-    pending = start_all_to_all_ids(
-        lengths, values, weights, batch_size, slots_per_rank, values_per_rank, group, stats
-    )
-    with stats.timed(values.device):
-        return pending.wait()
-
-
-def start_all_to_all_ids(
-    lengths: torch.Tensor,
-    values: torch.Tensor,
-    weights: torch.Tensor | None,
-    batch_size: int,
-    slots_per_rank: Sequence[int],
-    values_per_rank: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    stats: CommStats,
-) -> PendingIds:
-    """Two-phase all-to-all of bags: :func:`exchange_counts` now, then :func:`send_ids`
-    (the lengths, ids and weights in one all-to-all, not waited for).
+    """Two-phase all-to-all of bags, waited for: :func:`exchange_counts`, then
+    :func:`send_ids` (the lengths, ids and weights in one all-to-all).
 
     Args:
         lengths: [sum_d S_d * B] bag lengths, destination by destination (S_d slots of B bags).
@@ -330,10 +311,12 @@ def start_all_to_all_ids(
         values_per_rank: [W] int64, how many of ``values`` go to each rank.
 
     Returns:
-        The bags every rank is sending to this one, once waited for.
+        The bags every rank sent to this one.
     """
     counts = exchange_counts(batch_size, values_per_rank, group, stats)
-    return send_ids(lengths, values, weights, batch_size, slots_per_rank, counts, group, stats)
+    pending = send_ids(lengths, values, weights, batch_size, slots_per_rank, counts, group, stats)
+    with stats.timed(values.device):
+        return pending.wait()
 
 
 def send_ids(
@@ -348,7 +331,7 @@ def send_ids(
 ) -> PendingIds:
     """The second phase: each destination's bag lengths, ids and weights in one int64 block
     (a weight's bits in a word of their own), all blocks in one all-to-all whose sizes
-    ``counts`` made known; not waited for. Arguments as :func:`start_all_to_all_ids`'s."""
+    ``counts`` made known; not waited for. Arguments as :func:`all_to_all_ids`'s."""
     with stats.timed(values.device):
         rank = dist.get_rank(group)
         sent = counts.sent_values
