@@ -3,11 +3,12 @@
 Two exchanges serve a sharded lookup (W ranks, rank r holds the samples of its own batch B_r):
 
 - **input dist** (:func:`all_to_all_ids`): every rank sends each rank the ids of the shards that
-  rank owns, in two phases. First the counts (how many samples, how many ids), then the bag
-  lengths, ids and per-id weights, whose sizes the counts made known. A receiver gets the
-  blocks source by source; :func:`source_to_slot_major` reorders them into one
-  KeyedJaggedTensor layout (slot by slot, each slot's bags source by source) for the local
-  lookup.
+  rank owns, in two phases. First the counts (how many samples, how many ids, and whatever
+  every rank must know before the ids move: :func:`exchange_counts`, the one host read), then
+  the bag lengths, ids and per-id weights in one all-to-all (:func:`send_ids`: one int64 block
+  per destination), whose sizes the counts made known. A receiver gets the blocks source by
+  source; :func:`source_to_slot_major` reorders them into one KeyedJaggedTensor layout (slot
+  by slot, each slot's bags source by source) for the local lookup.
 - **output dist** (:func:`pooled_all_to_all`): the pooled vectors computed for the samples of
   rank s go back to rank s; its backward sends the gradients the other way. This is where
   quantization applies.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,23 +157,133 @@ def all_to_all(
     return (recv, work) if async_op else recv
 
 
-@dataclass
-class ReceivedIds:
-    """What one rank received in the input dist, source by source.
+@dataclass(frozen=True)
+class Counts:
+    """What the counts exchange (:func:`exchange_counts`) made known on the host.
 
-    ``batch_sizes[s]`` samples came from rank s, with ``lengths`` [sum_s S * B_s] (source s's
-    block is [S, B_s], slot-major), ``values`` and optional ``weights`` (source-major)."""
+    ``batch_sizes[s]`` samples and ``num_values[s]`` ids come from rank s, ``slot_values[s]``
+    of them for each of this rank's slots (when sent); ``sent_values[d]`` ids go to rank d;
+    ``extras[s]`` are the values rank s sent along (the same to every rank); ``derived`` what
+    the exchange's ``derive`` computed from them. ``received`` is the exchange's device tensor
+    ([W, 2 + S + E] int64: B_s, ids, the slots' ids, extras), which the receiver's index
+    arithmetic reads on the device, and ``received_extras`` its last E columns."""
 
     batch_sizes: list[int]
-    lengths: torch.Tensor
-    values: torch.Tensor
-    weights: torch.Tensor | None
+    num_values: list[int]
+    sent_values: list[int]
+    extras: list[list[int]]
+    received: torch.Tensor
+    derived: list[int] = field(default_factory=list)
+    slot_values: list[list[int]] = field(default_factory=list)
+
+    @property
+    def received_extras(self) -> torch.Tensor:
+        return self.received[:, self.received.shape[1] - len(self.extras[0]) :]
+
+
+def exchange_counts(
+    batch_size: int,
+    values_per_rank: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+    extras: torch.Tensor | None = None,
+    derive: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    values_per_slot: torch.Tensor | None = None,
+    slots_per_rank: Sequence[int] = (),
+) -> Counts:
+    """The first phase of the input dist: every rank tells every rank how many samples and ids
+    it sends it (``values_per_rank`` [W]; with ``values_per_slot`` [sum_d S_d], rank-major,
+    also how many for each slot of rank d's ``slots_per_rank[d]``), and ``extras`` ([E] int64,
+    the same to every rank: what all ranks must know before the ids travel, e.g. a check's
+    verdict). One small blocking all-to-all and the step's one host read (what comes in and
+    what goes out together, and ``derive``'s int64 result, computed on the device from the
+    received [W, E] extras)."""
+    with stats.timed(values_per_rank.device):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        num_extras = 0 if extras is None else extras.numel()
+        slots = list(slots_per_rank) if values_per_slot is not None else [0] * world
+        parts = [torch.full((world,), batch_size, device=values_per_rank.device), values_per_rank]
+        if values_per_slot is not None:
+            parts.append(values_per_slot)
+        if extras is not None:
+            parts.append(extras)
+        flat = torch.cat([p.to(torch.int64).view(-1) for p in parts])
+        send = flat.index_select(0, _counts_order(world, tuple(slots), num_extras, flat.device))
+        width = 2 + slots[rank] + num_extras  # what each rank sends this one
+        stats.add("input", send)
+        received = all_to_all(send, [2 + s + num_extras for s in slots], [width] * world, group)
+        received = received.view(world, width)
+        read = [received.view(-1), values_per_rank.to(torch.int64).view(-1)]
+        if derive is not None:
+            read.append(derive(received[:, width - num_extras :]).to(torch.int64).view(-1))
+        known = torch.cat(read).tolist()
+        rows = [known[s * width : (s + 1) * width] for s in range(world)]
+        return Counts(
+            batch_sizes=[row[0] for row in rows],
+            num_values=[row[1] for row in rows],
+            sent_values=known[world * width : world * (width + 1)],
+            extras=[row[width - num_extras :] for row in rows],
+            slot_values=[row[2 : 2 + slots[rank]] for row in rows],
+            received=received,
+            derived=known[world * (width + 1) :],
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _counts_order(
+    world: int, slots: tuple[int, ...], num_extras: int, device: torch.device
+) -> torch.Tensor:
+    """Where each value of the counts message comes from in [B] * W, ids per rank [W], ids
+    per slot [sum_d S_d] and extras [E] back to back: per destination d its B, its ids, its
+    slots' ids and the extras."""
+    order, slot_start, extras_start = [], 2 * world, 2 * world + sum(slots)
+    for d, num_slots in enumerate(slots):
+        first = slot_start + sum(slots[:d])
+        order += [d, world + d, *range(first, first + num_slots)]
+        order += range(extras_start, extras_start + num_extras)
+    return torch.tensor(order, dtype=torch.int64, device=device)
+
+
+_WIDE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _widen(weights: torch.Tensor) -> torch.Tensor:
+    """Each weight's bits in an int64 word (sign-extended; :func:`_narrow` inverts it)."""
+    return weights.view(_WIDE[weights.element_size()]).to(torch.int64)
+
+
+def _narrow(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return words.to(_WIDE[torch.empty((), dtype=dtype).element_size()]).view(dtype)
+
+
+@dataclass
+class ReceivedIds:
+    """What one rank received in the input dist: one int64 buffer, source after source, each
+    source's block its bag lengths ([S, B_s], slot-major), its ids, then (weighted) its
+    per-id weights, each weight's bits in a word of its own.
+
+    ``batch_sizes[s]`` samples and ``num_values[s]`` ids came from rank s, for ``num_slots``
+    slots; ``weight_dtype`` is the weights' dtype (None: no weights); ``counts`` the counts
+    exchange's device tensor, ``extras[s]`` what rank s sent along (``extras_on_device``: on
+    the device, [W, E]), ``derived`` what was derived from them and ``slot_values[s]`` rank
+    s's ids per slot (see :class:`Counts`)."""
+
+    batch_sizes: list[int]
+    num_values: list[int]
+    num_slots: int
+    buffer: torch.Tensor
+    weight_dtype: torch.dtype | None
+    counts: torch.Tensor
+    extras: list[list[int]] = field(default_factory=list)
+    derived: list[int] = field(default_factory=list)
+    slot_values: list[list[int]] = field(default_factory=list)
+    extras_on_device: torch.Tensor | None = None
 
 
 @dataclass
 class PendingIds:
-    """An input dist whose ids are still on their way (:func:`start_all_to_all_ids`): the
-    counts are known, the bags arrive in the background; :meth:`wait` returns them."""
+    """An input dist whose ids are still on their way (:func:`send_ids`): the counts are
+    known, the bags arrive in the background; :meth:`wait` returns them."""
 
     received: ReceivedIds
     works: list[Any]
@@ -195,27 +306,8 @@ def all_to_all_ids(
     group: dist.ProcessGroup | None,
     stats: CommStats,
 ) -> ReceivedIds:
-    """Two-phase all-to-all of bags, waited for: :func:`start_all_to_all_ids` then
-    :meth:`PendingIds.wait` (same arguments)."""
-    pending = start_all_to_all_ids(
-        lengths, values, weights, batch_size, slots_per_rank, values_per_rank, group, stats
-    )
-    with stats.timed(values.device):
-        return pending.wait()
-
-
-def start_all_to_all_ids(
-    lengths: torch.Tensor,
-    values: torch.Tensor,
-    weights: torch.Tensor | None,
-    batch_size: int,
-    slots_per_rank: Sequence[int],
-    values_per_rank: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    stats: CommStats,
-) -> PendingIds:
-    """Two-phase all-to-all of bags: the counts are exchanged now (a small blocking
-    all-to-all), the lengths, ids and weights are sent without waiting for them.
+    """Two-phase all-to-all of bags, waited for: :func:`exchange_counts`, then
+    :func:`send_ids` (the lengths, ids and weights in one all-to-all).
 
     Args:
         lengths: [sum_d S_d * B] bag lengths, destination by destination (S_d slots of B bags).
@@ -225,72 +317,112 @@ def start_all_to_all_ids(
         values_per_rank: [W] int64, how many of ``values`` go to each rank.
 
     Returns:
-        The bags every rank is sending to this one, once waited for.
+        The bags every rank sent to this one.
     """
+    counts = exchange_counts(batch_size, values_per_rank, group, stats)
+    pending = send_ids(lengths, values, weights, batch_size, slots_per_rank, counts, group, stats)
     with stats.timed(values.device):
-        world, rank = len(slots_per_rank), dist.get_rank(group)
-        counts = torch.stack([torch.full_like(values_per_rank, batch_size), values_per_rank], dim=1)
-        counts = counts.to(torch.int64).reshape(-1)  # [W * 2]: (B, num values) per destination
-        stats.add("input", counts)
-        received = all_to_all(counts, [2] * world, [2] * world, group)
-        # The step's one read of the device: what comes in and what goes out, together.
-        known = torch.cat([received, values_per_rank.to(torch.int64)]).tolist()
-        batch_sizes, num_values = known[0 : 2 * world : 2], known[1 : 2 * world : 2]
-        sent_values = known[2 * world :]
-        stats.add("input", lengths, values, *(() if weights is None else (weights,)))
-        works = []
-        recv_lengths, work = all_to_all(
-            lengths,
-            [s * batch_size for s in slots_per_rank],
-            [slots_per_rank[rank] * b for b in batch_sizes],
-            group,
-            async_op=True,
+        return pending.wait()
+
+
+def send_ids(
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    batch_size: int,
+    slots_per_rank: Sequence[int],
+    counts: Counts,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+) -> PendingIds:
+    """The second phase: each destination's bag lengths, ids and weights in one int64 block
+    (a weight's bits in a word of their own), all blocks in one all-to-all whose sizes
+    ``counts`` made known; not waited for. Arguments as :func:`all_to_all_ids`'s."""
+    with stats.timed(values.device):
+        rank = dist.get_rank(group)
+        sent = counts.sent_values
+        words = 1 if weights is None else 2
+        length_blocks = lengths.long().split([s * batch_size for s in slots_per_rank])
+        value_blocks = values.long().split(sent)
+        weight_blocks = (None,) * len(sent) if weights is None else _widen(weights).split(sent)
+        pieces = []
+        for bag_lengths, ids, w in zip(length_blocks, value_blocks, weight_blocks, strict=True):
+            pieces += [bag_lengths, ids] if w is None else [bag_lengths, ids, w]
+        send = torch.cat(pieces)
+        stats.add("input", send)
+        num_slots = slots_per_rank[rank]
+        send_splits = [
+            s * batch_size + words * n for s, n in zip(slots_per_rank, sent, strict=True)
+        ]
+        recv_splits = [
+            num_slots * b + words * n
+            for b, n in zip(counts.batch_sizes, counts.num_values, strict=True)
+        ]
+        buffer, work = all_to_all(send, send_splits, recv_splits, group, async_op=True)
+        dtype = None if weights is None else weights.dtype
+        received = ReceivedIds(
+            counts.batch_sizes,
+            counts.num_values,
+            num_slots,
+            buffer,
+            dtype,
+            counts.received,
+            counts.extras,
+            counts.derived,
+            counts.slot_values,
+            counts.received_extras,
         )
-        works.append(work)
-        recv_values, work = all_to_all(values, sent_values, num_values, group, async_op=True)
-        works.append(work)
-        recv_weights = None
-        if weights is not None:
-            recv_weights, work = all_to_all(weights, sent_values, num_values, group, async_op=True)
-            works.append(work)
-        return PendingIds(ReceivedIds(batch_sizes, recv_lengths, recv_values, recv_weights), works)
+        return PendingIds(received, [work])
 
 
 def source_to_slot_major(
-    received: ReceivedIds, num_slots: int
+    received: ReceivedIds,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Reorder received bags from [source][slot][sample] to [slot][source][sample]: the
-    KeyedJaggedTensor layout of ``num_slots`` keys over a batch of sum_s B_s samples, source
-    0's samples first. Returns (lengths, values, weights)."""
-    sizes = received.batch_sizes
-    device = received.lengths.device
-    if len(sizes) == 1 or num_slots <= 1:
-        return received.lengths, received.values, received.weights
-    # Bag lengths: a fixed permutation of positions.
-    bases = [num_slots * sum(sizes[:s]) for s in range(len(sizes))]
+    KeyedJaggedTensor layout of ``received.num_slots`` keys over a batch of sum_s B_s samples,
+    source 0's samples first. Returns (lengths, values, weights). Reads nothing on the host:
+    the ids' places come from the counts exchange's device tensor."""
+    sizes, num_slots, buffer = received.batch_sizes, received.num_slots, received.buffer
+    device, words = buffer.device, 1 if received.weight_dtype is None else 2
+    total = sum(received.num_values)
+    if len(sizes) == 1 or num_slots == 0 or not sum(sizes):  # the one block, as it lies
+        lengths, values, weights = buffer.split(
+            [num_slots * sum(sizes), total, (words - 1) * total]
+        )
+        return lengths, values, None if words == 1 else _narrow(weights, received.weight_dtype)
+    # Bag lengths: each source's [S, B_s] block, columns side by side.
+    starts, start = [], 0
+    for b, n in zip(sizes, received.num_values, strict=True):
+        starts.append(start)
+        start += num_slots * b + words * n
     pieces = [
-        base + torch.arange(num_slots * b, device=device).view(num_slots, b)
-        for base, b in zip(bases, sizes, strict=True)
+        torch.arange(s, s + num_slots * b, device=device).view(num_slots, b)
+        for s, b in zip(starts, sizes, strict=True)
     ]
-    lengths = received.lengths[torch.cat(pieces, dim=1).reshape(-1)]
+    lengths_2d = buffer[torch.cat(pieces, dim=1)]  # [S, sum_s B_s]
+    lengths = lengths_2d.reshape(-1)
     # Ids: whole (source, slot) segments move; gather each segment's range in the new order.
-    segment = torch.stack(
-        [
-            block.view(num_slots, b).sum(dim=1)
-            for block, b in zip(
-                received.lengths.split([num_slots * b for b in sizes]), sizes, strict=True
-            )
-        ]
-    )  # [W, S] ids per (source, slot)
-    starts = (segment.reshape(-1).cumsum(0) - segment.reshape(-1)).view_as(segment)
-    segment_t, starts_t = segment.t().reshape(-1), starts.t().reshape(-1)  # slot-major
+    if len(set(sizes)) == 1:
+        segment = lengths_2d.view(num_slots, len(sizes), sizes[0]).sum(dim=2)  # [S, W]
+    else:
+        segment = torch.stack([c.sum(dim=1) for c in lengths_2d.split(sizes, dim=1)], dim=1)
+    counts = received.counts
+    block = num_slots * counts[:, 0] + words * counts[:, 1]  # [W] words of each source
+    first_id = block.cumsum(0) - block + num_slots * counts[:, 0]  # [W] where its ids start
+    within = segment.cumsum(0) - segment  # [S, W] a segment's start among its source's ids
+    segment_t = segment.reshape(-1)  # slot-major
+    place = (within + first_id).reshape(-1)
     new_starts = segment_t.cumsum(0) - segment_t
-    shift = torch.repeat_interleave(
-        starts_t - new_starts, segment_t, output_size=received.values.numel()
-    )
-    index = shift + torch.arange(shift.numel(), device=device)
-    weights = None if received.weights is None else received.weights[index]
-    return lengths, received.values[index], weights
+    shifts = place - new_starts
+    if words == 2:  # a weight lies num_values[s] words after its id
+        shifts = torch.stack([shifts, shifts + counts[:, 1].repeat(num_slots)], dim=1)
+    shift = torch.repeat_interleave(shifts, segment_t, dim=0, output_size=total)
+    arange = torch.arange(total, device=device)
+    if words == 1:
+        return lengths, buffer[shift + arange], None
+    index = shift + arange.view(-1, 1)
+    weights = _narrow(buffer[index[:, 1]], received.weight_dtype)
+    return lengths, buffer[index[:, 0]], weights
 
 
 # ---------------------------------------------------------------------------------------------

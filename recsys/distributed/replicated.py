@@ -8,11 +8,18 @@ gradient per touched row (no gradient the size of a table) and hands the rows to
 gradients (after one of their counts), summed per row in rank order and divided by the world
 size; then every rank applies the same update to the same rows, one
 :func:`recsys.ops.row_update.update_rows` per dim group (the torch backend's own), so the
-replicas stay equal. On 2 ranks the result is bitwise that of summing dense gradients with an
-all-reduce (a + b either way; only a row whose two gradients are both -0.0 gets +0.0).
+replicas stay equal. Where the sharded collection exchanges ids, each rank counts the distinct
+rows its batch touches before the input dist (:meth:`ReplicatedTables.count_rows`, on the
+device) and the counts travel with the input dist's (one host read for both): the backward's
+reduction and the all-gather then read no size on the host (:class:`TouchedRows`).
+On 2 ranks the result is bitwise that of summing dense gradients with an all-reduce (a + b
+either way; only a row whose two gradients are both -0.0 gets +0.0).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,10 +27,26 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-from recsys.distributed.comm import CommStats
+from recsys.distributed.comm import CommStats, ReceivedIds
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import FusedOptimizer
-from recsys.ops.embedding_bag_layout import sorted_segments
+from recsys.ops.embedding_bag_layout import TableLayout, sorted_segments
+
+# Replicated tables of at most this many rows send which rows they touch as a bitmap with the
+# input dist's counts (rows / 8 bytes per destination), so the union is known before backward.
+MAX_MARKED_ROWS = 1 << 22
+_BITS = 63  # bits per int64 word (the sign bit unused)
+
+
+@dataclass(frozen=True)
+class TouchedRows:
+    """The distinct rows one batch touches, known on the host: ``mine`` per dim group of the
+    packed tables on this rank, ``per_rank[r]`` in all on rank r."""
+
+    mine: list[int]
+    per_rank: list[int]
+    union: list[int] | None = None  # per dim group, the rows some rank touches
+    marks: torch.Tensor | None = None  # [W, M] every rank's touched rows (see count_rows)
 
 
 class ReplicatedTables(nn.Module):
@@ -39,6 +62,8 @@ class ReplicatedTables(nn.Module):
         process_group: the sharded collection's group.
         comm_stats: where the exchange's bytes are counted.
         device: this rank's device.
+        features: the sharded collection's features, in its order (what
+            :meth:`count_rows` reads).
     """
 
     def __init__(
@@ -52,6 +77,7 @@ class ReplicatedTables(nn.Module):
         process_group: dist.ProcessGroup | None,
         comm_stats: CommStats,
         device: torch.device,
+        features: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.configs = configs
@@ -80,6 +106,25 @@ class ReplicatedTables(nn.Module):
             dist.broadcast(table.weight.data, src=first, group=process_group)
         if optimizer is not None:
             self.tables.exchange = self.exchange
+        layout = TableLayout.build(
+            [c.num_embeddings for c in configs], [c.embedding_dim for c in configs]
+        )
+        first_row = {
+            f: layout.row_offsets[t] for t, c in enumerate(configs) for f in c.feature_names
+        }
+        self._rows = layout.total_rows
+        self._feature_row = torch.tensor(
+            [first_row.get(f, self._rows) for f in features], dtype=torch.int64, device=device
+        )  # a feature of no replicated table: the spare row past the last
+        group_ends = [
+            layout.row_offsets[tables[0]] + sum(layout.rows[t] for t in tables)
+            for tables in layout.groups
+        ]
+        self._group_last = torch.tensor(group_ends, dtype=torch.int64, device=device) - 1
+        self._groups = len(group_ends)
+        self._marked = self._rows <= MAX_MARKED_ROWS
+        self._bits = torch.arange(_BITS, dtype=torch.int64, device=device)
+        self._touched: TouchedRows | None = None  # the rows of the batch in training
 
     @property
     def step(self) -> torch.Tensor:
@@ -99,9 +144,64 @@ class ReplicatedTables(nn.Module):
         bag = self.tables.embedding_bags[table]
         return {name: bag.get_buffer(name) for name in self.optimizer.states}
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        """The replicated tables' pooled vectors of this rank's samples: [B, D_dp]."""
-        return self.tables(features).values()
+    @property
+    def counts_rows(self) -> bool:
+        """Whether the backward exchanges touched rows (a fused optimizer), whose counts
+        :meth:`count_rows` can give ahead."""
+        return self.optimizer is not None
+
+    def count_rows(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """What this rank sends with the input dist's counts: per dim group, the distinct rows
+        of the replicated tables its batch touches ([G] int64), then (tables of at most
+        :data:`MAX_MARKED_ROWS` rows) those rows as a bitmap of int64 words, so every rank
+        knows the union (:meth:`union_rows`). On the device, no sync. ``values`` [L] and
+        ``lengths`` [F, B]: the sharded collection's batch, features in its order (ids within
+        their tables)."""
+        per_feature = lengths.sum(dim=1)
+        first = torch.repeat_interleave(self._feature_row, per_feature, output_size=values.numel())
+        rows = torch.where(first < self._rows, first + values, self._rows).clamp_(0, self._rows)
+        touched = torch.zeros(self._rows + 1, dtype=torch.int64, device=values.device)
+        touched.index_fill_(0, rows, 1)
+        upto = touched.cumsum(0).index_select(0, self._group_last)  # touched up to a group's end
+        counts = upto.diff(prepend=upto.new_zeros(1))
+        if not self._marked:
+            return counts
+        bits = F.pad(touched[: self._rows], (0, -self._rows % _BITS)).view(-1, _BITS)
+        return torch.cat([counts, (bits << self._bits).sum(dim=1)])
+
+    def union_rows(self, extras: torch.Tensor) -> torch.Tensor:
+        """From every rank's :meth:`count_rows` ([W, G + M]), per dim group the rows some rank
+        touches ([G] int64; empty without bitmaps)."""
+        if not self._marked:
+            return extras.new_zeros(0)
+        union = self._union(extras[:, self._groups :])
+        upto = union.cumsum(0).index_select(0, self._group_last)
+        return upto.diff(prepend=upto.new_zeros(1))
+
+    def touched_rows(self, received: ReceivedIds, skip: int, rank: int) -> TouchedRows:
+        """The :class:`TouchedRows` of a batch from the input dist's counts: every rank's
+        :meth:`count_rows` (after its first ``skip`` extras) and :meth:`union_rows`."""
+        per_group = [list(e[skip : skip + self._groups]) for e in received.extras]
+        union = list(received.derived) if self._marked else None
+        marks = received.extras_on_device[:, skip + self._groups :] if self._marked else None
+        return TouchedRows(per_group[rank], [sum(g) for g in per_group], union, marks)
+
+    def _union(self, words: torch.Tensor) -> torch.Tensor:
+        """[W, M] bitmaps -> [rows] int64, 1 where some rank's bit is set."""
+        bits = (words.unsqueeze(2) >> self._bits) & 1  # [W, M, 63]
+        return bits.amax(dim=0).view(-1)[: self._rows]
+
+    def forward(
+        self, features: KeyedJaggedTensor, touched: TouchedRows | None = None
+    ) -> torch.Tensor:
+        """The replicated tables' pooled vectors of this rank's samples: [B, D_dp].
+        ``touched``: the rows this batch touches, when known (see :meth:`count_rows`)."""
+        self._touched = touched
+        if touched is None:
+            return self.tables.pooled_values(features)
+        return self.tables.pooled_values(
+            features, distinct_rows=touched.mine, exchanged_rows=touched.union
+        )
 
     def exchange(
         self, keys: torch.Tensor, grads: torch.Tensor
@@ -114,17 +214,21 @@ class ReplicatedTables(nn.Module):
 
         Returns:
             the union's sorted rows [U'] and their gradients summed over ranks in rank order,
-            divided by the world size [U', D]; the same on every rank. One host read (the
-            ranks' row counts, which size the all-gather).
+            divided by the world size [U', D]; the same on every rank. The ranks' row
+            counts size the all-gather: known from the forward (:class:`TouchedRows`), else
+            gathered and read on the host first.
         """
         group, device = self.process_group, keys.device
         world = dist.get_world_size(group)
-        count = torch.full((1,), keys.numel(), dtype=torch.int64, device=device)
-        counts = torch.empty(world, dtype=torch.int64, device=device)
-        self.comm_stats.add("backward", count)
-        with self.comm_stats.timed(device):
-            dist.all_gather_single(counts, count, group=group)
-        sizes = counts.tolist()
+        touched, self._touched = self._touched, None
+        sizes = None if touched is None else touched.per_rank
+        if sizes is None:
+            count = torch.full((1,), keys.numel(), dtype=torch.int64, device=device)
+            counts = torch.empty(world, dtype=torch.int64, device=device)
+            self.comm_stats.add("backward", count)
+            with self.comm_stats.timed(device):
+                dist.all_gather_single(counts, count, group=group)
+            sizes = counts.tolist()
         most, width = max(sizes), grads.shape[1]
         # One message: the gradients, then each key's 8 bytes as gradient-dtype columns.
         key_cols = 8 // grads.element_size()
@@ -140,7 +244,14 @@ class ReplicatedTables(nn.Module):
         rows = torch.cat([ranks[r, :n] for r, n in enumerate(sizes)])  # [sum U_r, D + key]
         every_key = rows[:, width:].contiguous().view(torch.int64).view(-1)
         # Stable: a row's gradients stay in rank order, and are summed in that order.
-        union, order, starts = sorted_segments(every_key)
+        if touched is not None and touched.union is not None:  # the union known: no read
+            every_key, order = torch.sort(every_key, stable=True)
+            marks = self._union(touched.marks)
+            union = torch.nonzero_static(marks, size=sum(touched.union)).view(-1)
+            starts = torch.searchsorted(every_key, union)
+            starts = torch.cat([starts, starts.new_full((1,), every_key.numel())])
+        else:
+            union, order, starts = sorted_segments(every_key)
         summed = F.embedding_bag(
             order, rows[:, :width], starts, mode="sum", include_last_offset=True
         )

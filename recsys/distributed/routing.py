@@ -42,6 +42,7 @@ class RoutedIds:
     ids: torch.Tensor  # [L'] ids, renumbered within row-wise shards
     weights: torch.Tensor | None  # [L'] per-id weights, in the same order
     per_rank: torch.Tensor  # [W] ids sent to each rank
+    per_stream: torch.Tensor  # [num_streams] ids sent in each stream (rank-major)
 
 
 class ShardRouting:
@@ -219,9 +220,13 @@ class ShardRouting:
             output_size=num_ids,
         )  # [L]
         source = None
-        if self.expand:  # the number of copies is the one size the host does not know
+        if self.expand:  # copies: sized from the ids per feature where the host knows them
             copies = self.copies[feature]
-            source = torch.repeat_interleave(torch.arange(num_ids, device=device), copies)
+            source = torch.repeat_interleave(
+                torch.arange(num_ids, device=device),
+                copies,
+                output_size=self._num_copies(ids_per_feature),
+            )
             first = torch.repeat_interleave(
                 copies.cumsum(0) - copies, copies, output_size=source.numel()
             )
@@ -247,7 +252,7 @@ class ShardRouting:
         per_rank.index_add_(0, self.stream_rank, per_stream)
         if weights is not None:
             weights = (weights if source is None else weights[source])[order]
-        return RoutedIds(send_lengths, ids[order], weights, per_rank)
+        return RoutedIds(send_lengths, ids[order], weights, per_rank, per_stream)
 
     def _route_features(
         self,
@@ -266,15 +271,19 @@ class ShardRouting:
         per_feature = lengths.sum(dim=1)
         starts = (per_feature.cumsum(0) - per_feature).index_select(0, self.stream_feature)
         new_starts = per_stream.cumsum(0) - per_stream
-        size = None if self.expand else values.numel()  # copies (or none) of some features
-        if ids_per_feature is not None:
-            size = sum(c * n for c, n in zip(self.feature_copies, ids_per_feature, strict=True))
+        size = self._num_copies(ids_per_feature) if self.expand else values.numel()
         shift = torch.repeat_interleave(starts - new_starts, per_stream, output_size=size)
         index = shift + torch.arange(shift.numel(), device=device)  # [L'] source of each id
         per_rank = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         per_rank.index_add_(0, self.stream_rank, per_stream)
         weights = None if weights is None else weights[index]
-        return RoutedIds(send_lengths.reshape(-1), values[index], weights, per_rank)
+        return RoutedIds(send_lengths.reshape(-1), values[index], weights, per_rank, per_stream)
+
+    def _num_copies(self, ids_per_feature: list[int] | None) -> int | None:
+        """How many copies of the ids travel (None: unknown on the host)."""
+        if ids_per_feature is None:
+            return None
+        return sum(c * n for c, n in zip(self.feature_copies, ids_per_feature, strict=True))
 
     def assemble(
         self,

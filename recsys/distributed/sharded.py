@@ -5,7 +5,8 @@
 - **input_dist**: each rank routes its batch's ids to the ranks owning the shards they read
   (table-wise: the table's rank; column-wise: every column shard's rank; row-wise: rank
   ``id // block``, ids renumbered within the block) and exchanges them in a two-phase
-  all-to-all (counts, then lengths / ids / weights; :mod:`recsys.distributed.comm`).
+  all-to-all (counts, with the verdict of the input check; then lengths, ids and weights in
+  one buffer; :mod:`recsys.distributed.comm`, :mod:`recsys.distributed.sharded_input`).
 - **compute**: the rank's shards are one local :class:`EmbeddingBagCollection` (the same fused
   kernel and fused optimizer as the unsharded collection), run over the ids every rank sent it,
   as one batch of sum_s B_s samples.
@@ -43,7 +44,7 @@ likewise, and ``optimizer_step``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,12 +58,13 @@ from recsys.distributed.comm import (
     PendingIds,
     PooledLayout,
     check_precision,
+    exchange_counts,
     pooled_all_to_all,
+    send_ids,
     source_to_slot_major,
-    start_all_to_all_ids,
 )
 from recsys.distributed.plan import Shard, ShardingType, TableSharding
-from recsys.distributed.replicated import ReplicatedTables
+from recsys.distributed.replicated import ReplicatedTables, TouchedRows
 from recsys.distributed.routing import ShardRouting
 from recsys.distributed.shard_build import build_shards, checked_plan, dynamic_parts, tiered_of
 from recsys.distributed.sharded_dynamic import (
@@ -70,8 +72,20 @@ from recsys.distributed.sharded_dynamic import (
     key_wise_stats,
     key_wise_targets,
     load_key_wise,
+    owner_test,
 )
-from recsys.distributed.sharded_state import load_logical, logical_optimizer_state, logical_state
+from recsys.distributed.sharded_input import (
+    InputSpec,
+    check_now,
+    check_on_device,
+    raise_on_bad_input,
+)
+from recsys.distributed.sharded_state import (
+    hide_internal_keys,
+    load_logical,
+    logical_optimizer_state,
+    logical_state,
+)
 from recsys.embedding.collection import EmbeddingBagCollection, EmbeddingTable
 from recsys.embedding.dynamic import DYNAMIC, DYNAMIC_STEP
 from recsys.embedding.inputs import FeatureOrder, input_weights
@@ -80,9 +94,7 @@ from recsys.embedding.key_routing import KeyRouting
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import output_keys, pooling_mode
 from recsys.embedding.tiered_files import TablePart, TieredFiles
-from recsys.ops.embedding_bag import validate_inputs
 from recsys.ops.input_checks import check_mode
-from recsys.ops.slot_map import check_keys
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,7 @@ class LocalBatch:
 
     features: KeyedJaggedTensor
     batch_sizes: list[int]
+    touched: TouchedRows | None = None  # the rows the batch touches in the replicated tables
 
 
 MAX_PREFETCHED = 2  # batches kept with their input_dist done: the one training, the next
@@ -166,12 +179,17 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         self.optimizer: FusedOptimizer | None = module.optimizer
         self._features = FeatureOrder([f for c in configs for f in c.feature_names])
         self._embedding_names, self._lengths_per_embedding = output_keys(configs)
-        self._table_rows = [c.num_embeddings for c in configs]
-        self._table_pooling = [pooling_mode(c) for c in configs]
         self._anchor = torch.zeros((), device=device, requires_grad=True)
         buckets = {name: options.routing_buckets for name, options in self._dynamic.items()}
         self.routing = ShardRouting(
             configs, self.plan, self.world_size, self.rank, device, routing_buckets=buckets
+        )
+        self._input_spec = InputSpec(
+            names=self._features.features,
+            table_of=self.routing.feature_table,
+            table_rows=[c.num_embeddings for c in configs],
+            poolings=[pooling_mode(c) for c in configs],
+            key_buckets=self.routing.key_buckets if self.routing.any_key_wise else None,
         )
         source = None if module.device.type == "meta" else module
         self.shards = build_shards(
@@ -199,12 +217,13 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
                 process_group=process_group,
                 comm_stats=self.comm_stats,
                 device=device,
+                features=self._features.features,
             )
         if module.is_frozen():
             for parameter in self.parameters():  # frozen tables stay frozen once sharded
                 parameter.requires_grad_(False)
-        self._load_prefix = ""
-        self.register_load_state_dict_post_hook(_hide_internal_keys)
+        self.load_prefix = ""
+        self.register_load_state_dict_post_hook(hide_internal_keys)
         self._prefetched: list[_Prefetched] = []
 
     # -----------------------------------------------------------------------------------------
@@ -224,7 +243,9 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             batch = ready.local
             if batch is None and ready.pending is not None:
                 batch = self.finish_input_dist(ready.pending)
-        pooled_dp = self.replicated(features) if self.replicated is not None else None
+        pooled_dp = None
+        if self.replicated is not None:
+            pooled_dp = self.replicated(features, None if batch is None else batch.touched)
         if batch is None:  # every table replicated: already in the collection's order
             values = pooled_dp.float()
         else:
@@ -311,7 +332,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             sharding, shard = self.plan[name], self.local_shard(name)
             index, count = sharding.shards.index(shard), len(sharding.shards)
             if name in self._dynamic:
-                owns = _owner_test(self.routing_of(name), count, index)
+                owns = owner_test(self.routing_of(name), count, index)
                 parts[name] = TablePart(owns=owns, index=index, count=count)
             else:
                 parts[name] = TablePart(
@@ -332,36 +353,17 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         return None
 
     def _checked(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """``features`` in the collection's order, once checked: shape, weights, ids within the
-        fixed tables, no reserved key in a dynamic one."""
+        """``features`` in the collection's order, their shape and weights checked; their ids,
+        offsets and weights are checked by input_dist (:mod:`recsys.distributed.sharded_input`),
+        or here, on the host, when no table exchanges ids."""
         input_weights(features, self._is_weighted)  # raises on a malformed input
         features = self._select(features)
-        if check_mode(self.validate) != "off":  # "async" too: the update runs on other ranks
-            validate_inputs(
-                self._table_rows,
-                self._fixed_ids(features),
-                features.offsets(),
-                list(range(len(self._features.features))),
-                self.routing.feature_table,
-                self._table_pooling,
-                features.stride(),
-                features.weights_or_none() if self._is_weighted else None,
-                self._features.features,
-            )
+        if check_mode(self.validate) != "off" and not self.routing.num_streams:
+            check_now(self._input_spec, features, self._weights(features))
         return features
 
-    def _fixed_ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        """The ids to check against the table sizes: a dynamic table's keys (any int64 but the
-        two reserved values, checked here) read as 0."""
-        values = features.values()
-        if not self.routing.any_key_wise:
-            return values
-        lengths = features.lengths().view(len(self.routing.features), -1).sum(dim=1)
-        arange = torch.arange(len(lengths), device=values.device)
-        feature = torch.repeat_interleave(arange, lengths, output_size=values.numel())
-        key_wise = self.routing.key_buckets[feature] > 0
-        check_keys(values.masked_fill(~key_wise, 0), "ids of dynamic tables")
-        return values.masked_fill(key_wise, 0)
+    def _weights(self, features: KeyedJaggedTensor) -> torch.Tensor | None:
+        return features.weights_or_none() if self._is_weighted else None
 
     def _select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The input's features in the collection's order (a permute when they differ)."""
@@ -376,37 +378,55 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
     def start_input_dist(self, features: KeyedJaggedTensor) -> PendingIds:
         """Route the ids and send them; the counts are exchanged now, the ids in the
         background (a prefetched batch's ids travel while the step before it runs)."""
-        batch_size = features.stride()
+        batch_size, weights = features.stride(), self._weights(features)
         lengths = features.lengths().view(len(self.routing.features), batch_size)
-        weights = features.weights_or_none() if self._is_weighted else None
+        values, checked = features.values(), None
+        if check_mode(self.validate) != "off":  # "async" too: the update runs on other ranks
+            checked = check_on_device(self._input_spec, features, weights)
+            lengths, values = checked.lengths, checked.values
         per_key = features.length_per_key_or_none()  # known on the host: no read to size
-        routed = self.routing.route(lengths, features.values(), weights, batch_size, per_key)
-        return start_all_to_all_ids(
-            routed.send_lengths,
-            routed.ids,
-            routed.weights,
-            batch_size,
-            self.routing.slots_per_rank,
-            routed.per_rank,
-            self.process_group,
-            self.comm_stats,
+        routed = self.routing.route(lengths, values, weights, batch_size, per_key)
+        group, stats = self.process_group, self.comm_stats
+        along = [] if checked is None else [checked.ok]  # with the counts: read with them
+        if self._counts_rows:
+            along.append(self.replicated.count_rows(values, lengths))
+        extras = torch.cat(along) if along else None
+        skip = len(along) - self._counts_rows  # the rows' counts come after the verdict
+        derive = (lambda x: self.replicated.union_rows(x[:, skip:])) if self._counts_rows else None
+        slots = self.routing.slots_per_rank
+        counts = exchange_counts(
+            batch_size, routed.per_rank, group, stats, extras, derive, routed.per_stream, slots
+        )
+        if checked is not None:  # every rank raises here for a bad batch of any rank
+            verdicts = [extras[0] for extras in counts.extras]
+            raise_on_bad_input(verdicts, self.rank, self._input_spec, features, weights)
+        ids, id_weights = routed.ids, routed.weights
+        return send_ids(
+            routed.send_lengths, ids, id_weights, batch_size, slots, counts, group, stats
         )
 
     def finish_input_dist(self, pending: PendingIds) -> LocalBatch:
         """Wait for the ids :meth:`start_input_dist` sent; this rank's local batch."""
         with self.comm_stats.timed(self._anchor.device):
             received = pending.wait()
-        local_lengths, local_values, local_weights = source_to_slot_major(
-            received, self.routing.slots_per_rank[self.rank]
-        )
+        local_lengths, local_values, local_weights = source_to_slot_major(received)
         local = KeyedJaggedTensor(
             keys=self.routing.local_features,
             values=local_values,
             lengths=local_lengths,
             weights=local_weights,
             stride=sum(received.batch_sizes),
+            length_per_key=[sum(ids) for ids in zip(*received.slot_values, strict=True)],
         )
-        return LocalBatch(local, list(received.batch_sizes))
+        touched = None
+        if self._counts_rows:  # after the check's verdict, if any
+            skip = int(check_mode(self.validate) != "off")
+            touched = self.replicated.touched_rows(received, skip, self.rank)
+        return LocalBatch(local, list(received.batch_sizes), touched)
+
+    @property
+    def _counts_rows(self) -> bool:
+        return self.replicated is not None and self.replicated.counts_rows
 
     def compute(self, batch: LocalBatch) -> torch.Tensor:
         """Pool the received ids on this rank's shards: [sum_s B_s, widths[rank]]."""
@@ -556,8 +576,8 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
     ) -> None:
         """Load the logical layout (plain full tensors, or ShardedTensors whose local shard is
         this rank's): each rank copies its own shards' rows and columns. The internal
-        submodules' own keys are never expected (see ``_hide_internal_keys``)."""
-        self._load_prefix = prefix
+        submodules' own keys are never expected (see ``hide_internal_keys``)."""
+        self.load_prefix = prefix
         expected = {prefix + key for key in self._state_keys()}
         given = {key for key in state_dict if key.startswith(prefix)}
         missing_keys.extend(sorted(expected - given))
@@ -576,24 +596,3 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             for name, entries in dynamic.items():
                 if f"{DYNAMIC}.{name}.keys" in entries:
                     load_key_wise(self, name, entries)
-
-
-def _hide_internal_keys(module: ShardedEmbeddingBagCollection, incompatible) -> None:
-    """load_state_dict visits the submodules too; the keys they expect are not the logical
-    layout's, and ``_load_from_state_dict`` filled them already."""
-    prefix = module._load_prefix
-    internal = tuple(f"{prefix}{name}." for name, _ in module.named_children())
-    incompatible.missing_keys[:] = [
-        k for k in incompatible.missing_keys if not k.startswith(internal)
-    ]
-
-
-def _owner_test(
-    routing: KeyRouting, parts: int, part: int
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A function marking the keys of a KEY_WISE table that shard ``part`` of ``parts`` holds."""
-
-    def owns(keys: torch.Tensor) -> torch.Tensor:
-        return routing.owners(parts, keys.device)[routing.buckets(keys)] == part
-
-    return owns

@@ -23,6 +23,7 @@ contiguous range of those rows:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from recsys.distributed.sharded_state import ShardedCollection
 from recsys.embedding.dynamic import DYNAMIC
 from recsys.embedding.dynamic_table import KEYED, PER_BUCKET, PER_PART
 from recsys.embedding.interface import TABLES, SavedState
-from recsys.embedding.key_routing import bucket_ranges, decode_layout
+from recsys.embedding.key_routing import KeyRouting, bucket_ranges, decode_layout
 
 ROWS = "bucket_counts"  # the counts that split a table's rows (and its keys)
 # Per-bucket counts -> the per-key tensor whose length they sum to.
@@ -245,3 +246,14 @@ def _all_gather_sizes(sharded: ShardedCollection, sizes: list[int]) -> list[list
     out = [torch.empty_like(mine) for _ in range(sharded.world_size)]
     dist.all_gather(out, mine, group=sharded.process_group)
     return [t.tolist() for t in out]
+
+
+def owner_test(
+    routing: KeyRouting, parts: int, part: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function marking the keys of a KEY_WISE table that shard ``part`` of ``parts`` holds."""
+
+    def owns(keys: torch.Tensor) -> torch.Tensor:
+        return routing.owners(parts, keys.device)[routing.buckets(keys)] == part
+
+    return owns

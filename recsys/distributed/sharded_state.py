@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import (
@@ -204,3 +205,13 @@ def sharded_tensor(
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         shards, global_metadata, process_group=sharded.process_group
     )
+
+
+def hide_internal_keys(module: nn.Module, incompatible) -> None:
+    """load_state_dict visits the submodules too; the keys they expect are not the logical
+    layout's, and ``_load_from_state_dict`` filled them already."""
+    prefix = module.load_prefix
+    internal = tuple(f"{prefix}{name}." for name, _ in module.named_children())
+    incompatible.missing_keys[:] = [
+        k for k in incompatible.missing_keys if not k.startswith(internal)
+    ]

@@ -8,6 +8,8 @@ import and checkpoints load both ways. All tables are looked up by one call of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
@@ -101,8 +103,16 @@ class EmbeddingBagCollection(PackedTables):
             keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=pooled
         )
 
-    def pooled_values(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        """The eager lookup: [B, sum of the features' dims], the values of :meth:`forward`."""
+    def pooled_values(
+        self,
+        features: KeyedJaggedTensor,
+        distinct_rows: Sequence[int] | None = None,
+        exchanged_rows: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """The eager lookup: [B, sum of the features' dims], the values of :meth:`forward`.
+        ``distinct_rows`` / ``exchanged_rows``: with an :attr:`exchange`, per dim group of the
+        tables the distinct rows ``features`` touch / the exchange returns, when the caller
+        knows them (see ``FusedUpdate``)."""
         weights = input_weights(features, self._is_weighted)
         if torch.compiler.is_exporting():
             return self._pool_for_export(features, weights)
@@ -117,7 +127,12 @@ class EmbeddingBagCollection(PackedTables):
         handles = [bag.weight for bag in self.embedding_bags.values()]
         if self.optimizer is not None:
             fused = FusedUpdate(
-                self.optimizer, self._states, self.optimizer_step, exchange=self.exchange
+                self.optimizer,
+                self._states,
+                self.optimizer_step,
+                exchange=self.exchange,
+                distinct_rows=None if distinct_rows is None else tuple(distinct_rows),
+                exchanged_rows=None if exchanged_rows is None else tuple(exchanged_rows),
             )
             handles = [self._anchor]
         # Which kernels serve this call (kept for inspection: ``ebc._last_backend``).
@@ -135,6 +150,7 @@ class EmbeddingBagCollection(PackedTables):
             backend=self._last_backend,
             validate=self.validate,
             feature_names=self._features.features,
+            key_lengths=features.length_per_key_or_none(),
         )
 
     def _pool_for_export(

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from recsys.ops._triton import accumulate_dtype, resolve_backend
+from recsys.ops.embedding_bag_checks import check_on_device, validate_inputs
 from recsys.ops.embedding_bag_cpu import (
     CHUNK_BYTES,
     FBGEMM_FORWARD_MAX_IDS,
@@ -55,14 +56,13 @@ from recsys.ops.embedding_bag_cpu import (
     pool_torch,
 )
 from recsys.ops.embedding_bag_layout import (
-    POOLINGS,
     FusedUpdate,
     LookupPlan,
     TableLayout,
     rounding_seed,
     stochastic_round,
 )
-from recsys.ops.input_checks import INPUT_ERRORS, CheckedBatch, check_mode
+from recsys.ops.input_checks import check_mode
 from recsys.ops.row_update import update_keyed_rows, update_rows
 
 __all__ = [
@@ -111,148 +111,6 @@ def embedding_bag_reference(
     return torch.cat(pooled, dim=1)  # [B, sum D]
 
 
-def validate_inputs(
-    table_rows: Sequence[int],
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    feature_to_key: Sequence[int],
-    feature_to_table: Sequence[int],
-    table_pooling: Sequence[str],
-    batch_size: int,
-    per_sample_weights: torch.Tensor | None = None,
-    feature_names: Sequence[str] | None = None,
-) -> None:
-    """Raise ``ValueError`` for inputs that would read out of bounds or be silently wrong.
-
-    ``table_rows`` is each table's row count. One pass over ids and offsets (a device sync on
-    CUDA). ``feature_names`` only improves the messages.
-    """
-    names = _feature_names(feature_names, len(feature_to_key))
-    _check_index_tensors(values, offsets, batch_size, max(feature_to_key, default=-1) + 1)
-    _check_offsets(values, offsets)
-    if per_sample_weights is not None:
-        _check_per_sample_weights(values, per_sample_weights)
-    for t, pooling in enumerate(table_pooling):
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling {pooling!r} of table {t}; expected one of {POOLINGS}")
-    _check_ids(table_rows, values, offsets, feature_to_key, feature_to_table, batch_size, names)
-
-
-def _check_index_tensors(
-    values: torch.Tensor, offsets: torch.Tensor, batch_size: int, num_keys: int
-) -> None:
-    """Ids and offsets are 1-D integer tensors, with an offset for every bag of ``num_keys``
-    keys."""
-    if values.dim() != 1 or values.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"ids must be a 1-D int32/int64 tensor, got {values.dtype} {tuple(values.shape)}"
-        )
-    if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"offsets must be a 1-D int32/int64 tensor, got {offsets.dtype} {tuple(offsets.shape)}"
-        )
-    if batch_size < 0:
-        raise ValueError(f"batch_size must be >= 0, got {batch_size}")
-    if offsets.numel() < num_keys * batch_size + 1:
-        raise ValueError(
-            f"offsets has {offsets.numel()} entries; {num_keys} keys x batch {batch_size} "
-            f"need at least {num_keys * batch_size + 1}"
-        )
-
-
-def _check_offsets(values: torch.Tensor, offsets: torch.Tensor) -> None:
-    """Offsets start at 0, never decrease, and end at the number of ids."""
-    if int(offsets[0]) != 0:
-        raise ValueError(f"offsets must start at 0, got {int(offsets[0])}")
-    steps = offsets.diff()
-    if steps.numel() and int(steps.min()) < 0:
-        where = int((steps < 0).nonzero()[0])
-        raise ValueError(
-            f"offsets must be non-decreasing (bag lengths >= 0), but offsets[{where}] = "
-            f"{int(offsets[where])} > offsets[{where + 1}] = {int(offsets[where + 1])}"
-        )
-    if int(offsets[-1]) != values.numel():
-        raise ValueError(f"offsets end at {int(offsets[-1])} but there are {values.numel()} ids")
-
-
-def _check_per_sample_weights(values: torch.Tensor, per_sample_weights: torch.Tensor) -> None:
-    """One floating-point weight per id."""
-    if not per_sample_weights.is_floating_point():
-        raise ValueError(
-            f"per-sample weights must be floating point, got {per_sample_weights.dtype}"
-        )
-    if per_sample_weights.shape != values.shape:
-        raise ValueError(
-            f"per-sample weights have shape {tuple(per_sample_weights.shape)}, "
-            f"expected one weight per id: ({values.numel()},)"
-        )
-
-
-def _check_ids(
-    table_rows: Sequence[int],
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    feature_to_key: Sequence[int],
-    feature_to_table: Sequence[int],
-    batch_size: int,
-    names: Sequence[str],
-) -> None:
-    """One pass over the ids: each id is compared with the row count of the table its key
-    feeds (keys no feature reads are not checked)."""
-    num_keys = max(feature_to_key, default=-1) + 1
-    if batch_size > 0:  # the KJT may hold more keys than the features read
-        num_keys = (offsets.numel() - 1) // batch_size
-    key_rows = [torch.iinfo(torch.int64).max] * num_keys
-    for k, t in zip(feature_to_key, feature_to_table, strict=True):
-        key_rows[k] = table_rows[t]
-    bounds = offsets[[k * batch_size for k in range(num_keys)] + [offsets.numel() - 1]]
-    ids_per_key = bounds.diff().long()
-    limit = torch.repeat_interleave(torch.tensor(key_rows, device=values.device), ids_per_key)
-    out_of_range = (values < 0) | (values >= limit)
-    if bool(out_of_range.any()):
-        where = int(out_of_range.nonzero()[0])
-        key = (
-            int(torch.searchsorted(bounds, torch.tensor(where, dtype=bounds.dtype), right=True)) - 1
-        )
-        f = list(feature_to_key).index(key)
-        num_rows = key_rows[key]
-        raise ValueError(
-            f"{names[f]}: id {int(values[where])} is out of range for its table with {num_rows} "
-            f"rows (expected 0 <= id < {num_rows})"
-        )
-
-
-def check_on_device(
-    plan: LookupPlan,
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    feature_to_key: Sequence[int],
-    batch_size: int,
-    per_sample_weights: torch.Tensor | None,
-    feature_names: Sequence[str] | None,
-) -> CheckedBatch:
-    """The ``"async"`` checks: what the host knows (dtypes, shapes, poolings) now, the values
-    on the device (:meth:`InputErrors.check`)."""
-    _check_index_tensors(values, offsets, batch_size, max(feature_to_key, default=-1) + 1)
-    if per_sample_weights is not None:
-        _check_per_sample_weights(values, per_sample_weights)
-    num_keys = (offsets.numel() - 1) // batch_size if batch_size > 0 else len(feature_to_key)
-    key_rows = [torch.iinfo(torch.int64).max] * num_keys
-    key_feature = [0] * num_keys
-    for f, (k, t) in enumerate(zip(feature_to_key, plan.feature_to_table, strict=True)):
-        key_rows[k], key_feature[k] = plan.layout.rows[t], f
-    names = _feature_names(feature_names, len(feature_to_key))
-    return INPUT_ERRORS.check(
-        values, offsets, per_sample_weights, key_rows, key_feature, names, batch_size
-    )
-
-
-def _feature_names(feature_names: Sequence[str] | None, num_features: int) -> list[str]:
-    if feature_names is not None:
-        return list(feature_names)
-    return [f"feature {f}" for f in range(num_features)]
-
-
 def _dense_grads(
     layout: TableLayout,
     keys: torch.Tensor,
@@ -299,11 +157,12 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
         backend: str,
         fused: FusedUpdate | None,
         keep: torch.Tensor | None,
+        key_lengths: Sequence[int] | None,
         *handles: torch.Tensor,
     ) -> torch.Tensor:
         ctx.plan, ctx.flat, ctx.fused, ctx.backend = plan, flat, fused, backend
-        ctx.keep = keep
-        ctx.num_lookups = _num_lookups(values, offsets, feature_to_key, batch_size)
+        ctx.keep, ctx.key_lengths = keep, key_lengths
+        ctx.num_lookups = _num_lookups(values, offsets, feature_to_key, batch_size, key_lengths)
         ctx.feature_to_key, ctx.batch_size = feature_to_key, batch_size
         if backend == "fbgemm":
             ctx.fbgemm_batch = fbgemm_inputs(
@@ -326,6 +185,7 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
             per_sample_weights,
             feature_to_key,
             batch_size,
+            key_lengths,
         )
 
     @staticmethod
@@ -353,7 +213,13 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
 
             backward = embedding_bag_triton.backward
         values, offsets, *psw = ctx.saved_tensors
-        extra = {"num_lookups": ctx.num_lookups} if ctx.backend == "triton" else {}
+        if ctx.backend == "triton":
+            extra = {"num_lookups": ctx.num_lookups}
+        else:
+            extra = {
+                "group_lookups": _group_lookups(plan, ctx.feature_to_key, ctx.key_lengths),
+                "distinct_rows": None if fused is None else fused.distinct_rows,
+            }
         exchange = None if fused is None else fused.exchange
         keys, reduced = backward(
             plan,
@@ -370,7 +236,9 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
         )
         if exchange is not None:
             keys, reduced = exchange(keys, reduced[:, : plan.layout.max_dim])
-            update_keyed_rows(plan.layout, flat, fused, keys, reduced, step, CHUNK_BYTES)
+            update_keyed_rows(
+                plan.layout, flat, fused, keys, reduced, step, CHUNK_BYTES, fused.exchanged_rows
+            )
         if fused is not None:
             return nothing
         grads = _dense_grads(plan.layout, keys, reduced, needs, flat.dtype)
@@ -378,12 +246,28 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
 
 
 def _num_lookups(
-    values: torch.Tensor, offsets: torch.Tensor, feature_to_key: Sequence[int], batch_size: int
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    feature_to_key: Sequence[int],
+    batch_size: int,
+    key_lengths: Sequence[int] | None = None,
 ) -> int | None:
-    """How many ids the features read, when the host knows it: every key of the input read
-    by exactly one feature (the usual KJT) reads all of them. None otherwise."""
+    """How many ids the features read, when the host knows it: from ``key_lengths`` (the ids
+    of each KJT key), or every key of the input read by exactly one feature (the usual KJT)
+    reads all of them. None otherwise."""
+    if key_lengths is not None:
+        return sum(key_lengths[k] for k in feature_to_key)
     num_keys = (offsets.numel() - 1) // batch_size if batch_size > 0 else -1
     return values.numel() if sorted(feature_to_key) == list(range(num_keys)) else None
+
+
+def _group_lookups(
+    plan: LookupPlan, feature_to_key: Sequence[int], key_lengths: Sequence[int] | None
+) -> list[int] | None:
+    """Per dim group, the lookups of its features, when the host knows the ids per key."""
+    if key_lengths is None:
+        return None
+    return [sum(key_lengths[feature_to_key[f]] for f in group) for group in plan.group_features]
 
 
 def _handles_start(forward: Callable[..., torch.Tensor]) -> int:
@@ -457,6 +341,7 @@ def table_batched_embedding_bag(
     validate: bool | str = True,
     feature_names: Sequence[str] | None = None,
     keep: torch.Tensor | None = None,
+    key_lengths: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Pooled lookup of every feature over tables packed in ``flat`` (see :class:`TableLayout`).
 
@@ -479,6 +364,8 @@ def table_batched_embedding_bag(
         feature_names: names used in validation errors.
         keep: a device bool from an ``"async"`` check the caller ran itself (with ``validate``
             off): where False, the batch gives no gradient and no fused update.
+        key_lengths: the ids of each KJT key, when the host knows them (the KJT's
+            ``length_per_key``): the torch backend then reads no sizes from the device.
 
     Returns:
         [B, total_D] pooled embeddings; fp32 (fp64 for fp64 tables).
@@ -517,6 +404,7 @@ def table_batched_embedding_bag(
         backend,
         fused,
         keep,
+        None if key_lengths is None else tuple(key_lengths),
         *handles,
     )
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from recsys.ops.embedding_bag_layout import (
     TableLayout,
     bag_lookups,
     lookup_scale,
+    padded_segments,
     rounding_seed,
     sorted_segments,
 )
@@ -50,11 +52,13 @@ def _group_lookups(
     per_sample_weights: torch.Tensor | None,
     batch_size: int,
     scale_dtype: torch.dtype,
+    num_lookups: int | None = None,
 ) -> GroupLookups:
-    """Every lookup of dim group ``group`` in this batch (see :class:`GroupLookups`)."""
+    """Every lookup of dim group ``group`` in this batch (see :class:`GroupLookups`);
+    ``num_lookups``: their count, when the host knows it."""
     group_tensors = tensors.groups[group]
     keys = group_tensors.key  # [F_g]
-    lookups = bag_lookups(offsets, keys, batch_size, sample_major=True)
+    lookups = bag_lookups(offsets, keys, batch_size, sample_major=True, num_lookups=num_lookups)
     feature = lookups.bag % keys.numel()
     ids = values[lookups.position].long() + group_tensors.row[feature]
     mean = group_tensors.mean[feature] if plan.group_any_mean[group] else None
@@ -70,15 +74,21 @@ def pool_torch(
     per_sample_weights: torch.Tensor | None,
     feature_to_key: Sequence[int],
     batch_size: int,
+    key_lengths: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """One ``F.embedding_bag`` per feature over its table (``tables``: each table's [N_t, D_t]
     weight, e.g. its view of the packed buffer), reading the feature's KJT slice in place
     (ATen's CPU kernel; measured faster than one call over the whole buffer, whose bags would
-    first have to be reordered sample-major). Traceable by torch.export: B may be symbolic."""
+    first have to be reordered sample-major). ``key_lengths``: the ids of each KJT key, when
+    the host knows them (else the slices' bounds are read from ``offsets``). Traceable by
+    torch.export: B may be symbolic."""
     B, out_dtype = batch_size, accumulate_dtype(tables[0].dtype)
     num_keys = max(feature_to_key, default=-1) + 1
-    # A tensor index, not a list of k * B: torch.export would fix B to the traced value.
-    bounds = offsets[torch.arange(num_keys + 1, device=offsets.device) * B].tolist()
+    if key_lengths is not None:
+        bounds = [0, *itertools.accumulate(key_lengths)]
+    else:
+        # A tensor index, not a list of k * B: torch.export would fix B to the traced value.
+        bounds = offsets[torch.arange(num_keys + 1, device=offsets.device) * B].tolist()
     pooled = []
     for k, t in zip(feature_to_key, plan.feature_to_table, strict=True):
         start, stop = bounds[k], bounds[k + 1]
@@ -121,14 +131,29 @@ def _reduced_chunks(
     group: int,
     lookups: GroupLookups,
     grad_out: torch.Tensor,
+    distinct_rows: int | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The group's distinct touched rows in increasing order, with their reduced gradients,
-    in chunks: (group-local rows [u], gradients [u, D])."""
+    in chunks: (group-local rows [u], gradients [u, D]). ``distinct_rows``: their number, when
+    the host knows it: then one chunk, and nothing is read on the host."""
     dim = plan.layout.dims[plan.layout.groups[group][0]]
     if plan.single_group:
         grad = grad_out.view(-1, dim)  # [B*F, D]
     else:
         grad = grad_out.index_select(1, tensors.groups[group].cols).view(-1, dim)
+    if distinct_rows is not None:
+        rows, order, segments = padded_segments(lookups.ids)
+        scale = None if lookups.scale is None else lookups.scale[order].to(grad.dtype)
+        reduced = F.embedding_bag(
+            lookups.bag[order],
+            grad,
+            segments[: distinct_rows + 1],  # the rest: empty segments past the last row
+            mode="sum",
+            per_sample_weights=scale,
+            include_last_offset=True,
+        )  # [U, D]
+        yield rows[:distinct_rows], reduced
+        return
     rows, order, segments = sorted_segments(lookups.ids)
     bags = lookups.bag[order]
     scale = None if lookups.scale is None else lookups.scale[order].to(grad.dtype)
@@ -179,6 +204,8 @@ def backward_torch(
     batch_size: int,
     fused: FusedUpdate | None,
     step: int,
+    group_lookups: Sequence[int] | None = None,
+    distinct_rows: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """Backward of the torch path: per dim group, reduce each touched row's gradients.
 
@@ -189,6 +216,9 @@ def backward_torch(
         values, offsets, per_sample_weights, batch_size: the forward's batch.
         fused: the optimizer to apply to the touched rows, or None.
         step: the step being applied (seeds the stochastic rounding).
+        group_lookups: per dim group, its lookups, when the host knows them.
+        distinct_rows: per dim group, the distinct rows its lookups touch, when the host knows
+            them (without ``fused``: then no group reads anything on the host).
 
     Returns:
         ``(None, None)`` after applying ``fused`` in place; without it, the sorted global row
@@ -209,8 +239,10 @@ def backward_torch(
             per_sample_weights,
             batch_size,
             accumulate_dtype(grad_out.dtype),
+            None if group_lookups is None else group_lookups[g],
         )
-        chunks = _reduced_chunks(plan, tensors, g, lookups, grad_out)
+        known = None if fused is not None or distinct_rows is None else distinct_rows[g]
+        chunks = _reduced_chunks(plan, tensors, g, lookups, grad_out, known)
         if fused is not None:
             _update_group(layout, flat, fused, g, chunks, step, generator)
             continue

@@ -144,6 +144,9 @@ class FusedUpdate:
     distinct row keys [U] and their reduced gradients [U, max_dim]) to the rows and gradients
     to apply on every rank (e.g. all ranks' rows, summed and averaged); the backward then
     applies the update to those rows (:func:`recsys.ops.row_update.update_keyed_rows`).
+    ``distinct_rows``: with ``exchange``, per dim group the distinct rows this batch touches,
+    when the host knows them (the torch backend then reads nothing on the host);
+    ``exchanged_rows``: per dim group, the rows ``exchange`` returns, when the host knows them.
     """
 
     optimizer: RowOptimizer
@@ -153,6 +156,8 @@ class FusedUpdate:
     exchange: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = (
         None
     )
+    distinct_rows: tuple[int, ...] | None = None
+    exchanged_rows: tuple[int, ...] | None = None
 
     def advance(self) -> int:
         """``step += 1``; the new value, known on the host without reading the tensor (read

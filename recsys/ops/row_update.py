@@ -16,6 +16,9 @@ both apply the same update.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 
 from recsys.ops._triton import accumulate_dtype
@@ -89,6 +92,7 @@ def update_keyed_rows(
     grad: torch.Tensor,
     step: int,
     chunk_bytes: int = 1 << 20,
+    group_rows: Sequence[int] | None = None,
 ) -> None:
     """Apply ``fused`` to rows ``keys`` of the tables packed in ``flat``: :func:`update_rows`
     per dim group (usually one for all tables), not per table, on chunks of rows whose
@@ -101,11 +105,14 @@ def update_keyed_rows(
         grad: [U, >= max_dim] their gradients (a group reads its first D columns).
         step: the step being applied; the stochastic rounding's noise is seeded with
             :func:`rounding_seed` of it.
+        group_rows: how many of ``keys`` each dim group has, when the host knows it.
     """
     generator = torch.Generator(device=flat.device).manual_seed(rounding_seed(step))
     starts = [layout.row_offsets[tables[0]] for tables in layout.groups]
     if len(starts) == 1:
         cuts = [0, keys.numel()]
+    elif group_rows is not None:
+        cuts = [0, *itertools.accumulate(group_rows)]
     else:  # keys are sorted and groups follow each other in the row space (a host read)
         bounds = torch.tensor(starts[1:], dtype=keys.dtype, device=keys.device)
         cuts = [0, *torch.searchsorted(keys, bounds).tolist(), keys.numel()]

@@ -43,6 +43,8 @@ equal. Deterministic: no atomics; results depend only on the inputs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -121,8 +123,13 @@ def hash_keys(keys: torch.Tensor, seed: int = 0) -> torch.Tensor:
     Returns:
         int64 tensor of ``keys``' shape. ``hash_keys(k, 0) == mix64(k)``.
     """
-    salt = mix64(torch.tensor(_signed(seed % 2**64), dtype=torch.int64)).item()
-    return mix64(keys.to(torch.int64) ^ salt)
+    return mix64(keys.to(torch.int64) ^ _salt(seed))
+
+
+@functools.lru_cache(maxsize=64)
+def _salt(seed: int) -> int:
+    """``mix64(seed)`` as a host int, once per seed (not a device read per call)."""
+    return mix64(torch.tensor(_signed(seed % 2**64), dtype=torch.int64)).item()
 
 
 def bucket_of(keys: torch.Tensor, num_buckets: int | torch.Tensor) -> torch.Tensor:

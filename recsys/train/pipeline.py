@@ -34,8 +34,9 @@ whose forward of batch i starts a thread bringing batch i+1's rows into the cach
 trains. Results are the plain loop's, bitwise (rows move exactly; batch i's rows are pinned).
 
 The exchange of batch i+1's ids overlaps step i: ``prefetch_input`` exchanges the counts (a
-small blocking all-to-all) and sends the lengths, ids and weights without waiting
-(:func:`recsys.distributed.comm.start_all_to_all_ids`); forward(i+1) waits for them. What it
+small blocking all-to-all, :func:`recsys.distributed.comm.exchange_counts`, before step i's
+forward) and sends the lengths, ids and weights in one all-to-all without waiting
+(:func:`recsys.distributed.comm.send_ids`); forward(i+1) waits for them. What it
 saves is measured by ``python -m benchmarks.train_step`` (``benchmarks/results/train_step.csv``).
 """
 

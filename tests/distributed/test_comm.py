@@ -18,6 +18,7 @@ from recsys.distributed.comm import (
     check_precision,
     decode,
     encode,
+    exchange_counts,
     pooled_all_to_all,
     source_to_slot_major,
     wire_dtype,
@@ -175,19 +176,36 @@ def received_bags(sizes: list[int], num_slots: int, weighted: bool, seed: int):
             for sample in range(batch):
                 n = int(torch.randint(0, 4, (), generator=g))
                 ids = torch.arange(next_id, next_id + n)  # distinct ids: order is visible
-                w = torch.rand(n, generator=g)
+                w = torch.rand(n, generator=g) * 2 - 1  # negative too: a weight's sign bit
                 next_id += n
                 bags[(source, slot, sample)] = (ids, w)
                 lengths.append(n)
                 values.append(ids)
                 weights.append(w)
-    received = ReceivedIds(
-        batch_sizes=list(sizes),
-        lengths=torch.tensor(lengths, dtype=torch.int64),
-        values=torch.cat(values) if values else torch.empty(0, dtype=torch.int64),
-        weights=(torch.cat(weights) if weights else torch.empty(0)) if weighted else None,
+    received = packed(
+        sizes,
+        num_slots,
+        torch.tensor(lengths, dtype=torch.int64),
+        torch.cat(values) if values else torch.empty(0, dtype=torch.int64),
+        (torch.cat(weights) if weights else torch.empty(0)) if weighted else None,
     )
     return received, bags
+
+
+def packed(sizes, num_slots, lengths, values, weights) -> ReceivedIds:
+    """What sources with batch ``sizes`` send for ``lengths`` (source-major blocks of
+    [num_slots, B_s]), ``values`` and ``weights`` (source-major): per source its lengths, ids
+    and weights' bits (each in an int64 word), back to back."""
+    per_bag = lengths.split([num_slots * b for b in sizes])
+    per_source = [int(x.sum()) for x in per_bag]
+    pieces = []
+    for s, (bag_lengths, ids) in enumerate(zip(per_bag, values.split(per_source), strict=True)):
+        pieces += [bag_lengths, ids]
+        if weights is not None:
+            pieces.append(weights.split(per_source)[s].view(torch.int32).long())
+    counts = torch.tensor([[b, n] for b, n in zip(sizes, per_source, strict=True)])
+    dtype = None if weights is None else weights.dtype
+    return ReceivedIds(list(sizes), per_source, num_slots, torch.cat(pieces), dtype, counts)
 
 
 def slot_major_reference(sizes, num_slots, bags):
@@ -213,7 +231,7 @@ def slot_major_reference(sizes, num_slots, bags):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_source_to_slot_major_matches_a_bag_by_bag_reference(sizes, num_slots, weighted):
     received, bags = received_bags(sizes, num_slots, weighted, seed=len(sizes) * 10 + num_slots)
-    lengths, values, weights = source_to_slot_major(received, num_slots)
+    lengths, values, weights = source_to_slot_major(received)
     ref_lengths, ref_values, ref_weights = slot_major_reference(sizes, num_slots, bags)
     assert torch.equal(lengths, ref_lengths)
     assert torch.equal(values, ref_values)
@@ -225,10 +243,8 @@ def test_source_to_slot_major_matches_a_bag_by_bag_reference(sizes, num_slots, w
 
 def test_source_to_slot_major_reorders_when_there_is_something_to_reorder():
     # Guard for the reference above: two sources and two slots do change the order.
-    received, _ = received_bags([2, 2], 2, weighted=False, seed=0)
-    received.lengths = torch.tensor([1, 1, 1, 1, 1, 1, 1, 1])
-    received.values = torch.arange(8)
-    lengths, values, _ = source_to_slot_major(received, 2)
+    received = packed([2, 2], 2, torch.ones(8, dtype=torch.int64), torch.arange(8), None)
+    lengths, values, _ = source_to_slot_major(received)
     assert values.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
     assert lengths.tolist() == [1] * 8
 
@@ -238,7 +254,7 @@ def test_source_to_slot_major_reads_nothing_on_the_host():
 
     received, _ = received_bags([3, 0, 2], 3, weighted=True, seed=1)
     with StepAudit() as report:
-        source_to_slot_major(received, 3)
+        source_to_slot_major(received)
     assert report.syncs == []
 
 
@@ -282,11 +298,13 @@ def test_all_to_all_ids_on_one_rank_returns_the_bags_and_counts_bytes(one_rank, 
     per_rank = torch.tensor([values.numel()])
     received = all_to_all_ids(lengths, values, weights, batch, [num_slots], per_rank, None, stats)
     assert received.batch_sizes == [batch]
-    assert torch.equal(received.lengths, lengths) and torch.equal(received.values, values)
-    assert (received.weights is None) if not weighted else torch.equal(received.weights, weights)
-    # (batch size, number of ids) per destination as int64, then lengths, ids and weights
+    got_lengths, got_values, got_weights = source_to_slot_major(received)
+    assert torch.equal(got_lengths, lengths) and torch.equal(got_values, values)
+    assert (got_weights is None) if not weighted else torch.equal(got_weights, weights)
+    # (batch size, number of ids) per destination as int64, then one int64 block of lengths,
+    # ids and weights (each weight's 4 bytes in a word of its own)
     expected = 2 * 8 + lengths.numel() * 8 + values.numel() * 8
-    expected += values.numel() * 4 if weighted else 0
+    expected += values.numel() * 8 if weighted else 0
     assert stats.bytes == {"input": expected, "forward": 0, "backward": 0}
 
 
@@ -344,16 +362,39 @@ def test_fp32_pooled_rows_travel_as_they_lie(one_rank, monkeypatch):
     assert buffers[2] == buffers[1][1]  # the gradient the lookup gets is the received buffer
 
 
-def test_the_input_dist_reads_its_counts_on_the_host_once(one_rank):
-    """The sizes of the ids' all-to-all (what comes in and what goes out) in one read."""
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_input_dist_reads_its_counts_once_and_sends_the_bags_in_one_all_to_all(
+    one_rank, weighted
+):
+    """The sizes of the ids' all-to-all (what comes in and what goes out) in one read; then
+    lengths, ids and weights in one all-to-all."""
     from recsys.train.step_audit import StepAudit
 
     lengths = torch.randint(0, 4, (6,))
     values = torch.randint(0, 100, (int(lengths.sum()),))
+    weights = torch.rand(values.numel()) if weighted else None
     per_rank = torch.tensor([values.numel()])
     with StepAudit() as report:
-        all_to_all_ids(lengths, values, None, 2, [3], per_rank, None, CommStats())
+        all_to_all_ids(lengths, values, weights, 2, [3], per_rank, None, CommStats())
     assert [op for op, _ in report.syncs] == ["tolist"]
+    assert [op for op, _ in report.collectives] == ["alltoall_base_"] * 2
+
+
+def test_the_counts_exchange_carries_extras_to_every_rank(one_rank):
+    counts = exchange_counts(5, torch.tensor([7]), None, CommStats(), torch.tensor([1, -3]))
+    assert (counts.batch_sizes, counts.num_values, counts.sent_values) == ([5], [7], [7])
+    assert counts.extras == [[1, -3]]
+    assert counts.received.tolist() == [[5, 7, 1, -3]]
+
+
+def test_the_counts_exchange_carries_the_ids_per_slot(one_rank):
+    """With the ids of each stream, every rank learns how many ids each source sends each of
+    its slots (the received KeyedJaggedTensor's length per key, known on the host)."""
+    counts = exchange_counts(
+        5, torch.tensor([7]), None, CommStats(), torch.tensor([1]), None, torch.tensor([3, 4]), [2]
+    )
+    assert (counts.num_values, counts.slot_values, counts.extras) == ([7], [[3, 4]], [[1]])
+    assert counts.received_extras.tolist() == [[1]]
 
 
 def test_int8_is_the_documented_formula_bitwise():

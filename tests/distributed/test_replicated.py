@@ -78,7 +78,11 @@ def dense_reference_step(reference, states, optimizer, kjt, upstream, step, worl
             weight.grad = None
 
 
-def _bitwise_body(rank: int, world: int) -> None:
+def _bitwise_body(rank: int, world: int, sharded_table: bool = False) -> None:
+    """``sharded_table``: with a TABLE_WISE table too, so the input dist runs and the
+    replicated tables' touched rows are counted ahead and travel with its counts."""
+    extra = [("t4", 4, 20, ["f"], PoolingType.SUM)] if sharded_table else []
+    rows = {**ROWS, "f": 20} if sharded_table else ROWS
     for case, (make, weighted) in enumerate(
         (
             (lambda: Adagrad(lr=0.1), False),
@@ -89,8 +93,11 @@ def _bitwise_body(rank: int, world: int) -> None:
         # Updates in chunks of 3 rows of the widest dim, then whole: the same either way.
         embedding_bag_module.CHUNK_BYTES = 3 * 8 * 4 if case < 2 else 1 << 20
         torch.manual_seed(0)
-        unsharded = EmbeddingBagCollection(configs(), is_weighted=weighted, optimizer=make())
+        unsharded = EmbeddingBagCollection(
+            configs(TABLES + extra), is_weighted=weighted, optimizer=make()
+        )
         plan = {n: P.data_parallel(r, d, world) for n, d, r, _, _ in TABLES}
+        plan.update({n: P.table_wise(r, d, 0) for n, d, r, _, _ in extra})
         sharded = ShardedEmbeddingBagCollection(unsharded, plan)
         reference = EmbeddingBagCollection(configs(), is_weighted=weighted)
         optimizer = make()
@@ -103,11 +110,27 @@ def _bitwise_body(rank: int, world: int) -> None:
                 n: unsharded.embedding_bags[c.name].get_buffer(n).clone() for n in optimizer.states
             }
         for step in range(1, 4):
-            kjt = batch(10 * step + rank, 6, weighted)
+            kjt = batch(10 * step + rank, 6, weighted, rows)
+            if sharded_table:  # as the loader's batches: the ids per key known on the host
+                kjt = KeyedJaggedTensor(
+                    keys=kjt.keys(),
+                    values=kjt.values(),
+                    lengths=kjt.lengths(),
+                    weights=kjt.weights_or_none(),
+                    length_per_key=kjt.lengths().view(len(rows), -1).sum(dim=1).tolist(),
+                )
             upstream = torch.randn(
-                6, 4 + 8 + 8 + 4 + 8, generator=torch.Generator().manual_seed(step)
+                6, 4 + 8 + 8 + 4 + 8 + 4 * len(extra), generator=torch.Generator().manual_seed(step)
             )
-            (sharded(kjt).values() * upstream).sum().backward()
+            with StepAudit() as report:
+                (sharded(kjt).values() * upstream).sum().backward()
+            if sharded_table and step > 1:  # the rows' counts and union came with the counts
+                reads = [(op, site.split(":")[0]) for op, site in report.syncs]
+                assert reads.count(("tolist", "recsys/distributed/comm.py")) == 1, reads
+                files = {file for _, file in reads}
+                assert "recsys/distributed/replicated.py" not in files, report.describe()
+                assert "recsys/ops/row_update.py" not in files, report.describe()  # 2 dim groups
+            upstream = upstream[:, : 4 + 8 + 8 + 4 + 8]
             dense_reference_step(reference, states, optimizer, kjt, upstream, step, world)
         for c in configs():
             name = c.name
@@ -121,6 +144,10 @@ def _bitwise_body(rank: int, world: int) -> None:
 
 def test_sparse_exchange_is_bitwise_the_dense_all_reduce():
     run_ranks(2, _bitwise_body)
+
+
+def test_rows_counted_ahead_travel_with_the_input_dist_counts_and_change_no_bit():
+    run_ranks(2, _bitwise_body, True)
 
 
 def _cost_body(rank: int, world: int) -> None:

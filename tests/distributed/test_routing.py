@@ -110,6 +110,24 @@ def test_route_waits_on_the_device_only_to_size_copies():
     assert routed.send_lengths.tolist() == [1, 0, 1, 1, 0, 1]  # a on 0, a on 1, d on 1
 
 
+def test_route_with_the_ids_per_feature_reads_nothing_to_size_copies():
+    """Given the ids of each feature (the KJT's length per key, known on the host), a
+    column-wise or replicated table's copies are sized without a read, with a row-wise (one
+    owner per id) table beside them: the same ids as the read gives."""
+    from recsys.train.step_audit import StepAudit
+
+    lengths = torch.tensor([[2, 1], [1, 0], [1, 1], [0, 1]])
+    values = torch.tensor([3, 7, 9, 5, 0, 4, 2])
+    mixed = routing(0)
+    expected = mixed.route(lengths, values, None, batch_size=2)
+    per_feature = lengths.sum(dim=1).tolist()
+    with StepAudit() as report:
+        routed = mixed.route(lengths, values, None, 2, per_feature)
+    assert report.syncs == []
+    assert torch.equal(routed.ids, expected.ids)
+    assert torch.equal(routed.send_lengths, expected.send_lengths)
+
+
 def test_tables_without_an_owner_per_id_move_whole_features():
     """Table-wise and column-wise only: the ids move feature by feature, in the order the sort
     by (stream, sample) gives, and without any host read when no id is copied."""

@@ -120,6 +120,17 @@ def test_hash_keys_is_seeded_mix64():
     assert not torch.equal(hash_keys(keys, 1), hash_keys(keys, 2))
 
 
+def test_hash_keys_reads_its_seed_once_not_per_call():
+    """The salt of a seed is computed once: routing keys by hash reads nothing per step."""
+    from recsys.train.step_audit import StepAudit  # tests may import the train layer
+
+    keys = random_keys(10)
+    first = hash_keys(keys, 777)
+    with StepAudit() as report:
+        again = hash_keys(keys, 777)
+    assert report.syncs == [] and torch.equal(again, first)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_triton_find_hashes_like_python_on_extremes(backend):
     """Every extreme key stored in its reference bucket is found there by both backends."""

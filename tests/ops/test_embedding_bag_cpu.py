@@ -1,0 +1,78 @@
+"""The torch backend's sizes known on the host: with the ids per KJT key (the KJT's
+``length_per_key``) and each dim group's distinct rows, its forward and its unfused backward
+read nothing from the device, and give bitwise what the reads gave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recsys.ops import embedding_bag_cpu
+from recsys.ops.embedding_bag_cpu import backward_torch, pool_torch
+from recsys.ops.embedding_bag_layout import LookupPlan, TableLayout
+from recsys.train.step_audit import StepAudit  # tests may import the train layer
+from tests.ops.test_embedding_bag import make_inputs
+
+
+def _case(weighted: bool, mean: bool):
+    torch.manual_seed(3)
+    inputs = make_inputs(
+        num_rows=(10, 6, 37, 9), dims=(4, 3, 33, 4), feature_to_table=(0, 1, 2, 0, 3, 2),
+        batch_size=7, max_bag=5, weighted=weighted,
+    )  # fmt: skip
+    weights = inputs["weights"]
+    layout = TableLayout.build([w.shape[0] for w in weights], [w.shape[1] for w in weights])
+    poolings = ["mean" if mean and t % 2 else "sum" for t in range(len(weights))]
+    plan = LookupPlan(layout, inputs["feature_to_table"], poolings)
+    batch = inputs["batch_size"]
+    lengths = inputs["offsets"].diff().view(-1, batch).sum(dim=1)
+    return plan, layout.pack(weights), inputs, lengths.tolist()
+
+
+def _distinct_rows(plan: LookupPlan, inputs, key_lengths) -> list[int]:
+    """Per dim group, the distinct group-local rows its features' lookups touch."""
+    bounds = [0, *torch.tensor(key_lengths).cumsum(0).tolist()]
+    layout, out = plan.layout, []
+    for tables, features in zip(layout.groups, plan.group_features, strict=True):
+        start = layout.row_offsets[tables[0]]
+        rows = set()
+        for f in features:
+            k, t = inputs["feature_to_key"][f], plan.feature_to_table[f]
+            ids = inputs["values"][bounds[k] : bounds[k + 1]]
+            rows |= set((ids + layout.row_offsets[t] - start).tolist())
+        out.append(len(rows))
+    return out
+
+
+@pytest.mark.parametrize(("weighted", "mean"), [(False, False), (True, True)])
+def test_known_sizes_read_nothing_and_change_no_bit(weighted, mean, monkeypatch):
+    plan, flat, inputs, key_lengths = _case(weighted, mean)
+    args = (
+        inputs["values"],
+        inputs["offsets"],
+        inputs["per_sample_weights"],
+        inputs["feature_to_key"],
+        inputs["batch_size"],
+    )
+    tables = plan.layout.table_views(flat)
+    pooled = pool_torch(plan, tables, *args)
+    with StepAudit() as report:
+        known = pool_torch(plan, tables, *args, key_lengths=key_lengths)
+    assert report.syncs == [] and torch.equal(known, pooled)
+
+    grad_out = torch.randn_like(pooled)
+    tensors = plan.tensors(grad_out.device, inputs["feature_to_key"])
+    values, offsets, psw, feature_to_key, batch = args
+    backward_args = (plan, flat, grad_out, tensors, values, offsets, psw, batch, None, 1)
+    monkeypatch.setattr(embedding_bag_cpu, "CHUNK_BYTES", 64)  # several chunks per group
+    keys, reduced = backward_torch(*backward_args)
+    group_lookups = [
+        sum(key_lengths[feature_to_key[f]] for f in features) for features in plan.group_features
+    ]
+    distinct = _distinct_rows(plan, inputs, key_lengths)
+    with StepAudit() as report:
+        got_keys, got_reduced = backward_torch(
+            *backward_args, group_lookups=group_lookups, distinct_rows=distinct
+        )
+    assert report.syncs == [], report.describe()
+    assert torch.equal(got_keys, keys) and torch.equal(got_reduced, reduced)
