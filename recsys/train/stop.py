@@ -21,7 +21,6 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -105,12 +104,8 @@ class StopSignals:
         if self._pending is not None:
             work, flag = self._pending
             work.wait()
-            agreed = bool(flag.numpy()[0])
-        # The flag is host memory by design (a gloo group on the CPU), made and read through
-        # numpy: no device is involved, and the step audit, which counts every torch scalar
-        # read and tensor literal because on a CPU-only run it cannot tell host tensors from
-        # device ones, does not count it as a sync.
-        flag = torch.from_numpy(np.array([int(self.received is not None)], dtype=np.int64))
+            agreed = bool(flag.item())  # a CPU tensor
+        flag = torch.tensor([int(self.received is not None)])
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._pending = (work, flag)
         return agreed
