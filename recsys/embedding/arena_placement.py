@@ -1,0 +1,180 @@
+"""Placing a batch's new keys into a key arena's maps (:mod:`recsys.embedding.key_arena`), for
+every table of the arena at once and without waiting on the host, by each map's own rule
+(:meth:`~recsys.embedding.slot_map.SlotMap.insert`, :func:`~recsys.ops.slot_map.assign_slots`).
+
+Per bucket, the distinct new keys of a batch, by ascending key, take the bucket's candidate
+slots in order: its free slots by ascending slot, then, only for a table at its cap, its
+occupied slots that no key of the batch uses, by ascending (score, key), evicting their keys.
+A table below its cap is placed here only if every new key gets a free slot and the table
+stays within its load factor (else it grows: its own insert path does that). A table at its
+cap is always placed here; a key past its bucket's candidates gets no row this step (an
+``overflow``, which reads the zero row, as on the insert path). A reserved key, a table with
+admission or an arena of several dims leaves the table to its own path.
+
+Shape letters: U the ids the arena scanned (new keys among them), S bucket size, T tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from recsys.ops.slot_map import EMPTY_KEY, RESERVED_KEY, bucket_of
+
+__all__ = ["Placed", "candidate_order", "place_new"]
+
+# Run slot of the entries of a key that overflowed its bucket at the cap (no row this step).
+_OVERFLOW = -2
+
+
+@dataclass
+class Placed:
+    """What :func:`place_new` did with the U ids an arena scanned (shape [U], in their order)
+    and, sorted by (table, key), their distinct keys that got a row in this call.
+
+    Attributes:
+        slots: [U] each scanned id's slot (-1: its key has none; its table inserts it, or it
+            overflowed).
+        fresh: [U] True for ids whose key got its slot in this call.
+        overflow: [U] True for ids whose key found no candidate slot at its table's cap (no
+            row this step: the zero row).
+        tables: [U] the arena table of each sorted entry.
+        rows: [U] the row each sorted entry's key got, the table's zero row for entries that
+            got none in this call (a repeat, a hit, or not placed): the caller gives the new
+            rows their initial values and optimizer state, and the zero rows are reset after.
+        keys: [U] the key of each sorted entry.
+        evicted: [U] the key each sorted entry's slot held before (``EMPTY_KEY``: none).
+        counts: [3, T + 1] per table the keys placed, the keys they evicted, the keys that
+            overflowed.
+    """
+
+    slots: torch.Tensor
+    fresh: torch.Tensor
+    overflow: torch.Tensor
+    tables: torch.Tensor
+    rows: torch.Tensor
+    keys: torch.Tensor
+    evicted: torch.Tensor
+    counts: torch.Tensor
+
+
+def candidate_order(
+    rows: torch.Tensor, scores: torch.Tensor, pinned: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of each bucket row's slots in candidate order [U, S] (free slots by
+    position, then unpinned occupied ones by ascending (score, key), pinned ones last) and how
+    many are candidates [U]: the order of :func:`~recsys.ops.slot_map.assign_slots` (stable
+    sorts by the least significant criterion first).
+
+    Args:
+        rows: [U, S] keys of each row (``EMPTY_KEY`` where free).
+        scores: [U, S] their scores.
+        pinned: [U, S] True where a key of the batch sits (never evicted).
+    """
+    free = rows == EMPTY_KEY
+    candidate = free | ~pinned
+    score = torch.where(free, 0, scores)
+    klass = torch.where(free, 0, torch.where(candidate, 1, 2))
+    order = torch.sort(rows, dim=1, stable=True).indices
+    order = order.gather(1, torch.sort(score.gather(1, order), dim=1, stable=True).indices)
+    order = order.gather(1, torch.sort(klass.gather(1, order), dim=1, stable=True).indices)
+    return order, candidate.sum(dim=1)
+
+
+def place_new(
+    arena, keys: torch.Tensor, tables: torch.Tensor, found: torch.Tensor, pinned, evicts
+) -> Placed:
+    """Give the new keys among the ids an arena scanned their slots (see the module docstring),
+    writing their keys (scores 0: the caller's update follows) into ``arena``'s buffers.
+
+    Args:
+        arena: the :class:`~recsys.embedding.key_arena.KeyArena`.
+        keys: [U] the scanned ids' keys.
+        tables: [U] their arena tables.
+        found: [U] their slots before this call, -1 where absent.
+        pinned: a function of [N] slots -> [N] bool, True where a key of the batch sits; or
+            None when no table is at its cap (only free slots are taken).
+        evicts: [T + 1] bool, tables at their cap whose new keys evict (None with ``pinned``).
+    """
+    missing = found < 0
+    size = arena.bucket_size
+    # distinct (table, key) runs: sorted by key, then stably by table
+    order = torch.sort(keys, stable=True).indices
+    order = order.index_select(0, torch.sort(tables.index_select(0, order), stable=True)[1])
+    key, table = keys.index_select(0, order), tables.index_select(0, order)
+    starts = torch.ones_like(missing)
+    starts[1:] = (key[1:] != key[:-1]) | (table[1:] != table[:-1])
+    new = starts & missing.index_select(0, order)  # one entry per distinct new key
+    run = torch.cumsum(starts, 0) - 1  # [U] the run (distinct key) of each entry
+    per_table = arena.per_table
+    bucket = per_table("first_bucket").index_select(0, table) + bucket_of(
+        key, per_table("num_buckets").index_select(0, table)
+    )
+    # each new key's rank among its bucket's new keys (ascending key: a stable sort)
+    by_bucket, bucket_order = torch.sort(torch.where(new, bucket, arena.scratch), stable=True)
+    position = torch.arange(len(key), device=key.device)
+    first = torch.ones_like(new)
+    first[1:] = by_bucket[1:] != by_bucket[:-1]
+    rank_sorted = position - torch.cummax(torch.where(first, position, 0), 0).values
+    rank = torch.empty_like(rank_sorted).index_copy_(0, bucket_order, rank_sorted)
+    # the rank-th candidate slot of the bucket [U, S]
+    bucket = torch.where(new, bucket, 0)
+    rows = arena.keys[: arena.scratch].view(-1, size).index_select(0, bucket)
+    free = rows == EMPTY_KEY  # [U, S]
+    reserved = key <= RESERVED_KEY  # the error path
+    if pinned is None:
+        take = free & (torch.cumsum(free, 1) - 1 == rank.unsqueeze(1))
+        slot = bucket * size + take.to(torch.int8).argmax(1)
+        short = new & (~take.any(1) | reserved)
+        overflow = torch.zeros_like(new)
+        room = per_table("room")
+    else:
+        slots = bucket.unsqueeze(1) * size + torch.arange(size, device=key.device)  # [U, S]
+        scores = arena.scores.index_select(0, slots.view(-1)).view_as(slots)
+        ranked, available = candidate_order(rows, scores, pinned(slots.view(-1)).view_as(slots))
+        evicting = evicts.index_select(0, table)
+        got = rank < torch.where(evicting, available, free.sum(1))
+        slot = bucket * size + ranked.gather(1, rank.clamp(max=size - 1).unsqueeze(1)).squeeze(1)
+        short = new & ((~got & ~evicting) | reserved)
+        overflow = new & ~got & evicting & ~reserved
+        room = torch.where(evicts, torch.inf, per_table("room"))  # at the cap: no growth
+    zeros = torch.zeros_like(arena.hits)
+    num_new = zeros.index_add(0, table, new.long())
+    num_short = zeros.index_add(0, table, short.long())
+    fits = (arena.sizes + num_new).double() <= room
+    placeable = ((num_short == 0) & fits & per_table("insertable")).index_select(0, table)
+    place = new & ~overflow & placeable  # [U]
+    overflow &= placeable
+    target = torch.where(place, slot, arena.scratch)
+    evicted = arena.keys.index_select(0, target)  # EMPTY_KEY where free (and the scratch)
+    arena.keys.index_put_((target,), key)
+    arena.keys[arena.scratch :].fill_(EMPTY_KEY)  # the scratch took the rest
+    arena.scores.index_fill_(0, target, 0)  # LFU adds the batch's count after
+    counts = torch.stack(
+        [
+            zeros.index_add(0, table, place.long()),
+            zeros.index_add(0, table, (evicted != EMPTY_KEY).long()),
+            zeros.index_add(0, table, overflow.long()),
+        ]
+    )  # [3, T + 1]
+    arena.sizes += counts[0] - counts[1]
+    # each entry's slot: its run's new slot where placed (-2 where it overflowed), else what
+    # find said
+    run_slot = torch.full((len(key) + 1,), -1, dtype=torch.int64, device=key.device)
+    run_slot.index_put_((torch.where(place, run, len(key)),), slot)
+    run_slot.index_put_((torch.where(overflow, run, len(key)),), run_slot.new_tensor(_OVERFLOW))
+    got = run_slot.index_select(0, run)
+    slots_sorted = torch.where(got >= 0, got, found.index_select(0, order))
+    base = per_table("base").index_select(0, table)
+    zero_row = per_table("zero_row").index_select(0, table)
+    return Placed(
+        slots=torch.empty_like(found).index_copy_(0, order, slots_sorted),
+        fresh=torch.empty_like(missing).index_copy_(0, order, got >= 0),
+        overflow=torch.empty_like(missing).index_copy_(0, order, got == _OVERFLOW),
+        tables=table,
+        rows=torch.where(place, slot - base, zero_row),
+        keys=key,
+        evicted=evicted,
+        counts=counts,
+    )
