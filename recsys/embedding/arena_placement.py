@@ -83,19 +83,25 @@ def candidate_order(
 
 
 def place_new(
-    arena, keys: torch.Tensor, tables: torch.Tensor, found: torch.Tensor, pinned, evicts
+    arena,
+    keys: torch.Tensor,
+    tables: torch.Tensor,
+    found: torch.Tensor,
+    hits: torch.Tensor,
+    caps: torch.Tensor | None,
 ) -> Placed:
     """Give the new keys among the ids an arena scanned their slots (see the module docstring),
     writing their keys (scores 0: the caller's update follows) into ``arena``'s buffers.
 
     Args:
-        arena: the :class:`~recsys.embedding.key_arena.KeyArena`.
+        arena: the :class:`~recsys.embedding.key_arena.KeyArena` (its ``pinned(slots)``: the
+            slots holding a key of the batch).
         keys: [U] the scanned ids' keys.
         tables: [U] their arena tables.
         found: [U] their slots before this call, -1 where absent.
-        pinned: a function of [N] slots -> [N] bool, True where a key of the batch sits; or
-            None when no table is at its cap (only free slots are taken).
-        evicts: [T + 1] bool, tables at their cap whose new keys evict (None with ``pinned``).
+        hits: [T + 1] each table's distinct keys of the batch it holds.
+        caps: [T + 1] the cap of each table at its cap whose new keys may evict, -1 for the
+            others; None when there are none (only free slots are taken).
     """
     missing = found < 0
     size = arena.bucket_size
@@ -123,24 +129,27 @@ def place_new(
     rows = arena.keys[: arena.scratch].view(-1, size).index_select(0, bucket)
     free = rows == EMPTY_KEY  # [U, S]
     reserved = key <= RESERVED_KEY  # the error path
-    if pinned is None:
+    zeros = torch.zeros_like(arena.hits)
+    num_new = zeros.index_add(0, table, new.long())
+    if caps is None:
         take = free & (torch.cumsum(free, 1) - 1 == rank.unsqueeze(1))
         slot = bucket * size + take.to(torch.int8).argmax(1)
         short = new & (~take.any(1) | reserved)
         overflow = torch.zeros_like(new)
         room = per_table("room")
     else:
+        # at the cap, a batch of more distinct keys than slots is the insert path's error
+        evicts = (caps >= 0) & (hits + num_new <= caps)
         slots = bucket.unsqueeze(1) * size + torch.arange(size, device=key.device)  # [U, S]
         scores = arena.scores.index_select(0, slots.view(-1)).view_as(slots)
-        ranked, available = candidate_order(rows, scores, pinned(slots.view(-1)).view_as(slots))
+        pinned = arena.pinned(slots.view(-1)).view_as(slots)
+        ranked, available = candidate_order(rows, scores, pinned)
         evicting = evicts.index_select(0, table)
         got = rank < torch.where(evicting, available, free.sum(1))
         slot = bucket * size + ranked.gather(1, rank.clamp(max=size - 1).unsqueeze(1)).squeeze(1)
         short = new & ((~got & ~evicting) | reserved)
         overflow = new & ~got & evicting & ~reserved
         room = torch.where(evicts, torch.inf, per_table("room"))  # at the cap: no growth
-    zeros = torch.zeros_like(arena.hits)
-    num_new = zeros.index_add(0, table, new.long())
     num_short = zeros.index_add(0, table, short.long())
     fits = (arena.sizes + num_new).double() <= room
     placeable = ((num_short == 0) & fits & per_table("insertable")).index_select(0, table)
@@ -163,7 +172,7 @@ def place_new(
     # find said
     run_slot = torch.full((len(key) + 1,), -1, dtype=torch.int64, device=key.device)
     run_slot.index_put_((torch.where(place, run, len(key)),), slot)
-    run_slot.index_put_((torch.where(overflow, run, len(key)),), run_slot.new_tensor(_OVERFLOW))
+    run_slot.index_fill_(0, torch.where(overflow, run, len(key)), _OVERFLOW)
     got = run_slot.index_select(0, run)
     slots_sorted = torch.where(got >= 0, got, found.index_select(0, order))
     base = per_table("base").index_select(0, table)

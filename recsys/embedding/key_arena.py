@@ -168,7 +168,7 @@ class KeyArena:
         self._per_ids: dict[tuple[object, ...], _Ids] = {}
         self._caps: dict[tuple[int, ...], torch.Tensor] = {}
         self._pins: torch.Tensor | None = None  # per slot, the last lookup that pinned it
-        self._mark = 0
+        self._mark = self._next_mark = 1  # marks of the slots pinned by the current lookup
 
     # ------------------------------------------------------------------ layout
 
@@ -341,7 +341,7 @@ class KeyArena:
             check_keys(ids)
             rows = torch.where(found >= 0, found - per_id.base, per_id.zero_row)
             return rows, None if per_id.every_id else per_id.mine, [], None
-        mapped, missing, fresh, where = None if per_id.every_id else per_id.mine, [], None, None
+        mapped, missing, fresh, counted = None if per_id.every_id else per_id.mine, [], None, False
         overflow = False
         if scanned is not None:  # misses can only be among the scanned ids
             where, slots = scanned
@@ -349,7 +349,10 @@ class KeyArena:
             # [T + 1] ids without a row per table: a host read
             missed = torch.zeros_like(self.hits).index_add_(0, tables, (slots < 0).long())
             if any(missed.tolist()):
-                fresh = self._place(ids, found, tables, where, slots, per_id.table)
+                hits = self._pin_hits(found, per_id)
+                fresh = place_new(
+                    self, ids.index_select(0, where), tables, slots, hits, self._caps_now()
+                )
                 # those still without a row (their tables take the insert path), what was
                 # placed, evicted, overflowed: another read
                 left = (fresh.slots < 0) & ~fresh.overflow
@@ -358,6 +361,8 @@ class KeyArena:
                 missing = [n for n, m in zip(self.names, counts[0], strict=False) if m]
                 overflow = any(counts[3])
                 self._count_inserts(fresh, *counts[1:])
+                self.hits += hits * (missed == 0)  # the others count theirs on their path
+                counted = True
                 found.index_put_((where,), fresh.slots)
             if missing:  # the ids of tables with no miss left
                 mapped = per_id.mine & (missed == 0).index_select(0, per_id.table)
@@ -366,7 +371,8 @@ class KeyArena:
             live = found >= 0 if mapped is None else mapped & (found >= 0)
         # [V] each live id's slot, the scratch for the rest
         target = found if live is None else torch.where(live, found, self.scratch)
-        self._count_hits(target, live, per_id.table, per_id.position, fresh, where)
+        if not counted:
+            self._count_hits(target, live, per_id.table, per_id.position)
         self.last_seen.index_fill_(0, target, step)
         if not any(self._lfu):
             self.scores.index_fill_(0, target, step)
@@ -381,35 +387,32 @@ class KeyArena:
             rows = torch.where(found >= 0, rows, per_id.zero_row)
         return rows, mapped, missing, fresh
 
-    def _place(
-        self,
-        ids: torch.Tensor,
-        found: torch.Tensor,
-        tables: torch.Tensor,
-        where: torch.Tensor,
-        slots: torch.Tensor,
-        table_of: torch.Tensor,
-    ) -> Placed:
-        """Place the new keys among the scanned ids (positions ``where`` [U], their ``tables``
-        and ``slots``; ``table_of`` [V] every id's table) by
-        :func:`~recsys.embedding.arena_placement.place_new`; the slots of every id of the batch
-        (``found`` [V]) are pinned when a table is at its cap."""
-        evicts = self._evicts(table_of)
-        pinned = None
-        if evicts is not None:
-            if self._pins is None:
-                self._pins = torch.zeros_like(self.keys)
-            self._mark += 1
-            self._pins.index_fill_(0, torch.where(found >= 0, found, self.scratch), self._mark)
-            mark = self._mark
-            pinned = lambda at: self._pins.index_select(0, at) == mark  # noqa: E731
-        return place_new(self, ids.index_select(0, where), tables, slots, pinned, evicts)
+    def _pin_hits(self, found: torch.Tensor, per_id: _Ids) -> torch.Tensor:
+        """Before new keys are placed: mark the slot of every id of the batch that has one
+        (pinned: never evicted by the batch's new keys; see :meth:`pinned`) and return each
+        table's distinct keys among them [T + 1] (its hits). Each id writes a mark of its
+        position into its slot, and the one whose mark stays counts the slot."""
+        hit = found >= 0
+        if not per_id.every_id:
+            hit &= per_id.mine
+        if self._pins is None:
+            self._pins = torch.zeros_like(self.keys)
+        self._mark = self._next_mark  # above every mark of earlier lookups
+        self._next_mark += len(found)
+        marks = per_id.position + self._mark
+        target = torch.where(hit, found, self.scratch)
+        self._pins.index_put_((target,), marks)
+        won = (self._pins.index_select(0, target) == marks) & hit
+        return torch.zeros_like(self.hits).index_add_(0, per_id.table, won.long())
 
-    def _evicts(self, table_of: torch.Tensor) -> torch.Tensor | None:
-        """[T + 1] bool the tables whose new keys evict here: at their cap, without admission,
-        and with no more ids in the batch than slots (``table_of`` [V] each id's table; else
-        the insert path checks that the batch's distinct keys fit); None when none is at its
-        cap."""
+    def pinned(self, slots: torch.Tensor) -> torch.Tensor:
+        """[N] bool: which of ``slots`` [N] hold a key of the batch being placed (marked by
+        :meth:`_pin_hits` of this lookup)."""
+        return self._pins.index_select(0, slots) >= self._mark
+
+    def _caps_now(self) -> torch.Tensor | None:
+        """([T + 1] the cap of each table at its cap whose new keys may evict here, -1 for the
+        others; None when there are none): without admission, in an arena of one dim."""
         flags = tuple(
             (m.max_capacity if m.num_buckets == m.max_buckets and self._insertable(t) else -1)
             for t, m in ((t, t.map) for t in self.tables)
@@ -420,8 +423,7 @@ class KeyArena:
         if cap is None:
             cap = torch.tensor([*flags, -1], device=self.device)
             self._caps[flags] = cap
-        ids = torch.zeros_like(self.hits).index_add_(0, table_of, torch.ones_like(table_of))
-        return ids <= cap
+        return cap
 
     def _find(
         self, ids: torch.Tensor, per_id: _Ids
@@ -483,16 +485,12 @@ class KeyArena:
         live: torch.Tensor | None,
         table_of: torch.Tensor,
         positions: torch.Tensor,
-        placed: Placed | None,
-        where: torch.Tensor | None,
     ) -> None:
-        """Add each table's distinct live keys that had a row before this call to its
-        pending hits: each id writes its position into its slot's last step, and the one whose
-        position stays counts the slot (the last steps are written again right after)."""
+        """Add each table's distinct live keys to its pending hits (a step without new keys):
+        each id writes its position into its slot's last step, and the one whose position
+        stays counts the slot (the last steps are written again right after)."""
         self.last_seen.index_put_((target,), positions)
         won = self.last_seen.index_select(0, target) == positions
         if live is not None:
             won &= live
-        if placed is not None:  # new keys are misses, counted with the inserts
-            won.index_put_((where,), won.index_select(0, where) & ~placed.fresh)
         self.hits.index_add_(0, table_of, won.long())
