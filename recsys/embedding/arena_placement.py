@@ -37,8 +37,9 @@ class Placed:
         slots: [U] each scanned id's slot (-1: its key has none; its table inserts it, or it
             overflowed).
         fresh: [U] True for ids whose key got its slot in this call.
-        overflow: [U] True for ids whose key found no candidate slot at its table's cap (no
-            row this step: the zero row).
+        overflow: [U] True for ids whose key gets no row this step (the zero row): it found no
+            candidate slot at its table's cap, or its table's admission counter did not admit
+            it.
         tables: [U] the arena table of each sorted entry.
         rows: [U] the row each sorted entry's key got, the table's zero row for entries that
             got none in this call (a repeat, a hit, or not placed): the caller gives the new
@@ -46,7 +47,8 @@ class Placed:
         keys: [U] the key of each sorted entry.
         evicted: [U] the key each sorted entry's slot held before (``EMPTY_KEY``: none).
         counts: [3, T + 1] per table the keys placed, the keys they evicted, the keys that
-            overflowed.
+            overflowed; with admission counters [10, T + 1]: then the keys not admitted, and
+            the counters' :meth:`~recsys.embedding.arena_admission.Counting.commit` counts.
     """
 
     slots: torch.Tensor
@@ -89,6 +91,7 @@ def place_new(
     found: torch.Tensor,
     hits: torch.Tensor,
     caps: torch.Tensor | None,
+    step: int,
 ) -> Placed:
     """Give the new keys among the ids an arena scanned their slots (see the module docstring),
     writing their keys (scores 0: the caller's update follows) into ``arena``'s buffers.
@@ -102,6 +105,7 @@ def place_new(
         hits: [T + 1] each table's distinct keys of the batch it holds.
         caps: [T + 1] the cap of each table at its cap whose new keys may evict, -1 for the
             others; None when there are none (only free slots are taken).
+        step: the training step (the admission counters' last steps).
     """
     missing = found < 0
     size = arena.bucket_size
@@ -114,6 +118,16 @@ def place_new(
     new = starts & missing.index_select(0, order)  # one entry per distinct new key
     run = torch.cumsum(starts, 0) - 1  # [U] the run (distinct key) of each entry
     per_table = arena.per_table
+    zeros = torch.zeros_like(arena.hits)
+    num_new = zeros.index_add(0, table, new.long())  # distinct new keys (admitted or not)
+    # a reserved key leaves its table to its own path (which raises)
+    reserved = zeros.index_add(0, table, (new & (key <= RESERVED_KEY)).long()) > 0
+    counting = None
+    if arena.admission is not None:  # the admission counters first: only admitted keys place
+        count = zeros.new_zeros(len(key) + 1).index_add_(0, run, torch.ones_like(run))
+        counting = arena.admission.count(key, table, new, count.index_select(0, run))
+        rejected = new & ~counting.admitted
+        new = new & counting.admitted
     bucket = per_table("first_bucket").index_select(0, table) + bucket_of(
         key, per_table("num_buckets").index_select(0, table)
     )
@@ -128,13 +142,10 @@ def place_new(
     bucket = torch.where(new, bucket, 0)
     rows = arena.keys[: arena.scratch].view(-1, size).index_select(0, bucket)
     free = rows == EMPTY_KEY  # [U, S]
-    reserved = key <= RESERVED_KEY  # the error path
-    zeros = torch.zeros_like(arena.hits)
-    num_new = zeros.index_add(0, table, new.long())
     if caps is None:
         take = free & (torch.cumsum(free, 1) - 1 == rank.unsqueeze(1))
         slot = bucket * size + take.to(torch.int8).argmax(1)
-        short = new & (~take.any(1) | reserved)
+        short = new & ~take.any(1)
         overflow = torch.zeros_like(new)
         room = per_table("room")
     else:
@@ -147,27 +158,39 @@ def place_new(
         evicting = evicts.index_select(0, table)
         got = rank < torch.where(evicting, available, free.sum(1))
         slot = bucket * size + ranked.gather(1, rank.clamp(max=size - 1).unsqueeze(1)).squeeze(1)
-        short = new & ((~got & ~evicting) | reserved)
-        overflow = new & ~got & evicting & ~reserved
+        short = new & ~got & ~evicting
+        overflow = new & ~got & evicting
         room = torch.where(evicts, torch.inf, per_table("room"))  # at the cap: no growth
     num_short = zeros.index_add(0, table, short.long())
-    fits = (arena.sizes + num_new).double() <= room
-    placeable = ((num_short == 0) & fits & per_table("insertable")).index_select(0, table)
+    num_placing = num_new if counting is None else zeros.index_add(0, table, new.long())
+    fits = (arena.sizes + num_placing).double() <= room
+    placeable = (num_short == 0) & fits & ~reserved & per_table("insertable")
+    if counting is not None:
+        placeable &= counting.ok
+    placeable = placeable.index_select(0, table)
     place = new & ~overflow & placeable  # [U]
     overflow &= placeable
+    admission_counts = None
+    if counting is not None:
+        admission_counts = counting.commit(arena.admission, placeable, step)
+        rejected &= placeable
     target = torch.where(place, slot, arena.scratch)
     evicted = arena.keys.index_select(0, target)  # EMPTY_KEY where free (and the scratch)
     arena.keys.index_put_((target,), key)
     arena.keys[arena.scratch :].fill_(EMPTY_KEY)  # the scratch took the rest
     arena.scores.index_fill_(0, target, 0)  # LFU adds the batch's count after
-    counts = torch.stack(
-        [
-            zeros.index_add(0, table, place.long()),
-            zeros.index_add(0, table, (evicted != EMPTY_KEY).long()),
-            zeros.index_add(0, table, overflow.long()),
-        ]
-    )  # [3, T + 1]
+    counts = [
+        zeros.index_add(0, table, place.long()),
+        zeros.index_add(0, table, (evicted != EMPTY_KEY).long()),
+        zeros.index_add(0, table, overflow.long()),
+    ]
+    if counting is not None:
+        counts.append(zeros.index_add(0, table, rejected.long()))
+        overflow |= rejected  # no row this step either
     arena.sizes += counts[0] - counts[1]
+    counts = torch.stack(counts)  # [3 or 4, T + 1]
+    if admission_counts is not None:
+        counts = torch.cat([counts, admission_counts])  # [10, T + 1]
     # each entry's slot: its run's new slot where placed (-2 where it overflowed), else what
     # find said
     run_slot = torch.full((len(key) + 1,), -1, dtype=torch.int64, device=key.device)

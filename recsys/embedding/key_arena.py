@@ -65,6 +65,7 @@ from dataclasses import dataclass
 import torch
 from torchrec import KeyedJaggedTensor
 
+from recsys.embedding.arena_admission import AdmissionArena
 from recsys.embedding.arena_placement import Placed, place_new
 from recsys.embedding.dynamic_table import DynamicTable
 from recsys.embedding.score_policy import LFU, LRU
@@ -162,6 +163,7 @@ class KeyArena:
         for t, slot_map in enumerate(maps):
             slot_map.pending_hits = self.hits[t]
         self._lfu = [isinstance(m.policy, LFU) for m in maps]
+        self.admission = AdmissionArena(tables) if any(t.admission for t in tables) else None
         self._one = torch.ones((), dtype=torch.int64, device=self.device)
         self._generations: tuple[int, ...] | None = None
         self._feature_tables: dict[tuple[str, ...], torch.Tensor] = {}
@@ -176,6 +178,8 @@ class KeyArena:
         """Rebuild the buffers if a map took new tensors since the last build."""
         if self._generations != tuple(table.map.generation for table in self.tables):
             self._rebuild()
+        if self.admission is not None:
+            self.admission.current()
 
     def _rebuild(self) -> None:
         maps = [table.map for table in self.tables]
@@ -241,9 +245,9 @@ class KeyArena:
         return any(self._insertable(table) for table in self.tables)
 
     def _insertable(self, table: DynamicTable) -> bool:
-        """Whether the arena places ``table``'s new keys: without admission (its counter is
-        a map of its own), and every table of the arena of one dim (one write of new rows)."""
-        return table.admission is None and len({t.dim for t in self.tables}) == 1
+        """Whether the arena places ``table``'s new keys: every table of the arena of one dim
+        (one write of new rows)."""
+        return len({t.dim for t in self.tables}) == 1
 
     def per_table(self, name: str) -> torch.Tensor:
         """[T + 1] the per-table tensor ``name`` (``seed``, ``bound``, ``base``, ...), with a
@@ -257,6 +261,8 @@ class KeyArena:
             self._rebuild()
         else:
             self.refresh_sizes()
+        if self.admission is not None:
+            self.admission.refresh()
 
     def refresh_sizes(self) -> None:
         """Copy the maps' live-key counts to the device (after their own insert path ran)."""
@@ -351,7 +357,7 @@ class KeyArena:
             if any(missed.tolist()):
                 hits = self._pin_hits(found, per_id)
                 fresh = place_new(
-                    self, ids.index_select(0, where), tables, slots, hits, self._caps_now()
+                    self, ids.index_select(0, where), tables, slots, hits, self._caps_now(), step
                 )
                 # those still without a row (their tables take the insert path), what was
                 # placed, evicted, overflowed: another read
@@ -359,7 +365,7 @@ class KeyArena:
                 missed = torch.zeros_like(self.hits).index_add_(0, tables, left.long())
                 counts = torch.cat([missed.unsqueeze(0), fresh.counts]).tolist()
                 missing = [n for n, m in zip(self.names, counts[0], strict=False) if m]
-                overflow = any(counts[3])
+                overflow = any(counts[3]) or (len(counts) > 4 and any(counts[4]))
                 self._count_inserts(fresh, *counts[1:])
                 self.hits += hits * (missed == 0)  # the others count theirs on their path
                 counted = True
@@ -468,13 +474,23 @@ class KeyArena:
         return slot.index_put_((where,), slots), (where, slots)
 
     def _count_inserts(
-        self, placed: Placed, inserts: list[int], evictions: list[int], overflow: list[int]
+        self,
+        placed: Placed,
+        inserts: list[int],
+        evictions: list[int],
+        overflow: list[int],
+        rejected: list[int] | None = None,
+        *counter: list[int],
     ) -> None:
-        """Count what :meth:`_place` did in each table's stats; tables that record deletions
-        (deltas) record their evicted keys."""
+        """Count what :func:`~recsys.embedding.arena_placement.place_new` did in each table's
+        stats (and its admission counter's); tables that record deletions (deltas) record
+        their evicted keys."""
+        rejected = rejected or [0] * len(inserts)
         for t, table in enumerate(self.tables):
-            if inserts[t] or overflow[t]:
-                table.map.count_placed(inserts[t], evictions[t], overflow[t])
+            if inserts[t] or overflow[t] or rejected[t]:
+                table.map.count_placed(inserts[t], evictions[t], overflow[t], rejected[t])
+            if counter and table.admission is not None:
+                table.admission.count_arena(*(c[t] for c in counter))
             if evictions[t] and table.records_deletions:
                 mine = placed.tables == t
                 table.record_deleted(torch.where(mine, placed.evicted, EMPTY_KEY))

@@ -157,17 +157,32 @@ class SlotMap:
             self._stats["hits"] += int(self.pending_hits)
             self.pending_hits.zero_()
 
-    def count_placed(self, count: int, evictions: int = 0, overflow: int = 0) -> None:
+    def count_placed(
+        self,
+        count: int,
+        evictions: int = 0,
+        overflow: int = 0,
+        rejected: int = 0,
+        *,
+        hits: int = 0,
+        removed: int = 0,
+        warn: bool = True,
+    ) -> None:
         """Count ``count`` new keys an arena (:mod:`recsys.embedding.key_arena`) wrote into
-        slots of this map (misses and inserts, now live), the ``evictions`` they caused and
-        the ``overflow`` new keys that found no slot at the maximum size (misses, no row),
-        warning about those the first time as :meth:`insert` does."""
-        self._stats["misses"] += count + overflow
+        slots of this map (misses and inserts, now live), the ``evictions`` they caused, the
+        ``overflow`` new keys that found no slot at the maximum size and the ``rejected`` ones
+        (misses, no row), ``hits`` (when the arena does not count them on the device) and the
+        keys ``removed`` (an admission counter's admitted keys); ``warn`` about overflow the
+        first time as :meth:`insert` does."""
+        self._stats["hits"] += hits
+        self._stats["misses"] += count + overflow + rejected
         self._stats["inserts"] += count
         self._stats["evictions"] += evictions
         self._stats["overflow"] += overflow
-        self._size += count - evictions
-        self._warn_overflow()
+        self._stats["rejected"] += rejected
+        self._size += count - evictions - removed
+        if warn:
+            self._warn_overflow()
 
     def adopt(self, keys: torch.Tensor, scores: torch.Tensor, last_seen: torch.Tensor) -> None:
         """Hold the map's keys, scores and last steps in ``keys`` / ``scores`` / ``last_seen``

@@ -10,6 +10,7 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from recsys.embedding import key_arena
+from recsys.embedding.admission import AdmissionCounter
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.dynamic_table import DynamicTableOptions
 from recsys.embedding.key_arena import joins_arena
@@ -105,6 +106,13 @@ OPTIONS = {
         "item": DynamicTableOptions(max_capacity=96, bucket_size=2, score="lfu"),
         "city": DynamicTableOptions(max_capacity=40, bucket_size=8),
     },
+    # admission counted in the arena: a counter at its cap from the start (it forgets keys
+    # and leaves some uncounted), one that grows (its table's own path), a capped table
+    "admission": {
+        "user": DynamicTableOptions(bucket_size=8, admit_after=2, admission_capacity=16),
+        "item": DynamicTableOptions(max_capacity=80, bucket_size=8, score="lfu", admit_after=3),
+        "city": DynamicTableOptions(max_capacity=48, bucket_size=8),
+    },
     "capped_with_admission": {
         "user": DynamicTableOptions(max_capacity=48, bucket_size=8, admit_after=2),
         "item": DynamicTableOptions(max_capacity=80, bucket_size=8, score="lfu"),
@@ -117,7 +125,7 @@ OPTIONS = {
     "case, backend", [*((case, "torch") for case in sorted(OPTIONS)), ("at_the_cap", "triton")]
 )
 def test_arena_trains_bitwise_like_each_tables_own_path(case, backend, monkeypatch):
-    item_dim = 4 if case in ("one_dim_capped", "at_the_cap") else 8
+    item_dim = 4 if case in ("one_dim_capped", "at_the_cap", "admission") else 8
     models = {
         arena: _collection(
             arena, OPTIONS[case], RowWiseAdagrad(lr=0.1), item_dim=item_dim, backend=backend
@@ -132,7 +140,17 @@ def test_arena_trains_bitwise_like_each_tables_own_path(case, backend, monkeypat
     monkeypatch.setattr(
         SlotMap,
         "count_placed",
-        lambda m, *counts: (placed.append(counts), count_placed(m, *counts)),
+        lambda m, *counts, **counter: (
+            counter or placed.append(counts),  # a table's map (not an admission counter's)
+            count_placed(m, *counts, **counter),
+        ),
+    )
+    counted = []  # what the arena counted for each admission counter
+    count_arena = AdmissionCounter.count_arena
+    monkeypatch.setattr(
+        AdmissionCounter,
+        "count_arena",
+        lambda c, *counts: (counted.append(counts), count_arena(c, *counts)),
     )
     for step, features in enumerate(_batches(14, batch=24, universe=400, seed=5)):
         train = step % 5 != 4  # every fifth batch is only looked up
@@ -155,17 +173,22 @@ def test_arena_trains_bitwise_like_each_tables_own_path(case, backend, monkeypat
     for name, delta in deltas[0].items():
         for field in ("keys", "weights", "last_seen", "deleted"):
             assert torch.equal(getattr(delta, field), getattr(deltas[1][name], field)), field
-        assert len(delta.deleted) or case == "lru_and_lfu" or name == "city", name
+        assert len(delta.deleted) or not OPTIONS[case][name].max_capacity or name == "city"
     stats = models[1].dynamic_stats()
     assert models[0].dynamic_stats() == stats
     assert all(stats[name]["hits"] > 0 for name in stats), stats
     grew_or_evicted = "grows" if case == "lru_and_lfu" else "evictions"
-    tables = ("user", "item") if case == "one_dim_capped" else stats
+    tables = [n for n in stats if case == "lru_and_lfu" or OPTIONS[case][n].max_capacity]
+    tables = ("user", "item") if case == "one_dim_capped" else tables
     assert all(stats[name][grew_or_evicted] > 0 for name in tables), stats
-    # the arena placed new keys itself, except where admission counts them first, and evicted
+    # the arena placed new keys itself, admission included, and evicted
     # at the caps of the tables that had any
     inserts, evictions, overflow = (sum(c[i] for c in placed) for i in (0, 1, 2))
+    # (capped_with_admission: tables of two dims, which the arena only finds)
     assert (inserts > 0) == (case != "capped_with_admission"), placed
+    if case == "admission":  # the arena admitted, counted, forgot and left keys uncounted
+        admitted, _, _, forgotten, uncounted, _ = (sum(c[i] for c in counted) for i in range(6))
+        assert admitted and forgotten and uncounted, counted
     if case in ("one_dim_capped", "at_the_cap"):
         assert evictions > 0, placed
     if case == "at_the_cap":  # every eviction and overflow was the arena's
