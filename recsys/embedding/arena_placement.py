@@ -39,25 +39,27 @@ class Placed:
         fresh: [U] True for ids whose key got its slot in this call.
         overflow: [U] True for ids whose key gets no row this step (the zero row): it found no
             candidate slot at its table's cap, or its table's admission counter did not admit
-            it.
+            it (None: no such id, no table at its cap or with a counter).
         tables: [U] the arena table of each sorted entry.
         rows: [U] the row each sorted entry's key got, the table's zero row for entries that
             got none in this call (a repeat, a hit, or not placed): the caller gives the new
             rows their initial values and optimizer state, and the zero rows are reset after.
         keys: [U] the key of each sorted entry.
-        evicted: [U] the key each sorted entry's slot held before (``EMPTY_KEY``: none).
-        counts: [3, T + 1] per table the keys placed, the keys they evicted, the keys that
-            overflowed; with admission counters [10, T + 1]: then the keys not admitted, and
-            the counters' :meth:`~recsys.embedding.arena_admission.Counting.commit` counts.
+        evicted: [U] the key each sorted entry's slot held before (``EMPTY_KEY``: none; None
+            without a table at its cap).
+        counts: [1, T + 1] per table the keys placed; with a table at its cap [3, T + 1]: then
+            the keys they evicted, the keys that overflowed; with admission counters
+            [10, T + 1]: then the keys not admitted, and the counters'
+            :meth:`~recsys.embedding.arena_admission.Counting.commit` counts.
     """
 
     slots: torch.Tensor
     fresh: torch.Tensor
-    overflow: torch.Tensor
+    overflow: torch.Tensor | None
     tables: torch.Tensor
     rows: torch.Tensor
     keys: torch.Tensor
-    evicted: torch.Tensor
+    evicted: torch.Tensor | None
     counts: torch.Tensor
 
 
@@ -121,7 +123,7 @@ def place_new(
     zeros = torch.zeros_like(arena.hits)
     num_new = zeros.index_add(0, table, new.long())  # distinct new keys (admitted or not)
     # a reserved key leaves its table to its own path (which raises)
-    reserved = zeros.index_add(0, table, (new & (key <= RESERVED_KEY)).long()) > 0
+    reserved = new & (key <= RESERVED_KEY)
     counting = None
     if arena.admission is not None:  # the admission counters first: only admitted keys place
         count = zeros.new_zeros(len(key) + 1).index_add_(0, run, torch.ones_like(run))
@@ -145,7 +147,7 @@ def place_new(
     if caps is None:
         take = free & (torch.cumsum(free, 1) - 1 == rank.unsqueeze(1))
         slot = bucket * size + take.to(torch.int8).argmax(1)
-        short = new & ~take.any(1)
+        short = reserved | (new & ~take.any(1))
         overflow = torch.zeros_like(new)
         room = per_table("room")
     else:
@@ -158,16 +160,16 @@ def place_new(
         evicting = evicts.index_select(0, table)
         got = rank < torch.where(evicting, available, free.sum(1))
         slot = bucket * size + ranked.gather(1, rank.clamp(max=size - 1).unsqueeze(1)).squeeze(1)
-        short = new & ~got & ~evicting
+        short = reserved | (new & ~got & ~evicting)
         overflow = new & ~got & evicting
         room = torch.where(evicts, torch.inf, per_table("room"))  # at the cap: no growth
     num_short = zeros.index_add(0, table, short.long())
     num_placing = num_new if counting is None else zeros.index_add(0, table, new.long())
     fits = (arena.sizes + num_placing).double() <= room
-    placeable = (num_short == 0) & fits & ~reserved & per_table("insertable")
+    placeable_table = (num_short == 0) & fits & per_table("insertable")
     if counting is not None:
-        placeable &= counting.ok
-    placeable = placeable.index_select(0, table)
+        placeable_table &= counting.ok
+    placeable = placeable_table.index_select(0, table)
     place = new & ~overflow & placeable  # [U]
     overflow &= placeable
     admission_counts = None
@@ -175,27 +177,38 @@ def place_new(
         admission_counts = counting.commit(arena.admission, placeable, step)
         rejected &= placeable
     target = torch.where(place, slot, arena.scratch)
-    evicted = arena.keys.index_select(0, target)  # EMPTY_KEY where free (and the scratch)
+    evicted = None  # only free slots are taken below the caps
+    if caps is not None:
+        evicted = arena.keys.index_select(0, target)  # EMPTY_KEY where free (and the scratch)
     arena.keys.index_put_((target,), key)
     arena.keys[arena.scratch :].fill_(EMPTY_KEY)  # the scratch took the rest
     arena.scores.index_fill_(0, target, 0)  # LFU adds the batch's count after
-    counts = [
-        zeros.index_add(0, table, place.long()),
-        zeros.index_add(0, table, (evicted != EMPTY_KEY).long()),
-        zeros.index_add(0, table, overflow.long()),
-    ]
-    if counting is not None:
-        counts.append(zeros.index_add(0, table, rejected.long()))
-        overflow |= rejected  # no row this step either
-    arena.sizes += counts[0] - counts[1]
-    counts = torch.stack(counts)  # [3 or 4, T + 1]
-    if admission_counts is not None:
-        counts = torch.cat([counts, admission_counts])  # [10, T + 1]
-    # each entry's slot: its run's new slot where placed (-2 where it overflowed), else what
-    # find said
+    no_row = None  # entries of keys without a row this step
+    if caps is None and counting is None:
+        counts = (num_placing * placeable_table).unsqueeze(0)  # [1, T + 1]
+        arena.sizes += counts[0]
+    else:
+        counts = [
+            zeros.index_add(0, table, place.long()),
+            zeros.index_add(0, table, (evicted != EMPTY_KEY).long())
+            if evicted is not None
+            else zeros,
+            zeros.index_add(0, table, overflow.long()),
+        ]
+        no_row = overflow
+        if counting is not None:
+            counts.append(zeros.index_add(0, table, rejected.long()))
+            no_row = overflow | rejected
+        arena.sizes += counts[0] - counts[1]
+        counts = torch.stack(counts)  # [3 or 4, T + 1]
+        if admission_counts is not None:
+            counts = torch.cat([counts, admission_counts])  # [10, T + 1]
+    # each entry's slot: its run's new slot where placed (-2 where it has no row this step),
+    # else what find said
     run_slot = torch.full((len(key) + 1,), -1, dtype=torch.int64, device=key.device)
     run_slot.index_put_((torch.where(place, run, len(key)),), slot)
-    run_slot.index_fill_(0, torch.where(overflow, run, len(key)), _OVERFLOW)
+    if no_row is not None:
+        run_slot.index_fill_(0, torch.where(no_row, run, len(key)), _OVERFLOW)
     got = run_slot.index_select(0, run)
     slots_sorted = torch.where(got >= 0, got, found.index_select(0, order))
     base = per_table("base").index_select(0, table)
@@ -203,7 +216,9 @@ def place_new(
     return Placed(
         slots=torch.empty_like(found).index_copy_(0, order, slots_sorted),
         fresh=torch.empty_like(missing).index_copy_(0, order, got >= 0),
-        overflow=torch.empty_like(missing).index_copy_(0, order, got == _OVERFLOW),
+        overflow=None
+        if no_row is None
+        else torch.empty_like(missing).index_copy_(0, order, got == _OVERFLOW),
         tables=table,
         rows=torch.where(place, slot - base, zero_row),
         keys=key,

@@ -361,11 +361,13 @@ class KeyArena:
                 )
                 # those still without a row (their tables take the insert path), what was
                 # placed, evicted, overflowed: another read
-                left = (fresh.slots < 0) & ~fresh.overflow
+                left = fresh.slots < 0
+                if fresh.overflow is not None:
+                    left &= ~fresh.overflow
                 missed = torch.zeros_like(self.hits).index_add_(0, tables, left.long())
                 counts = torch.cat([missed.unsqueeze(0), fresh.counts]).tolist()
                 missing = [n for n, m in zip(self.names, counts[0], strict=False) if m]
-                overflow = any(counts[3]) or (len(counts) > 4 and any(counts[4]))
+                overflow = fresh.overflow is not None and any(map(any, counts[3:5]))
                 self._count_inserts(fresh, *counts[1:])
                 self.hits += hits * (missed == 0)  # the others count theirs on their path
                 counted = True
@@ -477,15 +479,16 @@ class KeyArena:
         self,
         placed: Placed,
         inserts: list[int],
-        evictions: list[int],
-        overflow: list[int],
+        evictions: list[int] | None = None,
+        overflow: list[int] | None = None,
         rejected: list[int] | None = None,
         *counter: list[int],
     ) -> None:
         """Count what :func:`~recsys.embedding.arena_placement.place_new` did in each table's
         stats (and its admission counter's); tables that record deletions (deltas) record
         their evicted keys."""
-        rejected = rejected or [0] * len(inserts)
+        zeros = [0] * len(inserts)
+        evictions, overflow, rejected = evictions or zeros, overflow or zeros, rejected or zeros
         for t, table in enumerate(self.tables):
             if inserts[t] or overflow[t] or rejected[t]:
                 table.map.count_placed(inserts[t], evictions[t], overflow[t], rejected[t])

@@ -200,7 +200,7 @@ def test_dynamic_new_keys_step_within_budget(tmp_path, monkeypatch):
     """Every table dynamic, fresh samples: once the tables have grown, a step whose batch
     brings new keys places them in the key arena, with one more sync than a step of hits."""
     report, placed = audit_placing_step(tmp_path, monkeypatch, [])
-    assert sum(inserts for inserts, _, _ in placed), "the audited step placed no new key"
+    assert sum(counts[0] for counts in placed), "the audited step placed no new key"
     check("dynamic_new_keys", [summary(report)])
 
 
@@ -209,7 +209,7 @@ def test_dynamic_at_cap_step_within_budget(tmp_path, monkeypatch):
     new keys evicts in the key arena, with no more syncs than a step that only places."""
     cap = ["--model.dynamic.initial_capacity=4096", "--model.dynamic.max_capacity=4096"]
     report, placed = audit_placing_step(tmp_path, monkeypatch, cap)
-    assert sum(evictions for _, evictions, _ in placed), "the audited step evicted no key"
+    assert sum(counts[1] for counts in placed), "the audited step evicted no key"
     check("dynamic_at_cap", [summary(report)])
 
 
