@@ -90,6 +90,21 @@ class AdmissionCounter:
         self._admitted += int(admitted.sum())
         return admitted
 
+    @property
+    def map(self) -> SlotMap:
+        """The counter's map (keys counted, scored by their counts)."""
+        return self._map
+
+    def count_arena(
+        self, admitted: int, hits: int, inserts: int, evictions: int, overflow: int, removed: int
+    ) -> None:
+        """Count what a key arena (:mod:`recsys.embedding.arena_admission`) did for this
+        counter in one batch: keys ``admitted`` (``removed`` of them were counted), counted
+        keys seen again (``hits``), keys newly counted (``inserts``), the ``evictions`` they
+        caused, and keys left uncounted (``overflow``)."""
+        self._admitted += admitted
+        self._map.count_placed(inserts, evictions, overflow, hits=hits, removed=removed, warn=False)
+
     def state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys [K] ascending, their counts [K]) of every counted key."""
         keys, slots = self._map.entries()

@@ -246,8 +246,12 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         cached = self._arena_offsets.get(id(arena))
         if cached is None or cached[0] is not layout or cached[1].device != self._flat.device:
             tables = self._table_indices(arena.names)
-            elements = [*(layout.elem_offsets[t] for t in tables), 0]
-            rows = [*(layout.row_offsets[t] for t in tables), 0]
+            # ids of no table of the arena (row 0 of their entry) write the zero row of the
+            # arena's first table, reset right after
+            zero = (tables[0], layout.rows[tables[0]] - 1)
+            elements = [*(layout.elem_offsets[t] for t in tables)]
+            elements.append(layout.elem_offsets[zero[0]] + zero[1] * layout.dims[zero[0]])
+            rows = [*(layout.row_offsets[t] for t in tables), layout.row_offsets[zero[0]] + zero[1]]
             cached = (
                 layout,
                 torch.tensor(elements, device=self.device),

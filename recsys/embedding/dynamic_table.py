@@ -271,6 +271,7 @@ class DynamicTable(nn.Module):
         if not self._deleted:
             return self.map.keys[:0]
         recorded = torch.unique(torch.cat(self._deleted))
+        recorded = recorded[recorded != EMPTY_KEY]  # the padding of record_deleted
         return recorded[self.map.find(recorded) < 0]
 
     def start_delta(self, step: int, *, loaded: bool = False) -> None:
@@ -289,6 +290,16 @@ class DynamicTable(nn.Module):
         """Keys that lost their row since the map was built: evictions and expirations."""
         stats = self.map.stats()
         return int(stats["evictions"] + stats["expirations"])
+
+    @property
+    def records_deletions(self) -> bool:
+        """Whether the keys that lose their row are recorded (see :meth:`start_delta`)."""
+        return self._deleted is not None
+
+    def record_deleted(self, keys: torch.Tensor) -> None:
+        """Record ``keys`` [K] as having lost their row (``EMPTY_KEY`` entries: padding, not
+        keys), when recording (see :meth:`start_delta`)."""
+        self._record_deleted(keys)
 
     def _record_deleted(self, keys: torch.Tensor) -> None:
         if self._deleted is None or not len(keys):

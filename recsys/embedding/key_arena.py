@@ -14,13 +14,15 @@ ids that scanned their bucket, T tables of the arena)::
 
     ids -> each id's own map: find -> [U ids scanned: misses per table]
         no miss: scores, last steps and hits updated on the device
-        misses: new keys placed in free slots -> [placed per table]
-            tables whose new keys all fit: placed, their ids then as hits
-            the others: named to the caller, which runs their own insert path
+        misses: new keys placed -> [placed, evicted, overflowed, still missing per table]
+            tables whose new keys fit, or at their cap: placed, their ids then as hits
+            the others (they grow, or count admission): named to the caller, which runs
+            their own insert path
 
 The host reads (``[...]``): on CUDA the misses per table (1 per step) and, on a step with new
 keys, what was placed (2); on CPU first the list of ids without a valid hint (below), then the
 same two reads only when that list is not empty (1 to 3 per step; a step of hits: 1 or 2).
+A table at its cap (its eviction) costs no more reads.
 
 Finding the slots: on CUDA one Triton launch scans each id's bucket
 (:func:`~recsys.ops.slot_map_arena.find_arena_slots`). On CPU, where scanning the [V, S] bucket rows
@@ -31,13 +33,17 @@ is the key's slot in that table). The ids without a valid hint (new keys, two ho
 entry, slots moved by a rehash) are listed (``nonzero``) and only those scan their bucket,
 then write their hint. Hints never change a result, only how it is found.
 
-Placing new keys (:meth:`KeyArena._place_new`) follows the map's own rule: the distinct new keys
-of a bucket, by ascending key, take its free slots by ascending slot. A table's new keys are
-placed only if all of them find a free slot and the table stays within its load factor (else
-it would grow or evict: its own insert path does that, and is the reference the arena is tested
-against), it has no admission counter, and the arena's tables share one dim (their initial rows
-are written in one pass by the collection). A placed key starts as a fresh row: its initial row
-of (seed, table, key), the optimizer's initial state, score 0 before the batch's update.
+Placing new keys (:func:`~recsys.embedding.arena_placement.place_new`) follows the map's own
+rule: the distinct new keys of a bucket, by ascending key, take its free slots by ascending slot,
+then, at the table's cap, the slots of keys the batch does not use by ascending (score, key),
+evicting those keys; a key past them gets no row this step (``overflow``: the zero row). A
+table below its cap is placed only if all its new keys find a free slot and it stays within its
+load factor (else it grows: its own insert path does that, and is the reference the arena is
+tested against). A table is placed only without an admission counter, with no more ids in the
+batch than its cap (the insert path checks its distinct keys), and if the arena's tables share
+one dim (their initial rows are written in one pass by the collection). A placed key starts as
+a fresh row: its initial row of (seed, table, key), the optimizer's initial state, score 0
+before the batch's update.
 
 The all-hits update is bitwise the per-table path's (:meth:`SlotMap.insert` on the distinct
 keys): an LRU score becomes the step, an LFU score adds one per occurrence (the per-key count
@@ -59,19 +65,19 @@ from dataclasses import dataclass
 import torch
 from torchrec import KeyedJaggedTensor
 
+from recsys.embedding.arena_admission import AdmissionArena
+from recsys.embedding.arena_placement import Placed, place_new
 from recsys.embedding.dynamic_table import DynamicTable
 from recsys.embedding.score_policy import LFU, LRU
 from recsys.ops._triton import resolve_backend
 from recsys.ops.slot_map import (
     EMPTY_KEY,
-    RESERVED_KEY,
-    bucket_of,
     check_keys,
     find_slots_torch,
 )
 from recsys.ops.slot_map_arena import find_arena_slots
 
-__all__ = ["KeyArena", "build_arenas", "joins_arena"]
+__all__ = ["KeyArena", "Placed", "build_arenas", "joins_arena"]
 
 # Hint entries per slot of a table (more: fewer keys sharing an entry, more memory and cache
 # traffic), and the most hint entries of an arena (2**23: 64 MiB): past that, the largest
@@ -129,30 +135,6 @@ class _Ids:
     hint_mask: torch.Tensor
 
 
-@dataclass
-class Placed:
-    """What :meth:`KeyArena.lookup` did with the U ids it scanned (shape [U], in their order)
-    and, sorted by (table, key), their distinct keys that got a row in this call.
-
-    Attributes:
-        slots: [U] each scanned id's slot (-1: its key has none; its table inserts it).
-        fresh: [U] True for ids whose key got its slot in this call.
-        tables: [U] the arena table of each sorted entry.
-        rows: [U] the row each sorted entry's key got, the table's zero row for entries that
-            got none in this call (a repeat, a hit, or not placed): the caller gives the new
-            rows their initial values and optimizer state, and the zero rows are reset after.
-        keys: [U] the key of each sorted entry.
-        placed_keys: [T + 1] keys placed per table.
-    """
-
-    slots: torch.Tensor
-    fresh: torch.Tensor
-    tables: torch.Tensor
-    rows: torch.Tensor
-    keys: torch.Tensor
-    placed_keys: torch.Tensor
-
-
 _PER_ID = ("num_buckets", "first_bucket", "base", "zero_row", "lfu", "hint_base", "hint_mask")
 
 
@@ -181,10 +163,14 @@ class KeyArena:
         for t, slot_map in enumerate(maps):
             slot_map.pending_hits = self.hits[t]
         self._lfu = [isinstance(m.policy, LFU) for m in maps]
+        self.admission = AdmissionArena(tables) if any(t.admission for t in tables) else None
         self._one = torch.ones((), dtype=torch.int64, device=self.device)
         self._generations: tuple[int, ...] | None = None
         self._feature_tables: dict[tuple[str, ...], torch.Tensor] = {}
         self._per_ids: dict[tuple[object, ...], _Ids] = {}
+        self._caps: dict[tuple[int, ...], torch.Tensor] = {}
+        self._pins: torch.Tensor | None = None  # per slot, the last lookup that pinned it
+        self._mark = self._next_mark = 1  # marks of the slots pinned by the current lookup
 
     # ------------------------------------------------------------------ layout
 
@@ -192,6 +178,8 @@ class KeyArena:
         """Rebuild the buffers if a map took new tensors since the last build."""
         if self._generations != tuple(table.map.generation for table in self.tables):
             self._rebuild()
+        if self.admission is not None:
+            self.admission.current()
 
     def _rebuild(self) -> None:
         maps = [table.map for table in self.tables]
@@ -247,6 +235,7 @@ class KeyArena:
             device=self.device,
         )
         self._per_ids.clear()
+        self._pins = None
         self.refresh_sizes()
         self._generations = tuple(m.generation for m in maps)
 
@@ -256,9 +245,9 @@ class KeyArena:
         return any(self._insertable(table) for table in self.tables)
 
     def _insertable(self, table: DynamicTable) -> bool:
-        """Whether the arena places ``table``'s new keys: without admission (its counter is
-        a map of its own), and every table of the arena of one dim (one write of new rows)."""
-        return table.admission is None and len({t.dim for t in self.tables}) == 1
+        """Whether the arena places ``table``'s new keys: every table of the arena of one dim
+        (one write of new rows)."""
+        return len({t.dim for t in self.tables}) == 1
 
     def per_table(self, name: str) -> torch.Tensor:
         """[T + 1] the per-table tensor ``name`` (``seed``, ``bound``, ``base``, ...), with a
@@ -272,10 +261,12 @@ class KeyArena:
             self._rebuild()
         else:
             self.refresh_sizes()
+        if self.admission is not None:
+            self.admission.refresh()
 
     def refresh_sizes(self) -> None:
         """Copy the maps' live-key counts to the device (after their own insert path ran)."""
-        self._sizes = torch.tensor(
+        self.sizes = torch.tensor(
             [*(table.map.size for table in self.tables), 0], device=self.device
         )
 
@@ -356,27 +347,40 @@ class KeyArena:
             check_keys(ids)
             rows = torch.where(found >= 0, found - per_id.base, per_id.zero_row)
             return rows, None if per_id.every_id else per_id.mine, [], None
-        mapped, missing, fresh = None if per_id.every_id else per_id.mine, [], None
+        mapped, missing, fresh, counted = None if per_id.every_id else per_id.mine, [], None, False
+        overflow = False
         if scanned is not None:  # misses can only be among the scanned ids
             where, slots = scanned
             tables = per_id.table.index_select(0, where)
             # [T + 1] ids without a row per table: a host read
             missed = torch.zeros_like(self.hits).index_add_(0, tables, (slots < 0).long())
             if any(missed.tolist()):
-                fresh = self._place_new(ids.index_select(0, where), per_id, where, slots)
-                # those still without a row (their tables take the insert path): another read
-                missed = torch.zeros_like(self.hits).index_add_(0, tables, (fresh.slots < 0).long())
-                counts = torch.stack([missed, fresh.placed_keys]).tolist()
+                hits = self._pin_hits(found, per_id)
+                fresh = place_new(
+                    self, ids.index_select(0, where), tables, slots, hits, self._caps_now(), step
+                )
+                # those still without a row (their tables take the insert path), what was
+                # placed, evicted, overflowed: another read
+                left = fresh.slots < 0
+                if fresh.overflow is not None:
+                    left &= ~fresh.overflow
+                missed = torch.zeros_like(self.hits).index_add_(0, tables, left.long())
+                counts = torch.cat([missed.unsqueeze(0), fresh.counts]).tolist()
                 missing = [n for n, m in zip(self.names, counts[0], strict=False) if m]
-                self._count_inserts(counts[1])
+                overflow = fresh.overflow is not None and any(map(any, counts[3:5]))
+                self._count_inserts(fresh, *counts[1:])
+                self.hits += hits * (missed == 0)  # the others count theirs on their path
+                counted = True
                 found.index_put_((where,), fresh.slots)
             if missing:  # the ids of tables with no miss left
                 mapped = per_id.mine & (missed == 0).index_select(0, per_id.table)
-        # [V] each mapped id's slot, the scratch for the rest
-        target = found if mapped is None else torch.where(mapped, found, self.scratch)
-        self._count_hits(
-            target, mapped, per_id.table, per_id.position, fresh, None if fresh is None else where
-        )
+        live = mapped
+        if overflow:  # ids of keys without a row at their table's cap read its zero row
+            live = found >= 0 if mapped is None else mapped & (found >= 0)
+        # [V] each live id's slot, the scratch for the rest
+        target = found if live is None else torch.where(live, found, self.scratch)
+        if not counted:
+            self._count_hits(target, live, per_id.table, per_id.position)
         self.last_seen.index_fill_(0, target, step)
         if not any(self._lfu):
             self.scores.index_fill_(0, target, step)
@@ -386,7 +390,48 @@ class KeyArena:
             lfu_target = torch.where(per_id.lfu, target, self.scratch)
             self.scores.index_put_((lfu_target,), self._one, accumulate=True)
             self.scores.index_fill_(0, torch.where(per_id.lfu, self.scratch, target), step)
-        return found - per_id.base, mapped, missing, fresh
+        rows = found - per_id.base
+        if overflow:
+            rows = torch.where(found >= 0, rows, per_id.zero_row)
+        return rows, mapped, missing, fresh
+
+    def _pin_hits(self, found: torch.Tensor, per_id: _Ids) -> torch.Tensor:
+        """Before new keys are placed: mark the slot of every id of the batch that has one
+        (pinned: never evicted by the batch's new keys; see :meth:`pinned`) and return each
+        table's distinct keys among them [T + 1] (its hits). Each id writes a mark of its
+        position into its slot, and the one whose mark stays counts the slot."""
+        hit = found >= 0
+        if not per_id.every_id:
+            hit &= per_id.mine
+        if self._pins is None:
+            self._pins = torch.zeros_like(self.keys)
+        self._mark = self._next_mark  # above every mark of earlier lookups
+        self._next_mark += len(found)
+        marks = per_id.position + self._mark
+        target = torch.where(hit, found, self.scratch)
+        self._pins.index_put_((target,), marks)
+        won = (self._pins.index_select(0, target) == marks) & hit
+        return torch.zeros_like(self.hits).index_add_(0, per_id.table, won.long())
+
+    def pinned(self, slots: torch.Tensor) -> torch.Tensor:
+        """[N] bool: which of ``slots`` [N] hold a key of the batch being placed (marked by
+        :meth:`_pin_hits` of this lookup)."""
+        return self._pins.index_select(0, slots) >= self._mark
+
+    def _caps_now(self) -> torch.Tensor | None:
+        """([T + 1] the cap of each table at its cap whose new keys may evict here, -1 for the
+        others; None when there are none): without admission, in an arena of one dim."""
+        flags = tuple(
+            (m.max_capacity if m.num_buckets == m.max_buckets and self._insertable(t) else -1)
+            for t, m in ((t, t.map) for t in self.tables)
+        )
+        if max(flags) < 0:
+            return None
+        cap = self._caps.get(flags)
+        if cap is None:
+            cap = torch.tensor([*flags, -1], device=self.device)
+            self._caps[flags] = cap
+        return cap
 
     def _find(
         self, ids: torch.Tensor, per_id: _Ids
@@ -404,6 +449,8 @@ class KeyArena:
                 ids,
                 self.backend,
             )
+            if not per_id.every_id:  # ids of no table of the arena: at the scratch, no miss
+                found = torch.where(per_id.mine, found, self.scratch)
             return found, (per_id.position, found)
         # [V] a hint of the id's own table, the slot it names (the scratch where none)
         hint_at = (((ids * _FIBONACCI) >> 32) & per_id.hint_mask) + per_id.hint_base
@@ -428,91 +475,41 @@ class KeyArena:
         self._hints.index_put_((hint_at.index_select(0, where),), hints)
         return slot.index_put_((where,), slots), (where, slots)
 
-    def _place_new(
-        self, keys: torch.Tensor, per_id: _Ids, where: torch.Tensor, found: torch.Tensor
-    ) -> Placed:
-        """Give the new keys among the scanned ids (``keys`` [U] at positions ``where``,
-        ``found`` [U] their slots or -1) a free slot of their bucket, by the map's rule (a
-        bucket's new keys by ascending key take its free slots by ascending slot), for every
-        table where all of them get one without growing past its load factor; the other
-        tables' new keys are left to their insert path."""
-        tables = per_id.table.index_select(0, where)  # [U]
-        missing = found < 0
-        # distinct (table, key) runs: sorted by key, then stably by table
-        order = torch.sort(keys, stable=True).indices
-        order = order.index_select(0, torch.sort(tables.index_select(0, order), stable=True)[1])
-        key, table = keys.index_select(0, order), tables.index_select(0, order)
-        starts = torch.ones_like(missing)
-        starts[1:] = (key[1:] != key[:-1]) | (table[1:] != table[:-1])
-        new = starts & missing.index_select(0, order)  # one entry per distinct new key
-        run = torch.cumsum(starts, 0) - 1  # [U] the run (distinct key) of each entry
-        per_table = self._per_table
-        bucket = per_table["first_bucket"].index_select(0, table) + bucket_of(
-            key, per_table["num_buckets"].index_select(0, table)
-        )
-        # each new key's rank among its bucket's new keys (ascending key: a stable sort)
-        by_bucket, bucket_order = torch.sort(torch.where(new, bucket, self.scratch), stable=True)
-        position = torch.arange(len(key), device=key.device)
-        first = torch.ones_like(new)
-        first[1:] = by_bucket[1:] != by_bucket[:-1]
-        rank_sorted = position - torch.cummax(torch.where(first, position, 0), 0).values
-        rank = torch.empty_like(rank_sorted).index_copy_(0, bucket_order, rank_sorted)
-        # the rank-th free slot of the bucket [U, S]
-        bucket = torch.where(new, bucket, 0)
-        rows = self.keys[: self.scratch].view(-1, self.bucket_size).index_select(0, bucket)
-        free = rows == EMPTY_KEY  # [U, S]
-        take = free & (torch.cumsum(free, 1) - 1 == rank.unsqueeze(1))
-        slot = bucket * self.bucket_size + take.to(torch.int8).argmax(1)
-        short = new & (~take.any(1) | (key <= RESERVED_KEY))  # a reserved key: the error path
-        num_new = torch.zeros_like(self.hits).index_add_(0, table, new.long())
-        num_short = torch.zeros_like(self.hits).index_add_(0, table, short.long())
-        fits = (self._sizes + num_new).double() <= per_table["room"]
-        placeable = (num_short == 0) & fits & per_table["insertable"]
-        place = new & placeable.index_select(0, table)  # [U]
-        target = torch.where(place, slot, self.scratch)
-        self.keys.index_put_((target,), key)
-        self.keys[self.scratch :].fill_(EMPTY_KEY)  # the scratch took the rest
-        self.scores.index_fill_(0, target, 0)  # LFU adds the batch's count after
-        placed_keys = num_new * placeable
-        self._sizes += placed_keys
-        # each entry's slot: its run's new slot where placed, else what find said
-        run_slot = torch.full((len(key) + 1,), -1, dtype=torch.int64, device=key.device)
-        run_slot.index_put_((torch.where(place, run, len(key)),), slot)
-        got = run_slot.index_select(0, run)
-        slots_sorted = torch.where(got >= 0, got, found.index_select(0, order))
-        fresh_sorted = got >= 0
-        base = per_table["base"].index_select(0, table)
-        zero_row = per_table["zero_row"].index_select(0, table)
-        return Placed(
-            slots=torch.empty_like(found).index_copy_(0, order, slots_sorted),
-            fresh=torch.empty_like(missing).index_copy_(0, order, fresh_sorted),
-            tables=table,
-            rows=torch.where(place, slot - base, zero_row),
-            keys=key,
-            placed_keys=placed_keys,
-        )
-
-    def _count_inserts(self, placed_keys: list[int]) -> None:
-        for table, count in zip(self.tables, placed_keys, strict=False):
-            if count:
-                table.map.count_placed(count)
+    def _count_inserts(
+        self,
+        placed: Placed,
+        inserts: list[int],
+        evictions: list[int] | None = None,
+        overflow: list[int] | None = None,
+        rejected: list[int] | None = None,
+        *counter: list[int],
+    ) -> None:
+        """Count what :func:`~recsys.embedding.arena_placement.place_new` did in each table's
+        stats (and its admission counter's); tables that record deletions (deltas) record
+        their evicted keys."""
+        zeros = [0] * len(inserts)
+        evictions, overflow, rejected = evictions or zeros, overflow or zeros, rejected or zeros
+        for t, table in enumerate(self.tables):
+            if inserts[t] or overflow[t] or rejected[t]:
+                table.map.count_placed(inserts[t], evictions[t], overflow[t], rejected[t])
+            if counter and table.admission is not None:
+                table.admission.count_arena(*(c[t] for c in counter))
+            if evictions[t] and table.records_deletions:
+                mine = placed.tables == t
+                table.record_deleted(torch.where(mine, placed.evicted, EMPTY_KEY))
 
     def _count_hits(
         self,
         target: torch.Tensor,
-        mapped: torch.Tensor | None,
+        live: torch.Tensor | None,
         table_of: torch.Tensor,
         positions: torch.Tensor,
-        placed: Placed | None,
-        where: torch.Tensor | None,
     ) -> None:
-        """Add each table's distinct mapped keys that had a row before this call to its
-        pending hits: each id writes its position into its slot's last step, and the one whose
-        position stays counts the slot (the last steps are written again right after)."""
+        """Add each table's distinct live keys to its pending hits (a step without new keys):
+        each id writes its position into its slot's last step, and the one whose position
+        stays counts the slot (the last steps are written again right after)."""
         self.last_seen.index_put_((target,), positions)
         won = self.last_seen.index_select(0, target) == positions
-        if mapped is not None:
-            won &= mapped
-        if placed is not None:  # new keys are misses, counted with the inserts
-            won.index_put_((where,), won.index_select(0, where) & ~placed.fresh)
+        if live is not None:
+            won &= live
         self.hits.index_add_(0, table_of, won.long())

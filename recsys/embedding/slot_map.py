@@ -157,12 +157,32 @@ class SlotMap:
             self._stats["hits"] += int(self.pending_hits)
             self.pending_hits.zero_()
 
-    def count_placed(self, count: int) -> None:
+    def count_placed(
+        self,
+        count: int,
+        evictions: int = 0,
+        overflow: int = 0,
+        rejected: int = 0,
+        *,
+        hits: int = 0,
+        removed: int = 0,
+        warn: bool = True,
+    ) -> None:
         """Count ``count`` new keys an arena (:mod:`recsys.embedding.key_arena`) wrote into
-        free slots of this map: misses and inserts, now live."""
-        self._stats["misses"] += count
+        slots of this map (misses and inserts, now live), the ``evictions`` they caused, the
+        ``overflow`` new keys that found no slot at the maximum size and the ``rejected`` ones
+        (misses, no row), ``hits`` (when the arena does not count them on the device) and the
+        keys ``removed`` (an admission counter's admitted keys); ``warn`` about overflow the
+        first time as :meth:`insert` does."""
+        self._stats["hits"] += hits
+        self._stats["misses"] += count + overflow + rejected
         self._stats["inserts"] += count
-        self._size += count
+        self._stats["evictions"] += evictions
+        self._stats["overflow"] += overflow
+        self._stats["rejected"] += rejected
+        self._size += count - evictions - removed
+        if warn:
+            self._warn_overflow()
 
     def adopt(self, keys: torch.Tensor, scores: torch.Tensor, last_seen: torch.Tensor) -> None:
         """Hold the map's keys, scores and last steps in ``keys`` / ``scores`` / ``last_seen``
@@ -237,6 +257,11 @@ class SlotMap:
         if len(keys) and not bool((found < 0).any()):
             return self._all_hits(keys, found, counts, step)
         insertion = self._insert(keys, counts, step, admit, skip_overflow=True, found=found)
+        self._warn_overflow()
+        return insertion
+
+    def _warn_overflow(self) -> None:
+        """Warn, once, when new keys have found no room at the maximum size."""
         overflow = self._stats["overflow"]
         if overflow and not self._warned:
             self._warned = True
@@ -245,9 +270,8 @@ class SlotMap:
                 f"{overflow} new key(s) found their bucket full of keys the same batch uses: "
                 "they pool as zeros and are not trained this step (counted as 'overflow'); "
                 "raise max_capacity or bucket_size",
-                stacklevel=2,
+                stacklevel=3,
             )
-        return insertion
 
     def insert_if_room(self, keys: torch.Tensor, counts: torch.Tensor, step: int) -> Insertion:
         """:meth:`insert` for a caller that accounts for the keys without room itself (the

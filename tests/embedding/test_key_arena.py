@@ -9,6 +9,8 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
+from recsys.embedding import key_arena
+from recsys.embedding.admission import AdmissionCounter
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.dynamic_table import DynamicTableOptions
 from recsys.embedding.key_arena import joins_arena
@@ -22,7 +24,12 @@ FEATURES = {"u": "user", "i": "item", "j": "item", "c": "city", "f": "fixed"}
 
 
 def _collection(
-    arena: bool, options: dict[str, DynamicTableOptions], optimizer, validate=True, item_dim=8
+    arena: bool,
+    options: dict[str, DynamicTableOptions],
+    optimizer,
+    validate=True,
+    item_dim=8,
+    backend="torch",
 ):
     configs = [
         EmbeddingBagConfig(name="user", embedding_dim=4, num_embeddings=64, feature_names=["u"]),
@@ -34,7 +41,7 @@ def _collection(
     ]
     torch.manual_seed(0)  # the fixed table's init
     ebc = DynamicEmbeddingBagCollection(
-        configs, options, seed=3, backend="torch", optimizer=optimizer, validate=validate
+        configs, options, seed=3, backend=backend, optimizer=optimizer, validate=validate
     )
     if not arena:  # every table on its own insert path, as before arenas
         ebc._arenas, ebc._arena_tables = [], set()
@@ -92,6 +99,20 @@ OPTIONS = {
         "item": DynamicTableOptions(max_capacity=80, bucket_size=8, score="lfu"),
         "city": DynamicTableOptions(bucket_size=8),
     },
+    # tables at their cap from the start or after a growth or two (two with tiny buckets,
+    # which overflow): from then on every step with new keys evicts, on the arena's path
+    "at_the_cap": {
+        "user": DynamicTableOptions(max_capacity=64, bucket_size=2),
+        "item": DynamicTableOptions(max_capacity=96, bucket_size=2, score="lfu"),
+        "city": DynamicTableOptions(max_capacity=40, bucket_size=8),
+    },
+    # admission counted in the arena: a counter at its cap from the start (it forgets keys
+    # and leaves some uncounted), one that grows (its table's own path), a capped table
+    "admission": {
+        "user": DynamicTableOptions(bucket_size=8, admit_after=2, admission_capacity=16),
+        "item": DynamicTableOptions(max_capacity=80, bucket_size=8, score="lfu", admit_after=3),
+        "city": DynamicTableOptions(max_capacity=48, bucket_size=8),
+    },
     "capped_with_admission": {
         "user": DynamicTableOptions(max_capacity=48, bucket_size=8, admit_after=2),
         "item": DynamicTableOptions(max_capacity=80, bucket_size=8, score="lfu"),
@@ -100,18 +121,36 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(OPTIONS))
-def test_arena_trains_bitwise_like_each_tables_own_path(case, monkeypatch):
-    item_dim = 4 if case == "one_dim_capped" else 8
+@pytest.mark.parametrize(
+    "case, backend", [*((case, "torch") for case in sorted(OPTIONS)), ("at_the_cap", "triton")]
+)
+def test_arena_trains_bitwise_like_each_tables_own_path(case, backend, monkeypatch):
+    item_dim = 4 if case in ("one_dim_capped", "at_the_cap", "admission") else 8
     models = {
-        arena: _collection(arena, OPTIONS[case], RowWiseAdagrad(lr=0.1), item_dim=item_dim)
+        arena: _collection(
+            arena, OPTIONS[case], RowWiseAdagrad(lr=0.1), item_dim=item_dim, backend=backend
+        )
         for arena in (0, 1)
     }
     assert models[1]._arenas and not models[0]._arenas
-    placed = []
+    for model in models.values():
+        model.take_delta()  # from now on, the keys that lose their row are recorded
+    placed = []  # (inserts, evictions, overflow) of each table the arena placed keys of
     count_placed = SlotMap.count_placed
     monkeypatch.setattr(
-        SlotMap, "count_placed", lambda m, n: (placed.append(n), count_placed(m, n))
+        SlotMap,
+        "count_placed",
+        lambda m, *counts, **counter: (
+            counter or placed.append(counts),  # a table's map (not an admission counter's)
+            count_placed(m, *counts, **counter),
+        ),
+    )
+    counted = []  # what the arena counted for each admission counter
+    count_arena = AdmissionCounter.count_arena
+    monkeypatch.setattr(
+        AdmissionCounter,
+        "count_arena",
+        lambda c, *counts: (counted.append(counts), count_arena(c, *counts)),
     )
     for step, features in enumerate(_batches(14, batch=24, universe=400, seed=5)):
         train = step % 5 != 4  # every fifth batch is only looked up
@@ -130,14 +169,31 @@ def test_arena_trains_bitwise_like_each_tables_own_path(case, monkeypatch):
     maps = [_map_state(m) for m in models.values()]
     for key in maps[0]:
         assert torch.equal(maps[0][key], maps[1][key]), key
+    deltas = [m.take_delta() for m in models.values()]
+    for name, delta in deltas[0].items():
+        for field in ("keys", "weights", "last_seen", "deleted"):
+            assert torch.equal(getattr(delta, field), getattr(deltas[1][name], field)), field
+        assert len(delta.deleted) or not OPTIONS[case][name].max_capacity or name == "city"
     stats = models[1].dynamic_stats()
     assert models[0].dynamic_stats() == stats
     assert all(stats[name]["hits"] > 0 for name in stats), stats
     grew_or_evicted = "grows" if case == "lru_and_lfu" else "evictions"
-    tables = ("user", "item") if case == "one_dim_capped" else stats
+    tables = [n for n in stats if case == "lru_and_lfu" or OPTIONS[case][n].max_capacity]
+    tables = ("user", "item") if case == "one_dim_capped" else tables
     assert all(stats[name][grew_or_evicted] > 0 for name in tables), stats
-    # the arena placed new keys itself, except where admission counts them first
-    assert (sum(placed) > 0) == (case != "capped_with_admission"), placed
+    # the arena placed new keys itself, admission included, and evicted
+    # at the caps of the tables that had any
+    inserts, evictions, overflow = (sum(c[i] for c in placed) for i in (0, 1, 2))
+    # (capped_with_admission: tables of two dims, which the arena only finds)
+    assert (inserts > 0) == (case != "capped_with_admission"), placed
+    if case == "admission":  # the arena admitted, counted, forgot and left keys uncounted
+        admitted, _, _, forgotten, uncounted, _ = (sum(c[i] for c in counted) for i in range(6))
+        assert admitted and forgotten and uncounted, counted
+    if case in ("one_dim_capped", "at_the_cap"):
+        assert evictions > 0, placed
+    if case == "at_the_cap":  # every eviction and overflow was the arena's
+        assert evictions == sum(s["evictions"] for s in stats.values()), (placed, stats)
+        assert overflow == sum(s["overflow"] for s in stats.values()) > 0, (placed, stats)
 
 
 def test_arena_groups_tables_by_bucket_size_and_leaves_ttl_and_custom_scores_out():
@@ -186,6 +242,22 @@ def test_all_hits_lookup_waits_at_most_twice_and_a_reserved_key_still_raises():
             ebc.train(training)
             with pytest.raises(ValueError, match="reserved"):
                 ebc(bad)
+
+
+def test_triton_find_of_a_mixed_collection_counts_no_miss_for_fixed_tables(monkeypatch):
+    # the Triton arena find (here under the interpreter) scans every id of the batch; the
+    # fixed table's ids are no table's of the arena and must not count as misses, or every
+    # step of hits would go through the placement of new keys
+    options = {name: DynamicTableOptions(bucket_size=8) for name in ("user", "item", "city")}
+    ebc = _collection(True, options, RowWiseAdagrad(lr=0.1), item_dim=4, backend="triton")
+    assert ebc._arenas[0].backend == "triton"
+    features = next(_batches(1, batch=8, universe=50, seed=6))
+    for _ in range(2):  # inserts every key, then rebuilds the arena of the grown maps
+        ebc(features).values().sum().backward()
+    placements = []
+    monkeypatch.setattr(key_arena, "place_new", lambda *args: placements.append(args))
+    ebc(features).values().sum().backward()
+    assert not placements
 
 
 def test_arena_rebuilds_after_a_table_grows_or_loads():

@@ -162,13 +162,15 @@ def test_dynamic_all_hits_step_within_budget(tmp_path):
     check("dynamic_all_hits", [summary(report)])
 
 
-def test_dynamic_new_keys_step_within_budget(tmp_path, monkeypatch):
-    """Every table dynamic, fresh samples: once the tables have grown, a step whose batch
-    brings new keys places them in the key arena, with one more sync than a step of hits."""
+def audit_placing_step(tmp_path, monkeypatch, options: list[str]) -> tuple[AuditReport, list]:
+    """Audit step 41 of a fresh run, every table dynamic with ``options``; returns the report
+    and the (inserts, evictions, overflow) the key arena counted for each table in that step."""
     placed, at_audit = [], []
     count_placed = SlotMap.count_placed
     monkeypatch.setattr(
-        SlotMap, "count_placed", lambda m, n: (placed.append(n), count_placed(m, n))
+        SlotMap,
+        "count_placed",
+        lambda m, *counts: (placed.append(counts), count_placed(m, *counts)),
     )
 
     @contextlib.contextmanager
@@ -184,14 +186,31 @@ def test_dynamic_new_keys_step_within_budget(tmp_path, monkeypatch):
         '--train.id_checks="async"',
         '--model.dynamic.tables=["all"]',
         f"--data.synthetic.num_train_samples={BATCH * (warmup + 4)}",
+        *options,
     ]
     report = audit_training(load_config(RECIPE, fresh), warmup=warmup, steps=1)
     assert_nothing_logged(tmp_path / "run")
-    assert len(placed) > at_audit[0], "the audited step placed no new key"
     # the ids without a valid hint, their misses, what was placed: one read more than hits
     assert report.num_syncs <= 3, report.describe()
     assert {site.split(":")[0] for _, site in report.syncs} <= {"recsys/embedding/key_arena.py"}
+    return report, placed[at_audit[0] :]
+
+
+def test_dynamic_new_keys_step_within_budget(tmp_path, monkeypatch):
+    """Every table dynamic, fresh samples: once the tables have grown, a step whose batch
+    brings new keys places them in the key arena, with one more sync than a step of hits."""
+    report, placed = audit_placing_step(tmp_path, monkeypatch, [])
+    assert sum(counts[0] for counts in placed), "the audited step placed no new key"
     check("dynamic_new_keys", [summary(report)])
+
+
+def test_dynamic_at_cap_step_within_budget(tmp_path, monkeypatch):
+    """Every table dynamic and at its cap (4096 rows from the start): a step whose batch brings
+    new keys evicts in the key arena, with no more syncs than a step that only places."""
+    cap = ["--model.dynamic.initial_capacity=4096", "--model.dynamic.max_capacity=4096"]
+    report, placed = audit_placing_step(tmp_path, monkeypatch, cap)
+    assert sum(counts[1] for counts in placed), "the audited step evicted no key"
+    check("dynamic_at_cap", [summary(report)])
 
 
 def _audit_rank(rank: int, world: int, out: str) -> None:
