@@ -50,6 +50,7 @@ from recsys.ops.embedding_bag_cpu import (
     FBGEMM_FORWARD_MAX_IDS,
     backward_fbgemm,
     backward_torch,
+    fbgemm_forward_serves,
     fbgemm_inputs,
     fbgemm_unsupported,
     pool_fbgemm,
@@ -177,6 +178,11 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
                 return _pool_triton(
                     plan, flat, values, offsets, per_sample_weights, feature_to_key, batch_size
                 )
+            if fbgemm_forward_serves(plan, flat, values.numel()):
+                batch = fbgemm_inputs(
+                    plan, values, offsets, per_sample_weights, feature_to_key, batch_size
+                )
+                return pool_fbgemm(plan, flat, batch)
         return pool_torch(
             plan,
             plan.layout.table_views(flat),

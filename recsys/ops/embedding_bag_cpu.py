@@ -261,6 +261,23 @@ def backward_torch(
     return torch.cat(all_keys), torch.cat(padded)
 
 
+def fbgemm_forward_serves(plan: LookupPlan, flat: torch.Tensor, num_ids: int) -> bool:
+    """Whether FBGEMM's CPU forward may pool a call whose backward runs elsewhere (the torch
+    backend's: dense gradients, an optimizer FBGEMM has no CPU kernel for, or rows exchanged
+    between ranks before the update): fp32 tables of one dim, sum pooling only, fewer than
+    :data:`FBGEMM_FORWARD_MAX_IDS` ids. Its sums are then bitwise those of ATen's
+    ``embedding_bag`` (``tests/ops/test_embedding_bag_cpu.py``), in one call instead of one per
+    feature; mean pooling is not (it divides where ATen multiplies)."""
+    return (
+        flat.device.type == "cpu"
+        and flat.dtype == torch.float32
+        and len(plan.layout.groups) == 1
+        and not any(plan.table_mean)
+        and num_ids < FBGEMM_FORWARD_MAX_IDS
+        and _fbgemm_ops() is not None
+    )
+
+
 def fbgemm_unsupported(plan: LookupPlan, flat: torch.Tensor, fused: FusedUpdate | None) -> str:
     """Why FBGEMM's CPU fused backward cannot serve this call ("" when it can).
 

@@ -76,3 +76,47 @@ def test_known_sizes_read_nothing_and_change_no_bit(weighted, mean, monkeypatch)
         )
     assert report.syncs == [], report.describe()
     assert torch.equal(got_keys, keys) and torch.equal(got_reduced, reduced)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("feature_order", ["identity", "reversed"])
+def test_fbgemm_forward_is_bitwise_the_aten_forward(weighted, feature_order):
+    """The torch backend pools with FBGEMM's CPU forward where it may
+    (``fbgemm_forward_serves``): sum pooling of fp32 tables of one dim, bitwise ATen's."""
+    torch.manual_seed(5)
+    inputs = make_inputs(
+        num_rows=(10, 6, 370, 9), dims=(16,) * 4, feature_to_table=(0, 1, 2, 0, 3, 2),
+        batch_size=33, max_bag=7, weighted=weighted,
+    )  # fmt: skip
+    if feature_order == "identity":  # make_inputs has feature f read key K-1-f: undo it
+        inputs["feature_to_key"] = list(range(len(inputs["feature_to_key"])))
+        inputs["feature_to_table"] = inputs["feature_to_table"][::-1]
+    weights = inputs["weights"]
+    layout = TableLayout.build([w.shape[0] for w in weights], [w.shape[1] for w in weights])
+    plan = LookupPlan(layout, inputs["feature_to_table"], ["sum"] * len(weights))
+    flat = layout.pack(weights)
+    assert embedding_bag_cpu.fbgemm_forward_serves(plan, flat, inputs["values"].numel())
+    args = (
+        inputs["values"],
+        inputs["offsets"],
+        inputs["per_sample_weights"],
+        inputs["feature_to_key"],
+        inputs["batch_size"],
+    )
+    aten = pool_torch(plan, plan.layout.table_views(flat), *args)
+    fbgemm = embedding_bag_cpu.pool_fbgemm(plan, flat, embedding_bag_cpu.fbgemm_inputs(plan, *args))
+    assert torch.equal(fbgemm, aten)
+
+
+def test_fbgemm_forward_serves_only_what_it_matches_bitwise():
+    layout = TableLayout.build([10, 20], [8, 8])
+    flat = layout.pack([torch.randn(10, 8), torch.randn(20, 8)])
+    serves = embedding_bag_cpu.fbgemm_forward_serves
+    assert serves(LookupPlan(layout, [0, 1], ["sum", "sum"]), flat, 100)
+    assert not serves(LookupPlan(layout, [0, 1], ["sum", "mean"]), flat, 100)
+    assert not serves(LookupPlan(layout, [0, 1], ["sum", "sum"]), flat.half(), 100)
+    limit = embedding_bag_cpu.FBGEMM_FORWARD_MAX_IDS
+    assert not serves(LookupPlan(layout, [0, 1], ["sum", "sum"]), flat, limit)
+    mixed = TableLayout.build([10, 20], [8, 4])
+    flat = mixed.pack([torch.randn(10, 8), torch.randn(20, 4)])
+    assert not serves(LookupPlan(mixed, [0, 1], ["sum", "sum"]), flat, 100)
