@@ -1,9 +1,10 @@
 """Process groups and ``parallelize``: how a model runs on several ranks under torchrun.
 
 ``parallelize`` swaps each EmbeddingBagCollection for its model-parallel twin
-(:class:`~recsys.distributed.sharded.ShardedEmbeddingBagCollection`, tables placed by a
-:class:`~recsys.distributed.planner.ShardingPlan`) and wraps the dense rest in
-DistributedDataParallel.
+(:class:`~recsys.distributed.sharded.ShardedEmbeddingBagCollection`; an unpooled
+EmbeddingCollection for :class:`~recsys.distributed.sharded_sequence.ShardedEmbeddingCollection`),
+tables placed by a :class:`~recsys.distributed.planner.ShardingPlan`, and wraps the dense rest
+in DistributedDataParallel.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from recsys.distributed.plan import ShardingPlan, check_plan
 from recsys.distributed.planner import plan_sharding
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
+from recsys.distributed.sharded_sequence import ShardedEmbeddingCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.dynamic_table import UNCAPPED
@@ -30,6 +32,7 @@ from recsys.embedding.interface import (
     state_prefix,
 )
 from recsys.embedding.tiered import TieredEmbeddingBagCollection
+from recsys.embedding.unpooled import EmbeddingCollection
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,8 @@ def parallelize(
 ) -> nn.Module:
     """Make ``model`` train across the ranks of the initialized process group.
 
-    Every EmbeddingBagCollection becomes a :class:`ShardedEmbeddingBagCollection` placed by
+    Every EmbeddingBagCollection becomes a :class:`ShardedEmbeddingBagCollection` (an
+    EmbeddingCollection a :class:`ShardedEmbeddingCollection`) placed by
     ``plan`` (default: :func:`plan_sharding` over all the model's collections, given
     ``planner_options`` such as ``memory_per_rank``, ``batch_size``, ``constraints``), and the
     dense parameters (plus DATA_PARALLEL tables trained by a torch optimizer) are wrapped in
@@ -165,7 +169,12 @@ def parallelize(
     group = dist.new_group(backend=dist.get_backend())
     ignored: list[str] = []
     for path, ebc in collections.items():
-        sharded = ShardedEmbeddingBagCollection(
+        kind = (
+            ShardedEmbeddingCollection
+            if isinstance(ebc, EmbeddingCollection)
+            else ShardedEmbeddingBagCollection
+        )
+        sharded = kind(
             ebc,
             plan[path],
             process_group=group,
@@ -197,14 +206,18 @@ def _data_parallel(model: nn.Module, device: torch.device, ignored: list[str]) -
     return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
 
 
-def _shardable(model: nn.Module) -> dict[str, EmbeddingBagCollection]:
+def _shardable(
+    model: nn.Module,
+) -> dict[str, EmbeddingBagCollection | EmbeddingCollection]:
     """The model's collections, each of a kind parallelize() can shard."""
     collections = embedding_collections(model)
     for path, collection in collections.items():
-        if not isinstance(collection, EmbeddingBagCollection):
+        plain_sequence = type(collection) is EmbeddingCollection
+        if not (isinstance(collection, EmbeddingBagCollection) or plain_sequence):
             raise ValueError(
                 f"parallelize(): the collection at '{path}' is a {type(collection).__name__}; "
-                "only an (unsharded) EmbeddingBagCollection can be sharded"
+                "only an (unsharded) EmbeddingBagCollection or EmbeddingCollection can be "
+                "sharded"
             )
     return collections
 

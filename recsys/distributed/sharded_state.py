@@ -34,7 +34,7 @@ from torchrec import EmbeddingBagConfig
 from recsys.distributed.plan import Shard, TableSharding
 from recsys.distributed.replicated import ReplicatedTables
 from recsys.embedding.collection import EmbeddingBagCollection, EmbeddingTable
-from recsys.embedding.interface import OPTIMIZER_STEP, TABLES, WEIGHT
+from recsys.embedding.interface import OPTIMIZER_STEP, WEIGHT
 from recsys.embedding.key_routing import KeyRouting
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import table_dtype
@@ -45,6 +45,8 @@ class ShardedCollection(Protocol):
     (:class:`~recsys.distributed.sharded.ShardedEmbeddingBagCollection` is the one)."""
 
     plan: Mapping[str, TableSharding]
+    tables_key: str
+    """What the tables' state keys start with (``embedding_bags``, or ``embeddings`` unpooled)."""
     rank: int
     world_size: int
     process_group: dist.ProcessGroup | None
@@ -88,7 +90,7 @@ def logical_state(sharded: ShardedCollection, prefix: str, keep_vars: bool) -> d
     out: dict[str, Any] = {}
     states = sharded.optimizer.states if sharded.optimizer is not None else {}
     for c in sharded.embedding_bag_configs():
-        base = f"{prefix}{TABLES}.{c.name}."
+        base = f"{prefix}{sharded.tables_key}.{c.name}."
         if c.name in sharded.key_wise_tables() or c.name in sharded.tiered_tables():
             continue  # saved by key (recsys.distributed.sharded_dynamic), or in tiered files
         if sharded.is_replicated(c.name):
@@ -157,7 +159,7 @@ def logical_optimizer_state(
         local = state.get(prefix + name) if name is not None else None
         if local is None:
             continue
-        logical = f"{prefix}{TABLES}.{c.name}.{WEIGHT}"
+        logical = f"{prefix}{sharded.tables_key}.{c.name}.{WEIGHT}"
         if sharded.is_replicated(c.name):
             out[logical] = local
             continue
