@@ -233,3 +233,29 @@ def make_item_plan(world: int) -> P.ShardingPlan:
 
 def test_parallelize_shards_a_sequence_model():
     run_ranks(2, _sasrec)
+
+
+def _checkpoint(rank: int, world: int, directory: str) -> None:
+    import recsys.checkpoint.io as ckpt
+
+    sharded, reference = train_and_compare(rank, world, ["rw", "tw", "cw"], lambda: Adam(lr=0.05))
+    path = ckpt.save_checkpoint(directory, 3, {"model": sharded.state_dict()})
+    other = ShardedEmbeddingCollection(
+        EmbeddingCollection(configs(), optimizer=Adam(lr=0.05)),
+        make_plan(["tw", "cw", "rw"], world),
+    )
+    ckpt.load_checkpoint(path, {"model": other.state_dict()})
+    assert_state_equal(other, reference, atol=0)
+    if rank == 0:
+        torch.save(reference.state_dict(), f"{directory}/reference.pt")
+
+
+def test_checkpoints_move_between_plans_and_to_one_process(tmp_path):
+    import recsys.checkpoint.io as ckpt
+
+    run_ranks(2, _checkpoint, str(tmp_path))
+    one = EmbeddingCollection(configs(), optimizer=Adam(lr=0.05))
+    ckpt.load_checkpoint(tmp_path / "step_00000003", {"model": one.state_dict()})
+    expected = torch.load(tmp_path / "reference.pt")
+    for key, value in one.state_dict().items():
+        assert torch.equal(value, expected[key]), key
