@@ -210,14 +210,19 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "lengths [B, F], values [L]) and POST /predict (named features as JSON), batching "
         "concurrent requests; /v2/health/ready turns ready once the tables are loaded; "
         "Prometheus metrics on --metrics-port. With --deltas the dynamic tables follow the "
-        "run's deltas, each applied atomically; every response says the step it was served at.",
+        "run's deltas, each applied atomically; a new base (the --model file replaced by a new "
+        "export, or a run's latest checkpoint) is loaded the same way, without a restart; "
+        "every response says the step it was served at.",
         epilog=_epilog(
             "recsys serve --model model.pt2 --deltas runs/dlrm_synthetic --port 8080",
             keys=_NO_OVERRIDES_HELP,
         ),
     )
     serve.add_argument(
-        "--model", required=True, help="a .pt2 file from recsys export, or a checkpoint / run"
+        "--model",
+        required=True,
+        help="a .pt2 file from recsys export, or a checkpoint / run; followed while serving "
+        "(a replaced file, a run's newer latest checkpoint)",
     )
     serve.add_argument(
         "--deltas",
@@ -238,7 +243,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--max-ids", type=int, default=256, help="most ids per bag (default 256)")
     serve.add_argument(
-        "--poll-seconds", type=float, default=1.0, help="how often --deltas is read (default 1)"
+        "--poll-seconds",
+        type=float,
+        default=1.0,
+        help="how often --deltas and --model are looked at (default 1)",
     )
 
 

@@ -76,7 +76,10 @@ def _metrics() -> dict[str, Any]:
                 "recsys_serve_batch_rows", "Samples in one scored batch", buckets=rows
             ),
             step=Gauge("recsys_serve_step", "Training step of the tables being served"),
-            refused=Gauge("recsys_serve_deltas_refused", "Deltas (or chains) refused so far"),
+            refused=Gauge(
+                "recsys_serve_deltas_refused", "Deltas (or chains) and new bases refused so far"
+            ),
+            bases=Gauge("recsys_serve_bases_loaded", "Bases loaded so far (1, then new ones)"),
         )
     return _METRICS
 
@@ -166,6 +169,7 @@ class RecsysRuntime(MLModel):
         metrics = _metrics()
         metrics["step"].set_function(lambda: served.step)
         metrics["refused"].set_function(lambda: served.num_refused)
+        metrics["bases"].set_function(lambda: served.num_bases)
         served.watch(float(extra.get("poll_seconds", 1.0)))
         return True
 

@@ -10,6 +10,14 @@ version from start to end and requests in flight finish on the version they star
 delta that does not continue the served version (another run, a branch resumed before its
 step, a gap) or that is corrupt (a file that fails its checksum) is refused and logged once; the
 served version stays, and so does every later delta of that chain (they would build on it).
+
+A new base is loaded the same way: when the model's source changes (a ``.pt2`` replaced by a
+new ``recsys export`` to the same path, or, for a run or checkpoints directory, its ``latest``
+checkpoint moving on), :meth:`ServedModel.refresh` loads it beside the served version (a
+directory's checkpoint is exported first), applies the deltas written after it, and publishes
+both as one version: the dense layers and fixed tables move with the base, the dynamic tables
+with the deltas. A base that cannot load, or that reads other features than the served one
+(requests are checked against those), is refused and logged once; the served version stays.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from recsys.checkpoint.deltas import (
     list_deltas,
     read_delta,
 )
+from recsys.checkpoint.io import resolve_checkpoint
 from recsys.data.batch import DatasetSpec
 from recsys.serve.export import export_model, load_program
 from recsys.serve.exported_deltas import export_base, exported_tables, put_exported_tables
@@ -56,6 +65,8 @@ class ServedVersion:
     """What the next delta must continue (None: the export has no dynamic tables to follow)."""
     tables: Tables
     """Its dynamic tables as (keys, rows), the form deltas apply to."""
+    info: dict | None = None
+    """The export's ``dynamic.json``: where its dynamic tables sit in the program."""
 
 
 class ServedModel:
@@ -64,6 +75,8 @@ class ServedModel:
     Args:
         path: a ``.pt2`` file from ``recsys export``, or a checkpoint (directory, or a run
             directory: its newest checkpoint), exported to a temporary file on load.
+            :meth:`refresh` loads a new base from it when it changes (the file replaced, the
+            run's ``latest`` checkpoint moved on).
         deltas: the deltas directory (or run directory) of the run the model comes from:
             :meth:`refresh` applies the deltas written after the served step.
 
@@ -80,33 +93,47 @@ class ServedModel:
     """
 
     def __init__(self, path: str | Path, deltas: str | Path | None = None) -> None:
-        path = Path(path)
-        if path.is_dir():
-            with tempfile.TemporaryDirectory(prefix="recsys-serve-") as work:
-                module, spec, info = load_program(export_model(path, Path(work) / "model.pt2"))
-        else:
-            module, spec, info = load_program(path)
-        self.path = path
-        self.spec: DatasetSpec = spec
+        self.path = Path(path)
         self.deltas = None if deltas is None else deltas_directory(deltas)
-        self._info = info
         self._refused: set[str] = set()
         self._lock = threading.Lock()  # one refresh at a time; scoring never takes it
         self._watcher: threading.Thread | None = None
         self.num_refused = 0
-        """Deltas (or chains of them) refused so far."""
+        """Deltas (or chains of them) and new bases refused so far."""
+        self.num_bases = 1
+        """Bases loaded so far (the first, then each new one published)."""
+        try:
+            self._source = self._source_stamp()
+        except (OSError, ValueError):
+            self._source = None  # _load_base raises its own error for a missing source
+        self.version = self._load_base()
+        self.spec: DatasetSpec = self._spec
+
+    def _source_stamp(self) -> object:
+        """What identifies the served base at its source: a directory's checkpoint (its
+        ``latest``), or the file's inode, mtime and size (a new export is a new file)."""
+        if self.path.is_dir():
+            return str(resolve_checkpoint(self.path))
+        stat = self.path.stat()
+        return (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+
+    def _load_base(self) -> ServedVersion:
+        """The version of the base at :attr:`path` now, no delta applied (sets ``_spec``)."""
+        if self.path.is_dir():
+            with tempfile.TemporaryDirectory(prefix="recsys-serve-") as work:
+                module, spec, info = load_program(export_model(self.path, Path(work) / "m.pt2"))
+        else:
+            module, spec, info = load_program(self.path)
         if self.deltas is not None and not (info and info["tables"]):
             raise ValueError(
-                f"'{path}' has no dynamic tables for deltas to update (--deltas applies to "
+                f"'{self.path}' has no dynamic tables for deltas to update (--deltas applies to "
                 "models with dynamic tables, exported by a recsys that writes deltas)"
             )
+        self._spec = spec
         if info and info["tables"]:
-            self.version = ServedVersion(
-                module, info["step"], export_base(info, path), exported_tables(module, info)
-            )
-        else:
-            step = info["step"] if info else -1
-            self.version = ServedVersion(module, step, None, {})
+            base = export_base(info, self.path)
+            return ServedVersion(module, info["step"], base, exported_tables(module, info), info)
+        return ServedVersion(module, info["step"] if info else -1, None, {}, info)
 
     @property
     def step(self) -> int:
@@ -145,51 +172,99 @@ class ServedModel:
         return probabilities.numpy(), version.step
 
     def refresh(self) -> int:
-        """Apply the deltas written after the served step and publish the result as one new
-        version. A delta that does not continue the served version, or is corrupt, is refused
-        and logged (once), and the served version stays.
+        """Load a new base if the source has one (see the module docstring), apply the deltas
+        written after the served step, and publish the result as one new version. A base or
+        delta that cannot be used is refused and logged (once), and the served version stays.
 
         Returns:
-            The number of deltas applied (0: none new, or refused).
+            The number of deltas applied (0: none new, or refused; a new base alone counts 0).
         """
-        if self.deltas is None:
-            return 0
         with self._lock:
             served = self.version
-            assert served.base is not None  # checked in __init__
-            try:
-                chain = delta_chain(list_deltas(self.deltas), served.base)
-            except (ValueError, FileNotFoundError) as error:
-                self._refuse(str(error), str(error))
+            new_base = self._new_base()
+            if new_base is not None:
+                served = new_base
+            applied = 0
+            if self.deltas is not None:
+                served, applied = self._apply_deltas(served)
+            if new_base is None and not applied:
                 return 0
-            tables, base, step, applied = served.tables, served.base, served.step, 0
-            for delta in chain:
-                try:
-                    tables = apply_delta(tables, read_delta(delta))
-                except (ValueError, OSError) as error:
-                    self._refuse(str(delta.path), f"refused delta '{delta.path}': {error}")
-                    break
-                base = DeltaBase(str(delta.path), delta.step, delta.lineage)
-                step, applied = delta.step, applied + 1
-            if not applied:
-                return 0
-            with warnings.catch_warnings():
-                # torch's pytree copies the program's input spec through a deprecated class
-                warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
-                module = copy.deepcopy(served.module)
-            try:
-                put_exported_tables(module, self._info, tables)
-            except ValueError as error:
-                self._refuse(f"fit:{step}", f"refused the deltas up to step {step}: {error}")
-                return 0
-            self.version = ServedVersion(module, step, base, tables)
-        logger.info("serving step %d (%d delta(s) applied)", step, applied)
+            self.version = served
+        if new_base is not None:
+            self.num_bases += 1
+            logger.info("loaded a new base from '%s' at step %d", self.path, new_base.step)
+        if applied:
+            logger.info("serving step %d (%d delta(s) applied)", served.step, applied)
         return applied
+
+    def _new_base(self) -> ServedVersion | None:
+        """The source's base when it changed since the served one was loaded (None: unchanged,
+        or refused)."""
+        try:
+            stamp = self._source_stamp()
+        except (OSError, ValueError, FileNotFoundError):
+            return None  # a file being replaced, or no checkpoint yet: look again next poll
+        if stamp == self._source:
+            return None
+        key = f"base:{stamp}"
+        if key in self._refused:
+            return None
+        spec = self._spec
+        try:
+            version = self._load_base()
+        except Exception as error:  # a corrupt or unreadable export / checkpoint
+            self._spec = spec
+            self._refuse(key, f"refused the new base at '{self.path}': {error}")
+            return None
+        if self._spec != spec:
+            new = self._spec
+            self._spec = spec
+            self._refuse(
+                key,
+                f"refused the new base at '{self.path}': it reads other features or tasks "
+                f"({new.dense_names}, {new.sparse_names}, {new.label_names}, ids "
+                f"{new.id_encoding}) than the served model ({spec.dense_names}, "
+                f"{spec.sparse_names}, {spec.label_names}, ids {spec.id_encoding}); restart "
+                "the server to serve it",
+            )
+            return None
+        self._source = stamp
+        return version
+
+    def _apply_deltas(self, served: ServedVersion) -> tuple[ServedVersion, int]:
+        """``served`` with the deltas written after it applied, and their number."""
+        assert served.base is not None  # checked when the base loaded
+        try:
+            chain = delta_chain(list_deltas(self.deltas), served.base)
+        except (ValueError, FileNotFoundError) as error:
+            self._refuse(str(error), str(error))
+            return served, 0
+        tables, base, step, applied = served.tables, served.base, served.step, 0
+        for delta in chain:
+            try:
+                tables = apply_delta(tables, read_delta(delta))
+            except (ValueError, OSError) as error:
+                self._refuse(str(delta.path), f"refused delta '{delta.path}': {error}")
+                break
+            base = DeltaBase(str(delta.path), delta.step, delta.lineage)
+            step, applied = delta.step, applied + 1
+        if not applied:
+            return served, 0
+        with warnings.catch_warnings():
+            # torch's pytree copies the program's input spec through a deprecated class
+            warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+            module = copy.deepcopy(served.module)
+        try:
+            put_exported_tables(module, served.info, tables)
+        except ValueError as error:
+            self._refuse(f"fit:{step}", f"refused the deltas up to step {step}: {error}")
+            return served, 0
+        return ServedVersion(module, step, base, tables, served.info), applied
 
     def watch(self, poll_seconds: float) -> None:
         """Start a thread that calls :meth:`refresh` every ``poll_seconds`` until :meth:`close`
-        (no thread without ``deltas``)."""
-        if self.deltas is None or self._watcher is not None:
+        (new deltas, and a new base at the source)."""
+        if self._watcher is not None:
             return
         self._stop = threading.Event()
 
@@ -198,7 +273,7 @@ class ServedModel:
                 try:
                     self.refresh()
                 except Exception:  # an unforeseen failure must not end the watching
-                    logger.exception("applying deltas failed; still serving step %d", self.step)
+                    logger.exception("refreshing failed; still serving step %d", self.step)
 
         self._watcher = threading.Thread(target=loop, name="recsys-deltas")
         self._watcher.start()
