@@ -248,6 +248,18 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         default=1.0,
         help="how often --deltas and --model are looked at (default 1)",
     )
+    serve.add_argument(
+        "--transform",
+        action="store_true",
+        help="the JSON route takes raw values (as in the data the model's training data was "
+        "preprocessed from), transformed by its fitted workflow exactly as predict --transform",
+    )
+    serve.add_argument(
+        "--data",
+        metavar="DIR",
+        help="with --transform: the preprocessed directory the model was trained on (default: "
+        "its config's data.path)",
+    )
 
 
 def _add_report(commands: argparse._SubParsersAction) -> None:
@@ -399,6 +411,8 @@ def _serve(args: argparse.Namespace) -> None:
             max_wait_ms=args.max_wait_ms,
             max_ids=args.max_ids,
             poll_seconds=args.poll_seconds,
+            transform=args.transform,
+            data=args.data,
         )
     )
 

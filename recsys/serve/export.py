@@ -351,7 +351,7 @@ def predict(
     _check_output(output, overwrite)
     with contextlib.ExitStack() as stack:
         if transform:
-            dataset = _training_data(model_path, spec, data)
+            dataset = training_data(model_path, spec, data)
             files = stack.enter_context(_transformed(dataset, str(input), format, output))
         else:
             _check_vocabulary(inputs, spec)
@@ -423,20 +423,25 @@ def _check_vocabulary(files: list[Path], spec: DatasetSpec) -> None:
         )
 
 
-def _training_data(
+def training_data(
     model_path: str | Path, spec: DatasetSpec, data: str | Path | None
 ) -> tuple[Path, dict]:
     """The preprocessed directory whose fitted workflow made the model's ids: ``data``, else
-    the ``data.path`` of the model's config; it must hold the model's vocabulary. Returns it
-    with its metadata."""
+    the ``data.path`` of the model's config (in the export, or the checkpoint when
+    ``model_path`` is a checkpoint or run directory); it must hold the model's vocabulary.
+    Returns it with its metadata."""
     if not spec.fingerprint:
         raise ValueError(
             "the model was not trained on `recsys preprocess` output (no vocabulary to "
             "transform raw input with); give preprocessed or synthetic-format parquet"
         )
     if data is None:
-        config = tomllib.loads(_archive_text(Path(model_path), f"extra/{CONFIG_FILE}"))
-        data = config.get("data", {}).get("path", "")
+        model_path = Path(model_path)
+        if model_path.is_dir():
+            text = (resolve_checkpoint(model_path) / CONFIG_FILE).read_text()
+        else:
+            text = _archive_text(model_path, f"extra/{CONFIG_FILE}")
+        data = tomllib.loads(text).get("data", {}).get("path", "")
     directory = Path(data)
     if not (directory / "metadata.json").is_file():
         raise FileNotFoundError(
@@ -458,7 +463,7 @@ def _transformed(
     dataset: tuple[Path, dict], input: str, format: str | None, near: Path
 ) -> Iterator[list[Path]]:
     """Raw ``input`` transformed by the fitted workflow of ``dataset`` (directory, metadata,
-    from :func:`_training_data`) into a temporary directory beside ``near``, row for row
+    from :func:`training_data`) into a temporary directory beside ``near``, row for row
     (strict: a malformed row is an error naming its line); yields its parquet files in input
     order, and deletes them afterwards."""
     from recsys.config import PreprocessConfig

@@ -21,6 +21,12 @@ Two forms, both turned into :class:`Rows` (B samples, F = ``len(spec.sparse_name
 Ids: with ``spec.id_encoding == "index"`` each lies in [0, cardinality) of its feature (as
 ``recsys predict`` checks); raw ids are any int64 but the two reserved smallest values. A bag
 holds at most ``max_ids`` ids.
+
+Raw rows (the JSON route of ``recsys serve --transform``): the same named form, but the values
+are those of the data the model's training data was preprocessed from, transformed here by its
+fitted workflow (:class:`recsys.data.etl_online.RowTransform`): a categorical value is a string
+or an integer (as it was fitted: 12 and "12" differ) or null, a multi-hot one a list of them,
+a dense value a finite number or null (missing).
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from recsys._suggest import quoted_with_hints
 from recsys.data.batch import DatasetSpec
+from recsys.data.etl_online import RowTransform
 from recsys.ops.slot_map import RESERVED_KEY
 
-__all__ = ["RequestError", "Rows", "rows_from_json", "rows_from_tensors"]
+__all__ = ["RequestError", "Rows", "raw_rows_from_json", "rows_from_json", "rows_from_tensors"]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -92,6 +100,85 @@ def rows_from_json(body: Any, spec: DatasetSpec, max_ids: int) -> Rows:
             lengths[b, f] = len(bag)
             values.extend(bag)
     return _checked_ids(Rows(dense, lengths, _int64(values, "sparse ids")), spec)
+
+
+def raw_rows_from_json(body: Any, spec: DatasetSpec, transform: RowTransform, max_ids: int) -> Rows:
+    """Named features with raw values (one sample, or a list of them), transformed by
+    ``transform`` into :class:`Rows` (see the module docstring).
+
+    Raises:
+        RequestError: not an object or list of objects; a missing or unknown feature, a dense
+            value that is neither a finite number nor null, a categorical value that is not a
+            string, an integer or null (or, multi-hot, a list of them), one that does not
+            convert to the type the workflow was fitted on, a bag of more than ``max_ids``
+            values (each named, with the sample's index).
+    """
+    samples = body if isinstance(body, list) else [body]
+    if not samples:
+        raise RequestError("the request holds no sample: send an object or a non-empty list")
+    roles = transform.roles
+    columns: dict[str, list] = {name: [] for name in transform.inputs}
+    for b, sample in enumerate(samples):
+        at = f"sample {b}: " if isinstance(body, list) else ""
+        if not isinstance(sample, dict):
+            raise RequestError(f"{at}expected an object with 'dense' and 'sparse', got {sample!r}")
+        _check_keys(sample, ("dense", "sparse"), "", at, "the request")
+        given_dense = _section(sample, "dense", roles.dense, at)
+        given_sparse = _section(sample, "sparse", roles.sparse, at)
+        for name in roles.dense:
+            value = given_dense[name]
+            where = f"{at}dense feature '{name}'"
+            columns[name].append(None if value is None else _dense_value(value, where))
+        for name in roles.sparse:
+            value, where = given_sparse[name], f"{at}sparse feature '{name}'"
+            if name in roles.multi_hot:
+                bag = value if isinstance(value, list) else [value]
+                if len(bag) > max_ids:
+                    raise RequestError(f"{where} has {len(bag)} values; at most {max_ids}")
+                for item in bag:
+                    _raw_value(item, where)
+                columns[name].append(bag)
+            else:
+                columns[name].append(_raw_value(value, where))
+    try:
+        table = pa.table({name: pa.array(values) for name, values in columns.items()})
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as error:
+        raise RequestError(
+            f"the raw values do not form columns of one type each: {error}"
+        ) from None
+    try:
+        transformed = transform(table)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    dense = np.stack(
+        [transformed.column(n).to_numpy().astype(np.float32) for n in spec.dense_names], axis=1
+    ).reshape(len(samples), spec.num_dense)
+    lengths = np.empty((len(samples), len(spec.sparse_names)), np.int64)
+    per_feature = []
+    for f, name in enumerate(spec.sparse_names):
+        column = transformed.column(name).combine_chunks()
+        if name in roles.multi_hot:
+            offsets = column.offsets.to_numpy()
+            lengths[:, f] = np.diff(offsets)
+            flat = column.values.to_numpy()
+            per_feature.append([flat[offsets[b] : offsets[b + 1]] for b in range(len(samples))])
+        else:
+            lengths[:, f] = 1
+            per_feature.append([v[None] for v in column.to_numpy()])
+    values = [per_feature[f][b] for b in range(len(samples)) for f in range(len(per_feature))]
+    flat = np.concatenate(values).astype(np.int64) if values else np.zeros(0, np.int64)
+    return _checked_ids(Rows(dense, lengths, flat), spec)
+
+
+def _raw_value(value: Any, where: str) -> Any:
+    """A raw categorical value: a string, an integer or None."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{where}: {value!r} is not a string, an integer or null")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise RequestError(f"{where}: {value} does not fit int64")
+    return value
 
 
 def rows_from_tensors(

@@ -1,5 +1,6 @@
 """The MLServer runtime of ``recsys serve``: a :class:`ServedModel` behind the Open Inference
-Protocol (``/v2/models/<name>/infer``) and a plain JSON route (``POST /predict``).
+Protocol (``/v2/models/<name>/infer``) and a plain JSON route (``POST /predict``; with the
+``transform`` option it takes raw values, transformed by the training data's fitted workflow).
 
 Each request is checked on its own first (:mod:`recsys.serve.online.requests`: a bad one is a
 400 naming the field, and never joins a batch), then handed to MLServer's adaptive batcher,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from typing import Any
 
@@ -35,7 +37,15 @@ from mlserver.types import (
 )
 from prometheus_client import Counter, Gauge, Histogram
 
-from recsys.serve.online.requests import RequestError, Rows, rows_from_json, rows_from_tensors
+from recsys.data.etl_online import RowTransform
+from recsys.serve.export import training_data
+from recsys.serve.online.requests import (
+    RequestError,
+    Rows,
+    raw_rows_from_json,
+    rows_from_json,
+    rows_from_tensors,
+)
 from recsys.serve.online.served import ServedModel
 
 __all__ = ["JSON_ROUTE", "RecsysRuntime", "close_served", "load_errors", "served_model_settings"]
@@ -92,6 +102,9 @@ def served_model_settings(
     max_wait_ms: float,
     max_ids: int,
     poll_seconds: float,
+    *,
+    transform: bool = False,
+    data: str | None = None,
 ) -> ModelSettings:
     """MLServer's settings for the runtime (its options ride in ``parameters.extra``)."""
     return ModelSettings(
@@ -109,6 +122,8 @@ def served_model_settings(
                 "max_wait_ms": max_wait_ms,
                 "max_ids": max_ids,
                 "poll_seconds": poll_seconds,
+                "transform": transform,
+                "data": data,
             },
         },
     )
@@ -144,6 +159,14 @@ class RecsysRuntime(MLModel):
                 ServedModel, self.settings.parameters.uri, extra.get("deltas")
             )
         except Exception as error:
+            load_errors[self.name] = error
+            raise
+        self.transform = None
+        try:
+            if extra.get("transform"):
+                self.transform = await asyncio.to_thread(_row_transform, served, extra.get("data"))
+        except Exception as error:
+            served.close()
             load_errors[self.name] = error
             raise
         await asyncio.to_thread(served.refresh)  # ready only with the tables caught up
@@ -224,7 +247,12 @@ class RecsysRuntime(MLModel):
                 body = json.loads(await request.body())
             except ValueError as error:
                 raise RequestError(f"the body is not JSON: {error}") from None
-            rows = rows_from_json(body, self.served.spec, self.max_ids)
+            if self.transform is None:
+                rows = rows_from_json(body, self.served.spec, self.max_ids)
+            else:  # raw values: the fitted workflow runs in a worker thread
+                rows = await asyncio.to_thread(
+                    raw_rows_from_json, body, self.served.spec, self.transform, self.max_ids
+                )
         except RequestError as error:
             _metrics()["rejected"].labels("json").inc()
             return Response(json.dumps({"error": str(error)}), 400, media_type="application/json")
@@ -250,6 +278,18 @@ class RecsysRuntime(MLModel):
         output = response.outputs[0]
         scores = NumpyCodec.decode_output(output).astype(np.float32)
         return scores.reshape(len(rows), -1), int(response.parameters.step)
+
+
+def _row_transform(served: ServedModel, data: str | None) -> RowTransform:
+    """The fitted transform of the training data of the served model (``data``, else its
+    config's ``data.path``), checked to hold the model's vocabulary."""
+    directory, _ = training_data(served.path, served.spec, data)
+    # MLServer has registered the Open Inference Protocol's protobuf messages (package
+    # "inference"); merlin's optional Triton dtype mapping imports tritonclient's, which declare
+    # the same messages and fail to register (a TypeError). Blocking that one import makes
+    # merlin skip the mapping, which it does for an ImportError; recsys does not use it.
+    sys.modules.setdefault("tritonclient.grpc.model_config_pb2", None)
+    return RowTransform(directory)
 
 
 def _input(name: str, array: np.ndarray) -> RequestInput:

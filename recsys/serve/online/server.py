@@ -40,7 +40,12 @@ class ServeOptions:
     max_ids: int = 256
     """Most ids in one bag of a request."""
     poll_seconds: float = 1.0
-    """How often ``deltas`` is checked for new deltas."""
+    """How often ``deltas`` (and ``model``) is checked for new deltas (and a new base)."""
+    transform: bool = False
+    """The JSON route takes raw values, transformed by the training data's fitted workflow."""
+    data: str | None = None
+    """With ``transform``: the preprocessed directory the model was trained on (default: the
+    model config's ``data.path``)."""
 
     def check(self) -> None:
         """Raise ValueError naming a bad option, FileNotFoundError for a missing model or
@@ -61,6 +66,10 @@ class ServeOptions:
             raise ValueError(f"--poll-seconds must be > 0, got {self.poll_seconds}")
         if self.deltas is not None:
             deltas_directory(self.deltas)  # before the server starts: a one-line error
+        if self.data is not None and not self.transform:
+            raise ValueError(
+                "--data names the training data to transform raw input with: add " "--transform"
+            )
 
 
 def serve(options: ServeOptions) -> None:
@@ -93,6 +102,8 @@ def serve(options: ServeOptions) -> None:
         options.max_wait_ms,
         options.max_ids,
         options.poll_seconds,
+        transform=options.transform,
+        data=options.data,
     )
     logging.getLogger("recsys.serve").setLevel(logging.INFO)
 
