@@ -167,7 +167,7 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
         ctx.feature_to_key, ctx.batch_size = feature_to_key, batch_size
         if backend == "fbgemm":
             ctx.fbgemm_batch = fbgemm_inputs(
-                plan, values, offsets, per_sample_weights, feature_to_key, batch_size
+                plan, values, offsets, per_sample_weights, feature_to_key, batch_size, key_lengths
             )
             if values.numel() < FBGEMM_FORWARD_MAX_IDS:
                 return pool_fbgemm(plan, flat, ctx.fbgemm_batch)
@@ -180,7 +180,13 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
                 )
             if fbgemm_forward_serves(plan, flat, values.numel()):
                 batch = fbgemm_inputs(
-                    plan, values, offsets, per_sample_weights, feature_to_key, batch_size
+                    plan,
+                    values,
+                    offsets,
+                    per_sample_weights,
+                    feature_to_key,
+                    batch_size,
+                    key_lengths,
                 )
                 return pool_fbgemm(plan, flat, batch)
         return pool_torch(

@@ -377,20 +377,30 @@ def fbgemm_inputs(
     per_sample_weights: torch.Tensor | None,
     feature_to_key: Sequence[int],
     batch_size: int,
+    key_lengths: Sequence[int] | None = None,
 ) -> FbgemmBatch:
-    """The KJT batch as FBGEMM reads it (see :class:`FbgemmBatch`)."""
+    """The KJT batch as FBGEMM reads it (see :class:`FbgemmBatch`). ``key_lengths``: the ids of
+    each KJT key, when the host knows them (else a KJT whose keys are not exactly the features,
+    in order, costs a host read)."""
     B, num_features = batch_size, len(plan.feature_to_table)
     if tuple(feature_to_key) != tuple(range(num_features)):
         # Gather each feature's bags from its KJT key.
-        lookups = bag_lookups(offsets, torch.tensor(feature_to_key), B, sample_major=False)
+        cache_key = ("fbgemm_keys", tuple(feature_to_key), offsets.device)
+        keys = plan.backend_meta.get(cache_key)
+        if keys is None:
+            keys = torch.tensor(feature_to_key, device=offsets.device)
+            plan.backend_meta[cache_key] = keys
+        total = None if key_lengths is None else sum(key_lengths[k] for k in feature_to_key)
+        lookups = bag_lookups(offsets, keys, B, sample_major=False, num_lookups=total)
         values, offsets = values[lookups.position], lookups.offsets
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights[lookups.position]
     elif offsets.numel() > num_features * B + 1:
         # The KJT has keys after the features read: their ids end where the last feature's do
-        # (a host read, only for such inputs).
+        # (a host read, only for such inputs, when the ids per key are not known).
         offsets = offsets[: num_features * B + 1]
-        values = values[: int(offsets[-1])]
+        end = sum(key_lengths[:num_features]) if key_lengths is not None else int(offsets[-1])
+        values = values[:end]
     if per_sample_weights is not None:
         per_sample_weights = per_sample_weights.float().contiguous()
     return FbgemmBatch(values.long().contiguous(), offsets.long().contiguous(), per_sample_weights)
