@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--warmup", type=int, default=2, help="step: untimed steps")
     parser.add_argument("--repeats", type=int, default=10, help="step: timed steps")
     parser.add_argument("--out", type=Path, required=True, help="the JSON result")
@@ -92,7 +93,7 @@ def recbole_config(args: argparse.Namespace, checkpoint_dir: Path):
         "valid_metric": "NDCG@10",
         "seed": args.seed,
         "reproducibility": True,
-        "use_gpu": False,
+        "use_gpu": args.device == "cuda",
         "show_progress": False,
         "checkpoint_dir": str(checkpoint_dir),
         "save_dataset": False,
@@ -166,7 +167,7 @@ def fit(args: argparse.Namespace) -> dict:
     model.eval()
     with torch.no_grad():
         for interaction, _, _, targets in test_data:
-            scores = model.full_sort_predict(interaction)  # [B, items + 1]
+            scores = model.full_sort_predict(interaction.to(config["device"])).cpu()
             ranks += target_ranks(scores.view(len(targets), -1), targets, candidates).tolist()
     eval_s = time.perf_counter() - started
     result = metrics_from_ranks(ranks)
@@ -205,7 +206,8 @@ def step(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     items = args.num_items - args.first_item + 1  # the candidates and RecBole's padding 0
-    model = SASRec(config, _Corpus(items))
+    device = config["device"]
+    model = SASRec(config, _Corpus(items)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed)
     shape = (args.batch_size, args.max_len)
@@ -215,7 +217,7 @@ def step(args: argparse.Namespace) -> dict:
             "item_length": torch.full((args.batch_size,), args.max_len),
             NAME_FIELDS["item"]: torch.randint(1, items, (args.batch_size,), generator=generator),
         }
-    )
+    ).to(device)
     model.train()
 
     def one_step() -> None:
@@ -227,8 +229,12 @@ def step(args: argparse.Namespace) -> dict:
         one_step()
     times = []
     for _ in range(args.repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         started = time.perf_counter()
         one_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append((time.perf_counter() - started) * 1e3)
     return {"times_ms": times}
 
