@@ -72,8 +72,9 @@ def find_log(source: LogSource, wheel: Path | None, peer_python: Path | None) ->
     for path in candidates:
         if path.is_file():
             return path.read_bytes()
+    looked = ", ".join(map(str, candidates)) or f"no {package} package here, no peer environment"
     raise SystemExit(
-        f"{source.name}: {source.member} not found (looked in {[str(c) for c in candidates]}).\n"
+        f"{source.name}: {source.member} not found ({looked}).\n"
         f"Get the wheel that ships it with `pip download --no-deps {source.package} -d DIR` "
         "and pass --wheel DIR/recbole-1.2.1-py3-none-any.whl, or install the peer "
         "(requirements/peer-sasrec.txt) and pass --peer-python"

@@ -21,10 +21,10 @@ max_len next-item targets; a RecBole batch is ``--peer-batch-size`` examples of 
 (its unit). By default the peer's batch is sized so that both take the same number of steps per
 epoch, so at equal epochs both see every target as often, in as many Adam steps, with about as
 many targets per step (``--peer-batch-size 2048``: RecBole's own default). Fixed epochs, no early
-stopping, the final model is tested.
+stopping (valid is exported but neither side selects on it), the final model is tested.
 
-Metrics: HR@10 and NDCG@10 of full-corpus ranking by ``recsys.train.ranking_metrics`` 's
-definition for both (every item id >= 3 a candidate, ties against the target, the user's history
+Metrics: HR@10 and NDCG@10 of full-corpus ranking by the definition of
+``recsys.train.ranking_metrics`` for both (every item id >= 3 a candidate, ties against the target, the user's history
 not excluded, as RecBole does for sequential models; a test target unseen in training is a
 miss). The peer's scores are ranked by the same definition in ``_sasrec_recbole.py``; RecBole's
 own evaluator's Hit@10 / NDCG@10 (its corpus also holds the unseen targets) go to ``notes``.
@@ -132,12 +132,17 @@ class SASRecRun:
     seed: int = 0
     peer_batch_size: int = 0  # RecBole examples per batch; 0: as many steps per epoch as recsys
 
-    def describe(self) -> str:
+    def describe_model(self) -> str:
         return (
             f"dim {self.dim} ffn {self.ffn_dim} blocks {self.blocks} heads {self.heads} dropout "
-            f"{self.dropout} max_len {self.max_len} epochs {self.epochs} adam lr {self.lr} batch "
-            f"{self.batch_size} loss {self.loss}_softmax seed {self.seed}"
-            + (f" peer batch {self.peer_batch_size}" if self.peer_batch_size else "")
+            f"{self.dropout} max_len {self.max_len} loss {self.loss}_softmax"
+        )
+
+    def describe(self) -> str:
+        peer = f" peer batch {self.peer_batch_size}" if self.peer_batch_size else ""
+        return (
+            f"{self.describe_model()} epochs {self.epochs} adam lr {self.lr} batch "
+            f"{self.batch_size}{peer} seed {self.seed}"
         )
 
 
@@ -399,8 +404,8 @@ def step_rows(
             timings[PEER] = summarize(result["times_ms"])
             notes[PEER] = f"targets/step={args.step_batch}; {result['versions']}; {load}"
         config = (
-            f"{run.describe()} (random histories, {num_items - FIRST_ID} items, batch "
-            f"{args.step_batch} x max_len {max_len})"
+            f"{run.describe_model()} adam lr {run.lr} (random histories, "
+            f"{num_items - FIRST_ID} items, batch {args.step_batch} x max_len {max_len})"
         )
         lines += [_step_line(p, config, t, env, notes[p]) for p, t in timings.items()]
     return lines
