@@ -24,10 +24,11 @@ many targets per step (``--peer-batch-size 2048``: RecBole's own default). Fixed
 stopping (valid is exported but neither side selects on it), the final model is tested.
 
 Metrics: HR@10 and NDCG@10 of full-corpus ranking by the definition of
-``recsys.train.ranking_metrics`` for both (every item id >= 3 a candidate, ties against the target, the user's history
-not excluded, as RecBole does for sequential models; a test target unseen in training is a
-miss). The peer's scores are ranked by the same definition in ``_sasrec_recbole.py``; RecBole's
-own evaluator's Hit@10 / NDCG@10 (its corpus also holds the unseen targets) go to ``notes``.
+``recsys.train.ranking_metrics`` for both (every item id >= 3 a candidate, ties against the
+target, the user's history not excluded, as RecBole does for sequential models; a test target
+unseen in training is a miss). The peer's scores are ranked by the same definition in
+``_sasrec_recbole.py``; RecBole's own evaluator's Hit@10 / NDCG@10 (its corpus also holds the
+unseen targets) go to ``notes``.
 
 Rows (``op``):
 
