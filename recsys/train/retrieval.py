@@ -30,7 +30,7 @@ from recsys.distributed.parallel import DistributedInfo
 from recsys.models.next_item import next_item_loss
 from recsys.train.ranking_metrics import RankingMetrics
 
-__all__ = ["NextItemTask"]
+__all__ = ["NextItemTask", "ranking_line"]
 
 KS = (10, 50)
 
@@ -183,15 +183,7 @@ class NextItemTask:
         return result
 
     def eval_line(self, split: str, step: int, result: dict[str, Any]) -> str:
-        """``eval valid step 200: hr@10 0.4123 ndcg@10 0.2301 mrr 0.2010 hr@50 0.7012
-        (popularity hr@10 0.2034, oracle hr@10 0.5712)``."""
-        line = f"eval {split} step {step}: " + " ".join(
-            f"{name} {result[name]:.4f}" for name in ("hr@10", "ndcg@10", "mrr", "hr@50")
-        )
-        references = [f"popularity hr@10 {result['popularity_hr@10']:.4f}"]
-        if "oracle_hr@10" in result:
-            references.append(f"oracle hr@10 {result['oracle_hr@10']:.4f}")
-        return f"{line} ({', '.join(references)})"
+        return ranking_line(split, step, result)
 
     def _metrics(self) -> RankingMetrics:
         chunk = self.config.train.next_item.eval_chunk_items
@@ -211,3 +203,15 @@ class NextItemTask:
             queries = torch.ones(batch.size, 1, dtype=torch.float64, device=self.device)
             metrics.update(queries, items, batch.targets, self._exclude(batch))
         return metrics.compute()
+
+
+def ranking_line(split: str, step: int, result: dict[str, Any]) -> str:
+    """The line a ranking evaluation prints: ``eval valid step 200: hr@10 0.4123 ndcg@10
+    0.2301 mrr 0.2010 hr@50 0.7012 (popularity hr@10 0.2034, oracle hr@10 0.5712)``."""
+    line = f"eval {split} step {step}: " + " ".join(
+        f"{name} {result[name]:.4f}" for name in ("hr@10", "ndcg@10", "mrr", "hr@50")
+    )
+    references = [f"popularity hr@10 {result['popularity_hr@10']:.4f}"]
+    if "oracle_hr@10" in result:
+        references.append(f"oracle hr@10 {result['oracle_hr@10']:.4f}")
+    return f"{line} ({', '.join(references)})"
