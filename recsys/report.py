@@ -25,9 +25,10 @@ top of the earlier ones, so every run stays visible. A run resumed from a checkp
 resume step.
 
 The table has one row per run: steps, the last valid AUC and its step, test AUC and logloss,
-mean samples/s (total samples over total train time: what the run's summary line reports for
-a run that was not resumed), the seconds spent compiling (when some run compiled) and the mean
-step-time breakdown in ms.
+a sequence model's ranking metrics (last valid HR@10, test HR@10, NDCG@10, MRR, HR@50; columns
+shown when some run logged them), mean samples/s (total samples over total train time: what
+the run's summary line reports for a run that was not resumed), the seconds spent compiling
+(when some run compiled) and the mean step-time breakdown in ms.
 
 The PNG goes to ``--output`` (must end in ``.png``; an existing file there is replaced) or, by
 default, ``<first run dir>/report.png``. Drawing uses matplotlib's Agg canvas: no display is
@@ -101,6 +102,8 @@ class RunSummary:
         step_ms: mean milliseconds per step of each part whose ``time_<part>`` field the run
             logged, keyed by part (``data``, ``forward``, ``backward``, ``optimizer``,
             ``collectives``: :data:`recsys.train.progress.STEP_PARTS`).
+        ranking: a sequence model's ranking metrics, ``valid hr@10`` (the last valid one),
+            ``test hr@10``, ``test ndcg@10``, ``test mrr``, ``test hr@50``: those it logged.
     """
 
     name: str
@@ -112,6 +115,7 @@ class RunSummary:
     samples_per_s: float | None
     compile_s: float | None
     step_ms: dict[str, float]
+    ranking: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -214,7 +218,24 @@ def summarize(run: RunMetrics) -> RunSummary:
         samples_per_s=samples_per_s,
         compile_s=sum(compiled) if compiled else None,
         step_ms=step_ms,
+        ranking=_ranking(last_valid, last_test),
     )
+
+
+RANKING_COLUMNS = (
+    ("valid", "hr@10"),
+    ("test", "hr@10"),
+    ("test", "ndcg@10"),
+    ("test", "mrr"),
+    ("test", "hr@50"),
+)
+"""The ranking metrics of a sequence model's run that the table shows."""
+
+
+def _ranking(valid: dict[str, Any], test: dict[str, Any]) -> dict[str, float]:
+    events = {"valid": valid, "test": test}
+    found = {f"{split} {key}": _number(events[split].get(key)) for split, key in RANKING_COLUMNS}
+    return {name: value for name, value in found.items() if value is not None}
 
 
 def _cell(value: float | None, spec: str) -> str:
@@ -227,7 +248,10 @@ def format_table(summaries: Sequence[RunSummary]) -> str:
     logged them."""
     labels = [part for part in STEP_PARTS if any(part in s.step_ms for s in summaries)]
     compiled = any(s.compile_s is not None for s in summaries)
-    header = ["run", "steps", "valid auc", "at step", "test auc", "test logloss", "samples/s"]
+    ranking = [f"{split} {key}" for split, key in RANKING_COLUMNS]
+    ranking = [name for name in ranking if any(name in s.ranking for s in summaries)]
+    header = ["run", "steps", "valid auc", "at step", "test auc", "test logloss", *ranking]
+    header += ["samples/s"]
     header += ["compile s"] if compiled else []
     header += [f"{label} ms" for label in labels]
     rows = [header]
@@ -235,6 +259,7 @@ def format_table(summaries: Sequence[RunSummary]) -> str:
         row = [s.name, str(s.steps), _cell(s.valid_auc, ".4f")]
         row += ["-" if s.valid_step is None else str(s.valid_step)]
         row += [_cell(s.test_auc, ".4f"), _cell(s.test_logloss, ".4f")]
+        row += [_cell(s.ranking.get(name), ".4f") for name in ranking]
         row += [_cell(s.samples_per_s, ",.0f")]
         row += [_cell(s.compile_s, ",.1f")] if compiled else []
         row += [_cell(s.step_ms.get(label), ".2f") for label in labels]

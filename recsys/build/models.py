@@ -25,8 +25,9 @@ from torch import nn
 from torchrec import EmbeddingBagConfig
 
 from recsys.build.dynamic_tables import dynamic_features, dynamic_options
+from recsys.build.sequence_models import build_sequence_model
 from recsys.build.tiered_tables import storage_options
-from recsys.config import ModelConfig, TrainConfig
+from recsys.config import SEQUENCE_MODELS, ModelConfig, TrainConfig
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
@@ -103,14 +104,25 @@ def build_model(
             (:func:`recsys.distributed.parallel.parallelize`).
 
     Returns:
-        The model, with ``forward(dense_features, sparse_features) -> logits [B, T]``.
+        The model, with ``forward(dense_features, sparse_features) -> logits [B, T]``; a
+        sequence model (sasrec, hstu: :mod:`recsys.build.sequence_models`) reads histories.
 
     Raises:
         ValueError: an unknown ``model.name``, or sizes that do not fit the data (naming the
             key).
     """
+    if config.name in SEQUENCE_MODELS:  # user histories in, next-item scores out
+        if table_device is not None and table_device.type == "meta":
+            raise ValueError(
+                f"model.name = {config.name!r} trains in one process; sharded item tables "
+                "(torchrun) are not supported for sequence models yet"
+            )
+        return build_sequence_model(config, spec, device, embedding_optimizer=embedding_optimizer)
     if config.name not in MODELS:
-        raise ValueError(f"unknown model.name {config.name!r}; available: {', '.join(MODELS)}")
+        raise ValueError(
+            f"unknown model.name {config.name!r}; available: "
+            f"{', '.join([*MODELS, *SEQUENCE_MODELS])}"
+        )
     entry = MODELS[config.name]
     shared: dict[str, Any] = {}
     if entry.dense_arch:

@@ -36,8 +36,17 @@ from recsys.config.sections import (
     TrainConfig,
     XDeepFMConfig,
 )
+from recsys.config.sequences import (
+    RANKING_METRICS,
+    SEQUENCE_MODELS,
+    NextItemConfig,
+    SequenceModelConfig,
+    SyntheticSequencesConfig,
+)
 
 __all__ = [
+    "RANKING_METRICS",
+    "SEQUENCE_MODELS",
     "CheckpointConfig",
     "Config",
     "CriteoConfig",
@@ -47,11 +56,14 @@ __all__ = [
     "DynamicConfig",
     "MMoEConfig",
     "ModelConfig",
+    "NextItemConfig",
     "PNNConfig",
     "PreprocessConfig",
     "RunConfig",
+    "SequenceModelConfig",
     "StorageConfig",
     "SyntheticConfig",
+    "SyntheticSequencesConfig",
     "TrainConfig",
     "XDeepFMConfig",
     "config_differences",

@@ -4,58 +4,16 @@ Each component of a run receives only its own section."""
 
 from __future__ import annotations
 
-import importlib
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-
-@dataclass(frozen=True)
-class Range:
-    """Allowed values of a numeric config key, checked when the config is loaded: written as
-    ``Annotated[int, Range(min=1)]`` on the field. Floats must also be finite."""
-
-    min: float | None = None
-    max: float | None = None
-    max_open: bool = False
-    """``max`` itself is excluded (``[min, max)``)."""
-
-    def problem(self, value: Any) -> str | None:
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"must be a finite number {self}"
-        if (self.min is not None and value < self.min) or (
-            self.max is not None and (value >= self.max if self.max_open else value > self.max)
-        ):
-            return f"must be {self}"
-        return None
-
-    def __str__(self) -> str:
-        if self.max is None:
-            return f">= {self.min:g}"
-        return f"in [{self.min:g}, {self.max:g}{')' if self.max_open else ']'}"
-
-
-@dataclass(frozen=True)
-class Check:
-    """A config key whose values are judged by the module that uses them: ``target`` is
-    ``"module:function"``, a function of the value returning what is wrong, or None."""
-
-    target: str
-    description: str
-
-    def problem(self, value: Any) -> str | None:
-        module, name = self.target.split(":")
-        check: Callable[[Any], str | None] = getattr(importlib.import_module(module), name)
-        return check(value)
-
-    def __str__(self) -> str:
-        return f"({self.description})"
-
-
-AtLeast0 = Range(min=0)
-AtLeast1 = Range(min=1)
-Fraction = Range(min=0, max=1, max_open=True)
+from recsys.config.rules import AtLeast0, AtLeast1, Check, Fraction, Range
+from recsys.config.sequences import (
+    BestMetric,
+    NextItemConfig,
+    SequenceModelConfig,
+    SyntheticSequencesConfig,
+)
 
 
 @dataclass
@@ -160,13 +118,19 @@ class CriteoConfig:
 class DataConfig:
     """Where batches come from and how they are loaded."""
 
-    source: Literal["auto", "synthetic", "parquet", "criteo"] = "auto"
-    """``auto``: ``parquet`` when data.path is a preprocessed directory, ``criteo`` when it is
-    a file, ``synthetic`` when data.path is empty."""
+    source: Literal[
+        "auto", "synthetic", "parquet", "criteo", "sequences", "synthetic_sequences"
+    ] = "auto"
+    """``auto``: ``parquet`` when data.path is a preprocessed directory (``sequences`` when it
+    holds user histories, written by ``recsys preprocess --format interactions``), ``criteo``
+    when it is a file, ``synthetic`` when data.path is empty (``synthetic_sequences`` for a
+    sequence model: sasrec, hstu)."""
     path: str = ""
     """A directory written by ``recsys preprocess`` (or a raw Criteo TSV file, read whole)."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     """Settings of the synthetic source."""
+    synthetic_sequences: SyntheticSequencesConfig = field(default_factory=SyntheticSequencesConfig)
+    """Settings of the synthetic interaction log (sequence models)."""
     criteo: CriteoConfig = field(default_factory=CriteoConfig)
     """Settings of the direct Criteo TSV reader."""
     prefetch_batches: Annotated[int, Range(min=-1)] = -1
@@ -395,12 +359,13 @@ class ModelConfig:
     here. The keys below are shared by the models; a model's own options are in its section
     ([model.cross], [model.xdeepfm], [model.pnn], [model.mmoe])."""
 
-    name: Literal["dlrm", "dlrm_dcn", "dcn", "deepfm", "wide_deep", "xdeepfm", "pnn", "mmoe"] = (
-        "dlrm"
-    )
-    """Model to build; see recsys.build.models.MODELS."""
+    name: Literal[
+        "dlrm", "dlrm_dcn", "dcn", "deepfm", "wide_deep", "xdeepfm", "pnn", "mmoe", "sasrec", "hstu"
+    ] = "dlrm"
+    """Model to build; see recsys.build.models.MODELS. ``sasrec`` and ``hstu`` are sequence
+    models (next-item retrieval over user histories; options in [model.sequence])."""
     embedding_dim: Annotated[int, AtLeast1] = 16
-    """Embedding dimension of every table."""
+    """Embedding dimension of every table (sasrec / hstu: the item and hidden dimension)."""
     pooling: Literal["sum", "mean"] = "sum"
     """How a bag of ids is reduced to one vector."""
     embedding_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
@@ -423,6 +388,8 @@ class ModelConfig:
     """[model.pnn]"""
     mmoe: MMoEConfig = field(default_factory=MMoEConfig)
     """[model.mmoe]"""
+    sequence: SequenceModelConfig = field(default_factory=SequenceModelConfig)
+    """[model.sequence]: sasrec and hstu."""
     dynamic: DynamicConfig = field(default_factory=DynamicConfig)
     """[model.dynamic]: tables keyed by raw ids."""
     storage: StorageConfig = field(default_factory=StorageConfig)
@@ -497,8 +464,10 @@ class TrainConfig:
     """Stop training after this many validations in a row without improving on the best one
     (by early_stopping_metric); the test evaluation and final checkpoint follow as usual.
     0: never stop early. Needs eval_every_steps > 0."""
-    early_stopping_metric: Literal["valid_auc", "valid_logloss"] = "valid_auc"
-    """What early stopping watches: higher valid AUC or lower valid logloss is better."""
+    early_stopping_metric: BestMetric = "valid_auc"
+    """What early stopping watches: higher valid AUC or lower valid logloss is better; a
+    sequence model watches a ranking metric (valid_hr@10, valid_ndcg@10, valid_mrr,
+    valid_hr@50, valid_ndcg@50; higher is better)."""
     eval_batch_size: Annotated[int, AtLeast1] = 8192
     """Samples per evaluation batch."""
     progress_bar: bool = True
@@ -509,6 +478,8 @@ class TrainConfig:
     losses are the plain loop's, bitwise. "auto": on under torchrun on CUDA when some table is
     sharded (not data_parallel); off on CPU (no gain measured on 2 gloo ranks) and in one
     process, where it has nothing to run ahead."""
+    next_item: NextItemConfig = field(default_factory=NextItemConfig)
+    """[train.next_item]: the loss and ranking evaluation of sequence models."""
 
 
 @dataclass
@@ -542,9 +513,10 @@ class CheckpointConfig:
     it rebuild the current tables (recsys predict --deltas). 0: no deltas."""
     keep: Annotated[int, AtLeast0] = 3
     """Keep the newest this many checkpoints; older ones are deleted (0: keep all)."""
-    keep_best: Literal["", "valid_auc", "valid_logloss"] = ""
+    keep_best: Literal["", BestMetric] = ""
     """Also keep the checkpoint of the best validation by this metric (saved when a validation
-    improves on the best: higher AUC, lower logloss), linked as checkpoints/best and never
+    improves on the best: higher AUC, lower logloss; higher ranking metrics of a sequence
+    model, e.g. valid_hr@10), linked as checkpoints/best and never
     pruned while it is the best; "" keeps none. Needs train.eval_every_steps > 0."""
     save_final: bool = True
     """Save a checkpoint when training ends."""

@@ -124,31 +124,37 @@ class SequenceLoader:
     """Batches of one split of a sequence dataset.
 
     Args:
-        path: the dataset directory.
+        path: the dataset directory, or a split already read (:func:`read_histories`).
         split: ``train`` (next-item targets at every position, shuffled), ``valid`` or ``test``.
         batch_size: users per batch on each rank.
         rank / world_size: this rank's share: train deals each epoch's shuffled users out in
             whole global batches of ``batch_size * world_size`` (the last partial one dropped, so
             every rank steps alike); valid / test give rank r users r, r + W, ... (all of them).
         seed: the shuffle's seed (train).
+        max_len: the most recent events of a history a batch keeps (None: all); a train row
+            keeps ``max_len`` inputs and their targets.
     """
 
     def __init__(
         self,
-        path: str | Path,
+        path: str | Path | Histories,
         split: str,
         batch_size: int,
         *,
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
+        max_len: int | None = None,
     ) -> None:
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
                 f"batch_size={batch_size} must be >= 1 and rank={rank} in [0, world_size="
                 f"{world_size})"
             )
-        self.histories = read_histories(path, split)
+        if max_len is not None and max_len < 1:
+            raise ValueError(f"max_len={max_len}; expected >= 1 (or None: whole histories)")
+        self.histories = path if isinstance(path, Histories) else read_histories(path, split)
+        self.max_len = max_len
         self.split, self.batch_size = split, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.num_items = self.histories.num_items
@@ -161,24 +167,28 @@ class SequenceLoader:
         mine = len(range(self.rank, users, self.world_size))
         return math.ceil(mine / self.batch_size)
 
-    def epoch(self, epoch: int = 0) -> Iterator[SequenceBatch]:
-        """This rank's batches of epoch ``epoch``."""
+    def epoch(self, epoch: int = 0, start_batch: int = 0) -> Iterator[SequenceBatch]:
+        """This rank's batches of epoch ``epoch``, from its batch ``start_batch`` on (train:
+        the batches before it were trained by a run this one resumes)."""
         users = self.histories.users
         if self.split == "train":
             order = np.random.default_rng([self.seed, epoch]).permutation(users)
             step = self.batch_size * self.world_size
-            for start in range(0, len(self) * step, step):
+            for start in range(start_batch * step, len(self) * step, step):
                 mine = start + self.rank * self.batch_size
                 yield self.batch(order[mine : mine + self.batch_size])
             return
         order = np.arange(self.rank, users, self.world_size)
-        for start in range(0, len(order), self.batch_size):
+        for start in range(start_batch * self.batch_size, len(order), self.batch_size):
             yield self.batch(order[start : start + self.batch_size])
 
     def batch(self, users: np.ndarray) -> SequenceBatch:
         """The batch of these users (indices into the split), in this order."""
         h = self.histories
         starts, ends = h.offsets[users], h.offsets[users + 1]
+        if self.max_len is not None:  # the most recent events (train: plus the last target)
+            keep = self.max_len + (self.split == "train")
+            starts = np.maximum(starts, ends - keep)
         if self.split == "train":  # read e_1 .. e_(n-1), predict e_2 .. e_n
             index, lengths = segment_index(starts, ends - 1)[0], ends - 1 - starts
             targets = torch.from_numpy(h.values[index + 1])

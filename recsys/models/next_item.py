@@ -34,9 +34,11 @@ def next_item_loss(
     full_softmax: bool = False,
     first_item: int = 0,
     generator: torch.Generator | None = None,
+    logq: bool = True,
 ) -> torch.Tensor:
     """The mean next-item loss of ``batch`` (a train batch: targets per position) under
-    ``model`` (see the module docstring).
+    ``model`` (see the module docstring); ``logq=False`` leaves the sampled negatives' logits
+    uncorrected.
 
     Raises:
         ValueError: not a train batch, no negatives asked for, or first_item past the items.
@@ -66,11 +68,13 @@ def next_item_loss(
     hidden, vectors = model(batch.items, batch.max_length, torch.cat([targets, negatives]))
     positive = (hidden * vectors[:positions]).sum(dim=1, keepdim=True)  # [P, 1]
     logits = hidden @ vectors[positions:].t()  # [P, S]
-    counts = torch.zeros(num_items, device=device).index_add_(
-        0, targets, torch.ones(positions, device=device)
-    )
-    expected = in_batch * counts[negatives] / max(positions, 1) + uniform / (num_items - first_item)
-    logits = logits - torch.log(expected)[None, :]
+    if logq:
+        counts = torch.zeros(num_items, device=device).index_add_(
+            0, targets, torch.ones(positions, device=device)
+        )
+        expected = in_batch * counts[negatives] / max(positions, 1)
+        expected = expected + uniform / (num_items - first_item)
+        logits = logits - torch.log(expected)[None, :]
     logits = logits.masked_fill(negatives[None, :] == targets[:, None], float("-inf"))
     both = torch.cat([positive, logits], dim=1)
     return F.cross_entropy(both, torch.zeros(positions, dtype=torch.int64, device=device))

@@ -63,10 +63,12 @@ from recsys.checkpoint.io import (
     SPEC_FILE,
     checkpoint_step,
     load_model,
+    read_config,
     read_spec,
     resolve_checkpoint,
 )
 from recsys.checkpoint.lineage import read_lineage
+from recsys.config import SEQUENCE_MODELS
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.parquet import table_to_batch
 from recsys.data.prepared import file_fingerprint, new_directory_beside, read_metadata
@@ -76,6 +78,7 @@ from recsys.serve.exported_deltas import (
     apply_exported_deltas,
     exported_dynamic_tables,
 )
+from recsys.serve.retrieval_export import RETRIEVAL_FILE, export_retrieval, predict_top_k
 
 __all__ = [
     "InferenceModule",
@@ -122,7 +125,8 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
         overwrite: replace ``output`` when it exists (else that is an error).
 
     Returns:
-        ``output``.
+        ``output``. A sequence model's checkpoint (sasrec, hstu) exports its top-100 program
+        (:mod:`recsys.serve.retrieval_export`).
 
     Raises:
         ValueError: ``output`` exists and ``overwrite`` is False, or is a directory.
@@ -135,6 +139,8 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
     checkpoint = resolve_checkpoint(checkpoint)
     output = Path(output)
     _check_output(output, overwrite)
+    if read_config(checkpoint).model.name in SEQUENCE_MODELS:  # top-K items of a history
+        return export_retrieval(checkpoint, output)
     spec = read_spec(checkpoint)
     model = load_model(checkpoint, device="cpu").requires_grad_(False)
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
@@ -280,7 +286,9 @@ def predict(
     format: str | None = None,
     deltas: str | Path | None = None,
 ) -> PredictReport:
-    """Score parquet files with an exported model and write the scores as parquet.
+    """Score parquet files with an exported model and write the scores as parquet (a sequence
+    model's export: the top-K items of each history of an ``items`` column, see
+    :mod:`recsys.serve.retrieval_export`).
 
     The input is read one row group at a time and scored ``batch_size`` rows at a time, so
     memory stays bounded by a row group. Its columns are named as in training: the spec's
@@ -331,10 +339,18 @@ def predict(
     if not transform and (data is not None or format is not None):
         raise ValueError("data and format describe raw input: they need transform")
     start = time.perf_counter()
-    model, spec, dynamic = load_program(model_path)
+    top_k = _archive_has(Path(model_path), f"extra/{RETRIEVAL_FILE}")  # a sequence model's
+    if top_k and (transform or deltas is not None):
+        raise ValueError(
+            f"'{model_path}' is a sequence model's export: it reads histories of encoded item "
+            "ids (an 'items' column, as `recsys preprocess --format interactions` writes them), "
+            "without transform or deltas"
+        )
     deltas_step = None
-    if deltas is not None:
-        deltas_step = apply_exported_deltas(model, dynamic, deltas, model_path)
+    if not top_k:
+        model, spec, dynamic = load_program(model_path)
+        if deltas is not None:
+            deltas_step = apply_exported_deltas(model, dynamic, deltas, model_path)
     output = Path(output)
     inputs = _input_files(str(input), parquet=not transform)
     for file in inputs:
@@ -349,6 +365,9 @@ def predict(
             "would read it as input; write it elsewhere"
         )
     _check_output(output, overwrite)
+    if top_k:  # the top-K items of each history
+        rows, columns = predict_top_k(model_path, inputs, output, batch_size)
+        return PredictReport(output, rows, len(inputs), columns, time.perf_counter() - start)
     with contextlib.ExitStack() as stack:
         if transform:
             dataset = training_data(model_path, spec, data)

@@ -2,7 +2,8 @@
 and when ``train.early_stopping_patience`` stops training.
 
 A validation improves on the best one when its metric is strictly better (higher AUC, lower
-logloss); the first validation is always the best so far. The tracker's state is part of the
+logloss; higher HR@k, NDCG@k and MRR of a sequence model's ranking); the first validation is
+always the best so far. The tracker's state is part of the
 checkpoint, so a resumed run compares with the best of the run it continues.
 """
 
@@ -12,10 +13,14 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from recsys.config import Config
+from recsys.config import RANKING_METRICS, SEQUENCE_MODELS, Config
 
 # metric name -> (key of the valid eval result, True when higher is better)
-METRICS = {"valid_auc": ("auc", True), "valid_logloss": ("logloss", False)}
+METRICS = {
+    "valid_auc": ("auc", True),
+    "valid_logloss": ("logloss", False),
+    **{name: (name.removeprefix("valid_"), True) for name in RANKING_METRICS},
+}
 
 
 @dataclass
@@ -83,5 +88,17 @@ def best_validation(config: Config) -> BestValidation | None:
         raise ValueError(
             f"checkpoint.keep_best = {keep_best!r} but train.early_stopping_metric = "
             f"{train.early_stopping_metric!r}: watch one metric for both"
+        )
+    key = "checkpoint.keep_best" if keep_best else "train.early_stopping_metric"
+    sequence = config.model.name in SEQUENCE_MODELS
+    if sequence != (metric in RANKING_METRICS):
+        kind, names = (
+            ("a ranking", RANKING_METRICS)
+            if sequence
+            else ("a CTR", ("valid_auc", "valid_logloss"))
+        )
+        raise ValueError(
+            f"{key} = {metric!r}, but model.name = {config.model.name!r} is evaluated by "
+            f"{kind} metric: pick one of {', '.join(names)}"
         )
     return BestValidation(metric)

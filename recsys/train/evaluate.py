@@ -37,7 +37,7 @@ from recsys.checkpoint.io import (
     tensor_reader,
     verify_checkpoint,
 )
-from recsys.config import Config, DataConfig, load_config
+from recsys.config import SEQUENCE_MODELS, Config, DataConfig, load_config
 from recsys.data import build_dataset, resolve_source
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.loader import BatchLoader, ChunkedDataset
@@ -157,7 +157,15 @@ class EvalResult:
     metrics: dict[str, Any]
 
     def summary(self) -> str:
-        """One line: the trainer's eval line, per-task AUCs, the sample count and the data."""
+        """One line: the trainer's eval line, per-task AUCs, the sample count and the data (a
+        sequence model: its ranking line and the user count)."""
+        if "num_users" in self.metrics:
+            from recsys.train.retrieval import ranking_line
+
+            return (
+                f"{ranking_line(self.split, self.step, self.metrics)}; "
+                f"{self.metrics['num_users']:,} users of {self.data}; checkpoint {self.checkpoint}"
+            )
         tasks = [
             f"{k.removeprefix('auc_')} {v:.4f}" for k, v in self.metrics.items() if k[:4] == "auc_"
         ]
@@ -213,6 +221,8 @@ def evaluate_checkpoint(
     try:
         verify_checkpoint(path)  # before its spec.json is trusted, and its tensors read
         spec = read_spec(path)
+        if config.model.name in SEQUENCE_MODELS:
+            return _evaluate_sequences(path, config, spec, device, info, split)
         dataset = _dataset(config, spec, path, new_data="data.path" in _keys(overrides))
         if not sum(dataset.chunk_rows(split, i) for i in range(dataset.num_chunks(split))):
             raise ValueError(f"the {split} split of {data_name(config)} has no rows")
@@ -230,6 +240,24 @@ def evaluate_checkpoint(
     finally:
         if not joined:
             shutdown_distributed()
+
+
+def _evaluate_sequences(
+    path: Path,
+    config: Config,
+    spec: DatasetSpec,
+    device: torch.device,
+    info: DistributedInfo,
+    split: str,
+) -> EvalResult:
+    """:func:`evaluate_checkpoint` of a sequence model: the ranking of its run's evaluations
+    (:class:`~recsys.train.retrieval.NextItemTask`) on the histories ``config`` names."""
+    from recsys.train.retrieval import NextItemTask
+
+    task = NextItemTask(config, device, info, lambda line: None)
+    check_spec(spec, task.spec, f"{data_name(config)} and checkpoint '{path}'")
+    model, step = _load_model(path, config, spec, device, info)
+    return EvalResult(path, step, split, data_name(config), task.evaluate(model, split))
 
 
 def checkpoint_config(path: Path, overrides: Sequence[str] = ()) -> Config:
@@ -370,8 +398,12 @@ def _current_info() -> DistributedInfo:
 
 def data_name(config: Config) -> str:
     """The data, as the trainer's summary names it."""
-    source = resolve_source(config.data)
-    return "synthetic data" if source == "synthetic" else f"{source} data '{config.data.path}'"
+    source = resolve_source(config.data, sequences=config.model.name in SEQUENCE_MODELS)
+    if source == "synthetic":
+        return "synthetic data"
+    if source == "synthetic_sequences":
+        return "synthetic interaction log"
+    return f"{source} data '{config.data.path}'"
 
 
 def _max_over_ranks(value: int, device: torch.device) -> int:

@@ -202,17 +202,27 @@ def summary_line(
     compile_s: float = 0.0,
 ) -> str:
     """``recsys: <what> done | steps | test AUC (and the oracle's) | logloss | samples/s |
-    compile time | run dir``; ``trained``: the steps this process ran (fewer than ``steps``
-    after a resume); ``compile_s``: the seconds its train steps spent compiling under
+    compile time | run dir`` (a sequence model: test HR@10 with the oracle's and popularity's,
+    NDCG@10, in place of AUC and logloss); ``trained``: the steps this process ran (fewer than
+    ``steps`` after a resume); ``compile_s``: the seconds its train steps spent compiling under
     torch.compile (left out of samples/s; not shown when 0)."""
-    line = f"recsys: {what} done | {steps} steps | test auc {test['auc']:.4f}"
-    if "oracle_auc" in test:
-        line += f" (oracle {test['oracle_auc']:.4f}, gap {test['oracle_auc'] - test['auc']:.4f})"
-    line += f" | test logloss {test['logloss']:.4f} | "
+    line = f"recsys: {what} done | {steps} steps | "
+    if "auc" in test:
+        line += f"test auc {test['auc']:.4f}"
+        if "oracle_auc" in test:
+            gap = test["oracle_auc"] - test["auc"]
+            line += f" (oracle {test['oracle_auc']:.4f}, gap {gap:.4f})"
+        line += f" | test logloss {test['logloss']:.4f} | "
+    else:
+        references = [f"popularity {test['popularity_hr@10']:.4f}"]
+        if "oracle_hr@10" in test:
+            references.insert(0, f"oracle {test['oracle_hr@10']:.4f}")
+        line += f"test hr@10 {test['hr@10']:.4f} ({', '.join(references)})"
+        line += f" | test ndcg@10 {test['ndcg@10']:.4f} | "
     if samples_per_s is None:
         line += "no step trained in this process"
     else:
-        line += f"{samples_per_s:,.0f} samples/s"
+        line += f"{samples_per_s:,.0f} {'samples' if 'auc' in test else 'users'}/s"
         if trained != steps:
             line += f" over its {trained} step(s)"
     if compile_s > 0.0:

@@ -8,6 +8,7 @@ applies all updates with unscaled gradients or none of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +32,10 @@ class TrainStep:
         cuda_graphs: the dense part replays CUDA graphs (``train.cuda_graphs``): each step
             starts a new graph generation, whose replays reuse the memory of the previous
             step's graph outputs (nothing holds those across steps: the loss is computed eagerly).
+        loss: ``loss(model, batch) -> scalar``, the whole forward of a model that is not a
+            CTR model (a sequence model's next-item loss, :mod:`recsys.train.retrieval`), run
+            under the precision's autocast and taken in fp32; None: BCE over
+            ``model(batch.dense, batch.sparse)``'s logits.
     """
 
     def __init__(
@@ -41,6 +46,7 @@ class TrainStep:
         device: torch.device,
         task_weights: torch.Tensor | None,
         cuda_graphs: bool = False,
+        loss: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
         self.optimizers = optimizers
@@ -48,6 +54,7 @@ class TrainStep:
         self.device = device
         self.task_weights = task_weights
         self.cuda_graphs = cuda_graphs
+        self.loss = loss
         autocast(precision, device)  # a bad precision fails here, before training
         self.scaler = LossScaler() if precision == "fp16" else None
         self.deferred = DeferredEmbeddingGrads(model) if self.scaler else None
@@ -58,9 +65,13 @@ class TrainStep:
             torch.compiler.cudagraph_mark_step_begin()
         if self.scaler is not None:
             return self._scaled_step(batch, timer)
-        with autocast(self.precision, self.device):
-            logits = self.model(batch.dense, batch.sparse)  # [B, T]
-        loss = self._loss(logits, batch.labels)
+        if self.loss is not None:
+            with autocast(self.precision, self.device):
+                loss = self.loss(self.model, batch).float()
+        else:
+            with autocast(self.precision, self.device):
+                logits = self.model(batch.dense, batch.sparse)  # [B, T]
+            loss = self._loss(logits, batch.labels)
         timer.mark("forward")
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
@@ -73,9 +84,13 @@ class TrainStep:
 
     def _scaled_step(self, batch: Batch, timer: StepTimer) -> torch.Tensor:
         scaler, deferred = self.scaler, self.deferred
-        with deferred.cut(), autocast(self.precision, self.device):
-            logits = self.model(batch.dense, batch.sparse)
-        loss = self._loss(logits, batch.labels)
+        if self.loss is not None:
+            with deferred.cut(), autocast(self.precision, self.device):
+                loss = self.loss(self.model, batch).float()
+        else:
+            with deferred.cut(), autocast(self.precision, self.device):
+                logits = self.model(batch.dense, batch.sparse)
+            loss = self._loss(logits, batch.labels)
         timer.mark("forward")
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)

@@ -53,10 +53,8 @@ from recsys.checkpoint.io import (
     tensor_reader,
 )
 from recsys.config import CheckpointConfig, Config, config_differences
-from recsys.data import build_dataset
 from recsys.data.batch import Batch
-from recsys.data.layout import DataPosition, Reshard
-from recsys.data.loader import BatchLoader
+from recsys.data.layout import DataPosition
 from recsys.distributed.parallel import (
     DistributedInfo,
     init_distributed,
@@ -70,7 +68,7 @@ from recsys.embedding.interface import (
 )
 from recsys.ops.input_checks import INPUT_ERRORS
 from recsys.train.best import best_validation
-from recsys.train.evaluate import data_name, eval_line, evaluate_split
+from recsys.train.evaluate import data_name
 from recsys.train.metrics import MetricsLogger
 from recsys.train.model_setup import setup_model
 from recsys.train.optimizers import (
@@ -93,6 +91,7 @@ from recsys.train.run_dir import (
 from recsys.train.schedule import LRSchedule
 from recsys.train.step import TrainStep
 from recsys.train.stop import StopSignals, TrainingStopped
+from recsys.train.tasks import build_task
 
 
 @dataclass
@@ -158,30 +157,31 @@ class _Run:
         )
         resume = find_resume(config, self.run_dir, self._print) if ckpt.resume else None
         seed_everything(config.run.seed)
-        self.dataset = build_dataset(config.data, config.run.seed)
-        malformed = getattr(self.dataset, "malformed", None)
-        if malformed is not None and malformed.count:
-            self._print(f"{config.data.path}: {malformed.summary()}")
+        self.task = build_task(config, device, info, self._print)  # data, loss, evaluation
+        self._loader = self.task.loader
         self.model = setup_model(
-            config, self.dataset.spec, device, info.world_size, self.run_dir, resume, self._print
+            config, self.task.spec, device, info.world_size, self.run_dir, resume, self._print
         )
         check_cache_sizes(
-            self.model,
-            config.train.batch_size,
-            info.world_size,
-            getattr(self.dataset, "max_ids_per_sample", {}),
+            self.model, config.train.batch_size, info.world_size, self.task.max_ids_per_sample
         )
         if note := disk_note(_unwrap(self.model)):
             self._print(note)
         self.optimizers = build_optimizers(config.train, self.model)
-        task_weights = task_loss_weights(config.train, self.dataset.spec.num_tasks, device)
+        task_weights = task_loss_weights(config.train, self.task.spec.num_tasks, device)
         graphs = config.train.cuda_graphs
         self.train_step = TrainStep(
-            self.model, self.optimizers, config.train.precision, device, task_weights, graphs
+            self.model,
+            self.optimizers,
+            config.train.precision,
+            device,
+            task_weights,
+            graphs,
+            loss=self.task.loss,
         )
         if note := precision_note(config.train.precision, device):
             self._print(note)
-        self.steps_per_epoch = self._steps_per_epoch()
+        self.steps_per_epoch = self.task.steps_per_epoch()
         self.total_steps = self.steps_per_epoch * config.train.epochs
         if config.train.max_steps > 0:
             self.total_steps = min(self.total_steps, config.train.max_steps)
@@ -216,27 +216,6 @@ class _Run:
         self.deltas = DeltaWriter(self.run_dir / DELTAS_DIR, ckpt.delta_every_steps, self.lineage)
         if stale := self.deltas.start(_unwrap(self.model), self.step):  # written after step
             self._print(f"removed {len(stale)} stale delta(s) after step {self.step}")
-
-    def _steps_per_epoch(self) -> int:
-        """Batches per epoch on each rank.
-
-        Raises:
-            ValueError: a rank would get no batch.
-        """
-        steps = len(self._loader("train", epoch=0))
-        if steps > 0:
-            return steps
-        world_size, num_chunks = self.info.world_size, self.dataset.num_chunks("train")
-        if num_chunks < world_size:
-            raise ValueError(
-                f"the train split has {num_chunks} chunk(s) (row groups) for {world_size} "
-                "ranks, and each rank reads whole chunks: some rank would get no data; use "
-                "fewer ranks or write the data in more chunks"
-            )
-        raise ValueError(
-            f"train.batch_size = {self.config.train.batch_size} x {world_size} rank(s) is "
-            "larger than the train split"
-        )
 
     def fit(self) -> TrainResult:
         """Train to ``total_steps``, evaluate on the test split, save the final checkpoint.
@@ -419,55 +398,19 @@ class _Run:
         last = self.last_checkpoint
         return last if last is not None and last.name == f"step_{self.step:08d}" else None
 
-    def _loader(
-        self, split: str, epoch: int = 0, start_batch: int = 0, reshards: tuple[Reshard, ...] = ()
-    ) -> BatchLoader:
-        training = split == "train"
-        return BatchLoader(
-            self.dataset,
-            split,
-            self.config.train.batch_size if training else self.config.train.eval_batch_size,
-            shuffle=training and self.config.data.shuffle,
-            seed=self.config.run.seed,
-            epoch=epoch,
-            drop_last=training,
-            rank=self.info.rank,
-            world_size=self.info.world_size,
-            prefetch=self._prefetch(),
-            device=self.device,
-            shuffle_buffer_chunks=self.config.data.shuffle_buffer_chunks,
-            start_batch=start_batch,
-            reshards=reshards,
-            workers=self.config.data.loader_workers,
-        )
-
-    def _prefetch(self) -> int:
-        """``data.prefetch_batches`` (>= -1: checked with the config); -1 (auto): 4 on CUDA,
-        none on CPU."""
-        prefetch = self.config.data.prefetch_batches
-        return prefetch if prefetch >= 0 else (4 if self.device.type == "cuda" else 0)
-
     def _train_step(self, batch: Batch, timer: StepTimer) -> torch.Tensor:
         return self.train_step(batch, timer)
 
     @torch.no_grad()
     def evaluate(self, split: str) -> dict[str, Any]:
-        """AUC / logloss over the whole split (all ranks), logged as an eval event."""
+        """The task's metrics over the whole split (all ranks: AUC / logloss, or the ranking
+        metrics of a sequence model), logged as an eval event."""
         INPUT_ERRORS.raise_first()  # a bad training batch first, named by its step
         INPUT_ERRORS.tag = 0
-        result = evaluate_split(
-            self.model,
-            self.dataset,
-            split,
-            self.config.train.eval_batch_size,
-            self.device,
-            self.info,
-            prefetch=self._prefetch(),
-            filler=lambda: next(iter(self._loader("train"))),  # a rank with fewer batches
-        )
+        result = self.task.evaluate(self.model, split)
         INPUT_ERRORS.raise_first()
         self.logger.log(split, self.step, **result)
-        self._print(eval_line(split, self.step, result))
+        self._print(self.task.eval_line(split, self.step, result))
         return result
 
     def _checkpoint_due(self, config: CheckpointConfig) -> bool:
@@ -492,7 +435,7 @@ class _Run:
             self._training_state(),
             keep=self.config.checkpoint.keep,
             config=self.config,
-            spec=self.dataset.spec,
+            spec=self.task.spec,
             protect=self.best.step if self.best and self.config.checkpoint.keep_best else None,
             write_files=self._save_tiered,
             lineage=self.lineage,

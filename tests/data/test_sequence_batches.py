@@ -103,3 +103,31 @@ def test_not_a_sequence_dataset(tmp_path: Path, dataset: Path):
     with pytest.raises(ValueError, match="rank=2"):
         SequenceLoader(dataset, "train", 4, rank=2, world_size=2)
     assert torch.is_tensor(next(SequenceLoader(dataset, "valid", 2).epoch()).times)
+
+
+def test_max_len_keeps_the_most_recent_events(dataset: Path):
+    whole = SequenceLoader(dataset, "train", batch_size=8, seed=3)
+    cut = SequenceLoader(read_histories(dataset, "train"), "train", batch_size=8, seed=3, max_len=2)
+    for full, short in zip(whole.epoch(0), cut.epoch(0), strict=True):
+        assert short.max_length <= 2
+        for n, m in zip(full.items.lengths().tolist(), short.items.lengths().tolist(), strict=True):
+            assert m == min(n, 2)
+        ends = torch.cumsum(short.items.lengths(), 0) - 1
+        full_ends = torch.cumsum(full.items.lengths(), 0) - 1
+        assert torch.equal(short.targets[ends], full.targets[full_ends])  # same last target
+        assert torch.equal(short.items.values()[ends], full.items.values()[full_ends])
+    test = SequenceLoader(dataset, "test", batch_size=64, max_len=3)
+    (batch,) = list(test.epoch())
+    assert batch.max_length <= 3
+    with pytest.raises(ValueError, match="max_len=0"):
+        SequenceLoader(dataset, "test", batch_size=4, max_len=0)
+
+
+def test_an_epoch_continues_from_a_start_batch(dataset: Path):
+    loader = SequenceLoader(dataset, "train", batch_size=4, seed=5)
+    batches = list(loader.epoch(2))
+    later = list(loader.epoch(2, start_batch=3))
+    assert len(later) == len(batches) - 3
+    for a, b in zip(batches[3:], later, strict=True):
+        assert torch.equal(a.items.values(), b.items.values())
+        assert torch.equal(a.targets, b.targets)

@@ -9,7 +9,7 @@ import pytest
 
 from recsys.checkpoint.io import list_checkpoints, load_model, resolve_checkpoint
 from recsys.config import load_config
-from recsys.train.best import BestValidation
+from recsys.train.best import BestValidation, best_validation
 from recsys.train.metrics import read_metrics
 from recsys.train.trainer import train
 from tests.train.test_resume import TINY
@@ -104,6 +104,22 @@ def test_watching_needs_validations_and_one_metric(tmp_path):
             "--train.early_stopping_patience=1",
             "--train.early_stopping_metric=valid_logloss",
         )
+
+
+def test_ranking_metrics_are_higher_better_and_belong_to_sequence_models():
+    hr = BestValidation("valid_hr@10")
+    assert hr.update(1, {"hr@10": 0.3, "mrr": 0.1})
+    assert not hr.update(2, {"hr@10": 0.29, "mrr": 0.2})
+    assert hr.update(3, {"hr@10": 0.31, "mrr": 0.0}) and hr.step == 3
+    ctr = ["--train.eval_every_steps=1", "--checkpoint.keep_best=valid_mrr"]
+    with pytest.raises(ValueError, match="'dlrm' is evaluated by a CTR metric: pick one of"):
+        best_validation(load_config(None, ctr))
+    sequence = ["--model.name=hstu", "--train.eval_every_steps=1"]
+    patience = [*sequence, "--train.early_stopping_patience=2"]
+    with pytest.raises(ValueError, match="train.early_stopping_metric = 'valid_auc'"):
+        best_validation(load_config(None, patience))
+    metric = "--train.early_stopping_metric=valid_ndcg@10"
+    assert best_validation(load_config(None, [*patience, metric])).metric == "valid_ndcg@10"
 
 
 def test_a_resumed_run_keeps_comparing_with_the_best_before_the_resume(tmp_path):

@@ -1,0 +1,106 @@
+"""The config sections of sequence models (``model.name = "sasrec"`` or ``"hstu"``): their
+architecture, the built-in synthetic interaction log, and next-item training and ranking
+evaluation. Each is a table of the section that owns it: ``[model.sequence]``,
+``[data.synthetic_sequences]``, ``[train.next_item]``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from recsys.config.rules import AtLeast0, AtLeast1, Fraction, Range
+
+SEQUENCE_MODELS = ("sasrec", "hstu")
+"""``model.name`` values that are sequence retrieval models: trained on user histories by
+next-item prediction and evaluated by full-corpus ranking, not on click logs by BCE / AUC."""
+
+CTR_METRICS = ("valid_auc", "valid_logloss")
+"""What keep_best / early stopping may watch in a CTR run."""
+RANKING_METRICS = ("valid_hr@10", "valid_ndcg@10", "valid_mrr", "valid_hr@50", "valid_ndcg@50")
+"""What they may watch in a sequence model's run (higher is better for each)."""
+BestMetric = Literal[
+    "valid_auc",
+    "valid_logloss",
+    "valid_hr@10",
+    "valid_ndcg@10",
+    "valid_mrr",
+    "valid_hr@50",
+    "valid_ndcg@50",
+]
+
+
+@dataclass
+class SequenceModelConfig:
+    """sasrec and hstu: a transformer over each user's item history. Their item (and hidden)
+    dimension is ``model.embedding_dim``; the one item table is an unpooled
+    ``recsys.EmbeddingCollection`` (sized by the data) trained by the fused embedding
+    optimizer, everything else by the dense one."""
+
+    max_len: Annotated[int, AtLeast1] = 50
+    """Longest history the model reads (learned positions); longer histories of the data are
+    cut to their most recent max_len events."""
+    num_blocks: Annotated[int, AtLeast1] = 2
+    """Transformer blocks."""
+    num_heads: Annotated[int, AtLeast1] = 1
+    """Attention heads (sasrec: model.embedding_dim must be divisible by it)."""
+    dropout: Annotated[float, Fraction] = 0.2
+    """Dropout on the inputs and in each block, in training only."""
+    ffn_dim: Annotated[int, AtLeast0] = 0
+    """sasrec: hidden width of each block's feed-forward network (0: model.embedding_dim)."""
+    qk_dim: Annotated[int, AtLeast0] = 0
+    """hstu: per-head width of q and k (0: model.embedding_dim // num_heads)."""
+    v_dim: Annotated[int, AtLeast0] = 0
+    """hstu: per-head width of u and v (0: model.embedding_dim // num_heads)."""
+
+
+@dataclass
+class SyntheticSequencesConfig:
+    """The built-in synthetic interaction log of sequence models
+    (``recsys.data.synthetic_sequences``): users drifting between latent interests (topics),
+    items drawn by topic popularity, so the ranking an oracle that knows each user's interests
+    achieves is known. Generated with run.seed and split leave-one-out like ``recsys
+    preprocess --format interactions`` output (items categorified: ids 0-2 reserved)."""
+
+    num_users: Annotated[int, AtLeast1] = 2000
+    """Users (one history each)."""
+    num_items: Annotated[int, AtLeast1] = 1000
+    """Items, at least num_topics."""
+    num_topics: Annotated[int, AtLeast1] = 20
+    """Latent interests; item i belongs to topic i mod num_topics."""
+    alpha: Annotated[float, Range(min=1e-6)] = 0.1
+    """Dirichlet concentration of a user's interests over the topics (small: few topics each)."""
+    stay: Annotated[float, Range(min=0, max=1)] = 0.8
+    """Probability that the next event keeps the topic of the previous one."""
+    zipf: Annotated[float, AtLeast0] = 1.0
+    """Skew of item popularity within a topic."""
+    min_events: Annotated[int, AtLeast1] = 5
+    """Fewest events of a user."""
+    mean_events: Annotated[float, AtLeast1] = 30.0
+    """Mean events of a user (geometric above min_events)."""
+    max_events: Annotated[int, AtLeast1] = 200
+    """Most events of a user."""
+
+
+@dataclass
+class NextItemConfig:
+    """Next-item training and ranking evaluation of sequence models (``recsys.models.
+    next_item``, ``recsys.train.ranking_metrics``). Every position of a train history predicts
+    the item after it; valid and test rank each user's held-out item against every item."""
+
+    loss: Literal["sampled", "full"] = "sampled"
+    """``sampled``: softmax over the target and shared negatives (in-batch + uniform);
+    ``full``: softmax over every item (exact, costs a [positions, items] product: small
+    catalogs)."""
+    in_batch_negatives: Annotated[int, AtLeast0] = 128
+    """sampled: negatives drawn from the batch's targets (so popular items are drawn as often
+    as they are targets)."""
+    uniform_negatives: Annotated[int, AtLeast0] = 128
+    """sampled: negatives drawn uniformly over the items."""
+    logq_correction: bool = True
+    """sampled: subtract log(expected count of each negative among the draws) from its logit,
+    which removes the popularity bias of in-batch negatives."""
+    exclude_history: bool = False
+    """Ranking: leave the items of a user's history (other than the target) out of its
+    ranking."""
+    eval_chunk_items: Annotated[int, AtLeast1] = 65536
+    """Ranking: items scored at a time (memory is eval_batch_size x this)."""

@@ -1,0 +1,159 @@
+"""The user histories a sequence model's run trains and ranks on (``model.name = "sasrec"`` /
+``"hstu"``): a directory written by ``recsys preprocess --format interactions``
+(``data.source = "sequences"``), or the synthetic interaction log of
+:mod:`recsys.data.synthetic_sequences` (``"synthetic_sequences"``), generated with the run's
+seed and preprocessed the same way (leave-one-out, items categorified) in a temporary
+directory. Every split is read into memory (about 8 bytes per event;
+:class:`~recsys.data.sequence_batches.SequenceLoader` cuts the batches).
+
+Example::
+
+    data = build_sequence_dataset(config.data, max_len=50, seed=0)
+    loader = data.loader("train", batch_size=128, max_len=50)
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from recsys.config import DataConfig, PreprocessConfig
+from recsys.data.batch import DatasetSpec
+from recsys.data.prepared import SPLITS, read_metadata
+from recsys.data.sequence_batches import ITEMS, Histories, SequenceLoader, read_histories
+from recsys.data.sequences import SEQUENCE_KIND, preprocess_interactions
+
+__all__ = ["SequenceDataset", "build_sequence_dataset", "is_sequence_directory"]
+
+
+def is_sequence_directory(path: str | Path) -> bool:
+    """Whether ``path`` is a directory of user histories (``recsys preprocess --format
+    interactions`` output)."""
+    try:
+        return read_metadata(path).get("kind") == SEQUENCE_KIND
+    except (FileNotFoundError, ValueError):
+        return False
+
+
+@dataclass
+class SequenceDataset:
+    """Every split of a sequence dataset, in memory.
+
+    Attributes:
+        splits: each split's histories (valid / test with their targets).
+        num_items: rows of the item table (item ids are in [0, num_items)).
+        first_item: the first real item id (categorified items reserve 0-2: padding, missing,
+            rare); ranking and sampled negatives use ids from it on.
+        spec: the item table as a :class:`DatasetSpec` (one feature, ``items``; no label),
+            which a checkpoint's ``spec.json`` records.
+        oracle: the synthetic log's expected test metrics of its oracle (``hr@10``,
+            ``ndcg@10``, ...); None for other data.
+        max_len: the longest history the data kept (its ``preprocess.max_len``).
+    """
+
+    splits: dict[str, Histories]
+    num_items: int
+    first_item: int
+    spec: DatasetSpec
+    oracle: dict[str, float] | None
+    max_len: int
+
+    def loader(
+        self, split: str, batch_size: int, *, seed: int = 0, max_len: int | None = None
+    ) -> SequenceLoader:
+        """Batches of ``split`` (see :class:`SequenceLoader`), one process."""
+        return SequenceLoader(self.splits[split], split, batch_size, seed=seed, max_len=max_len)
+
+    def train_item_counts(self) -> np.ndarray:
+        """[num_items] how often each item occurs in the train histories."""
+        return np.bincount(self.splits["train"].values, minlength=self.num_items)
+
+
+def build_sequence_dataset(
+    config: DataConfig, source: str, max_len: int, seed: int
+) -> SequenceDataset:
+    """The histories ``[data]`` names: ``source`` is ``"sequences"`` (``data.path``) or
+    ``"synthetic_sequences"`` (``[data.synthetic_sequences]``, generated with ``seed`` and
+    preprocessed with ``max_len``).
+
+    Raises:
+        ValueError: data.path is not a directory of histories, holds raw 64-bit item keys
+            (they need a dynamic table, which sequence models do not take yet), or a synthetic
+            source with a data.path.
+        FileNotFoundError: data.path does not exist.
+    """
+    if source == "synthetic_sequences":
+        if config.path:
+            raise ValueError(
+                f"data.path = '{config.path}' but data.source = 'synthetic_sequences'; use "
+                "data.source = 'auto' (or 'sequences') to read it"
+            )
+        return _synthetic(config, max_len, seed)
+    if source != "sequences":
+        raise ValueError(f"data.source = {source!r}; a sequence model reads 'sequences'")
+    if not config.path:
+        raise ValueError("data.source = 'sequences' needs data.path")
+    path = Path(config.path)
+    if not path.exists():
+        raise FileNotFoundError(f"data.path not found: '{path}'")
+    return _read(path, oracle=None)
+
+
+def _read(path: Path, oracle: dict[str, float] | None) -> SequenceDataset:
+    metadata = read_metadata(path)
+    if metadata.get("kind") != SEQUENCE_KIND:
+        raise ValueError(
+            f"data.path '{path}' holds click-log (CTR) data, not user histories; a sequence "
+            "model trains on `recsys preprocess --format interactions` output"
+        )
+    if metadata["id_encoding"] == "raw":
+        raise ValueError(
+            f"data.path '{path}' holds raw 64-bit item keys (preprocess.encoding = 'raw'), which "
+            "need a dynamic item table; sequence models take a fixed one: preprocess with "
+            "--preprocess.encoding=categorify (or hash)"
+        )
+    sequence = metadata["sequence"]
+    num_items = int(sequence["num_items"])
+    reserved = sequence.get("reserved_ids") or {}
+    first_item = max(reserved.values()) + 1 if reserved else 0
+    splits = {split: read_histories(path, split) for split in SPLITS}
+    if not splits["train"].users:
+        raise ValueError(f"data.path '{path}' has no train history (users need 2+ events)")
+    spec = DatasetSpec(
+        dense_names=(),
+        sparse_names=(ITEMS,),
+        cardinalities=(num_items,),
+        label_names=(),
+        fingerprint=metadata.get("fingerprint", ""),
+        id_encoding="index",
+    )
+    return SequenceDataset(splits, num_items, first_item, spec, oracle, int(sequence["max_len"]))
+
+
+def _synthetic(config: DataConfig, max_len: int, seed: int) -> SequenceDataset:
+    from recsys.data.synthetic_sequences import SyntheticSequences, generate_log, oracle_metrics
+
+    options = config.synthetic_sequences
+    try:
+        params = SyntheticSequences(**asdict(options), seed=seed)
+    except ValueError as error:  # names the rule broken: num_items >= num_topics, ...
+        raise ValueError(f"[data.synthetic_sequences]: {error}") from None
+    log, truth = generate_log(params)
+    with tempfile.TemporaryDirectory(prefix="recsys-sequences-") as work:
+        pq.write_table(log, Path(work) / "log.parquet")
+        preprocess_interactions(
+            PreprocessConfig(
+                format="interactions",
+                input=str(Path(work) / "log.parquet"),
+                output=str(Path(work) / "histories"),
+                user="user",
+                item="item",
+                time="time",
+                max_len=max_len,
+            )
+        )
+        return _read(Path(work) / "histories", oracle=oracle_metrics(params, truth))

@@ -1,0 +1,217 @@
+"""The next-item task of a sequence model's run (``model.name = "sasrec"`` or ``"hstu"``; see
+:mod:`recsys.train.tasks`): user histories in, next-item softmax as the loss
+(:func:`recsys.models.next_item.next_item_loss`, ``[train.next_item]``), and every evaluation
+a full-corpus ranking of each user's held-out item (:class:`RankingMetrics`).
+
+An eval event holds ``hr@10``, ``ndcg@10``, ``hr@50``, ``ndcg@50``, ``mrr`` and
+``num_users``, with two references measured on the same users and candidates:
+``popularity_hr@10`` / ``popularity_ndcg@10`` (every user gets the items ranked by their count
+in the train histories) and, on the synthetic log's test split, ``oracle_hr@10`` /
+``oracle_ndcg@10`` (expected of the ranking by the true next-item distribution:
+:func:`recsys.data.synthetic_sequences.oracle_metrics`).
+
+One process: the item table is not sharded under torchrun yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from recsys.config import Config
+from recsys.data import resolve_source
+from recsys.data.layout import EpochLayout, Reshard
+from recsys.data.sequence_batches import SequenceBatch, SequenceLoader
+from recsys.data.sequence_source import SequenceDataset, build_sequence_dataset
+from recsys.distributed.parallel import DistributedInfo
+from recsys.models.next_item import next_item_loss
+from recsys.train.ranking_metrics import RankingMetrics
+
+__all__ = ["NextItemTask", "ranking_line"]
+
+KS = (10, 50)
+
+
+class _Epoch:
+    """The batches of one epoch of a split from ``start_batch`` on, moved to ``device``;
+    ``len()`` is the epoch's whole length (the trainer counts from 0)."""
+
+    def __init__(
+        self, loader: SequenceLoader, epoch: int, start_batch: int, device: torch.device
+    ) -> None:
+        self.loader, self.epoch, self.start_batch, self.device = loader, epoch, start_batch, device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[SequenceBatch]:
+        for batch in self.loader.epoch(self.epoch, self.start_batch):
+            yield batch.to(self.device)
+
+    @property
+    def layout(self) -> EpochLayout:
+        raise ValueError(
+            "a sequence model's run resumes with the train.batch_size and number of processes "
+            "it was saved with"
+        )
+
+
+class NextItemTask:
+    """User histories and next-item ranking (see the module docstring).
+
+    Args:
+        config: the run's config (``[data]``, ``[model.sequence]``, ``[train.next_item]``).
+        device: where batches go.
+        info: this process's rank and the world size (one process).
+        say: prints a line on the first rank.
+
+    Raises:
+        ValueError: several processes, data that is not user histories, or loss options that
+            draw no negative.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        device: torch.device,
+        info: DistributedInfo,
+        say: Callable[[str], None],
+    ) -> None:
+        if info.world_size > 1:
+            raise ValueError(
+                f"model.name = {config.model.name!r} trains in one process; {info.world_size} "
+                "ranks (sharded item tables under torchrun) are not supported for sequence "
+                "models yet"
+            )
+        options = config.train.next_item
+        if options.loss == "sampled" and options.in_batch_negatives + options.uniform_negatives < 1:
+            raise ValueError(
+                "train.next_item.loss = 'sampled' with train.next_item.in_batch_negatives = 0 and "
+                "uniform_negatives = 0: no negatives to sample (set one >= 1, or loss = 'full')"
+            )
+        source = resolve_source(config.data, sequences=True)
+        if source not in ("sequences", "synthetic_sequences"):
+            where = f"data.path '{config.data.path}'" if config.data.path else "no data.path"
+            raise ValueError(
+                f"model.name = {config.model.name!r} trains on user histories, but data.source "
+                f"= {config.data.source!r} ({where}) is {source!r} click-log data; give "
+                "`recsys preprocess --format interactions` output as data.path, or data.source = "
+                "'synthetic_sequences'"
+            )
+        self.config, self.device = config, device
+        self.max_len = config.model.sequence.max_len
+        self.data: SequenceDataset = build_sequence_dataset(
+            config.data, source, self.max_len, config.run.seed
+        )
+        self.spec = self.data.spec
+        self.max_ids_per_sample: dict[str, int] = {}
+        for split in ("valid", "test"):
+            if not self.data.splits[split].users:
+                raise ValueError(
+                    f"the {split} split of the histories has no user (a user needs 3 events or "
+                    "more for a valid and a test target)"
+                )
+        counts = torch.from_numpy(self.data.train_item_counts()).double()
+        self.popularity = {split: self._popularity(counts, split) for split in ("valid", "test")}
+        if self.data.max_len > self.max_len:
+            say(
+                f"histories of up to {self.data.max_len} events are cut to their last "
+                f"{self.max_len} (model.sequence.max_len)"
+            )
+
+    def loss(self, model: nn.Module, batch: SequenceBatch) -> torch.Tensor:
+        """The next-item loss of a train batch (``[train.next_item]``)."""
+        options = self.config.train.next_item
+        return next_item_loss(
+            model,
+            batch,
+            in_batch=options.in_batch_negatives,
+            uniform=options.uniform_negatives,
+            full_softmax=options.loss == "full",
+            first_item=self.data.first_item,
+            logq=options.logq_correction,
+        )
+
+    def loader(
+        self, split: str, epoch: int = 0, start_batch: int = 0, reshards: tuple[Reshard, ...] = ()
+    ) -> _Epoch:
+        """The batches of ``split`` (train: epoch ``epoch``, shuffled, from ``start_batch``)."""
+        train = self.config.train
+        batch_size = train.batch_size if split == "train" else train.eval_batch_size
+        loader = self.data.loader(
+            split, batch_size, seed=self.config.run.seed, max_len=self.max_len
+        )
+        return _Epoch(loader, epoch, start_batch, self.device)
+
+    def steps_per_epoch(self) -> int:
+        """Train batches per epoch.
+
+        Raises:
+            ValueError: train.batch_size is larger than the number of train histories.
+        """
+        steps = len(self.loader("train"))
+        if steps == 0:
+            raise ValueError(
+                f"train.batch_size = {self.config.train.batch_size} is larger than the "
+                f"{self.data.splits['train'].users} train histories"
+            )
+        return steps
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, split: str) -> dict[str, Any]:
+        """HR@k, NDCG@k (k = 10, 50), MRR of ranking every item for each user of ``split``,
+        with the popularity (and oracle) references."""
+        was_training = model.training
+        model.eval()
+        metrics = self._metrics()
+        items = model.item_vectors()  # [N, D]
+        users = 0
+        for batch in self.loader(split):
+            queries = model.user_vectors(batch.items, batch.max_length)  # [B, D]
+            metrics.update(queries, items, batch.targets, self._exclude(batch))
+            users += batch.size
+        model.train(was_training)
+        result: dict[str, Any] = {**metrics.compute(), "num_users": users}
+        for name in ("hr@10", "ndcg@10"):
+            result[f"popularity_{name}"] = self.popularity[split][name]
+        if split == "test" and self.data.oracle is not None:
+            for name in ("hr@10", "ndcg@10"):
+                result[f"oracle_{name}"] = self.data.oracle[name]
+        return result
+
+    def eval_line(self, split: str, step: int, result: dict[str, Any]) -> str:
+        return ranking_line(split, step, result)
+
+    def _metrics(self) -> RankingMetrics:
+        chunk = self.config.train.next_item.eval_chunk_items
+        return RankingMetrics(KS, first_item=self.data.first_item, chunk_items=chunk)
+
+    def _exclude(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.config.train.next_item.exclude_history:
+            return None
+        return batch.items.values(), batch.items.offsets()
+
+    def _popularity(self, counts: torch.Tensor, split: str) -> dict[str, float]:
+        """The metrics of ranking items by their train count: a query of 1 against one-dim item
+        "vectors" holding the counts, so ties, candidates and exclusions are the model's."""
+        metrics = self._metrics()
+        items = counts[:, None].to(self.device)  # [N, 1]
+        for batch in self.loader(split):
+            queries = torch.ones(batch.size, 1, dtype=torch.float64, device=self.device)
+            metrics.update(queries, items, batch.targets, self._exclude(batch))
+        return metrics.compute()
+
+
+def ranking_line(split: str, step: int, result: dict[str, Any]) -> str:
+    """The line a ranking evaluation prints: ``eval valid step 200: hr@10 0.4123 ndcg@10
+    0.2301 mrr 0.2010 hr@50 0.7012 (popularity hr@10 0.2034, oracle hr@10 0.5712)``."""
+    line = f"eval {split} step {step}: " + " ".join(
+        f"{name} {result[name]:.4f}" for name in ("hr@10", "ndcg@10", "mrr", "hr@50")
+    )
+    references = [f"popularity hr@10 {result['popularity_hr@10']:.4f}"]
+    if "oracle_hr@10" in result:
+        references.append(f"oracle hr@10 {result['oracle_hr@10']:.4f}")
+    return f"{line} ({', '.join(references)})"

@@ -1,0 +1,158 @@
+"""`recsys train` of a sequence model end to end: ranking metrics in metrics.jsonl, checkpoints,
+a resume that continues the run exactly, the report's columns, and the config errors."""
+
+from pathlib import Path
+
+import pytest
+
+from recsys.checkpoint.io import latest_checkpoint
+from recsys.config import load_config
+from recsys.report import format_table, load_run, summarize
+from recsys.train.evaluate import evaluate_checkpoint
+from recsys.train.metrics import read_metrics
+from recsys.train.trainer import train
+
+TINY = [
+    "--model.name=sasrec",
+    "--model.embedding_dim=8",
+    "--model.sequence.max_len=10",
+    "--model.sequence.num_blocks=1",
+    "--data.synthetic_sequences.num_users=200",
+    "--data.synthetic_sequences.num_items=60",
+    "--data.synthetic_sequences.num_topics=4",
+    "--data.synthetic_sequences.mean_events=10",
+    "--data.synthetic_sequences.max_events=20",
+    "--train.batch_size=32",
+    "--train.epochs=2",
+    "--train.log_every_steps=3",
+    "--train.eval_every_steps=6",
+    "--train.eval_batch_size=64",
+    "--train.embedding_optimizer=adam",
+    "--train.embedding_lr=0.01",
+    "--train.dense_lr=0.01",
+    "--train.next_item.in_batch_negatives=16",
+    "--train.next_item.uniform_negatives=16",
+    "--train.progress_bar=false",
+    "--run.device=cpu",
+    "--run.tensorboard=false",
+]
+REPO = Path(__file__).resolve().parents[2]
+RANKING = {"hr@10", "ndcg@10", "mrr", "hr@50", "ndcg@50", "num_users"}
+
+
+def _run(run_dir: Path, *extra: str):
+    return train(load_config(None, [*TINY, f"--run.dir={run_dir}", *extra]))
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("whole")
+    return run_dir, _run(run_dir, "--checkpoint.keep_best=valid_hr@10")
+
+
+def test_run_logs_ranking_metrics_and_saves_a_checkpoint(whole_run):
+    run_dir, result = whole_run
+    assert result.steps == 12  # 200 users // 32 = 6 batches per epoch, 2 epochs
+    events = read_metrics(run_dir / "metrics.jsonl")
+    valid = [e for e in events if e["split"] == "valid"]
+    (test,) = [e for e in events if e["split"] == "test"]
+    assert [e["step"] for e in valid] == [6, 12]
+    assert set(valid[0]) >= RANKING and set(test) >= RANKING
+    assert {"popularity_hr@10", "oracle_hr@10", "oracle_ndcg@10"} <= set(test)
+    assert 0 <= test["ndcg@10"] <= test["hr@10"] <= test["hr@50"] <= 1
+    assert test["num_users"] == result.test["num_users"] > 100
+    assert result.checkpoint == latest_checkpoint(run_dir / "checkpoints")
+    assert (run_dir / "checkpoints" / "best").exists()
+    train_losses = [e["loss"] for e in events if e["split"] == "train"]
+    assert train_losses[-1] < train_losses[0]
+
+
+def test_resume_continues_the_run_exactly(whole_run, tmp_path):
+    run_dir, result = whole_run
+    _run(tmp_path, "--checkpoint.keep_best=valid_hr@10", "--train.max_steps=6")
+    resumed = _run(tmp_path, "--checkpoint.keep_best=valid_hr@10", "--checkpoint.resume=latest")
+    assert resumed.steps == 12
+    events = read_metrics(tmp_path / "metrics.jsonl")
+    assert [e["step"] for e in events if e["split"] == "resume"] == [6]
+    whole = [e for e in read_metrics(run_dir / "metrics.jsonl") if e["split"] == "train"]
+    after = [e for e in events if e["split"] == "train" and e["step"] > 6]
+    assert [e["step"] for e in after] == [9, 12]
+    assert [e["loss"] for e in after] == [e["loss"] for e in whole if e["step"] > 6]
+    assert resumed.test["hr@10"] == result.test["hr@10"]
+    assert resumed.test["mrr"] == result.test["mrr"]
+
+
+def test_recsys_eval_reproduces_the_test_ranking(whole_run):
+    run_dir, result = whole_run
+    evaluated = evaluate_checkpoint(run_dir)
+    assert evaluated.step == 12
+    assert evaluated.metrics == result.test
+    assert evaluated.summary().startswith("eval test step 12: hr@10 ")
+    assert "users of synthetic interaction log" in evaluated.summary()
+
+
+def test_report_shows_the_ranking_columns(whole_run):
+    run_dir, result = whole_run
+    summary = summarize(load_run(run_dir))
+    assert summary.ranking["test hr@10"] == pytest.approx(result.test["hr@10"])
+    assert summary.test_auc is None
+    header, row = format_table([summary]).splitlines()
+    assert "test hr@10" in header and "valid hr@10" in header
+    assert f"{result.test['hr@10']:.4f}" in row
+
+
+@pytest.mark.parametrize("recipe", ["sasrec_synthetic", "hstu_synthetic"])
+def test_recipe_trains_as_it_is(recipe, tmp_path):
+    data = [o for o in TINY if o.startswith("--data.")]
+    result = train(
+        load_config(
+            REPO / "configs" / f"{recipe}.toml",
+            [*data, "--train.max_steps=2", "--run.device=cpu", f"--run.dir={tmp_path}"],
+        )
+    )
+    assert result.steps == 2 and set(result.test) >= RANKING
+    assert result.test["oracle_hr@10"] > result.test["popularity_hr@10"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--checkpoint.keep_best=valid_auc"], "evaluated by a ranking metric"),
+        (["--data.source=synthetic"], "trains on user histories"),
+        (
+            ["--train.next_item.in_batch_negatives=0", "--train.next_item.uniform_negatives=0"],
+            "no negatives to sample",
+        ),
+        (["--model.sequence.num_heads=3"], "divisible by model.sequence.num_heads"),
+        (["--data.synthetic_sequences.num_topics=100"], "num_items >= num_topics"),
+        (["--train.batch_size=500"], "larger than the 200 train histories"),
+        (["--model.storage.tier=host"], "keeps its item table on the device"),
+    ],
+)
+def test_bad_sequence_configs_are_named(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _run(tmp_path, *overrides)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_ctr_model_refuses_user_histories(tmp_path):
+    config = load_config(
+        None, ["--data.source=synthetic_sequences", f"--run.dir={tmp_path}", "--run.device=cpu"]
+    )
+    with pytest.raises(ValueError, match="holds user histories, for sequence models"):
+        train(config)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("--train.next_item.loss=softmax", "must be one of 'sampled', 'full'"),
+        ("--train.next_item.negatives=5", "unknown config key 'train.next_item.negatives'"),
+        ("--model.sequence.max_len=0", "must be >= 1"),
+        ("--train.early_stopping_metric=valid_hr@20", "must be one of"),
+        ("--model.name=sasrek", "did you mean 'sasrec'"),
+    ],
+)
+def test_sequence_config_keys_are_checked(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
