@@ -112,11 +112,8 @@ def build_model(
             key).
     """
     if config.name in SEQUENCE_MODELS:  # user histories in, next-item scores out
-        if table_device is not None and table_device.type == "meta":
-            raise ValueError(
-                f"model.name = {config.name!r} trains in one process; sharded item tables "
-                "(torchrun) are not supported for sequence models yet"
-            )
+        # Under torchrun too the item table is built whole on ``device``: parallelize copies
+        # its rows into the shards, so every world size starts from one process's rows.
         return build_sequence_model(config, spec, device, embedding_optimizer=embedding_optimizer)
     if config.name not in MODELS:
         raise ValueError(

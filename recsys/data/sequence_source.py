@@ -63,10 +63,26 @@ class SequenceDataset:
     max_len: int
 
     def loader(
-        self, split: str, batch_size: int, *, seed: int = 0, max_len: int | None = None
+        self,
+        split: str,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        max_len: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> SequenceLoader:
-        """Batches of ``split`` (see :class:`SequenceLoader`), one process."""
-        return SequenceLoader(self.splits[split], split, batch_size, seed=seed, max_len=max_len)
+        """Batches of ``split`` for rank ``rank`` of ``world_size`` (see
+        :class:`SequenceLoader`)."""
+        return SequenceLoader(
+            self.splits[split],
+            split,
+            batch_size,
+            seed=seed,
+            max_len=max_len,
+            rank=rank,
+            world_size=world_size,
+        )
 
     def train_item_counts(self) -> np.ndarray:
         """[num_items] how often each item occurs in the train histories."""

@@ -45,7 +45,7 @@ def next_item_loss(
     """
     if not batch.next_item:
         raise ValueError("next_item_loss needs a train batch (a next-item target per position)")
-    num_items = model.num_items
+    num_items = getattr(model, "module", model).num_items  # through a DDP wrapper
     if not 0 <= first_item < num_items:
         raise ValueError(f"first_item={first_item}; the item table has {num_items} rows")
     if not full_softmax and in_batch + uniform < 1:

@@ -10,21 +10,28 @@ in the train histories) and, on the synthetic log's test split, ``oracle_hr@10``
 ``oracle_ndcg@10`` (expected of the ranking by the true next-item distribution:
 :func:`recsys.data.synthetic_sequences.oracle_metrics`).
 
-One process: the item table is not sharded under torchrun yet.
+Under torchrun the item table is sharded (:class:`recsys.distributed.ShardedEmbeddingCollection`,
+placed by the planner) and the dense layers run under DDP: each rank trains on its share of
+every global batch of ``train.batch_size x world_size`` users (its own in-batch negatives) and
+evaluates users r, r + W, ...; the ranking sums are added over ranks. Every lookup is a
+collective, so a rank with fewer evaluation batches than rank 0 looks up empty ones.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torchrec import KeyedJaggedTensor
 
 from recsys.config import Config
 from recsys.data import resolve_source
 from recsys.data.layout import EpochLayout, Reshard
-from recsys.data.sequence_batches import SequenceBatch, SequenceLoader
+from recsys.data.sequence_batches import ITEMS, SequenceBatch, SequenceLoader
 from recsys.data.sequence_source import SequenceDataset, build_sequence_dataset
 from recsys.distributed.parallel import DistributedInfo
 from recsys.models.next_item import next_item_loss
@@ -65,12 +72,11 @@ class NextItemTask:
     Args:
         config: the run's config (``[data]``, ``[model.sequence]``, ``[train.next_item]``).
         device: where batches go.
-        info: this process's rank and the world size (one process).
+        info: this process's rank and the world size.
         say: prints a line on the first rank.
 
     Raises:
-        ValueError: several processes, data that is not user histories, or loss options that
-            draw no negative.
+        ValueError: data that is not user histories, or loss options that draw no negative.
     """
 
     def __init__(
@@ -80,12 +86,6 @@ class NextItemTask:
         info: DistributedInfo,
         say: Callable[[str], None],
     ) -> None:
-        if info.world_size > 1:
-            raise ValueError(
-                f"model.name = {config.model.name!r} trains in one process; {info.world_size} "
-                "ranks (sharded item tables under torchrun) are not supported for sequence "
-                "models yet"
-            )
         options = config.train.next_item
         if options.loss == "sampled" and options.in_batch_negatives + options.uniform_negatives < 1:
             raise ValueError(
@@ -101,7 +101,7 @@ class NextItemTask:
                 "`recsys preprocess --format interactions` output as data.path, or data.source = "
                 "'synthetic_sequences'"
             )
-        self.config, self.device = config, device
+        self.config, self.device, self.info = config, device, info
         self.max_len = config.model.sequence.max_len
         self.data: SequenceDataset = build_sequence_dataset(
             config.data, source, self.max_len, config.run.seed
@@ -142,9 +142,24 @@ class NextItemTask:
         train = self.config.train
         batch_size = train.batch_size if split == "train" else train.eval_batch_size
         loader = self.data.loader(
-            split, batch_size, seed=self.config.run.seed, max_len=self.max_len
+            split,
+            batch_size,
+            seed=self.config.run.seed,
+            max_len=self.max_len,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
         )
         return _Epoch(loader, epoch, start_batch, self.device)
+
+    def _eval_batches(self, split: str) -> Iterator[SequenceBatch | None]:
+        """This rank's batches of ``split``, then None until it has given as many as rank 0
+        (the one with the most): every rank looks up as often."""
+        epoch = self.loader(split)
+        yield from epoch
+        users = self.data.splits[split].users
+        most = math.ceil(len(range(0, users, self.info.world_size)) / epoch.loader.batch_size)
+        for _ in range(most - len(epoch)):
+            yield None
 
     def steps_per_epoch(self) -> int:
         """Train batches per epoch.
@@ -164,23 +179,39 @@ class NextItemTask:
     def evaluate(self, model: nn.Module, split: str) -> dict[str, Any]:
         """HR@k, NDCG@k (k = 10, 50), MRR of ranking every item for each user of ``split``,
         with the popularity (and oracle) references."""
+        model = getattr(model, "module", model)  # no gradients: around a DDP wrapper
         was_training = model.training
         model.eval()
         metrics = self._metrics()
         items = model.item_vectors()  # [N, D]
         users = 0
-        for batch in self.loader(split):
+        for batch in self._eval_batches(split):
+            if batch is None:  # this rank has no users left: an empty lookup, as collective
+                model.user_vectors(self._no_users(), 0)
+                continue
             queries = model.user_vectors(batch.items, batch.max_length)  # [B, D]
             metrics.update(queries, items, batch.targets, self._exclude(batch))
             users += batch.size
         model.train(was_training)
-        result: dict[str, Any] = {**metrics.compute(), "num_users": users}
+        result: dict[str, Any] = {**metrics.compute(), "num_users": self._summed(users)}
         for name in ("hr@10", "ndcg@10"):
             result[f"popularity_{name}"] = self.popularity[split][name]
         if split == "test" and self.data.oracle is not None:
             for name in ("hr@10", "ndcg@10"):
                 result[f"oracle_{name}"] = self.data.oracle[name]
         return result
+
+    def _no_users(self) -> KeyedJaggedTensor:
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+        return KeyedJaggedTensor(keys=[ITEMS], values=empty, lengths=empty, stride=0)
+
+    def _summed(self, count: int) -> int:
+        """``count`` added over the ranks."""
+        if self.info.world_size == 1:
+            return count
+        total = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(total)
+        return int(total)
 
     def eval_line(self, split: str, step: int, result: dict[str, Any]) -> str:
         return ranking_line(split, step, result)

@@ -277,3 +277,32 @@ def test_a_run_resumed_on_two_ranks_trains_each_sample_once(tmp_path, monkeypatc
         "resuming epoch 0 on 2 rank(s) x batch 256 (saved on 1 x 256 after 20 batches): the "
         "11,264 samples of this epoch not yet trained, in 22 batches per rank; none dropped"
     ) in two.stdout
+
+
+def test_two_rank_sequence_training(tmp_path):
+    """A sequence model under torchrun: the item table sharded (the planner's plan), every
+    rank's users trained and evaluated, the ranking over all of them; its checkpoint is the
+    one-process model's and evaluates in one process to the same test metrics."""
+    from tests.train.test_sequence_training import TINY
+
+    run_dir = tmp_path / "seq"
+    overrides = [o for o in TINY if not o.startswith("--train.batch_size")]
+    done = run_torchrun(
+        [
+            "--nproc-per-node=2",
+            "-m",
+            "recsys",
+            "train",
+            *overrides,
+            "--train.batch_size=16",
+            f"--run.dir={run_dir}",
+        ]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "COLUMN_WISE" in done.stdout or "ROW_WISE" in done.stdout or "TABLE_WISE" in done.stdout
+    (test,) = [e for e in read_metrics(run_dir / "metrics.jsonl") if e.get("split") == "test"]
+    assert test["num_users"] == 200  # both ranks' users
+    from recsys.train.evaluate import evaluate_checkpoint
+
+    again = evaluate_checkpoint(run_dir).metrics  # in this one process
+    assert again["hr@10"] == test["hr@10"] and again["num_users"] == 200
