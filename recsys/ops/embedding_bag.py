@@ -165,40 +165,19 @@ class _TableBatchedEmbeddingBag(torch.autograd.Function):
         ctx.keep, ctx.key_lengths = keep, key_lengths
         ctx.num_lookups = _num_lookups(values, offsets, feature_to_key, batch_size, key_lengths)
         ctx.feature_to_key, ctx.batch_size = feature_to_key, batch_size
+        batch = (values, offsets, per_sample_weights, feature_to_key, batch_size, key_lengths)
         if backend == "fbgemm":
-            ctx.fbgemm_batch = fbgemm_inputs(
-                plan, values, offsets, per_sample_weights, feature_to_key, batch_size, key_lengths
-            )
+            ctx.fbgemm_batch = fbgemm_inputs(plan, *batch)
             if values.numel() < FBGEMM_FORWARD_MAX_IDS:
                 return pool_fbgemm(plan, flat, ctx.fbgemm_batch)
         else:
             psw = () if per_sample_weights is None else (per_sample_weights,)
             ctx.save_for_backward(values, offsets, *psw)
             if backend == "triton":
-                return _pool_triton(
-                    plan, flat, values, offsets, per_sample_weights, feature_to_key, batch_size
-                )
+                return _pool_triton(plan, flat, *batch[:-1])
             if fbgemm_forward_serves(plan, flat, values.numel()):
-                batch = fbgemm_inputs(
-                    plan,
-                    values,
-                    offsets,
-                    per_sample_weights,
-                    feature_to_key,
-                    batch_size,
-                    key_lengths,
-                )
-                return pool_fbgemm(plan, flat, batch)
-        return pool_torch(
-            plan,
-            plan.layout.table_views(flat),
-            values,
-            offsets,
-            per_sample_weights,
-            feature_to_key,
-            batch_size,
-            key_lengths,
-        )
+                return pool_fbgemm(plan, flat, fbgemm_inputs(plan, *batch))
+        return pool_torch(plan, plan.layout.table_views(flat), *batch)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):

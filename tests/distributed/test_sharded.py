@@ -58,9 +58,11 @@ def rows_of(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:
     return Batch(torch.zeros(size, 1), kjt, torch.zeros(size, 1)).slice(start, stop).sparse
 
 
-def make_plan(kinds: list[str], world: int) -> dict[str, P.TableSharding]:
+def make_plan(kinds: list[str], world: int, tables=TABLES) -> dict[str, P.TableSharding]:
+    """``tables`` (name, dim, rows, ...) placed by ``kinds`` in turn (tw: table i on rank
+    i + 1 mod W; rw; cw: on ranks W - 1 and 0; dp)."""
     plan = {}
-    for i, (name, dim, rows, _, _) in enumerate(TABLES):
+    for i, (name, dim, rows, *_) in enumerate(tables):
         kind = kinds[i % len(kinds)]
         if kind == "tw":
             plan[name] = P.table_wise(rows, dim, (i + 1) % world)

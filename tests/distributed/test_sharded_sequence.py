@@ -16,6 +16,7 @@ from recsys.distributed.sharded_sequence import ShardedEmbeddingCollection
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.distributed.spawn import run_ranks
 from tests.distributed.test_sharded import assert_state_equal
+from tests.distributed.test_sharded import make_plan as make_bag_plan
 
 # name, dim, rows, features: a table read by two features (history and candidates, as
 # SASRec's item table), an odd dim, a 3-row table (fewer rows than 4 ranks).
@@ -56,18 +57,7 @@ def rows_of(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:
 
 
 def make_plan(kinds: list[str], world: int) -> dict[str, P.TableSharding]:
-    plan = {}
-    for i, (name, dim, rows, _) in enumerate(TABLES):
-        kind = kinds[i % len(kinds)]
-        if kind == "tw":
-            plan[name] = P.table_wise(rows, dim, (i + 1) % world)
-        elif kind == "rw":
-            plan[name] = P.row_wise(rows, dim, world)
-        elif kind == "cw":
-            plan[name] = P.column_wise(rows, dim, [world - 1, 0])
-        else:
-            plan[name] = P.data_parallel(rows, dim, world)
-    return plan
+    return make_bag_plan(kinds, world, TABLES)
 
 
 def jagged_rows(out: dict, full: dict, rank: int, batch: int, atol: float = 1e-6) -> None:
