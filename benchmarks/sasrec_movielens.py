@@ -15,8 +15,10 @@ rows one example each, item tokens = recsys ids, and RecBole's corpus = recsys' 
 
 Same model size and training on both sides: dim, FFN width, blocks, heads, dropout (RecBole's
 hidden and attention dropout), max_len, epochs, Adam lr, seed; the loss is full softmax on both
-(RecBole ``loss_type = CE``; recsys ``next_item_loss(full_softmax=True)``, ``--loss sampled`` for
-its default sampled softmax). A recsys batch is ``--batch-size`` train rows, each with up to
+(RecBole ``loss_type = CE``; recsys ``train.next_item.loss = "full"``, ``--loss sampled`` for
+its default sampled softmax). The recsys side is ``recsys train`` (the trainer in this process,
+``model.name = "sasrec"`` over ``data.path`` = the split, no valid evaluation, the test ranking
+at the end). A recsys batch is ``--batch-size`` train rows, each with up to
 max_len next-item targets; a RecBole batch is ``--peer-batch-size`` examples of one target each
 (its unit). By default the peer's batch is sized so that both take the same number of steps per
 epoch, so at equal epochs both see every target as often, in as many Adam steps, with about as
@@ -49,6 +51,8 @@ Run: ``python -m benchmarks.sasrec_movielens [--mode accuracy|step|both] [--epoc
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -83,13 +87,13 @@ from benchmarks._movielens import (
     write_interactions_csv,
 )
 from recsys import EmbeddingCollection, EmbeddingConfig
-from recsys.config import PreprocessConfig
-from recsys.data.sequence_batches import SequenceBatch, SequenceLoader
+from recsys.config import PreprocessConfig, load_config
+from recsys.data.sequence_batches import SequenceBatch
 from recsys.data.sequences import FIRST_ID, preprocess_interactions
 from recsys.embedding.optim import Adam
 from recsys.models.next_item import next_item_loss
 from recsys.models.sasrec import CANDIDATES, HISTORY, SASRec
-from recsys.train.ranking_metrics import RankingMetrics
+from recsys.train.trainer import train
 
 TOPIC = "sasrec_movielens"
 QUICK_EPOCHS, FULL_EPOCHS = 5, 50
@@ -173,41 +177,48 @@ def make_model(
 
 
 def train_recsys(split_dir: Path, run: SASRecRun, device: torch.device) -> dict[str, float]:
-    """Train recsys' SASRec on the split in ``split_dir`` for ``run.epochs`` epochs and rank
-    every item for each test user; HR@10, NDCG@10, MRR, steps and seconds. (When ``recsys
-    train`` takes sequence recipes, this is the function to turn into that command.)"""
-    train = SequenceLoader(split_dir, "train", run.batch_size, seed=run.seed)
-    test = SequenceLoader(split_dir, "test", 512)
-    model, optimizer = make_model(train.num_items, run, device)
-    generator = torch.Generator().manual_seed(run.seed)
-    started, steps = time.perf_counter(), 0
-    model.train()
-    for epoch in range(run.epochs):
-        for batch in train.epoch(epoch):
-            loss = next_item_loss(
-                model,
-                batch.to(device),
-                full_softmax=run.loss == "full",
-                first_item=FIRST_ID,
-                generator=generator,
-            )
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            steps += 1
-    train_s = time.perf_counter() - started
-    started = time.perf_counter()
-    model.eval()
-    metrics = RankingMetrics(ks=(10,), first_item=FIRST_ID)
-    with torch.no_grad():
-        vectors = model.item_vectors()
-        for batch in test.epoch():
-            batch = batch.to(device)
-            queries = model.user_vectors(batch.items, batch.max_length)
-            metrics.update(queries, vectors, batch.targets)  # history not excluded
-    result = metrics.compute()
-    result.update(steps=steps, train_s=train_s, eval_s=time.perf_counter() - started)
-    return result
+    """``recsys train`` of SASRec on the histories in ``split_dir`` for ``run.epochs`` epochs
+    (the run's config below; no valid evaluation, no checkpoint), ranking every item for each
+    test user at the end; HR@10, NDCG@10, MRR, steps and seconds."""
+    overrides = [
+        "--model.name=sasrec",
+        f"--model.embedding_dim={run.dim}",
+        f"--model.sequence.max_len={run.max_len}",
+        f"--model.sequence.num_blocks={run.blocks}",
+        f"--model.sequence.num_heads={run.heads}",
+        f"--model.sequence.dropout={run.dropout}",
+        f"--model.sequence.ffn_dim={run.ffn_dim}",
+        f"--data.path={split_dir}",
+        f"--train.batch_size={run.batch_size}",
+        f"--train.epochs={run.epochs}",
+        "--train.dense_optimizer=adam",
+        f"--train.dense_lr={run.lr}",
+        "--train.embedding_optimizer=adam",
+        f"--train.embedding_lr={run.lr}",
+        f"--train.next_item.loss={run.loss}",
+        "--train.eval_every_steps=0",
+        "--train.eval_batch_size=512",
+        "--train.progress_bar=false",
+        "--checkpoint.save_final=false",
+        "--run.tensorboard=false",
+        f"--run.seed={run.seed}",
+        f"--run.device={device}",
+    ]
+    with tempfile.TemporaryDirectory(prefix="sasrec-run-") as run_dir:
+        config = load_config(None, [*overrides, f"--run.dir={run_dir}"])
+        started = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = train(config)
+        seconds = time.perf_counter() - started
+    test = result.test
+    return {
+        "hr@10": test["hr@10"],
+        "ndcg@10": test["ndcg@10"],
+        "mrr": test["mrr"],
+        "steps": result.steps,
+        "train_s": seconds,  # the whole run: training and the test ranking
+        "eval_s": 0.0,
+    }
 
 
 def preprocess(csv_path: Path, split_dir: Path, max_len: int) -> dict:
