@@ -55,7 +55,7 @@ def toml_list(items: list[str]) -> str:
 
 def scores(run: _Run) -> torch.Tensor:
     """The model's logits on the first 100 test samples (the same batch on every rank)."""
-    batch = run.dataset.chunk("test", 0).slice(0, 100)
+    batch = run.task.dataset.chunk("test", 0).slice(0, 100)
     model = _unwrap(run.model)
     model.eval()
     with torch.no_grad():
