@@ -411,7 +411,7 @@ def _stage(
     for source_split, files in sources.items():
         for path in files:
             for table in _read(config, roles, path, malformed):
-                table = _clean(table, roles, stats, types, path, config.apply)
+                table = clean_piece(table, roles, stats, types, path, config.apply)
                 routed = {source_split: table}
                 if source_split == "train" and carve:
                     routed = _carve(table, carve, config, first_row)
@@ -432,7 +432,7 @@ def _read(
     return readers.read_table(config.format, path, roles, chunk_bytes, config.strict, malformed)
 
 
-def _clean(
+def clean_piece(
     table: pa.Table,
     roles: Roles,
     stats: InputStats,

@@ -17,16 +17,18 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from recsys.config import PreprocessConfig
+from recsys.data.etl import InputStats, clean_piece
 from recsys.data.etl_raw import encode_raw
 from recsys.data.prepared import read_metadata
 from recsys.data.readers import Roles
 
 __all__ = ["RowTransform"]
+
+ONLINE = Path("request")  # where a piece comes from, in clean_piece's messages
 
 
 class RowTransform:
@@ -94,29 +96,13 @@ class RowTransform:
         for name in self.roles.dense:  # as the readers give them: float32, null when missing
             column = pc.cast(pc.cast(table.column(name), pa.float64()), pa.float32())
             table = table.set_column(table.schema.get_field_index(name), name, column)
-        for name in self.roles.multi_hot:  # null items dropped, null bags empty
-            bags = table.column(name).combine_chunks()
-            if bags.null_count or pc.list_flatten(bags).null_count:
-                lengths = pc.fill_null(pc.list_value_length(bags), 0).to_numpy(zero_copy_only=False)
-                flat = pc.list_flatten(bags)
-                parents = np.repeat(np.arange(len(bags)), lengths)
-                keep = flat.is_valid().to_numpy(zero_copy_only=False)
-                counts = np.bincount(parents[keep], minlength=len(bags))
-                offsets = pa.array(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
-                bags = pa.ListArray.from_arrays(offsets, flat.filter(pa.array(keep)))
-            table = table.set_column(table.schema.get_field_index(name), name, bags)
+        # As a file's piece: null bag items dropped, categories in the fitted type (a value
+        # that does not convert is an error naming its column).
+        table = clean_piece(
+            table, self.roles, InputStats(), self.types, ONLINE, str(self.directory)
+        )
         if self.raw_keys:
             return encode_raw(table, self.roles, self.log_dense).select(self.inputs)
-        for name, kind in self.types.items():
-            if table.schema.field(name).type != kind:
-                try:
-                    column = pc.cast(table.column(name), kind)
-                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
-                    raise ValueError(
-                        f"column '{name}' does not convert to {kind}, the type "
-                        f"'{self.directory}' was fitted on: {error}"
-                    ) from None
-                table = table.set_column(table.schema.get_field_index(name), name, column)
         for name in self.roles.labels:  # the workflow reads them; the output drops them
             table = table.append_column(name, pa.nulls(table.num_rows, pa.float32()))
         with warnings.catch_warnings():

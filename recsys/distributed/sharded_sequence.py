@@ -142,11 +142,12 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
         B, values = features.stride(), features.values()
         starts = features.offset_per_key()
         lengths, offsets = features.lengths(), features.offsets()
-        out, column, name = {}, 0, iter(self._sequence_names)
+        out, column, name, index = {}, 0, iter(self._sequence_names), 0
         for config in self._sequence_configs:
             width, row = config.embedding_dim, 0
-            for feature in config.feature_names:
-                k = positions[self._sequence_features.features.index(feature)]
+            for _ in config.feature_names:  # features in table order, as positions are
+                k = positions[index]
+                index += 1
                 rows = pooled[row : row + ids_per_key[k], column : column + width]
                 out[next(name)] = JaggedTensor(
                     values=rows,

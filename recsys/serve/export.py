@@ -37,13 +37,11 @@ does not continue the export's checkpoint. Dense layers and fixed tables stay th
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
 import time
 import tomllib
-import warnings
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -56,7 +54,7 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from recsys._files import is_inside, remove_quietly, write_bytes_atomic, write_failure
+from recsys._files import is_inside, remove_quietly, write_failure
 from recsys._suggest import quoted_with_hints
 from recsys.checkpoint.io import (
     CONFIG_FILE,
@@ -78,6 +76,7 @@ from recsys.serve.exported_deltas import (
     apply_exported_deltas,
     exported_dynamic_tables,
 )
+from recsys.serve.program_file import write_program
 from recsys.serve.retrieval_export import RETRIEVAL_FILE, export_retrieval, predict_top_k
 
 __all__ = [
@@ -155,22 +154,12 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
             "lengths": {0: num_sparse * batch},
         },
     )
-    extra_files = {name: (checkpoint / name).read_text() for name in (SPEC_FILE, CONFIG_FILE)}
     dynamic = exported_dynamic_tables(
         program, module, checkpoint_step(checkpoint), read_lineage(checkpoint)
     )
-    extra_files[DYNAMIC_FILE] = json.dumps(dynamic, indent=1) + "\n"
-    # Serialized in memory, then written by Python: torch's zip writer, writing to a full disk
-    # itself, raises from its destructor and aborts the process.
-    archive = io.BytesIO()
-    with warnings.catch_warnings():
-        # The tables are views of one packed buffer per collection; the archive stores that
-        # buffer once and warns that no single parameter covers all of it.
-        warnings.filterwarnings("ignore", message="No complete tensor found")
-        torch.export.save(program, archive, extra_files=extra_files)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(output, archive.getbuffer())
-    return output
+    return write_program(
+        program, checkpoint, output, {DYNAMIC_FILE: json.dumps(dynamic, indent=1) + "\n"}
+    )
 
 
 def _check_output(output: Path, overwrite: bool) -> None:

@@ -23,10 +23,8 @@ columns, with the input's ``user`` and ``target`` columns passed through when pr
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +34,9 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from recsys._files import remove_quietly, write_bytes_atomic
-from recsys.checkpoint.io import CONFIG_FILE, SPEC_FILE, load_model, read_config
+from recsys._files import remove_quietly
+from recsys.checkpoint.io import load_model, read_config
+from recsys.serve.program_file import write_program
 
 __all__ = ["RETRIEVAL_FILE", "TopKModule", "export_retrieval", "predict_top_k"]
 
@@ -91,15 +90,9 @@ def export_retrieval(checkpoint: Path, output: Path, top_k: int = 100) -> Path:
         "max_len": model.max_len,
         "num_items": model.num_items,
     }
-    extra_files = {name: (checkpoint / name).read_text() for name in (SPEC_FILE, CONFIG_FILE)}
-    extra_files[RETRIEVAL_FILE] = json.dumps(info, indent=1) + "\n"
-    archive = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="No complete tensor found")
-        torch.export.save(program, archive, extra_files=extra_files)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(output, archive.getbuffer())
-    return output
+    return write_program(
+        program, checkpoint, output, {RETRIEVAL_FILE: json.dumps(info, indent=1) + "\n"}
+    )
 
 
 def _first_item(config) -> int:

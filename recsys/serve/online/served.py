@@ -202,7 +202,7 @@ class ServedModel:
         or refused)."""
         try:
             stamp = self._source_stamp()
-        except (OSError, ValueError, FileNotFoundError):
+        except (OSError, ValueError):
             return None  # a file being replaced, or no checkpoint yet: look again next poll
         if stamp == self._source:
             return None

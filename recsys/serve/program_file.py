@@ -1,0 +1,33 @@
+"""Writing an exported program as a ``.pt2`` file, the one way both exports (``recsys export``
+of a CTR model and of a sequence model's top-K program) do it."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import Path
+
+import torch
+
+from recsys._files import write_bytes_atomic
+from recsys.checkpoint.io import CONFIG_FILE, SPEC_FILE
+
+
+def write_program(
+    program: torch.export.ExportedProgram, checkpoint: Path, output: Path, extra: dict[str, str]
+) -> Path:
+    """Save ``program`` to ``output`` with the checkpoint's spec and config and the ``extra``
+    files (name -> text) inside; the file appears only once complete. Returns ``output``."""
+    extra_files = {name: (checkpoint / name).read_text() for name in (SPEC_FILE, CONFIG_FILE)}
+    extra_files.update(extra)
+    # Serialized in memory, then written by Python: torch's zip writer, writing to a full disk
+    # itself, raises from its destructor and aborts the process.
+    archive = io.BytesIO()
+    with warnings.catch_warnings():
+        # The tables are views of one packed buffer per collection; the archive stores that
+        # buffer once and warns that no single parameter covers all of it.
+        warnings.filterwarnings("ignore", message="No complete tensor found")
+        torch.export.save(program, archive, extra_files=extra_files)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(output, archive.getbuffer())
+    return output
