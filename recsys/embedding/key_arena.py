@@ -81,8 +81,11 @@ __all__ = ["KeyArena", "Placed", "build_arenas", "joins_arena"]
 
 # Hint entries per slot of a table (more: fewer keys sharing an entry, more memory and cache
 # traffic), and the most hint entries of an arena (2**23: 64 MiB): past that, the largest
-# tables get fewer per slot, and hints serve their hot keys.
-HINTS_PER_SLOT = 2
+# tables get fewer per slot, and hints serve their hot keys. Entries go in sets of
+# ``HINT_WAYS`` (a key's hint is in any entry of its set, so hot keys that hash alike each
+# keep one).
+HINTS_PER_SLOT = 4
+HINT_WAYS = 4
 MAX_HINTS = 1 << 23
 # Fibonacci hashing: bits 32.. of key * 2**64 / golden ratio pick a hint entry.
 _FIBONACCI = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as int64
@@ -120,22 +123,23 @@ def build_arenas(tables: dict[str, DynamicTable], features: dict[str, list[str]]
 @dataclass
 class _Ids:
     """Per id of a batch [V]: its arena table (``T`` for ids of no table of the arena), that
-    table's entries of the per-table tensors, its position; whether every id is the arena's."""
+    table's entries of the per-table tensors, its position; whether every id is the arena's
+    (``mine``: which are, None when every id is)."""
 
     table: torch.Tensor
-    mine: torch.Tensor
+    mine: torch.Tensor | None
     position: torch.Tensor
     every_id: bool
     num_buckets: torch.Tensor
     first_bucket: torch.Tensor
     base: torch.Tensor
     zero_row: torch.Tensor
-    lfu: torch.Tensor
     hint_base: torch.Tensor
     hint_mask: torch.Tensor
 
 
-_PER_ID = ("num_buckets", "first_bucket", "base", "zero_row", "lfu", "hint_base", "hint_mask")
+# the per-table tensors each id carries (columns of one gather per batch)
+_PER_ID = ("num_buckets", "first_bucket", "base", "zero_row", "hint_base", "hint_mask")
 
 
 class KeyArena:
@@ -166,7 +170,7 @@ class KeyArena:
         self.admission = AdmissionArena(tables) if any(t.admission for t in tables) else None
         self._one = torch.ones((), dtype=torch.int64, device=self.device)
         self._generations: tuple[int, ...] | None = None
-        self._feature_tables: dict[tuple[str, ...], torch.Tensor] = {}
+        self._feature_columns: dict[tuple[str, ...], torch.Tensor] = {}
         self._per_ids: dict[tuple[object, ...], _Ids] = {}
         self._caps: dict[tuple[int, ...], torch.Tensor] = {}
         self._pins: torch.Tensor | None = None  # per slot, the last lookup that pinned it
@@ -212,19 +216,20 @@ class KeyArena:
             "seed": [*(table.seed for table in self.tables), 0],
             "insertable": [*(self._insertable(table) for table in self.tables), False],
         }
-        # each table's own region of hints (a power of two), then one entry for ids of no
+        # each table's own region of hint sets (a power of two), then one set for ids of no
         # table, all naming the scratch slot (EMPTY_KEY, of no table) until written
-        sizes = hint_sizes(capacities)
-        per_table["hint_base"] = [*itertools.accumulate([0, *sizes[:-1]]), sum(sizes)]
-        per_table["hint_mask"] = [*(n - 1 for n in sizes), 0]
+        sets = [n // HINT_WAYS for n in hint_sizes(capacities)]
+        per_table["hint_base"] = [*itertools.accumulate([0, *sets[:-1]]), sum(sets)]
+        per_table["hint_mask"] = [*(n - 1 for n in sets), 0]
         self._hints = None
         if self.backend == "torch":
             self._hints = torch.full(
-                (sum(sizes) + 1,), total, dtype=torch.int64, device=self.device
+                (sum(sets) + 1, HINT_WAYS), total, dtype=torch.int64, device=self.device
             )
         self._per_table = {
             name: torch.tensor(values, device=self.device) for name, values in per_table.items()
         }
+        self._per_id_columns = torch.stack([self._per_table[name] for name in _PER_ID], dim=1)
         self._per_table["bound"] = torch.tensor(
             [*(table.bound for table in self.tables), 0.0], dtype=torch.float64, device=self.device
         )
@@ -235,6 +240,7 @@ class KeyArena:
             device=self.device,
         )
         self._per_ids.clear()
+        self._feature_columns.clear()
         self._pins = None
         self.refresh_sizes()
         self._generations = tuple(m.generation for m in maps)
@@ -291,23 +297,31 @@ class KeyArena:
         if cached is not None:
             return cached
         table_of = {f: t for t, fs in enumerate(self.features) for f in fs}
-        feature_table = self._feature_tables.get(keys)
-        if feature_table is None:
+        # [F, 7] each feature's arena table, then that table's per-id columns
+        feature_columns = self._feature_columns.get(keys)
+        if feature_columns is None:
             feature_table = torch.tensor(
                 [table_of.get(key, len(self.tables)) for key in keys], device=self.device
             )
-            self._feature_tables[keys] = feature_table
+            feature_columns = torch.cat(
+                [feature_table.unsqueeze(1), self._per_id_columns.index_select(0, feature_table)],
+                dim=1,
+            )
+            self._feature_columns[keys] = feature_columns
         stride = features.stride()
         key_ends = features.offsets()[stride::stride].contiguous()  # [F] where keys end
         position = torch.arange(num_ids, device=self.device)
-        table = feature_table[torch.searchsorted(key_ends, position, right=True)]  # [V]
-        per_table = {name: self._per_table[name][table] for name in _PER_ID}
+        columns = feature_columns.index_select(
+            0, torch.searchsorted(key_ends, position, right=True)
+        )  # [V, 7]
+        table = columns[:, 0]
+        every_id = all(key in table_of for key in keys)
         per_id = _Ids(
             table=table,
-            mine=table < len(self.tables),
+            mine=None if every_id else table < len(self.tables),
             position=position,
-            every_id=all(key in table_of for key in keys),
-            **per_table,
+            every_id=every_id,
+            **{name: columns[:, c + 1] for c, name in enumerate(_PER_ID)},
         )
         if cache_key:
             if len(self._per_ids) >= 8:  # lengths per key vary: keep the recent ones
@@ -350,7 +364,7 @@ class KeyArena:
         mapped, missing, fresh, counted = None if per_id.every_id else per_id.mine, [], None, False
         overflow = False
         if scanned is not None:  # misses can only be among the scanned ids
-            where, slots = scanned
+            where, slots, sets = scanned
             tables = per_id.table.index_select(0, where)
             # [T + 1] ids without a row per table: a host read
             missed = torch.zeros_like(self.hits).index_add_(0, tables, (slots < 0).long())
@@ -372,8 +386,12 @@ class KeyArena:
                 self.hits += hits * (missed == 0)  # the others count theirs on their path
                 counted = True
                 found.index_put_((where,), fresh.slots)
+                if sets is not None:  # the keys placed now: hinted for the next lookups
+                    self._remember(sets, torch.where(slots < 0, fresh.slots, -1))
             if missing:  # the ids of tables with no miss left
-                mapped = per_id.mine & (missed == 0).index_select(0, per_id.table)
+                mapped = (missed == 0).index_select(0, per_id.table)
+                if per_id.mine is not None:
+                    mapped &= per_id.mine
         live = mapped
         if overflow:  # ids of keys without a row at their table's cap read its zero row
             live = found >= 0 if mapped is None else mapped & (found >= 0)
@@ -387,9 +405,10 @@ class KeyArena:
         elif all(self._lfu):
             self.scores.index_put_((target,), self._one, accumulate=True)
         else:
-            lfu_target = torch.where(per_id.lfu, target, self.scratch)
+            lfu = self._per_table["lfu"].index_select(0, per_id.table)
+            lfu_target = torch.where(lfu, target, self.scratch)
             self.scores.index_put_((lfu_target,), self._one, accumulate=True)
-            self.scores.index_fill_(0, torch.where(per_id.lfu, self.scratch, target), step)
+            self.scores.index_fill_(0, torch.where(lfu, self.scratch, target), step)
         rows = found - per_id.base
         if overflow:
             rows = torch.where(found >= 0, rows, per_id.zero_row)
@@ -435,11 +454,12 @@ class KeyArena:
 
     def _find(
         self, ids: torch.Tensor, per_id: _Ids
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
         """Each id's slot in the arena, -1 where its table does not hold it, and the ids whose
-        bucket was scanned (positions [U], their slots [U]; None when every id of the arena
-        had a valid hint). Triton: one scan of every id's bucket. Torch: the hints, then a scan
-        of the ids without a valid one, listed by a host read."""
+        bucket was scanned (positions [U], their slots [U] and hint sets [U] (None: no hints);
+        None when every id of the arena had a valid hint). Triton: one scan of every id's
+        bucket. Torch: the hints, then a scan of the ids without a valid one, listed by a host
+        read; the keys it finds are hinted."""
         if self._hints is None:
             found = find_arena_slots(
                 self.keys[: self.scratch],
@@ -451,13 +471,16 @@ class KeyArena:
             )
             if not per_id.every_id:  # ids of no table of the arena: at the scratch, no miss
                 found = torch.where(per_id.mine, found, self.scratch)
-            return found, (per_id.position, found)
-        # [V] a hint of the id's own table, the slot it names (the scratch where none)
-        hint_at = (((ids * _FIBONACCI) >> 32) & per_id.hint_mask) + per_id.hint_base
-        slot = self._hints.index_select(0, hint_at)
+            return found, (per_id.position, found, None)
+        # [V] the hint set of the id's own table, [V, W] the slots its entries name and [V]
+        # the one holding the id's key (-1: none does)
+        hint_set = (((ids * _FIBONACCI) >> 32) & per_id.hint_mask) + per_id.hint_base
+        ways = self._hints.index_select(0, hint_set)
+        hit = self.keys.index_select(0, ways.view(-1)).view_as(ways) == ids.unsqueeze(1)
+        slot = torch.where(hit, ways, -1).amax(dim=1)
         # (a free slot holds EMPTY_KEY: an id of that reserved value must scan, find nothing
         # and reach the insert path's error)
-        unsure = (self.keys.index_select(0, slot) != ids) | (ids == EMPTY_KEY)
+        unsure = (slot < 0) | (ids == EMPTY_KEY)
         if not per_id.every_id:
             unsure &= per_id.mine
         # the first host read of a step (its only one when every id has a valid hint)
@@ -471,9 +494,16 @@ class KeyArena:
             ids.index_select(0, where),
             per_id.first_bucket.index_select(0, where),
         )  # [U]
-        hints = torch.where(slots >= 0, slots, self.scratch)
-        self._hints.index_put_((hint_at.index_select(0, where),), hints)
-        return slot.index_put_((where,), slots), (where, slots)
+        sets = hint_set.index_select(0, where)
+        self._remember(sets, slots)
+        return slot.index_put_((where,), slots), (where, slots, sets)
+
+    def _remember(self, sets: torch.Tensor, slots: torch.Tensor) -> None:
+        """Hint the found ``slots`` [U] (-1: absent, not hinted) in the first entry of their
+        hint ``sets`` [U], the entries there moving one along (the least recent goes)."""
+        ways = self._hints.index_select(0, sets)  # [U, W]
+        moved = torch.cat([slots.unsqueeze(1), ways[:, :-1]], dim=1)
+        self._hints.index_put_((sets,), torch.where((slots >= 0).unsqueeze(1), moved, ways))
 
     def _count_inserts(
         self,
