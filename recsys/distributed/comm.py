@@ -2,9 +2,10 @@
 
 Two exchanges serve a sharded lookup (W ranks, rank r holds the samples of its own batch B_r):
 
-- **input dist** (:func:`all_to_all_ids`): every rank sends each rank the ids of the shards that
-  rank owns, in two phases. First the counts (how many samples, how many ids, and whatever
-  every rank must know before the ids move: :func:`exchange_counts`, the one host read), then
+- **input dist** (:func:`recsys.distributed.counts.all_to_all_ids`): every rank sends each rank
+  the ids of the shards that rank owns, in two phases. First the counts (how many samples, how
+  many ids, and whatever every rank must know before the ids move:
+  :mod:`recsys.distributed.counts`, the one host read), then
   the bag lengths, ids and per-id weights in one all-to-all (:func:`send_ids`: one int64 block
   per destination), whose sizes the counts made known. A receiver gets the blocks source by
   source; :func:`source_to_slot_major` reorders them into one KeyedJaggedTensor layout (slot
@@ -26,15 +27,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from recsys.distributed.assembly import PooledAssembly, ScratchBuffers
 from recsys.distributed.timeline import DeviceTimeline, device_timeline
+
+if TYPE_CHECKING:
+    from recsys.distributed.counts import Counts
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -157,93 +161,6 @@ def all_to_all(
     return (recv, work) if async_op else recv
 
 
-@dataclass(frozen=True)
-class Counts:
-    """What the counts exchange (:func:`exchange_counts`) made known on the host.
-
-    ``batch_sizes[s]`` samples and ``num_values[s]`` ids come from rank s, ``slot_values[s]``
-    of them for each of this rank's slots (when sent); ``sent_values[d]`` ids go to rank d;
-    ``extras[s]`` are the values rank s sent along (the same to every rank); ``derived`` what
-    the exchange's ``derive`` computed from them. ``received`` is the exchange's device tensor
-    ([W, 2 + S + E] int64: B_s, ids, the slots' ids, extras), which the receiver's index
-    arithmetic reads on the device, and ``received_extras`` its last E columns."""
-
-    batch_sizes: list[int]
-    num_values: list[int]
-    sent_values: list[int]
-    extras: list[list[int]]
-    received: torch.Tensor
-    derived: list[int] = field(default_factory=list)
-    slot_values: list[list[int]] = field(default_factory=list)
-
-    @property
-    def received_extras(self) -> torch.Tensor:
-        return self.received[:, self.received.shape[1] - len(self.extras[0]) :]
-
-
-def exchange_counts(
-    batch_size: int,
-    values_per_rank: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    stats: CommStats,
-    extras: torch.Tensor | None = None,
-    derive: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    values_per_slot: torch.Tensor | None = None,
-    slots_per_rank: Sequence[int] = (),
-) -> Counts:
-    """The first phase of the input dist: every rank tells every rank how many samples and ids
-    it sends it (``values_per_rank`` [W]; with ``values_per_slot`` [sum_d S_d], rank-major,
-    also how many for each slot of rank d's ``slots_per_rank[d]``), and ``extras`` ([E] int64,
-    the same to every rank: what all ranks must know before the ids travel, e.g. a check's
-    verdict). One small blocking all-to-all and the step's one host read (what comes in and
-    what goes out together, and ``derive``'s int64 result, computed on the device from the
-    received [W, E] extras)."""
-    with stats.timed(values_per_rank.device):
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        num_extras = 0 if extras is None else extras.numel()
-        slots = list(slots_per_rank) if values_per_slot is not None else [0] * world
-        parts = [torch.full((world,), batch_size, device=values_per_rank.device), values_per_rank]
-        if values_per_slot is not None:
-            parts.append(values_per_slot)
-        if extras is not None:
-            parts.append(extras)
-        flat = torch.cat([p.to(torch.int64).view(-1) for p in parts])
-        send = flat.index_select(0, _counts_order(world, tuple(slots), num_extras, flat.device))
-        width = 2 + slots[rank] + num_extras  # what each rank sends this one
-        stats.add("input", send)
-        received = all_to_all(send, [2 + s + num_extras for s in slots], [width] * world, group)
-        received = received.view(world, width)
-        read = [received.view(-1), values_per_rank.to(torch.int64).view(-1)]
-        if derive is not None:
-            read.append(derive(received[:, width - num_extras :]).to(torch.int64).view(-1))
-        known = torch.cat(read).tolist()
-        rows = [known[s * width : (s + 1) * width] for s in range(world)]
-        return Counts(
-            batch_sizes=[row[0] for row in rows],
-            num_values=[row[1] for row in rows],
-            sent_values=known[world * width : world * (width + 1)],
-            extras=[row[width - num_extras :] for row in rows],
-            slot_values=[row[2 : 2 + slots[rank]] for row in rows],
-            received=received,
-            derived=known[world * (width + 1) :],
-        )
-
-
-@functools.lru_cache(maxsize=64)
-def _counts_order(
-    world: int, slots: tuple[int, ...], num_extras: int, device: torch.device
-) -> torch.Tensor:
-    """Where each value of the counts message comes from in [B] * W, ids per rank [W], ids
-    per slot [sum_d S_d] and extras [E] back to back: per destination d its B, its ids, its
-    slots' ids and the extras."""
-    order, slot_start, extras_start = [], 2 * world, 2 * world + sum(slots)
-    for d, num_slots in enumerate(slots):
-        first = slot_start + sum(slots[:d])
-        order += [d, world + d, *range(first, first + num_slots)]
-        order += range(extras_start, extras_start + num_extras)
-    return torch.tensor(order, dtype=torch.int64, device=device)
-
-
 _WIDE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -294,35 +211,6 @@ class PendingIds:
             work.wait()
         self.works = []
         return self.received
-
-
-def all_to_all_ids(
-    lengths: torch.Tensor,
-    values: torch.Tensor,
-    weights: torch.Tensor | None,
-    batch_size: int,
-    slots_per_rank: Sequence[int],
-    values_per_rank: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    stats: CommStats,
-) -> ReceivedIds:
-    """Two-phase all-to-all of bags, waited for: :func:`exchange_counts`, then
-    :func:`send_ids` (the lengths, ids and weights in one all-to-all).
-
-    Args:
-        lengths: [sum_d S_d * B] bag lengths, destination by destination (S_d slots of B bags).
-        values: ids in the same order; ``weights`` likewise, or None.
-        batch_size: B, this rank's samples.
-        slots_per_rank: S_d, the slots rank d looks up (the same list on every rank).
-        values_per_rank: [W] int64, how many of ``values`` go to each rank.
-
-    Returns:
-        The bags every rank sent to this one.
-    """
-    counts = exchange_counts(batch_size, values_per_rank, group, stats)
-    pending = send_ids(lengths, values, weights, batch_size, slots_per_rank, counts, group, stats)
-    with stats.timed(values.device):
-        return pending.wait()
 
 
 def send_ids(

@@ -6,7 +6,8 @@
   (table-wise: the table's rank; column-wise: every column shard's rank; row-wise: rank
   ``id // block``, ids renumbered within the block) and exchanges them in a two-phase
   all-to-all (counts, with the verdict of the input check; then lengths, ids and weights in
-  one buffer; :mod:`recsys.distributed.comm`, :mod:`recsys.distributed.sharded_input`).
+  one buffer; :mod:`recsys.distributed.counts`, :mod:`recsys.distributed.comm`,
+  :mod:`recsys.distributed.sharded_input`).
 - **compute**: the rank's shards are one local :class:`EmbeddingBagCollection` (the same fused
   kernel and fused optimizer as the unsharded collection), run over the ids every rank sent it,
   as one batch of sum_s B_s samples.
@@ -23,7 +24,9 @@ ROW_WISE. Their state is saved by key (:mod:`recsys.distributed.sharded_dynamic`
 any number of ranks.
 
 ``prefetch_input`` runs input_dist ahead, for a forward that then starts at compute (the
-pipelined train step, :mod:`recsys.train.pipeline`).
+pipelined train step, :mod:`recsys.train.pipeline`): it posts the batch's counts, the next
+forward reads them after its own output_dist and sends the ids, which travel during that
+step's backward.
 
 DATA_PARALLEL tables are replicated (:mod:`recsys.distributed.replicated`): each rank looks up
 its own batch with no communication. The routing tables live in
@@ -45,7 +48,6 @@ likewise, and ``optimizer_step``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,13 +60,13 @@ from recsys.distributed.comm import (
     PendingIds,
     PooledLayout,
     check_precision,
-    exchange_counts,
     pooled_all_to_all,
     send_ids,
     source_to_slot_major,
 )
+from recsys.distributed.counts import start_counts
 from recsys.distributed.plan import Shard, ShardingType, TableSharding
-from recsys.distributed.replicated import ReplicatedTables, TouchedRows
+from recsys.distributed.replicated import ReplicatedTables
 from recsys.distributed.routing import ShardRouting
 from recsys.distributed.shard_build import build_shards, checked_plan, dynamic_parts, tiered_of
 from recsys.distributed.sharded_dynamic import (
@@ -75,7 +77,11 @@ from recsys.distributed.sharded_dynamic import (
     owner_test,
 )
 from recsys.distributed.sharded_input import (
+    MAX_PREFETCHED,
     InputSpec,
+    LocalBatch,
+    Prefetched,
+    StartedInput,
     check_now,
     check_on_device,
     raise_on_bad_input,
@@ -95,27 +101,6 @@ from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import output_keys, pooling_mode
 from recsys.embedding.tiered_files import TablePart, TieredFiles
 from recsys.ops.input_checks import check_mode
-
-
-@dataclass(frozen=True)
-class LocalBatch:
-    """What input_dist delivers to this rank: the ids every rank sent to its shards, as one
-    KeyedJaggedTensor of sum_s B_s samples (``batch_sizes[s]`` from rank s)."""
-
-    features: KeyedJaggedTensor
-    batch_sizes: list[int]
-    touched: TouchedRows | None = None  # the rows the batch touches in the replicated tables
-
-
-MAX_PREFETCHED = 2  # batches kept with their input_dist done: the one training, the next
-
-
-@dataclass(frozen=True)
-class _Prefetched:
-    given: KeyedJaggedTensor  # the object prefetch_input had (forward must get this one)
-    features: KeyedJaggedTensor  # checked, in the collection's feature order
-    pending: PendingIds | None  # its input_dist, under way; None: no table exchanges ids
-    local: LocalBatch | None = None  # its input_dist done (tiered shards prefetch its rows)
 
 
 class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
@@ -224,7 +209,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
                 parameter.requires_grad_(False)
         self.load_prefix = ""
         self.register_load_state_dict_post_hook(hide_internal_keys)
-        self._prefetched: list[_Prefetched] = []
+        self._prefetched: list[Prefetched] = []
 
     # -----------------------------------------------------------------------------------------
     # Forward: input_dist -> compute -> output_dist
@@ -239,8 +224,12 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             features = self._checked(features)
             batch = self.input_dist(features) if self.routing.num_streams else None
         else:
+            if ready.error is not None:
+                raise ready.error
             features = ready.features
             batch = ready.local
+            if ready.started is not None:
+                ready.pending = self.send_input(ready.started)
             if batch is None and ready.pending is not None:
                 batch = self.finish_input_dist(ready.pending)
         pooled_dp = None
@@ -251,6 +240,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         else:
             lengths = features.lengths().view(len(self.routing.features), features.stride())
             values = self.output_dist(self.compute(batch), batch, pooled_dp, lengths)
+        self._send_prefetched()
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
@@ -258,23 +248,44 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         )
 
     def prefetch_input(self, features: KeyedJaggedTensor) -> None:
-        """Check ``features`` and run their input_dist now, for a forward of the same object
-        later (the newest :data:`MAX_PREFETCHED` are kept). Changes no table's values: a
-        KEY_WISE key is inserted by compute, on its owner; this rank's tiered shards bring the
-        batch's rows into their caches (rows move exactly, see ``TieredEmbeddingBagCollection``).
-        A collective, like forward.
+        """Check ``features`` and start their input_dist now, for a forward of the same object
+        later (the newest :data:`MAX_PREFETCHED` are kept): their counts are exchanged while
+        the next forward computes, which then sends their ids (:meth:`_send_prefetched`), and
+        the forward of ``features`` waits for them. Changes no table's values: a KEY_WISE key
+        is inserted by compute, on its owner; this rank's tiered shards bring the batch's rows
+        into their caches (rows move exactly, see ``TieredEmbeddingBagCollection``: their ids
+        are exchanged now). A collective, like forward. A batch that fails the input check
+        raises in its own forward, on every rank, after the forwards before it.
 
         Raises:
-            ValueError: a malformed input, as forward would.
+            ValueError: a malformed input (its shape or feature names), as forward would.
         """
         checked = self._checked(features)
-        pending = self.start_input_dist(checked) if self.routing.num_streams else None
-        local = None
-        if self.caches and pending is not None:  # the ids now, for the rows' prefetch
-            local, pending = self.finish_input_dist(pending), None
-            self.shards.prefetch(local.features)
+        started = self.start_input_dist(checked) if self.routing.num_streams else None
+        entry = Prefetched(features, checked, started)
+        if self.caches and started is not None:  # the ids now, for the rows' prefetch
+            entry.started = None
+            entry.local = self.finish_input_dist(self.send_input(started))
+            self.shards.prefetch(entry.local.features)
         kept = self._prefetched[-(MAX_PREFETCHED - 1) :]
-        self._prefetched = [*kept, _Prefetched(features, checked, pending, local)]
+        for dropped in self._prefetched[: len(self._prefetched) - len(kept)]:
+            if dropped.started is not None:  # its counts arrive; its ids are never sent
+                dropped.started.counts.wait()
+        self._prefetched = [*kept, entry]
+
+    def _send_prefetched(self) -> None:
+        """After a forward's exchanges: send the ids of every prefetched batch whose counts
+        are under way (read now: they had this forward's compute to arrive), in the order they
+        were prefetched, as every rank does. A batch whose input check failed sends nothing
+        (on any rank: all read the same verdicts); its forward raises."""
+        for entry in self._prefetched:
+            if entry.started is None:
+                continue
+            started, entry.started = entry.started, None
+            try:
+                entry.pending = self.send_input(started)
+            except ValueError as error:
+                entry.error = error
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """For tiered tables: :meth:`prefetch_input`, whose ids then go to this rank's tiered
@@ -344,7 +355,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
                 )
         return self.shards.tiered_files(parts)
 
-    def _take_prefetched(self, features: KeyedJaggedTensor) -> _Prefetched | None:
+    def _take_prefetched(self, features: KeyedJaggedTensor) -> Prefetched | None:
         """The prefetched entry of this very ``features`` object, dropped with older ones."""
         for position, entry in enumerate(self._prefetched):
             if entry.given is features:
@@ -373,11 +384,12 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
     def input_dist(self, features: KeyedJaggedTensor) -> LocalBatch:
         """Send every id to the ranks holding the shards it reads (a two-phase all-to-all) and
         receive the ids the other ranks send to this rank's shards."""
-        return self.finish_input_dist(self.start_input_dist(features))
+        return self.finish_input_dist(self.send_input(self.start_input_dist(features)))
 
-    def start_input_dist(self, features: KeyedJaggedTensor) -> PendingIds:
-        """Route the ids and send them; the counts are exchanged now, the ids in the
-        background (a prefetched batch's ids travel while the step before it runs)."""
+    def start_input_dist(self, features: KeyedJaggedTensor) -> StartedInput:
+        """Check and route the ids and post the counts exchange, not waited for (a prefetched
+        batch's counts travel while the forward before it computes); :meth:`send_input` reads
+        them and sends the ids."""
         batch_size, weights = features.stride(), self._weights(features)
         lengths = features.lengths().view(len(self.routing.features), batch_size)
         values, checked = features.values(), None
@@ -394,15 +406,32 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         skip = len(along) - self._counts_rows  # the rows' counts come after the verdict
         derive = (lambda x: self.replicated.union_rows(x[:, skip:])) if self._counts_rows else None
         slots = self.routing.slots_per_rank
-        counts = exchange_counts(
+        counts = start_counts(
             batch_size, routed.per_rank, group, stats, extras, derive, routed.per_stream, slots
         )
-        if checked is not None:  # every rank raises here for a bad batch of any rank
+        return StartedInput(features, weights, routed, checked is not None, counts)
+
+    def send_input(self, started: StartedInput) -> PendingIds:
+        """Read the counts :meth:`start_input_dist` posted and send the ids in the background.
+
+        Raises:
+            ValueError: on every rank, when some rank's batch failed the input check (no id
+                is sent).
+        """
+        counts = started.counts.wait()
+        features, weights, routed = started.features, started.weights, started.routed
+        if started.checked:  # every rank raises here for a bad batch of any rank
             verdicts = [extras[0] for extras in counts.extras]
             raise_on_bad_input(verdicts, self.rank, self._input_spec, features, weights)
-        ids, id_weights = routed.ids, routed.weights
         return send_ids(
-            routed.send_lengths, ids, id_weights, batch_size, slots, counts, group, stats
+            routed.send_lengths,
+            routed.ids,
+            routed.weights,
+            features.stride(),
+            self.routing.slots_per_rank,
+            counts,
+            self.process_group,
+            self.comm_stats,
         )
 
     def finish_input_dist(self, pending: PendingIds) -> LocalBatch:

@@ -1,4 +1,5 @@
-"""The checks of a sharded collection's input, without a host read of their own.
+"""A sharded collection's input: its checks, without a host read of their own, and the batches
+its input dist delivers or has under way (:class:`LocalBatch`, :class:`StartedInput`).
 
 A sharded lookup's ids are updated on other ranks, so every rank must know, before any id
 travels, whether every rank's batch is good. The check (offsets start at 0, never decrease and
@@ -24,6 +25,10 @@ from dataclasses import dataclass, field
 import torch
 from torchrec import KeyedJaggedTensor
 
+from recsys.distributed.comm import PendingIds
+from recsys.distributed.counts import PendingCounts
+from recsys.distributed.replicated import TouchedRows
+from recsys.distributed.routing import RoutedIds
 from recsys.ops.embedding_bag import validate_inputs
 from recsys.ops.slot_map import RESERVED_KEY, check_keys
 
@@ -52,6 +57,45 @@ class InputSpec:
     indices: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, compare=False, repr=False
     )  # built once per (batch size, offsets, device): see _indices
+
+
+@dataclass(frozen=True)
+class LocalBatch:
+    """What input_dist delivers to this rank: the ids every rank sent to its shards, as one
+    KeyedJaggedTensor of sum_s B_s samples (``batch_sizes[s]`` from rank s)."""
+
+    features: KeyedJaggedTensor
+    batch_sizes: list[int]
+    touched: TouchedRows | None = None  # the rows the batch touches in the replicated tables
+
+
+MAX_PREFETCHED = 2  # batches kept with their input_dist done: the one training, the next
+
+
+@dataclass(frozen=True)
+class StartedInput:
+    """An input dist whose counts are under way (:meth:`ShardedEmbeddingBagCollection.
+    start_input_dist`): the batch as routed, its device-side check, the counts exchange."""
+
+    features: KeyedJaggedTensor  # checked, in the collection's feature order
+    weights: torch.Tensor | None
+    routed: RoutedIds
+    checked: bool  # the counts carry the input check's verdict
+    counts: PendingCounts
+
+
+@dataclass
+class Prefetched:
+    """A batch :meth:`ShardedEmbeddingBagCollection.prefetch_input` ran ahead: its counts under
+    way (``started``), then its ids (``pending``) once a forward sent them, or its input dist
+    done (``local``); ``error``: its input check failed (raised by its own forward)."""
+
+    given: KeyedJaggedTensor  # the object prefetch_input had (forward must get this one)
+    features: KeyedJaggedTensor  # checked, in the collection's feature order
+    started: StartedInput | None  # its counts under way; None: sent, or nothing exchanged
+    pending: PendingIds | None = None  # its ids under way
+    local: LocalBatch | None = None  # its input_dist done (tiered shards prefetch its rows)
+    error: ValueError | None = None
 
 
 def check_on_device(

@@ -7,9 +7,10 @@ its ids have been through every sharded collection's input_dist: the stage Torch
 
 One step, in the same order on every rank (so the ranks' collectives match)::
 
-    pull batch i+1; prefetch_input(i+1) on each sharded collection   (input_dist of i+1)
-    forward(i): compute -> output_dist (its input_dist ran one step earlier), dense layers
-    backward(i), optimizer step(i)
+    pull batch i+1; prefetch_input(i+1) on each sharded collection   (its counts posted)
+    forward(i): compute -> output_dist (its ids arrived during step i-1), then batch i+1's
+                counts are read and its ids sent, not waited for
+    backward(i), optimizer step(i)                                     (batch i+1's ids travel)
 
 Results are the plain loop's, bitwise: input_dist is a function of the batch's ids alone
 (routed by the plan and a key hash; no table value is read or written: a KEY_WISE key is
@@ -18,8 +19,7 @@ and store) and draws no random numbers, and a batch depends only on (seed, epoch
 position). A batch pulled ahead is not consumed: the trainer counts trained batches, so a
 checkpoint after step i resumes at batch i+1. Nothing is pulled past ``limit`` (max_steps) or
 across the end of an epoch; a stop after step i (early stopping, a signal) leaves the input_dist
-of batch i+1 done and unused, which changed nothing, and the collections forget it. One
-difference: a malformed batch i+1 (an id outside its table) is reported before step i trains.
+of batch i+1 done and unused, which changed nothing, and the collections forget it.
 
 ``train.pipeline = "auto"`` (the default) pipelines on CUDA where a collection exchanges ids
 (torchrun with more than one rank, some table not DATA_PARALLEL). On CPU it is off: on 2 gloo
@@ -33,11 +33,15 @@ every tiered collection (:meth:`~recsys.embedding.tiered.TieredEmbeddingBagColle
 whose forward of batch i starts a thread bringing batch i+1's rows into the cache while batch i
 trains. Results are the plain loop's, bitwise (rows move exactly; batch i's rows are pinned).
 
-The exchange of batch i+1's ids overlaps step i: ``prefetch_input`` exchanges the counts (a
-small blocking all-to-all, :func:`recsys.distributed.comm.exchange_counts`, before step i's
-forward) and sends the lengths, ids and weights in one all-to-all without waiting
-(:func:`recsys.distributed.comm.send_ids`); forward(i+1) waits for them. What it
-saves is measured by ``python -m benchmarks.train_step`` (``benchmarks/results/train_step.csv``).
+The exchange of batch i+1 overlaps step i: ``prefetch_input`` posts the counts (a small
+all-to-all, :func:`recsys.distributed.counts.start_counts`; on CUDA with its copy to the host on
+a side stream, ordered by events), forward(i) computes while they travel and reads them after
+its output_dist (the sync the counts need, which no longer waits for the step's kernels on
+CUDA), then sends the lengths, ids and weights in one all-to-all without waiting
+(:func:`recsys.distributed.comm.send_ids`); they travel during backward(i) and forward(i+1)
+waits for them. A batch i+1 that fails the input check raises in forward(i+1) on every rank,
+after step i trained, as in the plain loop. What the pipeline saves is measured by
+``python -m benchmarks.train_step`` (``benchmarks/results/train_step.csv``).
 """
 
 from __future__ import annotations

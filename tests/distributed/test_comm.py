@@ -14,16 +14,15 @@ from recsys.distributed.comm import (
     CommStats,
     PooledLayout,
     ReceivedIds,
-    all_to_all_ids,
     check_precision,
     decode,
     encode,
-    exchange_counts,
     pooled_all_to_all,
     source_to_slot_major,
     wire_dtype,
     wire_width,
 )
+from recsys.distributed.counts import all_to_all_ids, exchange_counts
 
 FP16_MIN_NORMAL, FP16_MAX = 2.0**-14, 65504.0
 

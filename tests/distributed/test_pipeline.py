@@ -3,6 +3,8 @@
 - ``ShardedEmbeddingBagCollection.prefetch_input``: a forward handed the prefetched features
   starts at compute (it runs no input_dist) and gives the plain forward's output and updates,
   bitwise; the prefetch changes no table (KEY_WISE keys are inserted by compute, on the owner).
+  Its counts travel during the forward before it, which then sends its ids; a prefetched batch
+  that fails the input check raises in its own forward on every rank, after the one before it.
 - ``recsys train`` with ``train.pipeline`` on and off: the same losses and final model, bitwise,
   on the default recipe's fixed tables and on dynamic KEY_WISE tables, with dropout, evaluations
   and an epoch boundary; the pipelined run really ran input_dist one batch ahead; a pipelined run
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec import KeyedJaggedTensor
 
 from recsys.checkpoint.io import latest_checkpoint, load_model
 from recsys.config import load_config
@@ -123,6 +126,31 @@ def _check_prefetch_input(rank: int, world: int) -> None:
     piped.drop_prefetched()
 
 
+def _check_bad_batch_ahead(rank: int, world: int) -> None:
+    """Batch i+1 has an id past its fixed table on the last rank: prefetching it raises
+    nothing, batch i trains, and forward(i+1) raises on every rank."""
+    piped = ShardedEmbeddingBagCollection(collection(lambda: Adagrad(lr=0.1)), plan(world))
+    good = rows_of(raw_kjt(5, 5 * world), 5 * rank, 5 * (rank + 1))
+    bad = rows_of(raw_kjt(6, 5 * world), 5 * rank, 5 * (rank + 1))
+    if rank == world - 1:
+        values = bad.values().clone()
+        position = bad.keys().index("d")
+        start, stop = bad.offset_per_key()[position : position + 2]
+        assert stop > start, "the test batch needs an id of feature d on this rank"
+        values[start] = 10**6
+        bad = KeyedJaggedTensor(keys=bad.keys(), values=values, lengths=bad.lengths())
+    piped.prefetch_input(good)
+    piped.prefetch_input(bad)  # its counts are under way, its verdict not read yet
+    assert [e.started is not None for e in piped._prefetched] == [True, True]
+    pooled = piped(good)
+    assert piped._prefetched[0].started is None  # read after the forward, the ids not sent
+    assert piped._prefetched[0].pending is None and piped._prefetched[0].error is not None
+    pooled.values().sum().backward()
+    expected = "1000000" if rank == world - 1 else f"the batch of rank {world - 1} failed"
+    with pytest.raises(ValueError, match=expected):
+        piped(bad)
+
+
 # --- The trainer -------------------------------------------------------------------------------
 
 
@@ -153,6 +181,7 @@ def _train(rank: int, world: int, out: str) -> None:
     trainer_module.shutdown_distributed = lambda: None  # the process group is run_ranks's
     torch.set_num_threads(1)
     _check_prefetch_input(rank, world)
+    _check_bad_batch_ahead(rank, world)
     in_flight = _InFlight()
     in_flight.install()
     runs = list(RUNS.items())
