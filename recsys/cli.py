@@ -200,6 +200,12 @@ def _add_predict(commands: argparse._SubParsersAction) -> None:
     score.add_argument(
         "--batch-size", type=int, default=8192, help="rows per forward call (default 8192)"
     )
+    score.add_argument(
+        "--cache-rows",
+        type=int,
+        help="an export with tiered tables: rows of each one's cache of hot rows (default: the "
+        "training run's cache size; the scores do not depend on it)",
+    )
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
@@ -247,6 +253,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         type=float,
         default=1.0,
         help="how often --deltas and --model are looked at (default 1)",
+    )
+    serve.add_argument(
+        "--cache-rows",
+        type=int,
+        help="a model with tiered tables (host or disk tier): rows of each one's in-memory "
+        "cache of hot rows, in front of its row store (default: the training run's cache size)",
     )
     serve.add_argument(
         "--transform",
@@ -387,6 +399,7 @@ def _predict(args: argparse.Namespace) -> None:
         data=args.data,
         format=args.format,
         deltas=args.deltas,
+        cache_rows=args.cache_rows,
     )
     tables = "" if report.deltas_step is None else f", dynamic tables at step {report.deltas_step}"
     print(
@@ -413,6 +426,7 @@ def _serve(args: argparse.Namespace) -> None:
             poll_seconds=args.poll_seconds,
             transform=args.transform,
             data=args.data,
+            cache_rows=args.cache_rows,
         )
     )
 
