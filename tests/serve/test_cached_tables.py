@@ -23,6 +23,7 @@ from recsys.serve.cached_tables import CachedTables
 from recsys.serve.export import export_model, load_program, predict
 from recsys.serve.online.requests import rows_from_json
 from recsys.serve.online.served import ServedModel
+from recsys.serve.triton_export import export_triton
 from recsys.train.trainer import train
 from tests.serve.test_server import Server, _samples, _v2_scores
 
@@ -283,3 +284,10 @@ def test_deltas_and_bad_options_are_refused(tiered_run, tmp_path):
     module, spec, _ = load_program(base)
     with pytest.raises(ValueError, match="cache_rows must be >= 1, got 0"):
         CachedTables(module.cached_tables.info, list(spec.sparse_names), cache_rows=0)
+
+
+def test_a_triton_export_is_refused(tiered_run, tmp_path):
+    run_dir, _, _ = tiered_run
+    with pytest.raises(ValueError, match="Triton cannot serve them"):
+        export_triton(run_dir, tmp_path / "models")
+    assert not (tmp_path / "models" / "recsys").exists()
