@@ -8,6 +8,7 @@ server reports the caches' counters, and a new base switches the cached tables w
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from recsys.serve.online.requests import rows_from_json
 from recsys.serve.online.served import ServedModel
 from recsys.serve.triton_export import export_triton
 from recsys.train.trainer import train
-from tests.serve.test_server import Server, _samples, _v2_scores
+from tests.serve.test_server import Server, _json_scores, _samples, _v2_scores
 
 RUN = [
     "--data.synthetic.cardinalities=[50,3000,20000]",
@@ -207,6 +208,11 @@ def test_server_with_a_cache_a_tenth_of_the_tables(tiered_run, tmp_path):
         for _ in range(3):  # one request of every row: predict's scores, bitwise
             scores, step = _v2_scores(server, samples)
             assert step == 12 and np.array_equal(scores, expected)
+        # Concurrent one-row requests (merged into batches, whose lookups share the caches):
+        # each within 1e-6 (another batch size may sum the MLP's products in another order).
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda s: _json_scores(server, s), samples))
+        np.testing.assert_allclose([r[0][0] for r in results], expected, rtol=0, atol=1e-6)
         metrics = _cache_metrics(server.metrics())
         for table in stored:
             counters = metrics[table]
