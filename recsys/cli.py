@@ -155,8 +155,28 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
         required=True,
         help="checkpoint directory, or a run directory (its newest checkpoint)",
     )
-    export.add_argument("--output", required=True, help="file to write, e.g. model.pt2")
+    export.add_argument(
+        "--output",
+        required=True,
+        help="file to write, e.g. model.pt2; with --format triton, the model repository "
+        "directory (the model goes to OUTPUT/NAME/)",
+    )
     export.add_argument("--overwrite", action="store_true", help="replace --output when it exists")
+    export.add_argument(
+        "--format",
+        choices=("pt2", "triton"),
+        default="pt2",
+        help="pt2 (default): a torch.export program; triton: a Triton Inference Server model "
+        "repository (config.pbtxt and an AOTInductor package, platform torch_aoti)",
+    )
+    export.add_argument("--name", default="recsys", help="with --format triton: the model name")
+    export.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="with --format triton: where the compiled package runs (cuda: compile on a GPU "
+        "machine, for a GPU server)",
+    )
 
 
 def _add_predict(commands: argparse._SubParsersAction) -> None:
@@ -199,6 +219,12 @@ def _add_predict(commands: argparse._SubParsersAction) -> None:
     )
     score.add_argument(
         "--batch-size", type=int, default=8192, help="rows per forward call (default 8192)"
+    )
+    score.add_argument(
+        "--cache-rows",
+        type=int,
+        help="an export with tiered tables: rows of each one's cache of hot rows (default: the "
+        "training run's cache size; the scores do not depend on it)",
     )
 
 
@@ -247,6 +273,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         type=float,
         default=1.0,
         help="how often --deltas and --model are looked at (default 1)",
+    )
+    serve.add_argument(
+        "--cache-rows",
+        type=int,
+        help="a model with tiered tables (host or disk tier): rows of each one's in-memory "
+        "cache of hot rows, in front of its row store (default: the training run's cache size)",
     )
     serve.add_argument(
         "--transform",
@@ -365,6 +397,21 @@ def _export(args: argparse.Namespace) -> None:
 
     start = time.perf_counter()
     checkpoint = resolve_checkpoint(args.checkpoint)
+    if args.format == "triton":
+        from recsys.serve.triton_export import export_triton
+
+        target = export_triton(
+            checkpoint, args.output, name=args.name, device=args.device, overwrite=args.overwrite
+        )
+        print(
+            f"recsys: exported {checkpoint} to the Triton model repository {args.output} "
+            f"({target}/config.pbtxt, {target}/1/model.pt2: AOTInductor, {args.device}) in "
+            f"{time.perf_counter() - start:.1f} s"
+        )
+        print(f"serve it with: tritonserver --model-repository={args.output}")
+        return
+    if args.name != "recsys" or args.device != "cpu":
+        raise ValueError("--name and --device describe a Triton export: add --format triton")
     output = export_model(checkpoint, args.output, overwrite=args.overwrite)
     megabytes = output.stat().st_size / 2**20
     print(
@@ -387,6 +434,7 @@ def _predict(args: argparse.Namespace) -> None:
         data=args.data,
         format=args.format,
         deltas=args.deltas,
+        cache_rows=args.cache_rows,
     )
     tables = "" if report.deltas_step is None else f", dynamic tables at step {report.deltas_step}"
     print(
@@ -413,6 +461,7 @@ def _serve(args: argparse.Namespace) -> None:
             poll_seconds=args.poll_seconds,
             transform=args.transform,
             data=args.data,
+            cache_rows=args.cache_rows,
         )
     )
 

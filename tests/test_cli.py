@@ -263,10 +263,11 @@ def test_predict_passes_its_arguments(monkeypatch, tmp_path, capsys):
         capsys.readouterr().out
     )
     extra = ["--batch-size", "300", "--transform", "--data", "d/", "--format", "csv"]
+    extra += ["--cache-rows", "1000"]
     assert main([*argv, *extra, "--overwrite", "--deltas", "runs/r/deltas"]) == 0
     defaults = {"overwrite": False, "transform": False, "data": None, "format": None}
     assert calls == [
-        (("m.pt2", "in/", "s.parquet", 8192), {**defaults, "deltas": None}),
+        (("m.pt2", "in/", "s.parquet", 8192), {**defaults, "deltas": None, "cache_rows": None}),
         (
             ("m.pt2", "in/", "s.parquet", 300),
             {
@@ -275,6 +276,7 @@ def test_predict_passes_its_arguments(monkeypatch, tmp_path, capsys):
                 "data": "d/",
                 "format": "csv",
                 "deltas": "runs/r/deltas",
+                "cache_rows": 1000,
             },
         ),
     ]

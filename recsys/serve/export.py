@@ -32,6 +32,11 @@ forward with the deltas written after that step by the same run (see
 same map layout, and fails naming the table when its keys no longer fit (the table grew past
 the exported map: export a later checkpoint), or naming the export and the delta when a delta
 does not continue the export's checkpoint. Dense layers and fixed tables stay the export's.
+
+Tables in the host or disk tier (``[model.storage]``) are not inside the program: it takes their
+pooled vectors as a fourth input, and :func:`load_program` looks their rows up in row stores
+loaded from the checkpoint, through a bounded cache (:mod:`recsys.serve.tiered_export`,
+:mod:`recsys.serve.cached_tables`); the loaded module takes the three inputs above.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.parquet import table_to_batch
 from recsys.data.prepared import file_fingerprint, new_directory_beside, read_metadata
 from recsys.ops.slot_map import check_keys
+from recsys.serve.cached_tables import attach_cached_tables
 from recsys.serve.exported_deltas import (
     DYNAMIC_FILE,
     apply_exported_deltas,
@@ -78,6 +84,7 @@ from recsys.serve.exported_deltas import (
 )
 from recsys.serve.program_file import write_program
 from recsys.serve.retrieval_export import RETRIEVAL_FILE, export_retrieval, predict_top_k
+from recsys.serve.tiered_export import TIERED_FILE, tiered_export
 
 __all__ = [
     "InferenceModule",
@@ -145,21 +152,16 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
     num_sparse = len(spec.sparse_names)
     module = InferenceModule(model, spec)
-    program = torch.export.export(
-        module,
-        _example_inputs(spec),
-        dynamic_shapes={
-            "dense": {0: batch},
-            "values": {0: ids},
-            "lengths": {0: num_sparse * batch},
-        },
-    )
+    inputs = _example_inputs(spec)
+    shapes = {"dense": {0: batch}, "values": {0: ids}, "lengths": {0: num_sparse * batch}}
+    # Tiered tables are looked up outside the program (tiered.json says how).
+    module, inputs, shapes, extra = tiered_export(model, module, inputs, shapes, checkpoint)
+    program = torch.export.export(module, inputs, dynamic_shapes=shapes)
     dynamic = exported_dynamic_tables(
         program, module, checkpoint_step(checkpoint), read_lineage(checkpoint)
     )
-    return write_program(
-        program, checkpoint, output, {DYNAMIC_FILE: json.dumps(dynamic, indent=1) + "\n"}
-    )
+    extra[DYNAMIC_FILE] = json.dumps(dynamic, indent=1) + "\n"
+    return write_program(program, checkpoint, output, extra)
 
 
 def _check_output(output: Path, overwrite: bool) -> None:
@@ -213,9 +215,13 @@ def load_exported(
     return module, spec
 
 
-def load_program(path: str | Path) -> tuple[nn.Module, DatasetSpec, dict | None]:
+def load_program(
+    path: str | Path, cache_rows: int | None = None
+) -> tuple[nn.Module, DatasetSpec, dict | None]:
     """:func:`load_exported` without deltas, and the export's ``dynamic.json`` (None when it
-    predates deltas): what ``recsys predict`` and ``recsys serve`` score with."""
+    predates deltas): what ``recsys predict`` and ``recsys serve`` score with. An export with
+    tiered tables gets them behind caches of ``cache_rows`` rows each (default: the training
+    run's; :mod:`recsys.serve.cached_tables`)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"exported model not found: '{path}' (`recsys export` writes one)")
@@ -226,13 +232,18 @@ def load_program(path: str | Path) -> tuple[nn.Module, DatasetSpec, dict | None]
             f"{SPEC_FILE} inside)"
         )
     extra_files = {SPEC_FILE: "", CONFIG_FILE: ""}
-    if _archive_has(path, f"extra/{DYNAMIC_FILE}"):  # exports before deltas have none
-        extra_files[DYNAMIC_FILE] = ""
+    for name in (DYNAMIC_FILE, TIERED_FILE):  # exports before deltas (or tiers) have none
+        if _archive_has(path, f"extra/{name}"):
+            extra_files[name] = ""
     program = torch.export.load(path, extra_files=extra_files)
     fields = json.loads(extra_files[SPEC_FILE])
     spec = DatasetSpec.from_json(fields)
     dynamic = json.loads(extra_files[DYNAMIC_FILE]) if DYNAMIC_FILE in extra_files else None
-    return program.module(), spec, dynamic
+    module = program.module()
+    if TIERED_FILE in extra_files:
+        tiered = json.loads(extra_files[TIERED_FILE])
+        attach_cached_tables(module, tiered, list(spec.sparse_names), cache_rows)
+    return module, spec, dynamic
 
 
 def _archive_text(path: Path, member: str) -> str:
@@ -274,6 +285,7 @@ def predict(
     data: str | Path | None = None,
     format: str | None = None,
     deltas: str | Path | None = None,
+    cache_rows: int | None = None,
 ) -> PredictReport:
     """Score parquet files with an exported model and write the scores as parquet (a sequence
     model's export: the top-K items of each history of an ``items`` column, see
@@ -310,6 +322,9 @@ def predict(
             from: score with its dynamic tables at the last delta after the export's
             checkpoint (:func:`~recsys.serve.exported_deltas.apply_exported_deltas`; the dense
             layers stay the export's).
+        cache_rows: an export with tiered tables: rows of each one's cache
+            (:mod:`recsys.serve.cached_tables`; default: the training run's). The scores do
+            not depend on it.
 
     Raises:
         FileNotFoundError: no model file, or no input file.
@@ -337,7 +352,7 @@ def predict(
         )
     deltas_step = None
     if not top_k:
-        model, spec, dynamic = load_program(model_path)
+        model, spec, dynamic = load_program(model_path, cache_rows)
         if deltas is not None:
             deltas_step = apply_exported_deltas(model, dynamic, deltas, model_path)
     output = Path(output)

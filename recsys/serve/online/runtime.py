@@ -90,8 +90,52 @@ def _metrics() -> dict[str, Any]:
                 "recsys_serve_deltas_refused", "Deltas (or chains) and new bases refused so far"
             ),
             bases=Gauge("recsys_serve_bases_loaded", "Bases loaded so far (1, then new ones)"),
+            **{
+                f"cache_{name}": Gauge(f"recsys_serve_cache_{name}", text, ["table"])
+                for name, text in _CACHE_COUNTERS.items()
+            },
+            cache_hit_rate=Gauge(
+                "recsys_serve_cache_hit_rate",
+                "Hits over lookups of a tiered table's cache so far (distinct ids per batch)",
+                ["table"],
+            ),
         )
     return _METRICS
+
+
+_CACHE_COUNTERS = {
+    "lookups": "Distinct ids of a batch looked up in a tiered table's cache, so far",
+    "hits": "Of those, ids whose row was cached",
+    "misses": "Of those, ids whose row was not cached (read from the store, or absent)",
+    "evictions": "Rows evicted from a tiered table's cache so far",
+    "rows_resident": "Rows a tiered table's cache holds now",
+    "capacity_rows": "Rows a tiered table's cache can hold",
+}
+"""The cache counters of tiered tables on the metrics endpoint (per table, of the served
+base's caches; monotonic within a base), as gauges read at scrape time."""
+
+_CACHE_STATS = {"evictions": "evicted", "capacity_rows": "cache_rows"}
+
+
+def _watch_cache(metrics: dict[str, Any], served: ServedModel) -> None:
+    """Point the cache gauges at ``served``'s tiered tables (read at every scrape)."""
+
+    def reader(table: str, stat: str):
+        return lambda: served.cache_stats().get(table, {}).get(stat, 0)
+
+    def hit_rate(table: str):
+        def read() -> float:
+            stats = served.cache_stats().get(table, {})
+            return stats["hits"] / stats["lookups"] if stats.get("lookups") else 0.0
+
+        return read
+
+    for table in served.cache_stats():
+        for name in _CACHE_COUNTERS:
+            metrics[f"cache_{name}"].labels(table).set_function(
+                reader(table, _CACHE_STATS.get(name, name))
+            )
+        metrics["cache_hit_rate"].labels(table).set_function(hit_rate(table))
 
 
 def served_model_settings(
@@ -105,6 +149,7 @@ def served_model_settings(
     *,
     transform: bool = False,
     data: str | None = None,
+    cache_rows: int | None = None,
 ) -> ModelSettings:
     """MLServer's settings for the runtime (its options ride in ``parameters.extra``)."""
     return ModelSettings(
@@ -124,6 +169,7 @@ def served_model_settings(
                 "poll_seconds": poll_seconds,
                 "transform": transform,
                 "data": data,
+                "cache_rows": cache_rows,
             },
         },
     )
@@ -156,7 +202,10 @@ class RecsysRuntime(MLModel):
         extra = self.settings.parameters.extra or {}
         try:
             served = await asyncio.to_thread(
-                ServedModel, self.settings.parameters.uri, extra.get("deltas")
+                ServedModel,
+                self.settings.parameters.uri,
+                extra.get("deltas"),
+                extra.get("cache_rows"),
             )
         except Exception as error:
             load_errors[self.name] = error
@@ -193,6 +242,7 @@ class RecsysRuntime(MLModel):
         metrics["step"].set_function(lambda: served.step)
         metrics["refused"].set_function(lambda: served.num_refused)
         metrics["bases"].set_function(lambda: served.num_bases)
+        _watch_cache(metrics, served)
         served.watch(float(extra.get("poll_seconds", 1.0)))
         return True
 

@@ -22,11 +22,9 @@ with the deltas. A base that cannot load, or that reads other features than the 
 
 from __future__ import annotations
 
-import copy
 import logging
 import tempfile
 import threading
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +43,7 @@ from recsys.checkpoint.deltas import (
 )
 from recsys.checkpoint.io import resolve_checkpoint
 from recsys.data.batch import DatasetSpec
+from recsys.serve.cached_tables import copy_program
 from recsys.serve.export import export_model, load_program
 from recsys.serve.exported_deltas import export_base, exported_tables, put_exported_tables
 
@@ -79,6 +78,8 @@ class ServedModel:
             run's ``latest`` checkpoint moved on).
         deltas: the deltas directory (or run directory) of the run the model comes from:
             :meth:`refresh` applies the deltas written after the served step.
+        cache_rows: rows of each tiered table's cache (:mod:`recsys.serve.cached_tables`;
+            default: the training run's); a model without tiered tables ignores it.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`~recsys.serve.export.load_program` and
@@ -92,8 +93,11 @@ class ServedModel:
         scores, step = served.score(dense, lengths, values)  # sample-major ids
     """
 
-    def __init__(self, path: str | Path, deltas: str | Path | None = None) -> None:
+    def __init__(
+        self, path: str | Path, deltas: str | Path | None = None, cache_rows: int | None = None
+    ) -> None:
         self.path = Path(path)
+        self.cache_rows = cache_rows
         self.deltas = None if deltas is None else deltas_directory(deltas)
         self._refused: set[str] = set()
         self._lock = threading.Lock()  # one refresh at a time; scoring never takes it
@@ -121,9 +125,17 @@ class ServedModel:
         """The version of the base at :attr:`path` now, no delta applied (sets ``_spec``)."""
         if self.path.is_dir():
             with tempfile.TemporaryDirectory(prefix="recsys-serve-") as work:
-                module, spec, info = load_program(export_model(self.path, Path(work) / "m.pt2"))
+                exported = export_model(self.path, Path(work) / "m.pt2")
+                module, spec, info = load_program(exported, self.cache_rows)
         else:
-            module, spec, info = load_program(self.path)
+            module, spec, info = load_program(self.path, self.cache_rows)
+        if self.deltas is not None and hasattr(module, "cached_tables"):
+            raise ValueError(
+                f"'{self.path}' keeps its tables in the host or disk tier (tiered tables, "
+                "looked up through a cache): training writes no deltas for tiered tables, "
+                "which change with a new base (export a later checkpoint to the served file, "
+                "or serve the run directory); serve it without --deltas"
+            )
         if self.deltas is not None and not (info and info["tables"]):
             raise ValueError(
                 f"'{self.path}' has no dynamic tables for deltas to update (--deltas applies to "
@@ -139,6 +151,12 @@ class ServedModel:
     def step(self) -> int:
         """The step the served version is at (-1: an export that predates steps)."""
         return self.version.step
+
+    def cache_stats(self) -> dict[str, dict[str, float]]:
+        """The served version's tiered tables' cache counters, per table (empty without
+        tiered tables; see :meth:`recsys.serve.cached_tables.CachedTables.stats`)."""
+        tables = getattr(self.version.module, "cached_tables", None)
+        return {} if tables is None else tables.stats()
 
     def score(
         self, dense: np.ndarray, lengths: np.ndarray, values: np.ndarray
@@ -250,10 +268,7 @@ class ServedModel:
             step, applied = delta.step, applied + 1
         if not applied:
             return served, 0
-        with warnings.catch_warnings():
-            # torch's pytree copies the program's input spec through a deprecated class
-            warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
-            module = copy.deepcopy(served.module)
+        module = copy_program(served.module)
         try:
             put_exported_tables(module, served.info, tables)
         except ValueError as error:

@@ -46,6 +46,8 @@ class ServeOptions:
     data: str | None = None
     """With ``transform``: the preprocessed directory the model was trained on (default: the
     model config's ``data.path``)."""
+    cache_rows: int | None = None
+    """Rows of each tiered table's cache (default: the training run's cache size)."""
 
     def check(self) -> None:
         """Raise ValueError naming a bad option, FileNotFoundError for a missing model or
@@ -55,8 +57,8 @@ class ServeOptions:
                 f"--model '{self.model}' not found: give a .pt2 file from `recsys export` or a "
                 "checkpoint (or run) directory"
             )
-        for name in ("port", "max_batch_size", "max_ids"):
-            if getattr(self, name) < 1:
+        for name in ("port", "max_batch_size", "max_ids", "cache_rows"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
@@ -104,6 +106,7 @@ def serve(options: ServeOptions) -> None:
         options.poll_seconds,
         transform=options.transform,
         data=options.data,
+        cache_rows=options.cache_rows,
     )
     logging.getLogger("recsys.serve").setLevel(logging.INFO)
 
