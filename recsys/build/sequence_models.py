@@ -98,6 +98,7 @@ def build_sequence_model(
             qk_dim=sequence.qk_dim or None,
             v_dim=sequence.v_dim or None,
             dropout=sequence.dropout,
+            relative_bias=sequence.relative_bias,
         )
     else:
         raise ValueError(f"model.name = {config.name!r} is not a sequence model")

@@ -51,6 +51,9 @@ class SequenceModelConfig:
     """hstu: per-head width of q and k (0: model.embedding_dim // num_heads)."""
     v_dim: Annotated[int, AtLeast0] = 0
     """hstu: per-head width of u and v (0: model.embedding_dim // num_heads)."""
+    relative_bias: bool = False
+    """hstu: each block learns a relative attention bias by position difference (computed in
+    the attention kernel; the time-difference half is not wired to the data yet)."""
 
 
 @dataclass
