@@ -7,8 +7,8 @@ Backward: ``_grad_kv_kernel`` (one program per key tile) loops over the query ti
 see its keys and accumulates dk and dv; ``_grad_q_kernel`` (one program per query tile) loops
 over key tiles for dq. Both recompute s, the mask and the relative bias; nothing of size
 [N, N] reaches memory. dq, dk, dv use no atomics and are deterministic; the gradients of the
-bias tables are summed with ``tl.atomic_add`` from the key-side kernel (every visible (i, j)
-pair is visited there exactly once), so they vary run to run in the last bits.
+bias tables are summed with ``tl.atomic_add`` from the query-side kernel (every visible
+(i, j) pair is visited there exactly once), so they vary run to run in the last bits.
 """
 
 from __future__ import annotations
@@ -118,22 +118,23 @@ def _forward_kernel(
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
         t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
-        position, bucket = bias_rows(
-            rows,
-            cols,
-            history,
-            t_rows,
-            t_cols,
-            num_positions,
-            num_time_buckets,
-            time_bucket_incr,
-            time_bucket_div,
-            HAS_POSITION_BIAS,
-            HAS_TIME_BIAS,
-        )
-        s = s + relative_bias_tile(
-            position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
-        )
+        if HAS_POSITION_BIAS or HAS_TIME_BIAS:
+            position, bucket = bias_rows(
+                rows,
+                cols,
+                history,
+                t_rows,
+                t_cols,
+                num_positions,
+                num_time_buckets,
+                time_bucket_incr,
+                time_bucket_div,
+                HAS_POSITION_BIAS,
+                HAS_TIME_BIAS,
+            )
+            s = s + relative_bias_tile(
+                position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
+            )
         mask = visible_tile(
             rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
         )
@@ -159,8 +160,6 @@ def _grad_kv_kernel(
     time_w_ptr,
     dk_ptr,
     dv_ptr,
-    d_position_w_ptr,
-    d_time_w_ptr,
     heads,
     stride_qt,
     stride_qh,
@@ -244,30 +243,27 @@ def _grad_kv_kernel(
             g = g.to(tl.float32)
         t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
-        position, bucket = bias_rows(
-            rows,
-            cols,
-            history,
-            t_rows,
-            t_cols,
-            num_positions,
-            num_time_buckets,
-            time_bucket_incr,
-            time_bucket_div,
-            HAS_POSITION_BIAS,
-            HAS_TIME_BIAS,
-        )
-        s = s + relative_bias_tile(
-            position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
-        )
+        if HAS_POSITION_BIAS or HAS_TIME_BIAS:
+            position, bucket = bias_rows(
+                rows,
+                cols,
+                history,
+                t_rows,
+                t_cols,
+                num_positions,
+                num_time_buckets,
+                time_bucket_incr,
+                time_bucket_div,
+                HAS_POSITION_BIAS,
+                HAS_TIME_BIAS,
+            )
+            s = s + relative_bias_tile(
+                position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
+            )
         mask = visible_tile(
             rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
         )
         weights, ds = grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION)
-        if HAS_POSITION_BIAS:
-            tl.atomic_add(d_position_w_ptr + position, ds, mask=mask, sem="relaxed")
-        if HAS_TIME_BIAS:
-            tl.atomic_add(d_time_w_ptr + bucket, ds, mask=mask, sem="relaxed")
         dvv = tl.dot(tl.trans(weights.to(g.dtype)), g, dvv, input_precision=INPUT_PRECISION)
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=INPUT_PRECISION)
     tl.store(
@@ -294,6 +290,8 @@ def _grad_q_kernel(
     position_w_ptr,
     time_w_ptr,
     dq_ptr,
+    d_position_w_ptr,
+    d_time_w_ptr,
     heads,
     stride_qt,
     stride_qh,
@@ -373,26 +371,31 @@ def _grad_q_kernel(
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
         t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
-        position, bucket = bias_rows(
-            rows,
-            cols,
-            history,
-            t_rows,
-            t_cols,
-            num_positions,
-            num_time_buckets,
-            time_bucket_incr,
-            time_bucket_div,
-            HAS_POSITION_BIAS,
-            HAS_TIME_BIAS,
-        )
-        s = s + relative_bias_tile(
-            position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
-        )
+        if HAS_POSITION_BIAS or HAS_TIME_BIAS:
+            position, bucket = bias_rows(
+                rows,
+                cols,
+                history,
+                t_rows,
+                t_cols,
+                num_positions,
+                num_time_buckets,
+                time_bucket_incr,
+                time_bucket_div,
+                HAS_POSITION_BIAS,
+                HAS_TIME_BIAS,
+            )
+            s = s + relative_bias_tile(
+                position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
+            )
         mask = visible_tile(
             rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
         )
         _, ds = grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION)
+        if HAS_POSITION_BIAS:
+            tl.atomic_add(d_position_w_ptr + position, ds, mask=mask, sem="relaxed")
+        if HAS_TIME_BIAS:
+            tl.atomic_add(d_time_w_ptr + bucket, ds, mask=mask, sem="relaxed")
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
     tl.store(
         dq_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dqk[None, :],
@@ -524,14 +527,16 @@ class JaggedAttentionFunction(torch.autograd.Function):
             q, v, offsets, max_seq_len, num_targets, contextual_len, max_attn_len, bias
         )
         grid, heads = options.pop("grid"), options.pop("heads")
-        key_grid = (triton.cdiv(max(max_seq_len, 1), BLOCK_N), grid[1])
         # The key-side kernel holds k, v, dk, dv and, per query step, q, g and two score
         # tiles: it steps 16 queries at a time on 8 warps (32 on 4 warps spilled 36-56 B on
         # sm_80 / sm_90 in fp32, 32 on 8 warps 8 B on sm_80).
         kv_options = options | {"BLOCK_M": KV_BLOCK_M}
-        # With the time bias (a float64 gap per score) the query-side kernel steps 16 keys at a
-        # time: 32 spilled 16 B on sm_80 in exact fp32.
-        q_options = options | ({"BLOCK_N": 16} if options["HAS_TIME_BIAS"] else {})
+        # With the time bias (a float64 gap per score) both kernels take 16 keys at a time:
+        # 32 spilled 16 B (query side, sm_80) and 4-8 B (key side, sm_80 / sm_90) in exact fp32.
+        q_options = options
+        if options["HAS_TIME_BIAS"]:
+            kv_options, q_options = kv_options | {"BLOCK_N": 16}, options | {"BLOCK_N": 16}
+        key_grid = (triton.cdiv(max(max_seq_len, 1), kv_options["BLOCK_N"]), grid[1])
         targets = num_targets if num_targets is not None else offsets
         _, bias_scalars = bias_arguments(bias, q)
         strides = (
@@ -556,8 +561,6 @@ class JaggedAttentionFunction(torch.autograd.Function):
                 *bias_pointers,
                 dk,
                 dv,
-                d_positions,
-                d_times,
                 heads,
                 *strides,
                 *settings,
@@ -573,6 +576,8 @@ class JaggedAttentionFunction(torch.autograd.Function):
                 targets,
                 *bias_pointers,
                 dq,
+                d_positions,
+                d_times,
                 heads,
                 *strides,
                 *settings,
