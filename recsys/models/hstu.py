@@ -31,10 +31,15 @@ from torch import nn
 from recsys.models.sequence import CANDIDATES, HISTORY, Events, SequenceEncoder
 from recsys.ops.jagged_attention import jagged_attention
 
-__all__ = ["CANDIDATES", "HISTORY", "HSTU"]
+__all__ = ["CANDIDATES", "HISTORY", "HSTU", "HSTUBlock"]
 
 
-class _Block(nn.Module):
+class HSTUBlock(nn.Module):
+    """One HSTU block on jagged rows x [T, D] (the module docstring's equations); with
+    ``num_targets`` [B] the last rows of each sequence are targets (see
+    ``recsys.ops.jagged_attention``). ``position_bias_len``: 0 or the 2N - 1 rows of the
+    relative position bias for sequences of up to N rows."""
+
     def __init__(
         self,
         dim: int,
@@ -57,7 +62,13 @@ class _Block(nn.Module):
         self.out = nn.Linear(heads * v_dim, dim)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        max_len: int,
+        num_targets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         total, heads = x.shape[0], self.heads
         sizes = [heads * self.v_dim] * 2 + [heads * self.qk_dim] * 2
         u, v, q, k = F.silu(self.uvqk(self.norm(x))).split(sizes, dim=1)
@@ -68,6 +79,7 @@ class _Block(nn.Module):
             offsets,
             max_len,
             alpha=1.0 / math.sqrt(self.qk_dim),
+            num_targets=num_targets,
             position_weights=self.position_bias,
             backend=self.backend,
             validate=False,  # the model checked the longest history against max_len
@@ -118,7 +130,7 @@ class HSTU(SequenceEncoder):
         self.input_dropout = nn.Dropout(dropout)
         bias_len = 2 * max_len - 1 if relative_bias else 0
         self.blocks = nn.ModuleList(
-            _Block(self.dim, num_heads, qk_dim, v_dim, dropout, backend, bias_len)
+            HSTUBlock(self.dim, num_heads, qk_dim, v_dim, dropout, backend, bias_len)
             for _ in range(num_blocks)
         )
         self.norm = nn.LayerNorm(self.dim)
