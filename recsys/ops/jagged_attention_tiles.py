@@ -111,6 +111,19 @@ class RelativeBiasTables:
     time_bucket_incr: float
     time_bucket_div: float
 
+    def settings(self) -> tuple:
+        """What :meth:`from_saved` needs besides the tensors (which tables are present, the
+        bucketing): an autograd Function keeps tensors only through save_for_backward."""
+        present = (self.timestamps, self.position_weights, self.time_weights)
+        return (*(t is not None for t in present), self.time_bucket_incr, self.time_bucket_div)
+
+    @classmethod
+    def from_saved(cls, pointers: list[torch.Tensor], settings: tuple) -> RelativeBiasTables:
+        """The tables back from :func:`bias_arguments`' pointer tensors and :meth:`settings`."""
+        *present, incr, div = settings
+        tensors = [t if kept else None for t, kept in zip(pointers, present, strict=True)]
+        return cls(*tensors, incr, div)
+
 
 def bias_arguments(bias: RelativeBiasTables, fallback: torch.Tensor) -> tuple[list, list]:
     """(pointer arguments, scalar arguments) of the kernels' relative bias; ``fallback`` stands

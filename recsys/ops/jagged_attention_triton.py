@@ -504,7 +504,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
                 **options,
             )
         ctx.save_for_backward(q, k, v, offsets, num_targets, *bias_pointers)
-        ctx.bias = bias
+        ctx.bias_settings = bias.settings()  # its tensors go through save_for_backward
         ctx.table_dtypes = tuple(
             w.dtype if w is not None else None for w in (position_weights, time_weights)
         )
@@ -515,7 +515,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, offsets, num_targets, *bias_pointers = ctx.saved_tensors
         max_seq_len, alpha, contextual_len, max_attn_len, inv_n = ctx.settings
-        bias = ctx.bias
+        bias = RelativeBiasTables.from_saved(bias_pointers, ctx.bias_settings)
         grad = grad.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # fp32 sums of the tables' gradients (atomics; zeros where a table is absent)
