@@ -27,7 +27,7 @@ from torchrec import EmbeddingBagConfig
 from recsys.build.dynamic_tables import dynamic_features, dynamic_options
 from recsys.build.sequence_models import build_sequence_model
 from recsys.build.tiered_tables import storage_options
-from recsys.config import SEQUENCE_MODELS, ModelConfig, TrainConfig
+from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS, ModelConfig, TrainConfig
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
@@ -111,14 +111,14 @@ def build_model(
         ValueError: an unknown ``model.name``, or sizes that do not fit the data (naming the
             key).
     """
-    if config.name in SEQUENCE_MODELS:  # user histories in, next-item scores out
+    if config.name in (*SEQUENCE_MODELS, *TARGET_RANKING_MODELS):  # user histories in
         # Under torchrun too the item table is built whole on ``device``: parallelize copies
         # its rows into the shards, so every world size starts from one process's rows.
         return build_sequence_model(config, spec, device, embedding_optimizer=embedding_optimizer)
     if config.name not in MODELS:
         raise ValueError(
             f"unknown model.name {config.name!r}; available: "
-            f"{', '.join([*MODELS, *SEQUENCE_MODELS])}"
+            f"{', '.join([*MODELS, *SEQUENCE_MODELS, *TARGET_RANKING_MODELS])}"
         )
     entry = MODELS[config.name]
     shared: dict[str, Any] = {}

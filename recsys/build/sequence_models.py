@@ -21,8 +21,9 @@ from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import DATA_TYPE_NAMES
 from recsys.embedding.unpooled import EmbeddingCollection
 from recsys.models.hstu import HSTU
+from recsys.models.hstu_ranking import HSTURanking
 from recsys.models.sasrec import SASRec
-from recsys.models.sequence import CANDIDATES, HISTORY, SequenceEncoder
+from recsys.models.sequence import CANDIDATES, HISTORY
 
 __all__ = ["ITEM_TABLE", "build_sequence_model"]
 
@@ -35,16 +36,17 @@ def build_sequence_model(
     device: torch.device,
     *,
     embedding_optimizer: FusedOptimizer | None = None,
-) -> SequenceEncoder:
-    """``config.name`` (sasrec or hstu) over the item table of ``spec`` (one feature), on
-    ``device``.
+) -> nn.Module:
+    """``config.name`` (sasrec, hstu or hstu_ranking) over the item table of ``spec`` (one
+    feature), on ``device``.
 
     Raises:
         ValueError: a spec that is not one item feature, options the model cannot take
             (naming the key), or dynamic / tiered tables, which sequence models do not take
             yet.
     """
-    if len(spec.sparse_names) != 1 or spec.num_dense or spec.label_names:
+    labelled = config.name == "hstu_ranking"  # clicks on candidates
+    if len(spec.sparse_names) != 1 or spec.num_dense or bool(spec.label_names) != labelled:
         raise ValueError(
             f"model.name = {config.name!r} trains on user histories (one item feature); this "
             f"data has dense {list(spec.dense_names)}, categorical {list(spec.sparse_names)} and "
@@ -98,6 +100,24 @@ def build_sequence_model(
             qk_dim=sequence.qk_dim or None,
             v_dim=sequence.v_dim or None,
             dropout=sequence.dropout,
+            relative_bias=sequence.relative_bias,
+        )
+    elif config.name == "hstu_ranking":
+        if sequence.num_heads > dim:
+            raise ValueError(
+                f"model.sequence.num_heads = {sequence.num_heads} must be <= model.embedding_dim "
+                f"= {dim}"
+            )
+        model = HSTURanking(
+            items,
+            max_len=sequence.max_len,
+            max_candidates=sequence.num_candidates,
+            num_blocks=sequence.num_blocks,
+            num_heads=sequence.num_heads,
+            qk_dim=sequence.qk_dim or None,
+            v_dim=sequence.v_dim or None,
+            dropout=sequence.dropout,
+            relative_bias=sequence.relative_bias,
         )
     else:
         raise ValueError(f"model.name = {config.name!r} is not a sequence model")

@@ -39,6 +39,7 @@ from recsys.config.sections import (
 from recsys.config.sequences import (
     RANKING_METRICS,
     SEQUENCE_MODELS,
+    TARGET_RANKING_MODELS,
     NextItemConfig,
     SequenceModelConfig,
     SyntheticSequencesConfig,
@@ -47,6 +48,7 @@ from recsys.config.sequences import (
 __all__ = [
     "RANKING_METRICS",
     "SEQUENCE_MODELS",
+    "TARGET_RANKING_MODELS",
     "CheckpointConfig",
     "Config",
     "CriteoConfig",

@@ -360,10 +360,22 @@ class ModelConfig:
     ([model.cross], [model.xdeepfm], [model.pnn], [model.mmoe])."""
 
     name: Literal[
-        "dlrm", "dlrm_dcn", "dcn", "deepfm", "wide_deep", "xdeepfm", "pnn", "mmoe", "sasrec", "hstu"
+        "dlrm",
+        "dlrm_dcn",
+        "dcn",
+        "deepfm",
+        "wide_deep",
+        "xdeepfm",
+        "pnn",
+        "mmoe",
+        "sasrec",
+        "hstu",
+        "hstu_ranking",
     ] = "dlrm"
     """Model to build; see recsys.build.models.MODELS. ``sasrec`` and ``hstu`` are sequence
-    models (next-item retrieval over user histories; options in [model.sequence])."""
+    models (next-item retrieval over user histories; options in [model.sequence]);
+    ``hstu_ranking`` scores candidates appended to a history (target-aware ranking, BCE / AUC,
+    on the synthetic interaction log's click process)."""
     embedding_dim: Annotated[int, AtLeast1] = 16
     """Embedding dimension of every table (sasrec / hstu: the item and hidden dimension)."""
     pooling: Literal["sum", "mean"] = "sum"

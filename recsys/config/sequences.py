@@ -14,6 +14,10 @@ SEQUENCE_MODELS = ("sasrec", "hstu")
 """``model.name`` values that are sequence retrieval models: trained on user histories by
 next-item prediction and evaluated by full-corpus ranking, not on click logs by BCE / AUC."""
 
+TARGET_RANKING_MODELS = ("hstu_ranking",)
+"""``model.name`` values that rank candidates appended to a user's history (target-aware):
+trained by BCE on clicks and evaluated by AUC / logloss, like the CTR models."""
+
 CTR_METRICS = ("valid_auc", "valid_logloss")
 """What keep_best / early stopping may watch in a CTR run."""
 RANKING_METRICS = ("valid_hr@10", "valid_ndcg@10", "valid_mrr", "valid_hr@50", "valid_ndcg@50")
@@ -51,6 +55,12 @@ class SequenceModelConfig:
     """hstu: per-head width of q and k (0: model.embedding_dim // num_heads)."""
     v_dim: Annotated[int, AtLeast0] = 0
     """hstu: per-head width of u and v (0: model.embedding_dim // num_heads)."""
+    num_candidates: Annotated[int, AtLeast1] = 8
+    """hstu_ranking: candidates per user, appended to the history as attention targets (the
+    synthetic ranking data draws this many per user)."""
+    relative_bias: bool = False
+    """hstu: each block learns a relative attention bias by position difference (computed in
+    the attention kernel; the time-difference half is not wired to the data yet)."""
 
 
 @dataclass

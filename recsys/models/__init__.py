@@ -11,6 +11,7 @@ from recsys.models.dcn import DCN
 from recsys.models.deepfm import DeepFM
 from recsys.models.dlrm import DLRM, DLRM_DCN
 from recsys.models.hstu import HSTU
+from recsys.models.hstu_ranking import HSTURanking
 from recsys.models.mmoe import MMoE
 from recsys.models.pnn import PNN
 from recsys.models.sasrec import SASRec
@@ -25,6 +26,7 @@ __all__ = [
     "HSTU",
     "PNN",
     "DeepFM",
+    "HSTURanking",
     "MMoE",
     "SASRec",
     "WideDeep",

@@ -4,14 +4,18 @@ sequential transduction units over jagged item histories, for next-item retrieva
 One block, on the jagged rows x [sum L, D] of a batch (no padding anywhere):
 
     u, v, q, k = split(silu(W1 LayerNorm(x) + b1))         u, v: [H, Dv]   q, k: [H, Dqk]
-    a = jagged_attention(q, k, v)                          silu(alpha q.k) / N, causal
+    a = jagged_attention(q, k, v)                          silu(alpha q.k + rab) / N, causal
     x = x + Dropout(W2 (LayerNorm(a) * u) + b2)
 
 with ``alpha = 1 / sqrt(Dqk)`` and N the model's ``max_len`` (one normalizer whatever the batch,
 so a user's vector does not depend on who shares the batch). ``num_blocks`` blocks, then a final
 LayerNorm. Inputs, positions and the lookup of history and candidates are
-:class:`~recsys.models.sequence.SequenceEncoder`'s; learned positions stand in for the
-paper's relative attention bias, which :mod:`recsys.ops.jagged_attention` does not have yet.
+:class:`~recsys.models.sequence.SequenceEncoder`'s (learned absolute positions). With
+``relative_bias`` each block also learns the paper's relative position bias rab (a table of
+2 ``max_len`` - 1 entries, one per position difference, shared by the heads, computed inside
+the kernel). The time half of the paper's bias (log-bucketed time differences, which
+``jagged_attention`` supports) is not used here: the retrieval batches carry event times, but
+the model's forward, the next-item loss and the exported query program do not pass them yet.
 The attention runs on ``recsys.ops.jagged_attention``: its Triton kernels on CUDA, the padded
 torch path on CPU (``backend``).
 """
@@ -27,22 +31,44 @@ from torch import nn
 from recsys.models.sequence import CANDIDATES, HISTORY, Events, SequenceEncoder
 from recsys.ops.jagged_attention import jagged_attention
 
-__all__ = ["CANDIDATES", "HISTORY", "HSTU"]
+__all__ = ["CANDIDATES", "HISTORY", "HSTU", "HSTUBlock"]
 
 
-class _Block(nn.Module):
+class HSTUBlock(nn.Module):
+    """One HSTU block on jagged rows x [T, D] (the module docstring's equations); with
+    ``num_targets`` [B] the last rows of each sequence are targets (see
+    ``recsys.ops.jagged_attention``). ``position_bias_len``: 0 or the 2N - 1 rows of the
+    relative position bias for sequences of up to N rows."""
+
     def __init__(
-        self, dim: int, heads: int, qk_dim: int, v_dim: int, dropout: float, backend: str
+        self,
+        dim: int,
+        heads: int,
+        qk_dim: int,
+        v_dim: int,
+        dropout: float,
+        backend: str,
+        position_bias_len: int,
     ) -> None:
         super().__init__()
         self.heads, self.qk_dim, self.v_dim, self.backend = heads, qk_dim, v_dim, backend
+        self.position_bias = None
+        if position_bias_len:
+            # rab by position difference j - i + max_len - 1 (Meta's init)
+            self.position_bias = nn.Parameter(torch.empty(position_bias_len).normal_(std=0.02))
         self.norm = nn.LayerNorm(dim)
         self.uvqk = nn.Linear(dim, heads * (2 * v_dim + 2 * qk_dim))
         self.out_norm = nn.LayerNorm(heads * v_dim)
         self.out = nn.Linear(heads * v_dim, dim)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        max_len: int,
+        num_targets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         total, heads = x.shape[0], self.heads
         sizes = [heads * self.v_dim] * 2 + [heads * self.qk_dim] * 2
         u, v, q, k = F.silu(self.uvqk(self.norm(x))).split(sizes, dim=1)
@@ -53,6 +79,8 @@ class _Block(nn.Module):
             offsets,
             max_len,
             alpha=1.0 / math.sqrt(self.qk_dim),
+            num_targets=num_targets,
+            position_weights=self.position_bias,
             backend=self.backend,
             validate=False,  # the model checked the longest history against max_len
         )
@@ -68,6 +96,7 @@ class HSTU(SequenceEncoder):
         num_blocks / num_heads: depth and heads.
         qk_dim / v_dim: per-head widths of q, k and of u, v (default: dim // num_heads).
         dropout: on the inputs and each block's output.
+        relative_bias: each block learns a relative position bias (module docstring).
         backend: ``jagged_attention``'s backend ("auto", "triton", "torch").
 
     Example:
@@ -87,6 +116,7 @@ class HSTU(SequenceEncoder):
         qk_dim: int | None = None,
         v_dim: int | None = None,
         dropout: float = 0.2,
+        relative_bias: bool = False,
         backend: str = "auto",
     ) -> None:
         super().__init__(embeddings, max_len=max_len)
@@ -98,8 +128,10 @@ class HSTU(SequenceEncoder):
         qk_dim = qk_dim or self.dim // num_heads
         v_dim = v_dim or self.dim // num_heads
         self.input_dropout = nn.Dropout(dropout)
+        bias_len = 2 * max_len - 1 if relative_bias else 0
         self.blocks = nn.ModuleList(
-            _Block(self.dim, num_heads, qk_dim, v_dim, dropout, backend) for _ in range(num_blocks)
+            HSTUBlock(self.dim, num_heads, qk_dim, v_dim, dropout, backend, bias_len)
+            for _ in range(num_blocks)
         )
         self.norm = nn.LayerNorm(self.dim)
 

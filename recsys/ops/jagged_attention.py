@@ -17,12 +17,29 @@ does). ``mask(i, j)`` says which keys a query sees; with h = n - t_b the history
   history (j < h) and itself (j = i), not the other targets;
 - with w > 0, additionally i - j < w (the prefix is exempt).
 
+Relative attention bias (optional; Meta's ``RelativeBucketedTimeAndPositionBasedBias``, fused
+into the kernel like their ragged HSTU attention): s_ij = alpha q_i . k_j + rab_ij, one bias
+for all heads, the sum of any of
+
+- position: ``position_weights[clamp(p_j - p_i + P - 1, 0, 2P - 2)]`` with the table of
+  2P - 1 entries and p_i = min(i, h) (every target sits at the position after the history,
+  as Meta's multi-target kernels place them): differences beyond P - 1 share the end rows;
+- time: ``time_weights[clamp(floor(log(max(|t_i - t_j|, 1e-6) / incr) / div), 0, K)]``
+  with ``timestamps`` t [T] (float64 in every path), K + 1 table entries, ``incr`` =
+  ``time_bucket_incr`` and ``div`` = ``time_bucket_div`` (taken as float32 values). The
+  defaults (1 s, 0.301) are the research HSTU's ``log(|dt|) / 0.301``, 128 buckets in its
+  recipes. Unlike Meta's causal kernel, which compares the key's time with the time of the
+  query's *next* event, t_i is the query's own time (so a history's last position needs no
+  future timestamp at serving time); shift ``timestamps`` to get their convention.
+
+The tables' gradients: dz_ij below, summed over heads and over the (i, j) sharing a row.
+
 No softmax: the weights are pointwise, so nothing is normalized across keys and the backward
 needs no row statistics. With g = dy and sig = sigmoid(s):
 
     dv_j = (1 / N) sum_i mask * silu(s_ij) g_i
-    ds_ij = mask * (1 / N) (g_i . v_j) * sig (1 + s (1 - sig)) * alpha
-    dq_i = sum_j ds_ij k_j            dk_j = sum_i ds_ij q_i
+    dz_ij = mask * (1 / N) (g_i . v_j) * sig (1 + s (1 - sig))
+    dq_i = alpha sum_j dz_ij k_j      dk_j = alpha sum_i dz_ij q_i     d rab_ij = dz_ij
 
 Shape letters: T total rows, B sequences, H heads, Dqk / Dv head dims, N ``max_seq_len``
 (>= the longest sequence).
@@ -32,11 +49,11 @@ the torch path pads the batch to [B, N] and computes the [B, H, N, N] weights (a
 through torch ops); the Triton path never forms them: the forward takes one program per
 (query tile, sequence x head) and loops over key tiles up to the causal bound, the backward
 one program per key tile (dk, dv, looping over queries) and one per query tile (dq, looping
-over keys), recomputing s (``recsys.ops.jagged_attention_triton``). Deterministic: no
-atomics. Dtypes fp32 / bf16 / fp16 (one for q, k, v), fp32 accumulation, output in the input
-dtype; fp64 runs on the torch path.
-
-Not yet: the relative attention bias (bucketed position and time differences).
+over keys), recomputing s and the bias (``recsys.ops.jagged_attention_triton``).
+Deterministic, except the bias tables' gradients on the Triton path (summed with atomics:
+run-to-run differences in the last bits). Dtypes fp32 / bf16 / fp16 (one for q, k, v), fp32
+accumulation, output in the input dtype; fp64 runs on the torch path. Bias tables are read as
+float32 by the kernels.
 """
 
 from __future__ import annotations
@@ -46,7 +63,7 @@ import torch
 from recsys.ops._triton import autocast_inputs, resolve_backend
 from recsys.ops.jagged_attention_triton import JaggedAttentionFunction
 
-__all__ = ["jagged_attention", "jagged_attention_reference", "visible"]
+__all__ = ["jagged_attention", "jagged_attention_reference", "relative_bias", "visible"]
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -66,6 +83,37 @@ def visible(
     if max_attn_len > 0:
         causal = causal & (i - j < max_attn_len)
     return inside & ((j < contextual_len) | causal)
+
+
+def _float32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def relative_bias(
+    i: torch.Tensor,
+    j: torch.Tensor,
+    history: torch.Tensor,
+    t_i: torch.Tensor | None,
+    t_j: torch.Tensor | None,
+    position_weights: torch.Tensor | None,
+    time_weights: torch.Tensor | None,
+    time_bucket_incr: float = 1.0,
+    time_bucket_div: float = 0.301,
+) -> torch.Tensor | float:
+    """``rab(i, j)`` of the module docstring, elementwise (broadcasting): positions ``i``,
+    ``j``, history length ``history``, float64 times ``t_i``, ``t_j`` (used only with
+    ``time_weights``). 0.0 without tables."""
+    bias: torch.Tensor | float = 0.0
+    if position_weights is not None:
+        reach = (position_weights.numel() + 1) // 2  # P
+        gap = torch.minimum(j, history) - torch.minimum(i, history)
+        bias = position_weights[(gap + reach - 1).clamp(0, 2 * reach - 2)]
+    if time_weights is not None:
+        gap = (t_i - t_j).abs().clamp(min=1e-6)
+        scaled = torch.log(gap / _float32(time_bucket_incr)) / _float32(time_bucket_div)
+        bucket = scaled.clamp(0, time_weights.numel() - 1).long()  # floor: scaled >= 0
+        bias = bias + time_weights[bucket]
+    return bias
 
 
 def _check(
@@ -95,6 +143,36 @@ def _check(
     batch = offsets.numel() - 1
     if num_targets is not None and (num_targets.dim() != 1 or num_targets.numel() != batch):
         raise ValueError(f"num_targets {tuple(num_targets.shape)}: expected one per sequence")
+
+
+def _check_bias(
+    q: torch.Tensor,
+    timestamps: torch.Tensor | None,
+    position_weights: torch.Tensor | None,
+    time_weights: torch.Tensor | None,
+    time_bucket_incr: float,
+    time_bucket_div: float,
+) -> None:
+    if position_weights is not None and (
+        position_weights.dim() != 1 or position_weights.numel() % 2 == 0
+    ):
+        raise ValueError(
+            f"position_weights {tuple(position_weights.shape)}: expected [2P - 1], an odd length"
+        )
+    if time_weights is None:
+        return
+    if time_weights.dim() != 1 or time_weights.numel() < 1:
+        raise ValueError(
+            f"time_weights {tuple(time_weights.shape)}: expected [num_time_buckets + 1]"
+        )
+    if timestamps is None or timestamps.shape != q.shape[:1]:
+        shape = None if timestamps is None else tuple(timestamps.shape)
+        raise ValueError(f"timestamps {shape}: the time bias needs one per row, [{q.shape[0]}]")
+    if not time_bucket_incr > 0 or not time_bucket_div > 0:
+        raise ValueError(
+            f"time_bucket_incr={time_bucket_incr}, time_bucket_div={time_bucket_div}: "
+            "expected > 0"
+        )
 
 
 def _check_lengths(offsets: torch.Tensor, max_seq_len: int, num_targets) -> None:
@@ -128,9 +206,18 @@ def jagged_attention_reference(
     num_targets: torch.Tensor | None = None,
     contextual_len: int = 0,
     max_attn_len: int = 0,
+    timestamps: torch.Tensor | None = None,
+    position_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    time_bucket_incr: float = 1.0,
+    time_bucket_div: float = 0.301,
 ) -> torch.Tensor:
-    """The module docstring's y, one sequence at a time in float64 (returned as float64)."""
+    """The module docstring's y, one sequence at a time in float64 (returned as float64;
+    differentiable in q, k, v and the bias tables)."""
     _check(q, k, v, offsets, max_seq_len, num_targets, contextual_len, max_attn_len)
+    bucketing = (time_bucket_incr, time_bucket_div)
+    _check_bias(q, timestamps, position_weights, time_weights, *bucketing)
+    tables = [w.double() if w is not None else None for w in (position_weights, time_weights)]
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64, device=q.device)
     bounds = offsets.tolist()
     targets = [0] * (len(bounds) - 1) if num_targets is None else num_targets.tolist()
@@ -138,12 +225,14 @@ def jagged_attention_reference(
         start, end = bounds[b], bounds[b + 1]
         n = end - start
         qb, kb, vb = (x[start:end].double().transpose(0, 1) for x in (q, k, v))  # [H, n, D]
-        s = alpha * qb @ kb.transpose(1, 2)  # [H, n, n]
         i = torch.arange(n, device=q.device)[:, None]
         j = torch.arange(n, device=q.device)[None, :]
-        mask = visible(
-            i, j, torch.tensor(n), torch.tensor(n - targets[b]), contextual_len, max_attn_len
-        )
+        history = torch.tensor(n - targets[b])
+        times = timestamps[start:end].double() if timestamps is not None else None
+        t_i, t_j = (times[:, None], times[None, :]) if times is not None else (None, None)
+        bias = relative_bias(i, j, history, t_i, t_j, *tables, *bucketing)  # [n, n]
+        s = alpha * qb @ kb.transpose(1, 2) + bias  # [H, n, n]
+        mask = visible(i, j, torch.tensor(n), history, contextual_len, max_attn_len)
         weights = torch.where(mask, torch.nn.functional.silu(s), 0.0) / max(max_seq_len, 1)
         out[start:end] = (weights @ vb).transpose(0, 1)
     return out
@@ -159,6 +248,11 @@ def _padded(
     num_targets: torch.Tensor | None,
     contextual_len: int,
     max_attn_len: int,
+    timestamps: torch.Tensor | None,
+    position_weights: torch.Tensor | None,
+    time_weights: torch.Tensor | None,
+    time_bucket_incr: float,
+    time_bucket_div: float,
 ) -> torch.Tensor:
     """The torch path: the batch padded to [B, N], weights [B, H, N, N]."""
     total, heads = q.shape[:2]
@@ -175,6 +269,26 @@ def _padded(
     s = alpha * qp @ kp.transpose(2, 3)  # [B, H, N, N]
     steps = torch.arange(length, device=q.device)
     targets = torch.zeros_like(lengths) if num_targets is None else num_targets.long()
+    if position_weights is not None or time_weights is not None:
+        times = None
+        if time_weights is not None:
+            times = (
+                timestamps.double()
+                .new_zeros(batch, length)
+                .index_put((row, col), timestamps.double())
+            )  # [B, N]
+        bias = relative_bias(
+            steps[None, :, None],
+            steps[None, None, :],
+            (lengths - targets)[:, None, None],
+            times[:, :, None] if times is not None else None,
+            times[:, None, :] if times is not None else None,
+            position_weights,
+            time_weights,
+            time_bucket_incr,
+            time_bucket_div,
+        )  # [B, N, N]
+        s = s + bias[:, None].to(s.dtype)
     mask = visible(
         steps[None, :, None],
         steps[None, None, :],
@@ -198,6 +312,11 @@ def jagged_attention(
     num_targets: torch.Tensor | None = None,
     contextual_len: int = 0,
     max_attn_len: int = 0,
+    timestamps: torch.Tensor | None = None,
+    position_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    time_bucket_incr: float = 1.0,
+    time_bucket_div: float = 0.301,
     backend: str = "auto",
     validate: bool = True,
 ) -> torch.Tensor:
@@ -211,6 +330,10 @@ def jagged_attention(
         num_targets: int [B], targets at the end of each sequence (None: none).
         contextual_len: rows of each sequence's contextual prefix.
         max_attn_len: the local window (0: none).
+        timestamps: [T] event times (any real dtype, used as float64), needed by the time bias.
+        position_weights: [2P - 1] the position bias table (None: no position bias).
+        time_weights: [num_time_buckets + 1] the time bias table (None: no time bias).
+        time_bucket_incr / time_bucket_div: the time bucketing (module docstring).
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see ``recsys.ops._triton``).
         validate: check on the host that no sequence is longer than ``max_seq_len`` and that
             targets and prefix fit in their sequences (a read of the device). A caller that
@@ -222,6 +345,10 @@ def jagged_attention(
             cannot run here.
     """
     _check(q, k, v, offsets, max_seq_len, num_targets, contextual_len, max_attn_len)
+    bucketing = (_float32(time_bucket_incr), _float32(time_bucket_div))
+    _check_bias(q, timestamps, position_weights, time_weights, *bucketing)
+    if time_weights is None:
+        timestamps = None
     if validate:
         _check_lengths(offsets, max_seq_len, num_targets)
     unsupported = "" if q.dtype in TRITON_DTYPES else f"dtype {q.dtype}"
@@ -230,7 +357,8 @@ def jagged_attention(
     )
     if chosen == "triton" and unsupported:
         raise ValueError(f"jagged_attention's Triton kernels take {TRITON_DTYPES}, not {q.dtype}")
-    settings = (max_seq_len, alpha, num_targets, contextual_len, max_attn_len)
+    bias = (timestamps, position_weights, time_weights, *bucketing)
+    settings = (max_seq_len, alpha, num_targets, contextual_len, max_attn_len, *bias)
     if chosen == "torch":
         return _padded(q, k, v, offsets, *settings)
     q, k, v = autocast_inputs(q, k, v)

@@ -5,8 +5,10 @@ once and loops over key tiles of ``BLOCK_N`` rows up to the causal bound (the ti
 query, or the contextual prefix's end if later), accumulating ``silu(s) v`` in fp32 registers.
 Backward: ``_grad_kv_kernel`` (one program per key tile) loops over the query tiles that can
 see its keys and accumulates dk and dv; ``_grad_q_kernel`` (one program per query tile) loops
-over key tiles for dq. Both recompute s and the mask; nothing of size [N, N] reaches memory
-and no atomics are used, so results are deterministic.
+over key tiles for dq. Both recompute s, the mask and the relative bias; nothing of size
+[N, N] reaches memory. dq, dk, dv use no atomics and are deterministic; the gradients of the
+bias tables are summed with ``tl.atomic_add`` from the query-side kernel (every visible
+(i, j) pair is visited there exactly once), so they vary run to run in the last bits.
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ import triton
 import triton.language as tl
 
 from recsys.ops._triton import dot_in_fp32, dot_input_precision
+from recsys.ops.jagged_attention_tiles import (
+    RelativeBiasTables,
+    bias_arguments,
+    bias_rows,
+    grad_scores,
+    load_times,
+    relative_bias_tile,
+    visible_tile,
+)
 
 __all__ = ["BLOCK_M", "BLOCK_N", "KV_BLOCK_M", "JaggedAttentionFunction"]
 
@@ -25,21 +36,15 @@ KV_BLOCK_M = 16  # query rows per step of the key-side backward
 
 
 @triton.jit
-def _visible(i, j, n, history, contextual_len, max_attn_len, HAS_WINDOW: tl.constexpr):
-    inside = (i < n) & (j < n)
-    causal = tl.where(i < history, j <= i, (j < history) | (j == i))
-    if HAS_WINDOW:
-        causal = causal & (i - j < max_attn_len)
-    return inside & ((j < contextual_len) | causal)
-
-
-@triton.jit
 def _forward_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
     offsets_ptr,
     targets_ptr,
+    ts_ptr,
+    position_w_ptr,
+    time_w_ptr,
     out_ptr,
     heads,
     stride_qt,
@@ -54,10 +59,16 @@ def _forward_kernel(
     inv_n,
     contextual_len,
     max_attn_len,
+    num_positions,
+    num_time_buckets,
+    time_bucket_incr,
+    time_bucket_div,
     D_QK,
     D_V,
     HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_POSITION_BIAS: tl.constexpr,
+    HAS_TIME_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -79,6 +90,7 @@ def _forward_kernel(
     rows = m0 + tl.arange(0, BLOCK_M)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
+    t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
     q = tl.load(
         q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dqk[None, :],
         mask=(rows < n)[:, None] & (dqk < D_QK)[None, :],
@@ -105,7 +117,25 @@ def _forward_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
-        mask = _visible(
+        t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
+        if HAS_POSITION_BIAS or HAS_TIME_BIAS:
+            position, bucket = bias_rows(
+                rows,
+                cols,
+                history,
+                t_rows,
+                t_cols,
+                num_positions,
+                num_time_buckets,
+                time_bucket_incr,
+                time_bucket_div,
+                HAS_POSITION_BIAS,
+                HAS_TIME_BIAS,
+            )
+            s = s + relative_bias_tile(
+                position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
+            )
+        mask = visible_tile(
             rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
         )
         weights = tl.where(mask, s * tl.sigmoid(s), 0.0)
@@ -118,35 +148,6 @@ def _forward_kernel(
 
 
 @triton.jit
-def _grad_scores(
-    q,
-    k,
-    v,
-    g,
-    rows,
-    cols,
-    n,
-    history,
-    alpha,
-    inv_n,
-    contextual_len,
-    max_attn_len,
-    HAS_WINDOW: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-):
-    """(weights / N, ds) of one [queries, keys] tile, masked."""
-    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
-    mask = _visible(
-        rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
-    )
-    sig = tl.sigmoid(s)
-    weights = tl.where(mask, s * sig * inv_n, 0.0)
-    grad_weights = tl.dot(g, tl.trans(v), input_precision=INPUT_PRECISION) * inv_n
-    ds = tl.where(mask, grad_weights * sig * (1.0 + s * (1.0 - sig)) * alpha, 0.0)
-    return weights, ds
-
-
-@triton.jit
 def _grad_kv_kernel(
     q_ptr,
     k_ptr,
@@ -154,6 +155,9 @@ def _grad_kv_kernel(
     g_ptr,
     offsets_ptr,
     targets_ptr,
+    ts_ptr,
+    position_w_ptr,
+    time_w_ptr,
     dk_ptr,
     dv_ptr,
     heads,
@@ -169,10 +173,16 @@ def _grad_kv_kernel(
     inv_n,
     contextual_len,
     max_attn_len,
+    num_positions,
+    num_time_buckets,
+    time_bucket_incr,
+    time_bucket_div,
     D_QK,
     D_V,
     HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_POSITION_BIAS: tl.constexpr,
+    HAS_TIME_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -209,6 +219,7 @@ def _grad_kv_kernel(
     if DOT_IN_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dvv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     first = (n0 // BLOCK_M) * BLOCK_M
@@ -230,27 +241,34 @@ def _grad_kv_kernel(
         if DOT_IN_FP32:
             q = q.to(tl.float32)
             g = g.to(tl.float32)
-        weights, ds = _grad_scores(
-            q,
-            k,
-            v,
-            g,
-            rows,
-            cols,
-            n,
-            history,
-            alpha,
-            inv_n,
-            contextual_len,
-            max_attn_len,
-            HAS_WINDOW,
-            INPUT_PRECISION,
+        t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
+        if HAS_POSITION_BIAS or HAS_TIME_BIAS:
+            position, bucket = bias_rows(
+                rows,
+                cols,
+                history,
+                t_rows,
+                t_cols,
+                num_positions,
+                num_time_buckets,
+                time_bucket_incr,
+                time_bucket_div,
+                HAS_POSITION_BIAS,
+                HAS_TIME_BIAS,
+            )
+            s = s + relative_bias_tile(
+                position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
+            )
+        mask = visible_tile(
+            rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
         )
+        weights, ds = grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION)
         dvv = tl.dot(tl.trans(weights.to(g.dtype)), g, dvv, input_precision=INPUT_PRECISION)
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=INPUT_PRECISION)
     tl.store(
         dk_ptr + (start + cols)[:, None] * stride_kt + head * stride_kh + dqk[None, :],
-        dk.to(dk_ptr.dtype.element_ty),
+        (dk * alpha).to(dk_ptr.dtype.element_ty),
         mask=key_mask[:, None] & (dqk < D_QK)[None, :],
     )
     tl.store(
@@ -268,7 +286,12 @@ def _grad_q_kernel(
     g_ptr,
     offsets_ptr,
     targets_ptr,
+    ts_ptr,
+    position_w_ptr,
+    time_w_ptr,
     dq_ptr,
+    d_position_w_ptr,
+    d_time_w_ptr,
     heads,
     stride_qt,
     stride_qh,
@@ -282,10 +305,16 @@ def _grad_q_kernel(
     inv_n,
     contextual_len,
     max_attn_len,
+    num_positions,
+    num_time_buckets,
+    time_bucket_incr,
+    time_bucket_div,
     D_QK,
     D_V,
     HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_POSITION_BIAS: tl.constexpr,
+    HAS_TIME_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -321,6 +350,7 @@ def _grad_q_kernel(
     if DOT_IN_FP32:
         q = q.to(tl.float32)
         g = g.to(tl.float32)
+    t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     end = tl.minimum(n, tl.maximum(m0 + BLOCK_M, contextual_len))
     for n0 in range(0, end, BLOCK_N):
@@ -339,26 +369,37 @@ def _grad_q_kernel(
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        _, ds = _grad_scores(
-            q,
-            k,
-            v,
-            g,
-            rows,
-            cols,
-            n,
-            history,
-            alpha,
-            inv_n,
-            contextual_len,
-            max_attn_len,
-            HAS_WINDOW,
-            INPUT_PRECISION,
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
+        t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
+        if HAS_POSITION_BIAS or HAS_TIME_BIAS:
+            position, bucket = bias_rows(
+                rows,
+                cols,
+                history,
+                t_rows,
+                t_cols,
+                num_positions,
+                num_time_buckets,
+                time_bucket_incr,
+                time_bucket_div,
+                HAS_POSITION_BIAS,
+                HAS_TIME_BIAS,
+            )
+            s = s + relative_bias_tile(
+                position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
+            )
+        mask = visible_tile(
+            rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
         )
+        _, ds = grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION)
+        if HAS_POSITION_BIAS:
+            tl.atomic_add(d_position_w_ptr + position, ds, mask=mask, sem="relaxed")
+        if HAS_TIME_BIAS:
+            tl.atomic_add(d_time_w_ptr + bucket, ds, mask=mask, sem="relaxed")
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
     tl.store(
         dq_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dqk[None, :],
-        dq.to(dq_ptr.dtype.element_ty),
+        (dq * alpha).to(dq_ptr.dtype.element_ty),
         mask=row_mask[:, None] & (dqk < D_QK)[None, :],
     )
 
@@ -374,6 +415,7 @@ def _launch_options(
     num_targets,
     contextual_len: int,
     max_attn_len: int,
+    bias: RelativeBiasTables,
 ) -> dict:
     heads = q.shape[1]
     return dict(
@@ -383,6 +425,8 @@ def _launch_options(
         D_V=v.shape[2],
         HAS_TARGETS=num_targets is not None,
         HAS_WINDOW=max_attn_len > 0,
+        HAS_POSITION_BIAS=bias.position_weights is not None,
+        HAS_TIME_BIAS=bias.time_weights is not None,
         INPUT_PRECISION=dot_input_precision(q.dtype),
         DOT_IN_FP32=dot_in_fp32(q.dtype, widened=(torch.bfloat16, torch.float16)),
         BLOCK_M=BLOCK_M,
@@ -394,19 +438,45 @@ def _launch_options(
 
 class JaggedAttentionFunction(torch.autograd.Function):
     """``apply(q, k, v, offsets, max_seq_len, alpha, num_targets, contextual_len,
-    max_attn_len)``: the Triton forward and backward of ``recsys.ops.jagged_attention``."""
+    max_attn_len, timestamps, position_weights, time_weights, time_bucket_incr,
+    time_bucket_div)``: the Triton forward and backward of ``recsys.ops.jagged_attention``.
+    The bias tables are read as float32 and their gradients returned in their dtype."""
 
     @staticmethod
     def forward(
-        ctx, q, k, v, offsets, max_seq_len, alpha, num_targets, contextual_len, max_attn_len
+        ctx,
+        q,
+        k,
+        v,
+        offsets,
+        max_seq_len,
+        alpha,
+        num_targets,
+        contextual_len,
+        max_attn_len,
+        timestamps,
+        position_weights,
+        time_weights,
+        time_bucket_incr,
+        time_bucket_div,
     ):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        bias = RelativeBiasTables(
+            timestamps.contiguous().double() if timestamps is not None else None,
+            position_weights.detach().float().contiguous()
+            if position_weights is not None
+            else None,
+            time_weights.detach().float().contiguous() if time_weights is not None else None,
+            time_bucket_incr,
+            time_bucket_div,
+        )
         out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
         options = _launch_options(
-            q, v, offsets, max_seq_len, num_targets, contextual_len, max_attn_len
+            q, v, offsets, max_seq_len, num_targets, contextual_len, max_attn_len, bias
         )
         grid, heads = options.pop("grid"), options.pop("heads")
         targets = num_targets if num_targets is not None else offsets
+        bias_pointers, bias_scalars = bias_arguments(bias, q)
         inv_n = 1.0 / max(max_seq_len, 1)
         if q.shape[0]:
             _forward_kernel[grid](
@@ -415,6 +485,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
                 v,
                 offsets,
                 targets,
+                *bias_pointers,
                 out,
                 heads,
                 q.stride(0),
@@ -429,28 +500,45 @@ class JaggedAttentionFunction(torch.autograd.Function):
                 inv_n,
                 contextual_len,
                 max_attn_len,
+                *bias_scalars,
                 **options,
             )
-        ctx.save_for_backward(q, k, v, offsets, num_targets)
+        ctx.save_for_backward(q, k, v, offsets, num_targets, *bias_pointers)
+        ctx.bias_settings = bias.settings()  # its tensors go through save_for_backward
+        ctx.table_dtypes = tuple(
+            w.dtype if w is not None else None for w in (position_weights, time_weights)
+        )
         ctx.settings = (max_seq_len, alpha, contextual_len, max_attn_len, inv_n)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, offsets, num_targets = ctx.saved_tensors
+        q, k, v, offsets, num_targets, *bias_pointers = ctx.saved_tensors
         max_seq_len, alpha, contextual_len, max_attn_len, inv_n = ctx.settings
+        bias = RelativeBiasTables.from_saved(bias_pointers, ctx.bias_settings)
         grad = grad.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # fp32 sums of the tables' gradients (atomics; zeros where a table is absent)
+        d_positions, d_times = (
+            torch.zeros(w.numel() if w is not None else 1, dtype=torch.float32, device=q.device)
+            for w in (bias.position_weights, bias.time_weights)
+        )
         options = _launch_options(
-            q, v, offsets, max_seq_len, num_targets, contextual_len, max_attn_len
+            q, v, offsets, max_seq_len, num_targets, contextual_len, max_attn_len, bias
         )
         grid, heads = options.pop("grid"), options.pop("heads")
-        key_grid = (triton.cdiv(max(max_seq_len, 1), BLOCK_N), grid[1])
         # The key-side kernel holds k, v, dk, dv and, per query step, q, g and two score
         # tiles: it steps 16 queries at a time on 8 warps (32 on 4 warps spilled 36-56 B on
         # sm_80 / sm_90 in fp32, 32 on 8 warps 8 B on sm_80).
         kv_options = options | {"BLOCK_M": KV_BLOCK_M}
+        # With the time bias (a float64 gap per score) both kernels take 16 keys at a time:
+        # 32 spilled 16 B (query side, sm_80) and 4-8 B (key side, sm_80 / sm_90) in exact fp32.
+        q_options = options
+        if options["HAS_TIME_BIAS"]:
+            kv_options, q_options = kv_options | {"BLOCK_N": 16}, options | {"BLOCK_N": 16}
+        key_grid = (triton.cdiv(max(max_seq_len, 1), kv_options["BLOCK_N"]), grid[1])
         targets = num_targets if num_targets is not None else offsets
+        _, bias_scalars = bias_arguments(bias, q)
         strides = (
             q.stride(0),
             q.stride(1),
@@ -461,6 +549,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
             grad.stride(0),
             grad.stride(1),
         )
+        settings = (alpha, inv_n, contextual_len, max_attn_len, *bias_scalars)
         if q.shape[0]:
             _grad_kv_kernel[key_grid](
                 q,
@@ -469,14 +558,12 @@ class JaggedAttentionFunction(torch.autograd.Function):
                 grad,
                 offsets,
                 targets,
+                *bias_pointers,
                 dk,
                 dv,
                 heads,
                 *strides,
-                alpha,
-                inv_n,
-                contextual_len,
-                max_attn_len,
+                *settings,
                 **kv_options,
                 num_warps=8,
             )
@@ -487,14 +574,26 @@ class JaggedAttentionFunction(torch.autograd.Function):
                 grad,
                 offsets,
                 targets,
+                *bias_pointers,
                 dq,
+                d_positions,
+                d_times,
                 heads,
                 *strides,
-                alpha,
-                inv_n,
-                contextual_len,
-                max_attn_len,
-                **options,
+                *settings,
+                **q_options,
                 num_warps=8,
             )
-        return dq, dk, dv, None, None, None, None, None, None
+        position_dtype, time_dtype = ctx.table_dtypes
+        d_position_weights = d_positions.to(position_dtype) if position_dtype else None
+        d_time_weights = d_times.to(time_dtype) if time_dtype else None
+        return (
+            dq,
+            dk,
+            dv,
+            *([None] * 7),
+            d_position_weights,
+            d_time_weights,
+            None,
+            None,
+        )

@@ -71,7 +71,7 @@ from recsys.checkpoint.io import (
     resolve_checkpoint,
 )
 from recsys.checkpoint.lineage import read_lineage
-from recsys.config import SEQUENCE_MODELS
+from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.parquet import table_to_batch
 from recsys.data.prepared import file_fingerprint, new_directory_beside, read_metadata
@@ -145,8 +145,11 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
     checkpoint = resolve_checkpoint(checkpoint)
     output = Path(output)
     _check_output(output, overwrite)
-    if read_config(checkpoint).model.name in SEQUENCE_MODELS:  # top-K items of a history
+    name = read_config(checkpoint).model.name
+    if name in SEQUENCE_MODELS:  # top-K items of a history
         return export_retrieval(checkpoint, output)
+    if name in TARGET_RANKING_MODELS:
+        raise ValueError(f"recsys export does not take a {name} checkpoint yet")
     spec = read_spec(checkpoint)
     model = load_model(checkpoint, device="cpu").requires_grad_(False)
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)

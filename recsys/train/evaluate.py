@@ -37,7 +37,7 @@ from recsys.checkpoint.io import (
     tensor_reader,
     verify_checkpoint,
 )
-from recsys.config import SEQUENCE_MODELS, Config, DataConfig, load_config
+from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS, Config, DataConfig, load_config
 from recsys.data import build_dataset, resolve_source
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.loader import BatchLoader, ChunkedDataset
@@ -223,6 +223,11 @@ def evaluate_checkpoint(
         spec = read_spec(path)
         if config.model.name in SEQUENCE_MODELS:
             return _evaluate_sequences(path, config, spec, device, info, split)
+        if config.model.name in TARGET_RANKING_MODELS:
+            raise ValueError(
+                f"recsys eval does not take a {config.model.name} checkpoint yet; its training "
+                "run's metrics.jsonl holds the valid and test AUC"
+            )
         dataset = _dataset(config, spec, path, new_data="data.path" in _keys(overrides))
         if not sum(dataset.chunk_rows(split, i) for i in range(dataset.num_chunks(split))):
             raise ValueError(f"the {split} split of {data_name(config)} has no rows")

@@ -6,7 +6,9 @@ stopping rules over either task:
 - :class:`CTRTask`: click logs (synthetic, parquet, Criteo), BCE on the logits, AUC / logloss
   (:func:`recsys.train.evaluate.evaluate_split`);
 - :class:`~recsys.train.retrieval.NextItemTask`: user histories of a sequence model (sasrec,
-  hstu), next-item softmax, full-corpus ranking (HR@k, NDCG@k, MRR).
+  hstu), next-item softmax, full-corpus ranking (HR@k, NDCG@k, MRR);
+- :class:`~recsys.train.target_ranking.TargetRankingTask`: histories with labelled candidates
+  (hstu_ranking), BCE on each candidate, AUC / logloss.
 
 A task has ``spec`` (what the model is built for and ``spec.json`` records), ``loss`` (None:
 the train step's BCE; else ``loss(model, batch) -> scalar``), :meth:`loader` (the batches of a
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recsys.config import SEQUENCE_MODELS, Config
+from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS, Config
 from recsys.data import build_dataset
 from recsys.data.layout import Reshard
 from recsys.data.loader import BatchLoader
@@ -138,4 +140,8 @@ def build_task(
         from recsys.train.retrieval import NextItemTask
 
         return NextItemTask(config, device, info, say)
+    if config.model.name in TARGET_RANKING_MODELS:
+        from recsys.train.target_ranking import TargetRankingTask
+
+        return TargetRankingTask(config, device, info, say)
     return CTRTask(config, device, info, say)

@@ -12,7 +12,9 @@ from recsys.models.hstu import CANDIDATES, HISTORY, HSTU
 from tests.models.sequence_training import train_and_rank
 
 
-def _model(num_items=40, dim=16, max_len=40, backend="torch", seed=0, dropout=0.1) -> HSTU:
+def _model(
+    num_items=40, dim=16, max_len=40, backend="torch", seed=0, dropout=0.1, relative_bias=False
+) -> HSTU:
     torch.manual_seed(seed)
     features = [HISTORY, CANDIDATES]
     table = EmbeddingConfig(
@@ -23,6 +25,7 @@ def _model(num_items=40, dim=16, max_len=40, backend="torch", seed=0, dropout=0.
         max_len=max_len,
         num_heads=2,
         dropout=dropout,
+        relative_bias=relative_bias,
         backend=backend,
     )
 
@@ -38,8 +41,9 @@ def _kjt(histories):
     return kjt, max(lengths)
 
 
-def test_causal_and_independent_of_the_batch():
-    model = _model().eval()
+@pytest.mark.parametrize("relative_bias", [False, True])
+def test_causal_and_independent_of_the_batch(relative_bias):
+    model = _model(relative_bias=relative_bias).eval()
     with torch.no_grad():
         alone, _ = model(*_kjt([[5, 6, 7, 8]]))
         changed, _ = model(*_kjt([[5, 6, 7, 30]]))
@@ -49,21 +53,44 @@ def test_causal_and_independent_of_the_batch():
     assert torch.allclose(batched[2:6], alone, atol=1e-6)
 
 
-def test_the_triton_kernels_give_the_torch_paths_model():
+@pytest.mark.parametrize("relative_bias", [False, True])
+def test_the_triton_kernels_give_the_torch_paths_model(relative_bias):
     histories = [[1, 2, 3], [4], list(range(5, 40)), [7, 8]]  # one history past a tile
     kjt, longest = _kjt(histories)
     outs, grads = [], []
     for backend in ("torch", "triton"):
-        model = _model(backend=backend).eval()
+        model = _model(backend=backend, relative_bias=relative_bias).eval()
+        if relative_bias:  # a bias large enough to matter, different per position difference
+            with torch.no_grad():
+                for block in model.blocks:
+                    block.position_bias.normal_(std=1.0)
         hidden, _ = model(kjt, longest)
         hidden.square().sum().backward()
         outs.append(hidden.detach())
-        grads.append(model.blocks[0].uvqk.weight.grad)
+        block = model.blocks[0]
+        grads.append([block.uvqk.weight.grad])
+        if relative_bias:
+            grads[-1].append(block.position_bias.grad)
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
     # fp32 sums in another order, amplified ~1000x by the LayerNorm of the small attention
     # outputs (weights / N): the gradients agree to ~2e-3 of their largest value; a wrong mask
     # or term would differ by its whole size.
-    assert (grads[0] - grads[1]).abs().max() <= 1e-2 * grads[0].abs().max()
+    for want, got in zip(grads[0], grads[1], strict=True):
+        assert want.abs().max() > 0
+        assert (want - got).abs().max() <= 1e-2 * want.abs().max()
+
+
+def test_the_relative_bias_changes_the_output_and_has_a_table_per_block():
+    model = _model(relative_bias=True, max_len=10).eval()
+    assert [tuple(b.position_bias.shape) for b in model.blocks] == [(19,), (19,)]
+    kjt, longest = _kjt([[1, 2, 3, 4], [5, 6]])
+    with torch.no_grad():
+        before, _ = model(kjt, longest)
+        model.blocks[0].position_bias[9 - 2] += 3.0  # keys two positions back
+        after, _ = model(kjt, longest)
+    changed = (before - after).abs().amax(dim=1) > 1e-4
+    # rows 0, 1 of each history have no key two back; the others do
+    assert changed.tolist() == [False, False, True, True, False, False]
 
 
 def test_bad_settings_are_named():

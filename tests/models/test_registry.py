@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from recsys.build.models import MODELS, build_model
-from recsys.config import SEQUENCE_MODELS, ModelConfig
+from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS, ModelConfig
 from recsys.data.batch import DatasetSpec
 
 SPEC = DatasetSpec(("d0", "d1"), ("a", "b", "c"), (5, 7, 3), ("click",))
@@ -15,8 +15,9 @@ SPEC = DatasetSpec(("d0", "d1"), ("a", "b", "c"), (5, 7, 3), ("click",))
 
 def test_every_name_the_config_allows_has_a_builder():
     hint = typing.get_type_hints(ModelConfig)["name"]
-    assert set(MODELS) | set(SEQUENCE_MODELS) == set(typing.get_args(hint))
-    assert not set(MODELS) & set(SEQUENCE_MODELS)  # built by recsys.build.sequence_models
+    histories = set(SEQUENCE_MODELS) | set(TARGET_RANKING_MODELS)
+    assert set(MODELS) | histories == set(typing.get_args(hint))
+    assert not set(MODELS) & histories  # built by recsys.build.sequence_models
     for name, entry in MODELS.items():
         assert entry.module.__module__.startswith("recsys.models."), name
 

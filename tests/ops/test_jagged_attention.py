@@ -1,7 +1,11 @@
 """HSTU jagged attention: the torch path and the Triton kernels (interpreted) against the
-float64 reference, forward and backward, for every mask option."""
+float64 reference, forward and backward, for every mask option, with and without the relative
+attention bias (position and time tables, whose gradients are checked too)."""
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import pytest
 import torch
@@ -29,31 +33,110 @@ def _case(lengths, heads=2, d_qk=8, d_v=12, seed=0, dtype=torch.float32, targets
     return [x.to(dtype).requires_grad_() for x in (q, k, v)], offsets, num_targets
 
 
-def _options(mask: str, num_targets):
+BIASES = [None, "position", "time", "both"]
+
+
+def _bias(lengths, kind, seed=1, dtype=torch.float32, reach=20, buckets=24):
+    """The relative bias options of ``kind`` (None: none): position table of 2 * reach - 1
+    rows (shorter than the longest test sequence, so the end rows are shared), a time table of
+    buckets + 1 rows, and per-sequence increasing timestamps (epoch seconds, gaps from under a
+    second to days, some ties) whose log buckets reach past the table."""
+    if kind is None:
+        return {}
+    g = torch.Generator().manual_seed(seed)
+    gaps = torch.exp(torch.rand(sum(lengths), generator=g, dtype=torch.float64) * 14 - 2)
+    gaps[::5] = 0.0
+    starts = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    times = torch.cat([1.7e9 + gaps[a:b].cumsum(0) for a, b in itertools.pairwise(starts)])
+    options = {}
+    if kind in ("position", "both"):
+        options["position_weights"] = torch.randn(2 * reach - 1, generator=g).to(dtype)
+    if kind in ("time", "both"):
+        options["time_weights"] = torch.randn(buckets + 1, generator=g).to(dtype)
+        options["timestamps"] = times
+    return options
+
+
+def _options(mask: str, num_targets, bias=None):
     options = dict(MASKS[mask])
     options.pop("targets", None)
-    return options | {"num_targets": num_targets, "alpha": 0.7}
+    return options | {"num_targets": num_targets, "alpha": 0.7} | (bias or {})
+
+
+def _tables(options):
+    """The bias tables of ``options`` as fresh leaves requiring grad (float64 if ``double``)."""
+    return {
+        name: value.detach().clone().requires_grad_()
+        for name, value in options.items()
+        if name.endswith("_weights")
+    }
 
 
 def _grads(out, inputs, upstream):
     return torch.autograd.grad((out.float() * upstream).sum(), inputs)
 
 
+@pytest.mark.parametrize("bias", [None, "both"])
 @pytest.mark.parametrize("mask", list(MASKS))
-def test_the_padded_torch_path_is_the_reference(mask):
+def test_the_padded_torch_path_is_the_reference(mask, bias):
     lengths = [0, 1, 5, 9, 4]
     (q, k, v), offsets, num_targets = _case(
         lengths, dtype=torch.float64, targets="targets" in MASKS[mask]
     )
-    options = _options(mask, num_targets)
-    want = jagged_attention_reference(q, k, v, offsets, 10, **options)
-    got = jagged_attention(q, k, v, offsets, 10, backend="torch", **options)
+    options = _options(mask, num_targets, _bias(lengths, bias, dtype=torch.float64, reach=4))
+    tables = _tables(options)
+    inputs = [q, k, v, *tables.values()]
+    want = jagged_attention_reference(q, k, v, offsets, 10, **options | tables)
+    got = jagged_attention(q, k, v, offsets, 10, backend="torch", **options | tables)
     assert torch.allclose(got, want, atol=1e-12)
     upstream = torch.randn_like(want)
-    for a, b in zip(
-        _grads(got, [q, k, v], upstream), _grads(want, [q, k, v], upstream), strict=True
-    ):
+    for a, b in zip(_grads(got, inputs, upstream), _grads(want, inputs, upstream), strict=True):
         assert torch.allclose(a, b, atol=1e-12)
+
+
+def _dense_hstu(q, k, v, offsets, max_seq_len, alpha, num_targets, bias_options):
+    """A padded dense HSTU written independently of the op (Meta's research formulation, with
+    target positions pinned): [B, N, N] bias built by explicit loops."""
+    lengths = offsets.diff().tolist()
+    heads = q.shape[1]
+    out = torch.zeros(q.shape[0], heads, v.shape[2], dtype=torch.float64)
+    positions = bias_options.get("position_weights")
+    times = bias_options.get("time_weights")
+    stamps = bias_options.get("timestamps")
+    for b, n in enumerate(lengths):
+        start = int(offsets[b])
+        history = n - int(num_targets[b])
+        for i in range(n):
+            for j in range(n):
+                target_i, target_j = i >= history, j >= history
+                if (not target_i and j > i) or (target_i and target_j and i != j):
+                    continue
+                rab = 0.0
+                if positions is not None:
+                    reach = (positions.numel() + 1) // 2
+                    gap = min(j, history) - min(i, history) + reach - 1
+                    rab += float(positions[min(max(gap, 0), 2 * reach - 2)])
+                if times is not None:
+                    dt = max(abs(float(stamps[start + i]) - float(stamps[start + j])), 1e-6)
+                    bucket = math.floor(math.log(dt / 1.0) / float(torch.tensor(0.301).float()))
+                    rab += float(times[min(max(bucket, 0), times.numel() - 1)])
+                for h in range(heads):
+                    s = alpha * float(q[start + i, h].double() @ k[start + j, h].double()) + rab
+                    weight = s / (1.0 + math.exp(-s)) / max_seq_len
+                    out[start + i, h] += weight * v[start + j, h].double()
+    return out
+
+
+def test_the_reference_matches_a_dense_loop_with_bias_and_targets():
+    lengths = [0, 1, 6, 9]
+    (q, k, v), offsets, _ = _case(lengths, heads=2, d_qk=3, d_v=2, dtype=torch.float64)
+    num_targets = torch.tensor([0, 1, 2, 3])
+    bias = _bias(lengths, "both", dtype=torch.float64, reach=3, buckets=40)
+    want = _dense_hstu(q.detach(), k.detach(), v.detach(), offsets, 12, 0.7, num_targets, bias)
+    got = jagged_attention_reference(
+        q, k, v, offsets, 12, alpha=0.7, num_targets=num_targets, **bias
+    )
+    assert torch.allclose(got, want, atol=1e-12)
 
 
 def test_gradcheck_of_the_torch_path():
@@ -68,24 +151,57 @@ def test_gradcheck_of_the_torch_path():
     )
 
 
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_matches_the_reference(mask, dtype):
+def test_gradcheck_with_the_relative_bias():
+    lengths = [3, 0, 4]
+    (q, k, v), offsets, num_targets = _case(
+        lengths, d_qk=3, d_v=2, dtype=torch.float64, targets=True
+    )
+    bias = _bias(lengths, "both", dtype=torch.float64, reach=2, buckets=10)
+    position_weights, time_weights = _tables(bias).values()
+
+    def attend(q, k, v, position_weights, time_weights):
+        return jagged_attention_reference(
+            q,
+            k,
+            v,
+            offsets,
+            5,
+            num_targets=num_targets,
+            timestamps=bias["timestamps"],
+            position_weights=position_weights,
+            time_weights=time_weights,
+        )
+
+    torch.autograd.gradcheck(attend, (q, k, v, position_weights, time_weights))
+
+
+# every mask with and without the bias in fp32; bf16 without it and with everything at once
+TRITON_CASES = [(mask, bias, torch.float32) for mask in MASKS for bias in (None, "both")]
+TRITON_CASES += [("causal", "position", torch.float32), ("targets", "time", torch.float32)]
+TRITON_CASES += [(mask, None, torch.bfloat16) for mask in MASKS]
+TRITON_CASES += [("all", "both", torch.bfloat16), ("causal", "position", torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("mask", "bias", "dtype"), TRITON_CASES)
+def test_triton_matches_the_reference(mask, bias, dtype):
     lengths = [0, 1, 31, 32, 33, 7]  # empty, one row, a tile - 1, a tile, a tile + 1
     (q, k, v), offsets, num_targets = _case(lengths, dtype=dtype, targets="targets" in MASKS[mask])
-    options = _options(mask, num_targets)
-    got = jagged_attention(q, k, v, offsets, 40, backend="triton", **options)
+    options = _options(mask, num_targets, _bias(lengths, bias))
+    tables = _tables(options)
+    got = jagged_attention(q, k, v, offsets, 40, backend="triton", **options | tables)
     assert got.dtype == dtype
-    want = jagged_attention_reference(q, k, v, offsets, 40, **options)
+    reference_tables = {name: w.detach().double().requires_grad_() for name, w in tables.items()}
+    reference_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = jagged_attention_reference(*reference_inputs, offsets, 40, **options | reference_tables)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     scale = want.abs().max()
     assert (got.double() - want).abs().max() <= tol * scale
     upstream = torch.randn(want.shape, dtype=torch.float64)
-    reference_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want_out = jagged_attention_reference(*reference_inputs, offsets, 40, **options)
-    wants = _grads(want_out, reference_inputs, upstream)
-    gots = _grads(got, [q, k, v], upstream.to(dtype))
-    for name, a, b in zip("qkv", gots, wants, strict=True):
+    wants = _grads(want, [*reference_inputs, *reference_tables.values()], upstream)
+    gots = _grads(got, [q, k, v, *tables.values()], upstream.to(dtype))
+    names = [*"qkv", *tables]
+    for name, a, b in zip(names, gots, wants, strict=True):
+        assert a.dtype == (dtype if name in "qkv" else torch.float32), name
         assert (a.double() - b).abs().max() <= 4 * tol * b.abs().max(), name
 
 
@@ -96,7 +212,7 @@ def test_zipf_lengths_up_to_a_few_tiles():
     (q, k, v), offsets, num_targets = _case(
         lengths.tolist(), heads=1, d_qk=16, d_v=16, targets=True
     )
-    options = _options("all", num_targets)
+    options = _options("all", num_targets, _bias(lengths.tolist(), "both", reach=64))
     got = jagged_attention(q, k, v, offsets, 150, backend="triton", **options)
     want = jagged_attention_reference(q, k, v, offsets, 150, **options)
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
@@ -113,3 +229,18 @@ def test_bad_inputs_are_named():
         jagged_attention(q, k[:, :1], v, offsets, 4)
     with pytest.raises(ValueError, match="offsets"):
         jagged_attention(q, k, v, offsets.float(), 4)
+    with pytest.raises(ValueError, match=r"position_weights \(4,\): expected \[2P - 1\]"):
+        jagged_attention(q, k, v, offsets, 4, position_weights=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"timestamps None: the time bias needs one per row"):
+        jagged_attention(q, k, v, offsets, 4, time_weights=torch.zeros(5))
+    with pytest.raises(ValueError, match="time_bucket_div=0.0"):
+        jagged_attention(
+            q,
+            k,
+            v,
+            offsets,
+            4,
+            timestamps=torch.zeros(7),
+            time_weights=torch.zeros(5),
+            time_bucket_div=0.0,
+        )

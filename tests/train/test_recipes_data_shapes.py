@@ -9,18 +9,18 @@ import pytest
 import torch
 
 from recsys.checkpoint.io import load_model
-from recsys.config import SEQUENCE_MODELS, load_config
+from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS, load_config
 from recsys.data import build_dataset
 from recsys.serve.export import export_model, load_exported
 from recsys.train.metrics import read_metrics
 from recsys.train.trainer import train
 
 # The click-log recipes (sequence models' recipes train on user histories:
-# tests/train/test_sequence_training.py).
+# tests/train/test_sequence_training.py and tests/train/test_target_ranking.py).
 RECIPES = [
     recipe
     for recipe in sorted(Path(__file__).parents[2].glob("configs/*.toml"))
-    if load_config(recipe).model.name not in SEQUENCE_MODELS
+    if load_config(recipe).model.name not in (*SEQUENCE_MODELS, *TARGET_RANKING_MODELS)
 ]
 MULTI_TASK = {"mmoe_synthetic"}  # recipes whose model takes its number of tasks from the data
 

@@ -1,0 +1,143 @@
+"""Tile helpers shared by the HSTU jagged attention kernels
+(``recsys.ops.jagged_attention_triton``; the math: ``recsys.ops.jagged_attention``): the mask,
+the relative bias's table rows and values, and the score gradient of one [queries, keys] tile
+(each on query rows ``rows`` and key columns ``cols`` of one sequence); and on the host, the
+bias arguments every kernel takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "RelativeBiasTables",
+    "bias_arguments",
+    "bias_rows",
+    "grad_scores",
+    "load_times",
+    "relative_bias_tile",
+    "visible_tile",
+]
+
+
+@triton.jit
+def visible_tile(i, j, n, history, contextual_len, max_attn_len, HAS_WINDOW: tl.constexpr):
+    inside = (i < n) & (j < n)
+    causal = tl.where(i < history, j <= i, (j < history) | (j == i))
+    if HAS_WINDOW:
+        causal = causal & (i - j < max_attn_len)
+    return inside & ((j < contextual_len) | causal)
+
+
+@triton.jit
+def bias_rows(
+    rows,
+    cols,
+    history,
+    t_rows,
+    t_cols,
+    num_positions,
+    num_time_buckets,
+    time_bucket_incr,
+    time_bucket_div,
+    HAS_POSITION_BIAS: tl.constexpr,
+    HAS_TIME_BIAS: tl.constexpr,
+):
+    """The [queries, keys] rows of the position table and of the time table (0 where unused)."""
+    position = 0
+    bucket = 0
+    if HAS_POSITION_BIAS:
+        # targets all sit at the position after the history
+        position = tl.minimum(cols, history)[None, :] - tl.minimum(rows, history)[:, None]
+        position = position + num_positions - 1
+        position = tl.minimum(tl.maximum(position, 0), 2 * num_positions - 2)
+    if HAS_TIME_BIAS:
+        gap = tl.abs(t_rows[:, None] - t_cols[None, :])  # float64
+        scaled = tl.log(tl.maximum(gap, 1e-6) / time_bucket_incr) / time_bucket_div
+        bucket = tl.minimum(tl.maximum(scaled, 0.0), num_time_buckets).to(tl.int32)
+    return position, bucket
+
+
+@triton.jit
+def relative_bias_tile(
+    position_w_ptr,
+    time_w_ptr,
+    position,
+    bucket,
+    HAS_POSITION_BIAS: tl.constexpr,
+    HAS_TIME_BIAS: tl.constexpr,
+):
+    """rab of one tile from its table rows (both in range, so the loads need no mask)."""
+    bias = 0.0
+    if HAS_POSITION_BIAS:
+        bias = tl.load(position_w_ptr + position)
+    if HAS_TIME_BIAS:
+        bias = bias + tl.load(time_w_ptr + bucket)
+    return bias
+
+
+@triton.jit
+def load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS: tl.constexpr):
+    times = 0.0
+    if HAS_TIME_BIAS:
+        times = tl.load(ts_ptr + start + rows, mask=rows < n, other=0.0)
+    return times
+
+
+@triton.jit
+def grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION: tl.constexpr):
+    """(weights / N, dL/ds) of one [queries, keys] tile of scores s, masked (without alpha)."""
+    sig = tl.sigmoid(s)
+    weights = tl.where(mask, s * sig * inv_n, 0.0)
+    grad_weights = tl.dot(g, tl.trans(v), input_precision=INPUT_PRECISION) * inv_n
+    ds = tl.where(mask, grad_weights * sig * (1.0 + s * (1.0 - sig)), 0.0)
+    return weights, ds
+
+
+@dataclass(frozen=True)
+class RelativeBiasTables:
+    """The relative attention bias a launch adds to s (see ``recsys.ops.jagged_attention``):
+    ``timestamps`` float64 [T] (None without the time bias), ``position_weights`` [2P - 1]
+    and ``time_weights`` [num_time_buckets + 1] (either may be None), and the bucketing's
+    ``time_bucket_incr`` / ``time_bucket_div`` (float32 values)."""
+
+    timestamps: torch.Tensor | None
+    position_weights: torch.Tensor | None
+    time_weights: torch.Tensor | None
+    time_bucket_incr: float
+    time_bucket_div: float
+
+    def settings(self) -> tuple:
+        """What :meth:`from_saved` needs besides the tensors (which tables are present, the
+        bucketing): an autograd Function keeps tensors only through save_for_backward."""
+        present = (self.timestamps, self.position_weights, self.time_weights)
+        return (*(t is not None for t in present), self.time_bucket_incr, self.time_bucket_div)
+
+    @classmethod
+    def from_saved(cls, pointers: list[torch.Tensor], settings: tuple) -> RelativeBiasTables:
+        """The tables back from :func:`bias_arguments`' pointer tensors and :meth:`settings`."""
+        *present, incr, div = settings
+        tensors = [t if kept else None for t, kept in zip(pointers, present, strict=True)]
+        return cls(*tensors, incr, div)
+
+
+def bias_arguments(bias: RelativeBiasTables, fallback: torch.Tensor) -> tuple[list, list]:
+    """(pointer arguments, scalar arguments) of the kernels' relative bias; ``fallback`` stands
+    in for an absent tensor (never read)."""
+    positions, times = bias.position_weights, bias.time_weights
+    pointers = [
+        bias.timestamps if bias.timestamps is not None else fallback,
+        positions if positions is not None else fallback,
+        times if times is not None else fallback,
+    ]
+    scalars = [
+        (positions.numel() + 1) // 2 if positions is not None else 1,
+        times.numel() - 1 if times is not None else 0,
+        bias.time_bucket_incr,
+        bias.time_bucket_div,
+    ]
+    return pointers, scalars
