@@ -29,16 +29,13 @@ import functools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from recsys.distributed.assembly import PooledAssembly, ScratchBuffers
 from recsys.distributed.timeline import DeviceTimeline, device_timeline
-
-if TYPE_CHECKING:
-    from recsys.distributed.counts import Counts
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -159,6 +156,30 @@ def all_to_all(
         recv, send, list(recv_splits), list(send_splits), group=group, async_op=async_op
     )
     return (recv, work) if async_op else recv
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What the counts exchange (:mod:`recsys.distributed.counts`) made known on the host.
+
+    ``batch_sizes[s]`` samples and ``num_values[s]`` ids come from rank s, ``slot_values[s]``
+    of them for each of this rank's slots (when sent); ``sent_values[d]`` ids go to rank d;
+    ``extras[s]`` are the values rank s sent along (the same to every rank); ``derived`` what
+    the exchange's ``derive`` computed from them. ``received`` is the exchange's device tensor
+    ([W, 2 + S + E] int64: B_s, ids, the slots' ids, extras), which the receiver's index
+    arithmetic reads on the device, and ``received_extras`` its last E columns."""
+
+    batch_sizes: list[int]
+    num_values: list[int]
+    sent_values: list[int]
+    extras: list[list[int]]
+    received: torch.Tensor
+    derived: list[int] = field(default_factory=list)
+    slot_values: list[list[int]] = field(default_factory=list)
+
+    @property
+    def received_extras(self) -> torch.Tensor:
+        return self.received[:, self.received.shape[1] - len(self.extras[0]) :]
 
 
 _WIDE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

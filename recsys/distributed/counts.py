@@ -17,37 +17,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from recsys.distributed.comm import CommStats, ReceivedIds, send_ids
-
-
-@dataclass(frozen=True)
-class Counts:
-    """What the counts exchange (:func:`exchange_counts`) made known on the host.
-
-    ``batch_sizes[s]`` samples and ``num_values[s]`` ids come from rank s, ``slot_values[s]``
-    of them for each of this rank's slots (when sent); ``sent_values[d]`` ids go to rank d;
-    ``extras[s]`` are the values rank s sent along (the same to every rank); ``derived`` what
-    the exchange's ``derive`` computed from them. ``received`` is the exchange's device tensor
-    ([W, 2 + S + E] int64: B_s, ids, the slots' ids, extras), which the receiver's index
-    arithmetic reads on the device, and ``received_extras`` its last E columns."""
-
-    batch_sizes: list[int]
-    num_values: list[int]
-    sent_values: list[int]
-    extras: list[list[int]]
-    received: torch.Tensor
-    derived: list[int] = field(default_factory=list)
-    slot_values: list[list[int]] = field(default_factory=list)
-
-    @property
-    def received_extras(self) -> torch.Tensor:
-        return self.received[:, self.received.shape[1] - len(self.extras[0]) :]
+from recsys.distributed.comm import CommStats, Counts, ReceivedIds, send_ids
 
 
 @dataclass

@@ -28,14 +28,17 @@ from torchrec import EmbeddingBagConfig
 from torchrec.modules.embedding_configs import PoolingType
 
 from recsys.distributed.plan import Shard, ShardingType, TableSharding, check_table_sharding
+from recsys.distributed.sharded_dynamic import owner_test
 from recsys.distributed.sharded_state import shard_of
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.dynamic_table import UNCAPPED, DynamicTableOptions
+from recsys.embedding.key_routing import KeyRouting
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.row_init import fill_initial_rows, table_seed, uniform_bound
 from recsys.embedding.row_store import store_directory
 from recsys.embedding.tiered import RowBlock, TieredEmbeddingBagCollection
+from recsys.embedding.tiered_files import TablePart
 
 __all__ = ["build_shards", "checked_plan", "dynamic_parts", "shard_config", "tiered_of"]
 
@@ -273,3 +276,29 @@ def checked_plan(
                 "(SGD, Adagrad, Adam)"
             )
     return dict(plan)
+
+
+def table_part(
+    sharding: TableSharding, shard: Shard, table_rows: int, routing: KeyRouting | None = None
+) -> TablePart:
+    """The part of a tiered table's checkpoint files that ``shard`` holds: its rows as rows of
+    the whole table of ``table_rows``, or (``routing``: a dynamic table's) the keys its
+    routing buckets own."""
+    index, count = sharding.shards.index(shard), len(sharding.shards)
+    if routing is not None:
+        return TablePart(owns=owner_test(routing, count, index), index=index, count=count)
+    return TablePart(
+        shard.row_offset, shard.num_rows, index=index, count=count, table_rows=table_rows
+    )
+
+
+def merge_tiered_stats(every: list[dict]) -> dict[str, dict[str, float]]:
+    """Every rank's tiered counters by table, summed (``prefetch_wait_s``: the longest)."""
+    out: dict[str, dict[str, float]] = {}
+    for stats in every:
+        for table, counters in stats.items():
+            total = out.setdefault(table, {})
+            for key, value in counters.items():
+                merge = max if key == "prefetch_wait_s" else float.__add__
+                total[key] = merge(float(total.get(key, 0.0)), float(value))
+    return out

@@ -68,19 +68,25 @@ from recsys.distributed.counts import start_counts
 from recsys.distributed.plan import Shard, ShardingType, TableSharding
 from recsys.distributed.replicated import ReplicatedTables
 from recsys.distributed.routing import ShardRouting
-from recsys.distributed.shard_build import build_shards, checked_plan, dynamic_parts, tiered_of
+from recsys.distributed.shard_build import (
+    build_shards,
+    checked_plan,
+    dynamic_parts,
+    merge_tiered_stats,
+    table_part,
+    tiered_of,
+)
 from recsys.distributed.sharded_dynamic import (
     key_wise_state,
     key_wise_stats,
     key_wise_targets,
     load_key_wise,
-    owner_test,
 )
 from recsys.distributed.sharded_input import (
-    MAX_PREFETCHED,
     InputSpec,
     LocalBatch,
     Prefetched,
+    PrefetchQueue,
     StartedInput,
     check_now,
     check_on_device,
@@ -99,7 +105,7 @@ from recsys.embedding.interface import EmbeddingCollectionInterface, SavedState,
 from recsys.embedding.key_routing import KeyRouting
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import output_keys, pooling_mode
-from recsys.embedding.tiered_files import TablePart, TieredFiles
+from recsys.embedding.tiered_files import TieredFiles
 from recsys.ops.input_checks import check_mode
 
 
@@ -209,7 +215,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
                 parameter.requires_grad_(False)
         self.load_prefix = ""
         self.register_load_state_dict_post_hook(hide_internal_keys)
-        self._prefetched: list[Prefetched] = []
+        self._prefetched = PrefetchQueue()
 
     # -----------------------------------------------------------------------------------------
     # Forward: input_dist -> compute -> output_dist
@@ -219,7 +225,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         KeyedTensor [B, sum of the features' dims], keys in table order (as the unsharded
         collection). A collective: every rank of the group must call it. Given the very object
         :meth:`prefetch_input` had, it starts at compute with the ids that input_dist sent."""
-        ready = self._take_prefetched(features)
+        ready = self._prefetched.take(features)
         if ready is None:
             features = self._checked(features)
             batch = self.input_dist(features) if self.routing.num_streams else None
@@ -240,7 +246,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         else:
             lengths = features.lengths().view(len(self.routing.features), features.stride())
             values = self.output_dist(self.compute(batch), batch, pooled_dp, lengths)
-        self._send_prefetched()
+        self._prefetched.send(self.send_input)
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
@@ -250,7 +256,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
     def prefetch_input(self, features: KeyedJaggedTensor) -> None:
         """Check ``features`` and start their input_dist now, for a forward of the same object
         later (the newest :data:`MAX_PREFETCHED` are kept): their counts are exchanged while
-        the next forward computes, which then sends their ids (:meth:`_send_prefetched`), and
+        the next forward computes, which then sends their ids (:meth:`PrefetchQueue.send`), and
         the forward of ``features`` waits for them. Changes no table's values: a KEY_WISE key
         is inserted by compute, on its owner; this rank's tiered shards bring the batch's rows
         into their caches (rows move exactly, see ``TieredEmbeddingBagCollection``: their ids
@@ -267,25 +273,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             entry.started = None
             entry.local = self.finish_input_dist(self.send_input(started))
             self.shards.prefetch(entry.local.features)
-        kept = self._prefetched[-(MAX_PREFETCHED - 1) :]
-        for dropped in self._prefetched[: len(self._prefetched) - len(kept)]:
-            if dropped.started is not None:  # its counts arrive; its ids are never sent
-                dropped.started.counts.wait()
-        self._prefetched = [*kept, entry]
-
-    def _send_prefetched(self) -> None:
-        """After a forward's exchanges: send the ids of every prefetched batch whose counts
-        are under way (read now: they had this forward's compute to arrive), in the order they
-        were prefetched, as every rank does. A batch whose input check failed sends nothing
-        (on any rank: all read the same verdicts); its forward raises."""
-        for entry in self._prefetched:
-            if entry.started is None:
-                continue
-            started, entry.started = entry.started, None
-            try:
-                entry.pending = self.send_input(started)
-            except ValueError as error:
-                entry.error = error
+        self._prefetched.add(entry)
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """For tiered tables: :meth:`prefetch_input`, whose ids then go to this rank's tiered
@@ -295,7 +283,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
 
     def drop_prefetched(self) -> None:
         """Forget the batches :meth:`prefetch_input` ran ahead (their forward will not come)."""
-        self._prefetched = []
+        self._prefetched.clear()
         if self.caches:
             self.shards.drop_prefetched()
 
@@ -318,14 +306,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         mine = self.shards.tiered_stats() if self.caches else {}
         every: list[dict] = [{} for _ in range(self.world_size)]
         dist.all_gather_object(every, mine, group=self.process_group)
-        out: dict[str, dict[str, float]] = {}
-        for stats in every:
-            for table, counters in stats.items():
-                total = out.setdefault(table, {})
-                for key, value in counters.items():
-                    merge = max if key == "prefetch_wait_s" else float.__add__
-                    total[key] = merge(float(total.get(key, 0.0)), float(value))
-        return out
+        return merge_tiered_stats(every)
 
     def flush(self) -> None:
         """Write this rank's changed cached rows back to their stores."""
@@ -340,28 +321,10 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             return TieredFiles({}, {})
         parts = {}
         for name in self.caches:
-            sharding, shard = self.plan[name], self.local_shard(name)
-            index, count = sharding.shards.index(shard), len(sharding.shards)
-            if name in self._dynamic:
-                owns = owner_test(self.routing_of(name), count, index)
-                parts[name] = TablePart(owns=owns, index=index, count=count)
-            else:
-                parts[name] = TablePart(
-                    shard.row_offset,
-                    shard.num_rows,
-                    index=index,
-                    count=count,
-                    table_rows=next(c.num_embeddings for c in self._configs if c.name == name),
-                )
+            routing = self.routing_of(name) if name in self._dynamic else None
+            rows = next(c.num_embeddings for c in self._configs if c.name == name)
+            parts[name] = table_part(self.plan[name], self.local_shard(name), rows, routing)
         return self.shards.tiered_files(parts)
-
-    def _take_prefetched(self, features: KeyedJaggedTensor) -> Prefetched | None:
-        """The prefetched entry of this very ``features`` object, dropped with older ones."""
-        for position, entry in enumerate(self._prefetched):
-            if entry.given is features:
-                self._prefetched = self._prefetched[position + 1 :]
-                return entry
-        return None
 
     def _checked(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``features`` in the collection's order, their shape and weights checked; their ids,

@@ -19,7 +19,7 @@ collection with no sharded table exchanges no counts: it checks on the host
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +96,47 @@ class Prefetched:
     pending: PendingIds | None = None  # its ids under way
     local: LocalBatch | None = None  # its input_dist done (tiered shards prefetch its rows)
     error: ValueError | None = None
+
+
+class PrefetchQueue:
+    """The batches a sharded collection's ``prefetch_input`` ran ahead, oldest first (the
+    newest :data:`MAX_PREFETCHED`)."""
+
+    def __init__(self) -> None:
+        self.entries: list[Prefetched] = []
+
+    def add(self, entry: Prefetched) -> None:
+        """Queue ``entry``, dropping the oldest beyond :data:`MAX_PREFETCHED`."""
+        kept = self.entries[-(MAX_PREFETCHED - 1) :]
+        for dropped in self.entries[: len(self.entries) - len(kept)]:
+            if dropped.started is not None:  # its counts arrive; its ids are never sent
+                dropped.started.counts.wait()
+        self.entries = [*kept, entry]
+
+    def take(self, features: KeyedJaggedTensor) -> Prefetched | None:
+        """The entry of this very ``features`` object, dropped with older ones."""
+        for position, entry in enumerate(self.entries):
+            if entry.given is features:
+                self.entries = self.entries[position + 1 :]
+                return entry
+        return None
+
+    def send(self, send_input: Callable[[StartedInput], PendingIds]) -> None:
+        """After a forward's exchanges: send the ids of every queued batch whose counts are
+        under way (read now: they had the forward's compute to arrive), in the order they
+        were queued, as every rank does. A batch whose input check failed sends nothing (on
+        any rank: all read the same verdicts); its forward raises."""
+        for entry in self.entries:
+            if entry.started is None:
+                continue
+            started, entry.started = entry.started, None
+            try:
+                entry.pending = send_input(started)
+            except ValueError as error:
+                entry.error = error
+
+    def clear(self) -> None:
+        self.entries = []
 
 
 def check_on_device(

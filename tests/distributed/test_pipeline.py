@@ -141,10 +141,11 @@ def _check_bad_batch_ahead(rank: int, world: int) -> None:
         bad = KeyedJaggedTensor(keys=bad.keys(), values=values, lengths=bad.lengths())
     piped.prefetch_input(good)
     piped.prefetch_input(bad)  # its counts are under way, its verdict not read yet
-    assert [e.started is not None for e in piped._prefetched] == [True, True]
+    assert [e.started is not None for e in piped._prefetched.entries] == [True, True]
     pooled = piped(good)
-    assert piped._prefetched[0].started is None  # read after the forward, the ids not sent
-    assert piped._prefetched[0].pending is None and piped._prefetched[0].error is not None
+    ahead = piped._prefetched.entries[0]
+    assert ahead.started is None  # read after the forward, the ids not sent
+    assert ahead.pending is None and ahead.error is not None
     pooled.values().sum().backward()
     expected = "1000000" if rank == world - 1 else f"the batch of rank {world - 1} failed"
     with pytest.raises(ValueError, match=expected):
