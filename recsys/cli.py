@@ -157,6 +157,13 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
     )
     export.add_argument("--output", required=True, help="file to write, e.g. model.pt2")
     export.add_argument("--overwrite", action="store_true", help="replace --output when it exists")
+    export.add_argument(
+        "--top-k",
+        type=int,
+        metavar="K",
+        help="sequence models (sasrec, hstu): the program returns each history's top K items "
+        "(1 <= K <= the items the model ranks; default 100, or every item when fewer)",
+    )
 
 
 def _add_predict(commands: argparse._SubParsersAction) -> None:
@@ -199,6 +206,14 @@ def _add_predict(commands: argparse._SubParsersAction) -> None:
     )
     score.add_argument(
         "--batch-size", type=int, default=8192, help="rows per forward call (default 8192)"
+    )
+    score.add_argument(
+        "--top-k",
+        type=int,
+        metavar="K",
+        help="a sequence model's export: the top K items of each history (default: the "
+        "export's K; at most that). With --transform its 'items' column holds raw item values "
+        "(as the interaction log names them), encoded as the training data was",
     )
 
 
@@ -365,7 +380,7 @@ def _export(args: argparse.Namespace) -> None:
 
     start = time.perf_counter()
     checkpoint = resolve_checkpoint(args.checkpoint)
-    output = export_model(checkpoint, args.output, overwrite=args.overwrite)
+    output = export_model(checkpoint, args.output, overwrite=args.overwrite, top_k=args.top_k)
     megabytes = output.stat().st_size / 2**20
     print(
         f"recsys: exported {checkpoint} to {output} ({megabytes:.1f} MiB torch.export program) "
@@ -387,6 +402,7 @@ def _predict(args: argparse.Namespace) -> None:
         data=args.data,
         format=args.format,
         deltas=args.deltas,
+        top_k=args.top_k,
     )
     tables = "" if report.deltas_step is None else f", dynamic tables at step {report.deltas_step}"
     print(

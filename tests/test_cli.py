@@ -225,8 +225,8 @@ def test_preprocess_typo_names_the_closest_key(monkeypatch, capsys):
 def test_export_passes_its_arguments(monkeypatch, tmp_path, capsys):
     calls = []
 
-    def export_model(checkpoint, output, overwrite):
-        calls.append((checkpoint, output, overwrite))
+    def export_model(checkpoint, output, overwrite, top_k):
+        calls.append((checkpoint, output, overwrite, top_k))
         Path(output).write_bytes(b"x" * 2048)
         return Path(output)
 
@@ -236,7 +236,12 @@ def test_export_passes_its_arguments(monkeypatch, tmp_path, capsys):
     output = str(tmp_path / "model.pt2")
     assert main(["export", "--checkpoint", str(tmp_path), "--output", output]) == 0
     assert main(["export", "--checkpoint", "x", "--output", output, "--overwrite"]) == 0
-    assert calls == [(checkpoint, output, False), (checkpoint, output, True)]
+    assert main(["export", "--checkpoint", "x", "--output", output, "--top-k", "20"]) == 0
+    assert calls == [
+        (checkpoint, output, False, None),
+        (checkpoint, output, True, None),
+        (checkpoint, output, False, 20),
+    ]
     out = capsys.readouterr().out
     assert f"recsys: exported {checkpoint} to {output}" in out
     assert f"recsys predict --model {output}" in out
@@ -263,8 +268,14 @@ def test_predict_passes_its_arguments(monkeypatch, tmp_path, capsys):
         capsys.readouterr().out
     )
     extra = ["--batch-size", "300", "--transform", "--data", "d/", "--format", "csv"]
-    assert main([*argv, *extra, "--overwrite", "--deltas", "runs/r/deltas"]) == 0
-    defaults = {"overwrite": False, "transform": False, "data": None, "format": None}
+    assert main([*argv, *extra, "--overwrite", "--deltas", "runs/r/deltas", "--top-k", "5"]) == 0
+    defaults = {
+        "overwrite": False,
+        "transform": False,
+        "data": None,
+        "format": None,
+        "top_k": None,
+    }
     assert calls == [
         (("m.pt2", "in/", "s.parquet", 8192), {**defaults, "deltas": None}),
         (
@@ -275,6 +286,7 @@ def test_predict_passes_its_arguments(monkeypatch, tmp_path, capsys):
                 "data": "d/",
                 "format": "csv",
                 "deltas": "runs/r/deltas",
+                "top_k": 5,
             },
         ),
     ]

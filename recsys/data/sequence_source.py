@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from recsys.config import DataConfig, PreprocessConfig
 from recsys.data.batch import DatasetSpec
+from recsys.data.item_encoding import ItemEncoding
 from recsys.data.prepared import SPLITS, read_metadata
 from recsys.data.sequence_batches import ITEMS, Histories, SequenceLoader, read_histories
 from recsys.data.sequences import SEQUENCE_KIND, preprocess_interactions
@@ -54,6 +55,7 @@ class SequenceDataset:
         oracle: the synthetic log's expected test metrics of its oracle (``hr@10``,
             ``ndcg@10``, ...); None for other data.
         max_len: the longest history the data kept (its ``preprocess.max_len``).
+        item_encoding: how its items were encoded (raw item values -> ids and back).
     """
 
     splits: dict[str, Histories]
@@ -62,6 +64,7 @@ class SequenceDataset:
     spec: DatasetSpec
     oracle: dict[str, float] | None
     max_len: int
+    item_encoding: ItemEncoding
 
     def loader(
         self,
@@ -151,7 +154,15 @@ def _read(path: Path, oracle: dict[str, float] | None) -> SequenceDataset:
         fingerprint=metadata.get("fingerprint", ""),
         id_encoding="raw" if metadata["id_encoding"] == "raw" else "index",
     )
-    return SequenceDataset(splits, num_items, first_item, spec, oracle, int(sequence["max_len"]))
+    return SequenceDataset(
+        splits,
+        num_items,
+        first_item,
+        spec,
+        oracle,
+        int(sequence["max_len"]),
+        ItemEncoding.read(path),
+    )
 
 
 def _synthetic(config: DataConfig, max_len: int, seed: int) -> SequenceDataset:

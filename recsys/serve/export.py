@@ -77,7 +77,12 @@ from recsys.serve.exported_deltas import (
     exported_dynamic_tables,
 )
 from recsys.serve.program_file import write_program
-from recsys.serve.retrieval_export import RETRIEVAL_FILE, export_retrieval, predict_top_k
+from recsys.serve.retrieval_export import (
+    RETRIEVAL_FILE,
+    check_retrieval_options,
+    export_retrieval,
+    predict_top_k,
+)
 
 __all__ = [
     "InferenceModule",
@@ -114,7 +119,13 @@ class InferenceModule(nn.Module):
         return torch.sigmoid(self.model(dense, sparse))  # [B, T]
 
 
-def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool = False) -> Path:
+def export_model(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    overwrite: bool = False,
+    top_k: int | None = None,
+) -> Path:
     """Export a checkpoint's model as a ``torch.export`` ExportedProgram file (``.pt2``).
 
     Args:
@@ -122,13 +133,16 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
             newest checkpoint).
         output: the file to write; it appears only once complete.
         overwrite: replace ``output`` when it exists (else that is an error).
+        top_k: a sequence model's K: its program returns each history's top K items (None:
+            100, or every item when fewer).
 
     Returns:
-        ``output``. A sequence model's checkpoint (sasrec, hstu) exports its top-100 program
+        ``output``. A sequence model's checkpoint (sasrec, hstu) exports its top-K program
         (:mod:`recsys.serve.retrieval_export`).
 
     Raises:
-        ValueError: ``output`` exists and ``overwrite`` is False, or is a directory.
+        ValueError: ``output`` exists and ``overwrite`` is False, or is a directory; a
+            ``top_k`` outside [1, the items the model ranks], or for a CTR model.
 
     Example::
 
@@ -138,8 +152,9 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
     checkpoint = resolve_checkpoint(checkpoint)
     output = Path(output)
     _check_output(output, overwrite)
-    if read_config(checkpoint).model.name in SEQUENCE_MODELS:  # top-K items of a history
-        return export_retrieval(checkpoint, output)
+    name = read_config(checkpoint).model.name
+    if name in SEQUENCE_MODELS or top_k is not None:  # top-K items of a history
+        return export_retrieval(checkpoint, output, top_k)
     spec = read_spec(checkpoint)
     model = load_model(checkpoint, device="cpu").requires_grad_(False)
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
@@ -274,6 +289,7 @@ def predict(
     data: str | Path | None = None,
     format: str | None = None,
     deltas: str | Path | None = None,
+    top_k: int | None = None,
 ) -> PredictReport:
     """Score parquet files with an exported model and write the scores as parquet (a sequence
     model's export: the top-K items of each history of an ``items`` column, see
@@ -310,6 +326,9 @@ def predict(
             from: score with its dynamic tables at the last delta after the export's
             checkpoint (:func:`~recsys.serve.exported_deltas.apply_exported_deltas`; the dense
             layers stay the export's).
+        top_k: a sequence model's export: the items per history (None: the export's K; at
+            most that). With ``transform`` a sequence model's ``items`` column holds raw item
+            values, encoded as its training data was.
 
     Raises:
         FileNotFoundError: no model file, or no input file.
@@ -328,20 +347,15 @@ def predict(
     if not transform and (data is not None or format is not None):
         raise ValueError("data and format describe raw input: they need transform")
     start = time.perf_counter()
-    top_k = _archive_has(Path(model_path), f"extra/{RETRIEVAL_FILE}")  # a sequence model's
-    if top_k and (transform or deltas is not None):
-        raise ValueError(
-            f"'{model_path}' is a sequence model's export: it reads histories of encoded item "
-            "ids (an 'items' column, as `recsys preprocess --format interactions` writes them), "
-            "without transform or deltas"
-        )
+    retrieval = _archive_has(Path(model_path), f"extra/{RETRIEVAL_FILE}")  # a sequence model's
+    check_retrieval_options(model_path, retrieval, data, format, deltas, top_k)
     deltas_step = None
-    if not top_k:
+    if not retrieval:
         model, spec, dynamic = load_program(model_path)
         if deltas is not None:
             deltas_step = apply_exported_deltas(model, dynamic, deltas, model_path)
     output = Path(output)
-    inputs = _input_files(str(input), parquet=not transform)
+    inputs = _input_files(str(input), parquet=not transform or retrieval)
     for file in inputs:
         if output.resolve() == file.resolve():
             raise ValueError(
@@ -354,8 +368,10 @@ def predict(
             "would read it as input; write it elsewhere"
         )
     _check_output(output, overwrite)
-    if top_k:  # the top-K items of each history
-        rows, columns = predict_top_k(model_path, inputs, output, batch_size)
+    if retrieval:  # the top-K items of each history
+        rows, columns = predict_top_k(
+            model_path, inputs, output, batch_size, top_k=top_k, raw=transform
+        )
         return PredictReport(output, rows, len(inputs), columns, time.perf_counter() - start)
     with contextlib.ExitStack() as stack:
         if transform:
