@@ -72,10 +72,10 @@ def next_item_loss(
         logits = hidden @ vectors.t()  # [P, N']
         return F.cross_entropy(logits, targets - first_item)
     draws = [
-        targets[torch.randint(0, max(positions, 1), (in_batch,), generator=generator).to(device)]
+        targets[_draw(0, max(positions, 1), in_batch, generator, device)]
         if positions
         else targets.new_zeros(0),
-        torch.randint(first_item, num_items, (uniform,), generator=generator).to(device),
+        _draw(first_item, num_items, uniform, generator, device),
     ]
     negatives = torch.cat(draws)
     hidden, vectors = model(batch.items, batch.max_length, torch.cat([targets, negatives]))
@@ -128,12 +128,12 @@ def _keyed_sampled_softmax(
     num_keys = corpus.numel()
     uniform = uniform if num_keys else 0
     draws = [
-        targets[torch.randint(0, max(positions, 1), (in_batch,), generator=generator).to(device)]
+        targets[_draw(0, max(positions, 1), in_batch, generator, device)]
         if positions
         else targets.new_zeros(0)
     ]
     if uniform:
-        picks = torch.randint(0, num_keys, (uniform,), generator=generator).to(device)
+        picks = _draw(0, num_keys, uniform, generator, device)
         draws.append(corpus[picks])
     negatives = torch.cat(draws)
     hidden, vectors = model(batch.items, batch.max_length, torch.cat([targets, negatives]))
@@ -149,3 +149,11 @@ def _keyed_sampled_softmax(
     logits = logits.masked_fill(hits, float("-inf"))
     both = torch.cat([positive, logits], dim=1)
     return F.cross_entropy(both, torch.zeros(positions, dtype=torch.int64, device=device))
+
+
+def _draw(
+    low: int, high: int, count: int, generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
+    """``count`` ints uniform in [low, high), drawn on the host by ``generator`` (the same on
+    every device) and copied without blocking (a copy that waits would stall the step)."""
+    return torch.randint(low, high, (count,), generator=generator).to(device, non_blocking=True)

@@ -88,7 +88,8 @@ class SequenceEncoder(nn.Module):
         both = KeyedJaggedTensor(
             keys=[HISTORY, CANDIDATES],
             values=torch.cat([ids, extra]),
-            lengths=torch.stack([lengths.sum(), lengths.new_tensor(extra.numel())]),
+            # [2]: no tensor built from host data (a copy to the device on a GPU)
+            lengths=torch.cat([lengths.sum().view(1), lengths.new_full((1,), extra.numel())]),
             stride=1,
             length_per_key=[total, extra.numel()],
             offset_per_key=[0, total, total + extra.numel()],

@@ -36,6 +36,7 @@ from torchrec import KeyedJaggedTensor
 from recsys.config import Config
 from recsys.data import resolve_source
 from recsys.data.layout import EpochLayout, Reshard
+from recsys.data.loader import background
 from recsys.data.sequence_batches import ITEMS, SequenceBatch, SequenceLoader
 from recsys.data.sequence_source import SequenceDataset, build_sequence_dataset
 from recsys.distributed.parallel import DistributedInfo
@@ -49,19 +50,37 @@ KS = (10, 50)
 
 class _Epoch:
     """The batches of one epoch of a split from ``start_batch`` on, moved to ``device``;
-    ``len()`` is the epoch's whole length (the trainer counts from 0)."""
+    ``len()`` is the epoch's whole length (the trainer counts from 0). With ``prefetch`` > 0
+    they are cut in a background thread that many ahead (on CUDA in pinned memory, copied
+    without blocking), so the training step never waits for the host to build one."""
 
     def __init__(
-        self, loader: SequenceLoader, epoch: int, start_batch: int, device: torch.device
+        self,
+        loader: SequenceLoader,
+        epoch: int,
+        start_batch: int,
+        device: torch.device,
+        prefetch: int = 0,
     ) -> None:
         self.loader, self.epoch, self.start_batch, self.device = loader, epoch, start_batch, device
+        self.prefetch = prefetch
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[SequenceBatch]:
-        for batch in self.loader.epoch(self.epoch, self.start_batch):
-            yield batch.to(self.device)
+        pin = self.device.type == "cuda"
+        built = self.loader.epoch(self.epoch, self.start_batch)
+        batches = (batch.pin_memory() if pin else batch for batch in built)
+        if self.prefetch > 0:
+            batches = background(batches, self.prefetch)
+        try:
+            for batch in batches:
+                yield batch.to(self.device, non_blocking=pin)
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:  # stops the background thread
+                close()
 
     @property
     def layout(self) -> EpochLayout:
@@ -163,7 +182,9 @@ class NextItemTask:
             rank=self.info.rank,
             world_size=self.info.world_size,
         )
-        return _Epoch(loader, epoch, start_batch, self.device)
+        prefetch = self.config.data.prefetch_batches  # -1 (auto): 4 on CUDA, none on CPU
+        prefetch = prefetch if prefetch >= 0 else (4 if self.device.type == "cuda" else 0)
+        return _Epoch(loader, epoch, start_batch, self.device, prefetch)
 
     def _eval_batches(self, split: str) -> Iterator[SequenceBatch | None]:
         """This rank's batches of ``split``, then None until it has given as many as rank 0
