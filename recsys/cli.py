@@ -177,6 +177,13 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
         help="with --format triton: where the compiled package runs (cuda: compile on a GPU "
         "machine, for a GPU server)",
     )
+    export.add_argument(
+        "--top-k",
+        type=int,
+        metavar="K",
+        help="sequence models (sasrec, hstu): the program returns each history's top K items "
+        "(1 <= K <= the items the model ranks; default 100, or every item when fewer)",
+    )
 
 
 def _add_predict(commands: argparse._SubParsersAction) -> None:
@@ -225,6 +232,14 @@ def _add_predict(commands: argparse._SubParsersAction) -> None:
         type=int,
         help="an export with tiered tables: rows of each one's cache of hot rows (default: the "
         "training run's cache size; the scores do not depend on it)",
+    )
+    score.add_argument(
+        "--top-k",
+        type=int,
+        metavar="K",
+        help="a sequence model's export: the top K items of each history (default: the "
+        "export's K; at most that). With --transform its 'items' column holds raw item values "
+        "(as the interaction log names them), encoded as the training data was",
     )
 
 
@@ -400,6 +415,8 @@ def _export(args: argparse.Namespace) -> None:
     if args.format == "triton":
         from recsys.serve.triton_export import export_triton
 
+        if args.top_k is not None:
+            raise ValueError("--top-k describes a sequence model's export: drop --format triton")
         target = export_triton(
             checkpoint, args.output, name=args.name, device=args.device, overwrite=args.overwrite
         )
@@ -412,7 +429,7 @@ def _export(args: argparse.Namespace) -> None:
         return
     if args.name != "recsys" or args.device != "cpu":
         raise ValueError("--name and --device describe a Triton export: add --format triton")
-    output = export_model(checkpoint, args.output, overwrite=args.overwrite)
+    output = export_model(checkpoint, args.output, overwrite=args.overwrite, top_k=args.top_k)
     megabytes = output.stat().st_size / 2**20
     print(
         f"recsys: exported {checkpoint} to {output} ({megabytes:.1f} MiB torch.export program) "
@@ -435,6 +452,7 @@ def _predict(args: argparse.Namespace) -> None:
         format=args.format,
         deltas=args.deltas,
         cache_rows=args.cache_rows,
+        top_k=args.top_k,
     )
     tables = "" if report.deltas_step is None else f", dynamic tables at step {report.deltas_step}"
     print(

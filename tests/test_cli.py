@@ -225,8 +225,8 @@ def test_preprocess_typo_names_the_closest_key(monkeypatch, capsys):
 def test_export_passes_its_arguments(monkeypatch, tmp_path, capsys):
     calls = []
 
-    def export_model(checkpoint, output, overwrite):
-        calls.append((checkpoint, output, overwrite))
+    def export_model(checkpoint, output, overwrite, top_k):
+        calls.append((checkpoint, output, overwrite, top_k))
         Path(output).write_bytes(b"x" * 2048)
         return Path(output)
 
@@ -236,7 +236,12 @@ def test_export_passes_its_arguments(monkeypatch, tmp_path, capsys):
     output = str(tmp_path / "model.pt2")
     assert main(["export", "--checkpoint", str(tmp_path), "--output", output]) == 0
     assert main(["export", "--checkpoint", "x", "--output", output, "--overwrite"]) == 0
-    assert calls == [(checkpoint, output, False), (checkpoint, output, True)]
+    assert main(["export", "--checkpoint", "x", "--output", output, "--top-k", "20"]) == 0
+    assert calls == [
+        (checkpoint, output, False, None),
+        (checkpoint, output, True, None),
+        (checkpoint, output, False, 20),
+    ]
     out = capsys.readouterr().out
     assert f"recsys: exported {checkpoint} to {output}" in out
     assert f"recsys predict --model {output}" in out
@@ -264,8 +269,14 @@ def test_predict_passes_its_arguments(monkeypatch, tmp_path, capsys):
     )
     extra = ["--batch-size", "300", "--transform", "--data", "d/", "--format", "csv"]
     extra += ["--cache-rows", "1000"]
-    assert main([*argv, *extra, "--overwrite", "--deltas", "runs/r/deltas"]) == 0
-    defaults = {"overwrite": False, "transform": False, "data": None, "format": None}
+    assert main([*argv, *extra, "--overwrite", "--deltas", "runs/r/deltas", "--top-k", "5"]) == 0
+    defaults = {
+        "overwrite": False,
+        "transform": False,
+        "data": None,
+        "format": None,
+        "top_k": None,
+    }
     assert calls == [
         (("m.pt2", "in/", "s.parquet", 8192), {**defaults, "deltas": None, "cache_rows": None}),
         (
@@ -277,6 +288,7 @@ def test_predict_passes_its_arguments(monkeypatch, tmp_path, capsys):
                 "format": "csv",
                 "deltas": "runs/r/deltas",
                 "cache_rows": 1000,
+                "top_k": 5,
             },
         ),
     ]

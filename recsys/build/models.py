@@ -114,7 +114,14 @@ def build_model(
     if config.name in (*SEQUENCE_MODELS, *TARGET_RANKING_MODELS):  # user histories in
         # Under torchrun too the item table is built whole on ``device``: parallelize copies
         # its rows into the shards, so every world size starts from one process's rows.
-        return build_sequence_model(config, spec, device, embedding_optimizer=embedding_optimizer)
+        return build_sequence_model(
+            config,
+            spec,
+            device,
+            embedding_optimizer=embedding_optimizer,
+            seed=seed,
+            run_dir=run_dir,
+        )
     if config.name not in MODELS:
         raise ValueError(
             f"unknown model.name {config.name!r}; available: "

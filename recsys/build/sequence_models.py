@@ -1,7 +1,10 @@
 """Sequence models of the registry (``model.name = "sasrec"`` or ``"hstu"``): one item table in
 an unpooled :class:`recsys.EmbeddingCollection` serving the ``history`` and ``candidates``
 features, sized by the data (``spec.cardinalities[0]`` items), of dimension
-``model.embedding_dim``, under the model built from ``[model.sequence]``.
+``model.embedding_dim``, under the model built from ``[model.sequence]``. Raw item keys (or
+``model.dynamic.tables``) make the table dynamic (:class:`~recsys.embedding.unpooled_tables.
+DynamicEmbeddingCollection`), ``[model.storage]`` tiered (:class:`~recsys.embedding.
+unpooled_tables.TieredEmbeddingCollection`), as for CTR models' tables.
 
 Example::
 
@@ -11,15 +14,23 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import torch
 from torch import nn
 from torchrec import EmbeddingConfig
 
+from recsys.build.dynamic_tables import dynamic_features, dynamic_options
+from recsys.build.tiered_tables import storage_options
 from recsys.config import ModelConfig
 from recsys.data.batch import DatasetSpec
+from recsys.embedding.dynamic_table import DynamicTableOptions
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import DATA_TYPE_NAMES
+from recsys.embedding.tiered import StorageOptions
 from recsys.embedding.unpooled import EmbeddingCollection
+from recsys.embedding.unpooled_tables import DynamicEmbeddingCollection, TieredEmbeddingCollection
 from recsys.models.hstu import HSTU
 from recsys.models.hstu_ranking import HSTURanking
 from recsys.models.sasrec import SASRec
@@ -36,14 +47,20 @@ def build_sequence_model(
     device: torch.device,
     *,
     embedding_optimizer: FusedOptimizer | None = None,
+    seed: int = 0,
+    run_dir: str | Path = ".",
 ) -> nn.Module:
     """``config.name`` (sasrec, hstu or hstu_ranking) over the item table of ``spec`` (one
-    feature), on ``device``.
+    feature), on ``device``. The item table is dynamic when the data's items are raw keys or
+    ``model.dynamic.tables`` names it (its rows start at ``model.dynamic.initial_capacity``;
+    a key's initial row depends on (``seed``, table, key)), and tiered when
+    ``[model.storage]`` puts it in host memory or on disk (a disk tier without a path keeps
+    its files under ``run_dir``).
 
     Raises:
         ValueError: a spec that is not one item feature, options the model cannot take
-            (naming the key), or dynamic / tiered tables, which sequence models do not take
-            yet.
+            (naming the key), a dynamic or tiered table without the fused embedding update,
+            or a table both dynamic and tiered (not supported for sequence models yet).
     """
     labelled = config.name == "hstu_ranking"  # clicks on candidates
     if len(spec.sparse_names) != 1 or spec.num_dense or bool(spec.label_names) != labelled:
@@ -52,26 +69,21 @@ def build_sequence_model(
             f"data has dense {list(spec.dense_names)}, categorical {list(spec.sparse_names)} and "
             f"labels {list(spec.label_names)}"
         )
-    if config.dynamic.tables or spec.id_encoding == "raw":
-        raise ValueError(
-            f"model.name = {config.name!r} takes a fixed item table; dynamic tables "
-            "(model.dynamic.tables, raw ids) are not supported for sequence models yet"
-        )
-    if config.storage.tier != "device" or config.storage.overrides:
-        raise ValueError(
-            f"model.storage.tier = {config.storage.tier!r} (overrides {config.storage.overrides})"
-            f": {config.name} keeps its item table on the device (tiered tables are not "
-            "supported for sequence models yet)"
-        )
     sequence, dim = config.sequence, config.embedding_dim
-    table = EmbeddingConfig(
+    dynamic = dynamic_features(config.dynamic, spec)
+    # The table as the data's feature names it (what [model.dynamic] / [model.storage]
+    # options and overrides name), then as the model reads it.
+    logical = EmbeddingConfig(
         name=ITEM_TABLE,
-        num_embeddings=spec.cardinalities[0],
+        num_embeddings=config.dynamic.initial_capacity if dynamic else spec.cardinalities[0],
         embedding_dim=dim,
-        feature_names=[HISTORY, CANDIDATES],
+        feature_names=[spec.sparse_names[0]],
         data_type=DATA_TYPE_NAMES[config.embedding_dtype],
     )
-    items = EmbeddingCollection([table], device=device, optimizer=embedding_optimizer)
+    options = dynamic_options(config.dynamic, spec, [logical])
+    storage = storage_options(config.storage, [logical], dynamic, run_dir)
+    table = replace(logical, feature_names=[HISTORY, CANDIDATES])
+    items = _item_collection(config, table, options, storage, device, embedding_optimizer, seed)
     if config.name == "sasrec":
         if dim % sequence.num_heads:
             raise ValueError(
@@ -122,3 +134,35 @@ def build_sequence_model(
     else:
         raise ValueError(f"model.name = {config.name!r} is not a sequence model")
     return model.to(device)
+
+
+def _item_collection(
+    config: ModelConfig,
+    table: EmbeddingConfig,
+    dynamic: dict[str, DynamicTableOptions],
+    storage: dict[str, StorageOptions],
+    device: torch.device,
+    optimizer: FusedOptimizer | None,
+    seed: int,
+) -> EmbeddingCollection:
+    """The item table's collection: tiered (``storage``), dynamic (``dynamic``) or fixed."""
+    if (dynamic or storage) and optimizer is None:
+        kind = "tiered" if storage else "dynamic"
+        raise ValueError(
+            f"a {kind} item table ({config.name}) is trained by the fused embedding update; set "
+            "train.fused_embedding_update = true"
+        )
+    if storage and dynamic:
+        raise ValueError(
+            f"model.storage.tier = {config.storage.tier!r} with a dynamic item table (raw item "
+            f"keys or model.dynamic.tables = {config.dynamic.tables}): a tiered dynamic item "
+            "table is not supported for sequence models yet (its ranking corpus would be read "
+            "back from the store); use tier 'device', or categorified items"
+        )
+    if storage:
+        return TieredEmbeddingCollection([table], storage, optimizer, device=device, seed=seed)
+    if dynamic:
+        return DynamicEmbeddingCollection(
+            [table], dynamic, device=device, seed=seed, optimizer=optimizer
+        )
+    return EmbeddingCollection([table], device=device, optimizer=optimizer)

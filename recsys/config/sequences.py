@@ -69,7 +69,8 @@ class SyntheticSequencesConfig:
     (``recsys.data.synthetic_sequences``): users drifting between latent interests (topics),
     items drawn by topic popularity, so the ranking an oracle that knows each user's interests
     achieves is known. Generated with run.seed and split leave-one-out like ``recsys
-    preprocess --format interactions`` output (items categorified: ids 0-2 reserved)."""
+    preprocess --format interactions`` output (items categorified: ids 0-2 reserved; or raw
+    keys, ``id_encoding``)."""
 
     num_users: Annotated[int, AtLeast1] = 2000
     """Users (one history each)."""
@@ -89,6 +90,11 @@ class SyntheticSequencesConfig:
     """Mean events of a user (geometric above min_events)."""
     max_events: Annotated[int, AtLeast1] = 200
     """Most events of a user."""
+    id_encoding: Literal["index", "raw"] = "index"
+    """``index``: items categorified (ids from 3, a fixed item table). ``raw``: items keep
+    their raw 64-bit keys (as ``recsys preprocess --preprocess.encoding=raw`` writes them),
+    so the item table is dynamic (``[model.dynamic]``): a key gets its row when training first
+    brings it, and the ranking corpus is the keys the table holds."""
 
 
 @dataclass

@@ -182,12 +182,12 @@ class BatchLoader:
         if self.workers > 0 and self.tasks:
             build = functools.partial(self.build_task, allocate=shared_empty)
             pool = WorkerPool(build, len(self.tasks), self.workers, self.workers, pin)
-            batches = _background(self._join(pool.results()), max(self.prefetch, 1))
+            batches = background(self._join(pool.results()), max(self.prefetch, 1))
         else:
             built = (self.build_task(task) for task in range(len(self.tasks)))
             batches = (b.pin_memory() if pin else b for b in self._join(built))
             if self.prefetch > 0:
-                batches = _background(batches, self.prefetch)
+                batches = background(batches, self.prefetch)
         try:
             for batch in batches:
                 yield (
@@ -286,7 +286,7 @@ _DONE = object()
 _JOIN_TIMEOUT_S = 60.0
 
 
-def _background(items: Iterator[Batch], size: int) -> Iterator[Batch]:
+def background(items: Iterator[Batch], size: int) -> Iterator[Batch]:
     """Run ``items`` in a daemon thread, ``size`` ahead; re-raise its errors in the caller."""
     buffer: queue.Queue = queue.Queue(maxsize=size)
     stop = threading.Event()

@@ -58,6 +58,16 @@ class SequenceBatch:
     def size(self) -> int:
         return self.items.stride()
 
+    def pin_memory(self) -> SequenceBatch:
+        """The batch in pinned host memory (so a copy to the GPU can be ``non_blocking``)."""
+        return SequenceBatch(
+            self.items.pin_memory(),
+            self.times.pin_memory(),
+            self.targets.pin_memory(),
+            self.max_length,
+            self.next_item,
+        )
+
     def to(self, device: torch.device, non_blocking: bool = False) -> SequenceBatch:
         return SequenceBatch(
             self.items.to(device, non_blocking=non_blocking),

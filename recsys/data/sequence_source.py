@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from recsys.config import DataConfig, PreprocessConfig
 from recsys.data.batch import DatasetSpec
+from recsys.data.item_encoding import ItemEncoding
 from recsys.data.prepared import SPLITS, read_metadata
 from recsys.data.sequence_batches import ITEMS, Histories, SequenceLoader, read_histories
 from recsys.data.sequences import SEQUENCE_KIND, preprocess_interactions
@@ -45,7 +46,8 @@ class SequenceDataset:
 
     Attributes:
         splits: each split's histories (valid / test with their targets).
-        num_items: rows of the item table (item ids are in [0, num_items)).
+        num_items: rows of the item table (item ids are in [0, num_items)); 0 for raw item
+            keys (a dynamic item table).
         first_item: the first real item id (categorified items reserve 0-2: padding, missing,
             rare); ranking and sampled negatives use ids from it on.
         spec: the item table as a :class:`DatasetSpec` (one feature, ``items``; no label),
@@ -53,6 +55,7 @@ class SequenceDataset:
         oracle: the synthetic log's expected test metrics of its oracle (``hr@10``,
             ``ndcg@10``, ...); None for other data.
         max_len: the longest history the data kept (its ``preprocess.max_len``).
+        item_encoding: how its items were encoded (raw item values -> ids and back).
     """
 
     splits: dict[str, Histories]
@@ -61,6 +64,7 @@ class SequenceDataset:
     spec: DatasetSpec
     oracle: dict[str, float] | None
     max_len: int
+    item_encoding: ItemEncoding
 
     def loader(
         self,
@@ -84,9 +88,19 @@ class SequenceDataset:
             world_size=world_size,
         )
 
+    @property
+    def raw_ids(self) -> bool:
+        """Whether items are raw 64-bit keys (a dynamic item table; ``num_items`` is 0)."""
+        return self.spec.id_encoding == "raw"
+
     def train_item_counts(self) -> np.ndarray:
-        """[num_items] how often each item occurs in the train histories."""
+        """[num_items] how often each item occurs in the train histories (index ids)."""
         return np.bincount(self.splits["train"].values, minlength=self.num_items)
+
+    def train_key_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the distinct items of the train histories, ascending; how often each occurs): the
+        counts of raw item keys."""
+        return np.unique(self.splits["train"].values, return_counts=True)
 
 
 def build_sequence_dataset(
@@ -97,9 +111,8 @@ def build_sequence_dataset(
     preprocessed with ``max_len``).
 
     Raises:
-        ValueError: data.path is not a directory of histories, holds raw 64-bit item keys
-            (they need a dynamic table, which sequence models do not take yet), or a synthetic
-            source with a data.path.
+        ValueError: data.path is not a directory of histories, or a synthetic source with a
+            data.path.
         FileNotFoundError: data.path does not exist.
     """
     if source == "synthetic_sequences":
@@ -126,12 +139,6 @@ def _read(path: Path, oracle: dict[str, float] | None) -> SequenceDataset:
             f"data.path '{path}' holds click-log (CTR) data, not user histories; a sequence "
             "model trains on `recsys preprocess --format interactions` output"
         )
-    if metadata["id_encoding"] == "raw":
-        raise ValueError(
-            f"data.path '{path}' holds raw 64-bit item keys (preprocess.encoding = 'raw'), which "
-            "need a dynamic item table; sequence models take a fixed one: preprocess with "
-            "--preprocess.encoding=categorify (or hash)"
-        )
     sequence = metadata["sequence"]
     num_items = int(sequence["num_items"])
     reserved = sequence.get("reserved_ids") or {}
@@ -145,17 +152,26 @@ def _read(path: Path, oracle: dict[str, float] | None) -> SequenceDataset:
         cardinalities=(num_items,),
         label_names=(),
         fingerprint=metadata.get("fingerprint", ""),
-        id_encoding="index",
+        id_encoding="raw" if metadata["id_encoding"] == "raw" else "index",
     )
-    return SequenceDataset(splits, num_items, first_item, spec, oracle, int(sequence["max_len"]))
+    return SequenceDataset(
+        splits,
+        num_items,
+        first_item,
+        spec,
+        oracle,
+        int(sequence["max_len"]),
+        ItemEncoding.read(path),
+    )
 
 
 def _synthetic(config: DataConfig, max_len: int, seed: int) -> SequenceDataset:
     from recsys.data.synthetic_sequences import SyntheticSequences, generate_log, oracle_metrics
 
-    options = config.synthetic_sequences
+    options = asdict(config.synthetic_sequences)
+    encoding = "raw" if options.pop("id_encoding") == "raw" else "categorify"
     try:
-        params = SyntheticSequences(**asdict(options), seed=seed)
+        params = SyntheticSequences(**options, seed=seed)
     except ValueError as error:  # names the rule broken: num_items >= num_topics, ...
         raise ValueError(f"[data.synthetic_sequences]: {error}") from None
     log, truth = generate_log(params)
@@ -170,6 +186,7 @@ def _synthetic(config: DataConfig, max_len: int, seed: int) -> SequenceDataset:
                 item="item",
                 time="time",
                 max_len=max_len,
+                encoding=encoding,
             )
         )
         return _read(Path(work) / "histories", oracle=oracle_metrics(params, truth))

@@ -213,6 +213,13 @@ def _shardable(
     collections = embedding_collections(model)
     for path, collection in collections.items():
         plain_sequence = type(collection) is EmbeddingCollection
+        if isinstance(collection, EmbeddingCollection) and not plain_sequence:
+            raise ValueError(
+                f"parallelize(): the collection at '{path}' is a {type(collection).__name__}: "
+                "dynamic and tiered tables of an (unpooled) EmbeddingCollection are not sharded "
+                "yet (no KEY_WISE for sequence models); train it in one process, or with a "
+                "fixed item table (categorified items, model.storage.tier = 'device')"
+            )
         if not (isinstance(collection, EmbeddingBagCollection) or plain_sequence):
             raise ValueError(
                 f"parallelize(): the collection at '{path}' is a {type(collection).__name__}; "

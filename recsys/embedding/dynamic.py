@@ -51,6 +51,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic_table import (
@@ -60,7 +61,7 @@ from recsys.embedding.dynamic_table import (
     DynamicTableOptions,
 )
 from recsys.embedding.inputs import feature_positions, feature_spans
-from recsys.embedding.interface import TABLES, WEIGHT, TableDelta
+from recsys.embedding.interface import WEIGHT, TableDelta
 from recsys.embedding.key_arena import KeyArena, Placed, build_arenas
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.row_init import initial_rows, table_seed
@@ -68,59 +69,27 @@ from recsys.embedding.slot_map import Insertion
 from recsys.embedding.tables import options_by_table, row_bytes
 from recsys.ops.slot_map import find_slots_torch
 
-__all__ = ["DYNAMIC", "DynamicEmbeddingBagCollection"]
+__all__ = ["DYNAMIC", "DynamicEmbeddingBagCollection", "DynamicTables", "keyed_tables"]
 
 DYNAMIC = "dynamic"
 DYNAMIC_STEP = "dynamic_step"
 
 
-class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
-    """An EmbeddingBagCollection whose tables named in ``dynamic`` take any int64 id.
+class DynamicTables:
+    """What dynamic tables add to a collection of packed tables: the id -> slot maps in front of
+    them, fresh rows, state by key and the counters (see the module docstring). The first base
+    of :class:`DynamicEmbeddingBagCollection` and of the unpooled
+    :class:`~recsys.embedding.unpooled_tables.DynamicEmbeddingCollection`, whose constructor
+    builds its packed tables from :func:`keyed_tables`' configs, then calls
+    :meth:`_init_dynamic`."""
 
-    Args:
-        tables: the tables, as for :class:`~recsys.embedding.collection.EmbeddingBagCollection`;
-            a dynamic table's ``num_embeddings`` is the number of rows it starts with.
-        dynamic: :class:`DynamicTableOptions` for every table, or a dict table name -> options
-            for some (the others are fixed tables, ids in ``[0, num_embeddings)``).
-        is_weighted, device, backend, validate, optimizer: as for EmbeddingBagCollection
-            (``backend`` also picks the map kernels: Triton on CUDA, torch on CPU).
-        seed: the seed of fresh rows: a key's initial row depends only on (seed, table, key).
-    """
-
-    def __init__(
+    def _init_dynamic(
         self,
-        tables: list[EmbeddingBagConfig],
-        dynamic: DynamicTableOptions | dict[str, DynamicTableOptions],
-        is_weighted: bool = False,
-        device: torch.device | str | None = None,
-        *,
-        seed: int = 0,
-        backend: str = "auto",
-        validate: bool = True,
-        optimizer: FusedOptimizer | None = None,
+        tables: list[BaseEmbeddingConfig],
+        keyed: dict[str, DynamicTable],
+        seed: int,
+        optimizer: FusedOptimizer | None,
     ) -> None:
-        options = options_by_table(tables, dynamic, DynamicTableOptions, "dynamic")
-        for config in tables:
-            if not config.feature_names:
-                config.feature_names = [config.name]
-        where = torch.device(device) if device is not None else torch.empty(()).device
-        keyed = {
-            c.name: DynamicTable(
-                c,
-                options[c.name],
-                table_seed(seed, c.name),
-                row_bytes(c, optimizer),
-                where,
-                backend,
-            )
-            for c in tables
-            if c.name in options
-        }
-        # The packed buffers hold a dynamic table's slots and its zero row.
-        packed = [
-            replace(c, num_embeddings=keyed[c.name].rows) if c.name in keyed else c for c in tables
-        ]
-        super().__init__(packed, is_weighted, device, backend=backend, validate=validate)
         self._logical_configs = tables
         self.dynamic = nn.ModuleDict(keyed)
         features = {c.name: c.feature_names for c in tables}
@@ -141,7 +110,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         return self._logical_configs
 
     def set_optimizer(self, optimizer: FusedOptimizer | None) -> None:
-        """As EmbeddingBagCollection's; a table's ``memory_budget_mb`` now counts this
+        """As the packed tables'; a table's ``memory_budget_mb`` now counts this
         optimizer's state per row."""
         super().set_optimizer(optimizer)
         for config in self._logical_configs if hasattr(self, DYNAMIC) else []:
@@ -149,7 +118,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
                 self.dynamic[config.name].budget(row_bytes(config, optimizer))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        """As EmbeddingBagCollection's; a dynamic table cannot be one of them.
+        """As the packed tables'; a dynamic table cannot be one of them.
 
         Raises:
             ValueError: a dynamic table would be trained by a torch optimizer."""
@@ -158,7 +127,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
 
     def _check_trainable(self) -> None:
         if self.optimizer is None and any(
-            self.embedding_bags[name].weight.requires_grad for name in self.dynamic
+            self.table_modules[name].weight.requires_grad for name in self.dynamic
         ):
             raise ValueError(
                 f"dynamic tables {list(self.dynamic)} are trained by a fused optimizer (pass "
@@ -173,7 +142,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         if self.device.type == "meta" or not hasattr(self, DYNAMIC):
             return
         for config in self._logical_configs:
-            weight = self.embedding_bags[config.name].weight
+            weight = self.table_modules[config.name].weight
             with torch.no_grad():
                 if config.name not in self.dynamic:
                     config.init_fn(weight)
@@ -325,10 +294,10 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         """After an insertion: follow the map's growth, give new keys their initial rows and
         state, and put the zero row back to zero."""
         name = table.name
-        if self.embedding_bags[name].weight.shape[0] != table.rows:  # the map grew
+        if self.table_modules[name].weight.shape[0] != table.rows:  # the map grew
             self.resize_table(index, table.rows, insertion.moved)
         fresh = insertion.slots[insertion.inserted]
-        bag = self.embedding_bags[name]
+        bag = self.table_modules[name]
         with torch.no_grad():
             if len(fresh):
                 bag.weight[fresh] = table.fresh_rows(keys[insertion.inserted], bag.weight.dtype)
@@ -366,6 +335,13 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         admitted), ``grows``; with admission, ``admission_*``."""
         return {name: table.stats() for name, table in self.dynamic.items()}
 
+    def live_keys(self, name: str) -> torch.Tensor | None:
+        """[n] int64, ascending: the keys dynamic table ``name`` holds a row for now (None for
+        a fixed table, whose ids are its rows ``0 .. num_embeddings - 1``)."""
+        if name not in self.dynamic:
+            return None
+        return self.dynamic[name].map.entries()[0]
+
     def variable_state_keys(self) -> list[str]:
         """State keys whose size is the number of keys a dynamic table holds."""
         return [key for name in self.dynamic for key in self.table_state_keys(name)]
@@ -374,7 +350,8 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         """The state keys of dynamic table ``name``: its rows, their optimizer state, and its
         key state (``dynamic.<name>.keys``, ...)."""
         states = self.optimizer.states if self.optimizer is not None else {}
-        keys = [f"{TABLES}.{name}.{WEIGHT}"] + [f"{TABLES}.{name}.{s}" for s in states]
+        prefix = f"{self.tables_key}.{name}"
+        keys = [f"{prefix}.{WEIGHT}"] + [f"{prefix}.{s}" for s in states]
         return keys + [f"{DYNAMIC}.{name}.{k}" for k in self.dynamic[name].state_names()]
 
     def table_state(self, name: str) -> dict[str, torch.Tensor]:
@@ -382,10 +359,10 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         state, and its key state, keys in (routing bucket, key) order (see
         :meth:`~recsys.embedding.dynamic_table.DynamicTable.key_state`)."""
         slots, key_state = self.dynamic[name].key_state()
-        bag = self.embedding_bags[name]
-        out = {f"{TABLES}.{name}.{WEIGHT}": bag.weight.detach()[slots]}
+        bag = self.table_modules[name]
+        out = {f"{self.tables_key}.{name}.{WEIGHT}": bag.weight.detach()[slots]}
         for state in self.optimizer.states if self.optimizer is not None else {}:
-            out[f"{TABLES}.{name}.{state}"] = getattr(bag, state)[slots]
+            out[f"{self.tables_key}.{name}.{state}"] = getattr(bag, state)[slots]
         out.update({f"{DYNAMIC}.{name}.{key}": value for key, value in key_state.items()})
         return out
 
@@ -396,7 +373,7 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         with torch.no_grad():
             for key, rows in self.slot_rows(name, saved).items():
                 _, _, tensor = key.split(".")
-                bag = self.embedding_bags[name]
+                bag = self.table_modules[name]
                 (bag.weight if tensor == WEIGHT else getattr(bag, tensor)).copy_(rows)
 
     def slot_rows(self, name: str, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -412,21 +389,21 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         }
         slots = table.load_key_state(key_state)
         self.resize_table(index, table.rows)
-        bag = self.embedding_bags[name]
+        bag = self.table_modules[name]
         targets = {WEIGHT: (bag.weight, 0.0)}
         for state in self.optimizer.states if self.optimizer else {}:
             targets[state] = (getattr(bag, state), self.optimizer.initial_state(state))
         out = {}
         for key, (live, fill) in targets.items():
-            if f"{TABLES}.{name}.{key}" not in saved:
+            if f"{self.tables_key}.{name}.{key}" not in saved:
                 continue
             rows = torch.full_like(live, fill)
-            values = saved[f"{TABLES}.{name}.{key}"]
+            values = saved[f"{self.tables_key}.{name}.{key}"]
             kept = slots >= 0  # a key the cap left out has no row
             rows[slots[kept]] = values.to(rows.device)[kept.to(values.device)].to(rows.dtype)
             if key == WEIGHT:
                 rows[table.zero_row] = 0
-            out[f"{TABLES}.{name}.{key}"] = rows
+            out[f"{self.tables_key}.{name}.{key}"] = rows
         return out
 
     def take_delta(self) -> dict[str, TableDelta]:
@@ -449,14 +426,78 @@ class DynamicEmbeddingBagCollection(EmbeddingBagCollection):
         deltas = {}
         for name, table in self.dynamic.items():
             keys, slots = table.changed_keys()
-            rows = self.embedding_bags[name].weight.detach()[slots]
+            rows = self.table_modules[name].weight.detach()[slots]
             last_seen = table.map.last_seen[slots]
             deltas[name] = TableDelta(keys, rows, last_seen, table.deleted_keys())
             table.start_delta(step)
         return deltas
 
 
-def _save_key_layout(module: DynamicEmbeddingBagCollection, state_dict, prefix, local_metadata):
+class DynamicEmbeddingBagCollection(DynamicTables, EmbeddingBagCollection):
+    """An EmbeddingBagCollection whose tables named in ``dynamic`` take any int64 id.
+
+    Args:
+        tables: the tables, as for :class:`~recsys.embedding.collection.EmbeddingBagCollection`;
+            a dynamic table's ``num_embeddings`` is the number of rows it starts with.
+        dynamic: :class:`DynamicTableOptions` for every table, or a dict table name -> options
+            for some (the others are fixed tables, ids in ``[0, num_embeddings)``).
+        is_weighted, device, backend, validate, optimizer: as for EmbeddingBagCollection
+            (``backend`` also picks the map kernels: Triton on CUDA, torch on CPU).
+        seed: the seed of fresh rows: a key's initial row depends only on (seed, table, key).
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        dynamic: DynamicTableOptions | dict[str, DynamicTableOptions],
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        *,
+        seed: int = 0,
+        backend: str = "auto",
+        validate: bool = True,
+        optimizer: FusedOptimizer | None = None,
+    ) -> None:
+        keyed, packed = keyed_tables(tables, dynamic, seed, optimizer, device, backend)
+        super().__init__(packed, is_weighted, device, backend=backend, validate=validate)
+        self._init_dynamic(tables, keyed, seed, optimizer)
+
+
+def keyed_tables(
+    tables: list[BaseEmbeddingConfig],
+    dynamic: DynamicTableOptions | dict[str, DynamicTableOptions],
+    seed: int,
+    optimizer: FusedOptimizer | None,
+    device: torch.device | str | None,
+    backend: str,
+) -> tuple[dict[str, DynamicTable], list[BaseEmbeddingConfig]]:
+    """(the dynamic tables' maps by name, the configs of the packed tables: a dynamic table's
+    slots and its zero row) of a collection of ``tables`` whose ``dynamic`` options name some
+    (a bare :class:`DynamicTableOptions`: all)."""
+    options = options_by_table(tables, dynamic, DynamicTableOptions, "dynamic")
+    for config in tables:
+        if not config.feature_names:
+            config.feature_names = [config.name]
+    where = torch.device(device) if device is not None else torch.empty(()).device
+    keyed = {
+        c.name: DynamicTable(
+            c,
+            options[c.name],
+            table_seed(seed, c.name),
+            row_bytes(c, optimizer),
+            where,
+            backend,
+        )
+        for c in tables
+        if c.name in options
+    }
+    packed = [
+        replace(c, num_embeddings=keyed[c.name].rows) if c.name in keyed else c for c in tables
+    ]
+    return keyed, packed
+
+
+def _save_key_layout(module: DynamicTables, state_dict, prefix, local_metadata):
     """state_dict post-hook: each dynamic table's rows and state in key order, with its key
     state, instead of its slots."""
     for name in module.dynamic:
@@ -480,7 +521,7 @@ def _load_key_layout(
         state_dict.update({prefix + key: value for key, value in rows.items()})
 
 
-def _start_delta_at_load(module: DynamicEmbeddingBagCollection, incompatible_keys) -> None:
+def _start_delta_at_load(module: DynamicTables, incompatible_keys) -> None:
     """load_state_dict post-hook: the loaded state is the baseline of the next delta (see
     :meth:`DynamicEmbeddingBagCollection.take_delta`)."""
     step = int(module.dynamic_step)

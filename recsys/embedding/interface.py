@@ -143,6 +143,12 @@ class EmbeddingCollectionInterface(nn.Module):
         returned as they are. The plain collection's parameters are the logical tables."""
         return state
 
+    def live_keys(self, name: str) -> torch.Tensor | None:
+        """The ids table ``name`` holds a row for, ascending, when it maps raw ids to rows (a
+        dynamic table: the keys it holds now); None for a fixed table, whose ids are its rows
+        ``0 .. num_embeddings - 1``."""
+        return None
+
     def dynamic_stats(self) -> dict[str, dict[str, float]]:
         """Counters of each table that maps raw ids to rows, by table (none for fixed
         tables): the trainer logs them at every train event."""

@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from recsys.embedding.admission import AdmissionCounter
 from recsys.embedding.collection import EmbeddingBagCollection
@@ -62,109 +62,61 @@ from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.row_cache import CacheTooSmallError, RowCache, RowCodec
 from recsys.embedding.row_init import initial_rows, table_seed
 from recsys.embedding.row_store import DiskRecords, FixedStore, HostRecords, KeyedStore
-from recsys.embedding.tables import options_by_table, row_bytes, table_dtype
+from recsys.embedding.tables import table_dtype
 from recsys.embedding.tiered_files import TablePart, TieredFiles
-from recsys.embedding.tiered_options import TIERS, RowBlock, StorageOptions
+from recsys.embedding.tiered_options import (
+    TIERS,
+    RowBlock,
+    StorageOptions,
+    TieredLayout,
+    tiered_layout,
+)
 from recsys.embedding.tiered_prefetch import PrefetchBatch
 from recsys.ops.slot_map import check_keys
 
-__all__ = ["TIERS", "RowBlock", "StorageOptions", "TieredEmbeddingBagCollection"]
+__all__ = [
+    "TIERS",
+    "RowBlock",
+    "StorageOptions",
+    "TieredEmbeddingBagCollection",
+    "TieredLayout",
+    "TieredTables",
+    "tiered_layout",
+]
 
 
-class TieredEmbeddingBagCollection(EmbeddingBagCollection):
-    """An EmbeddingBagCollection whose tables may live in host memory or on disk behind a cache.
+class TieredTables:
+    """What tiered tables add to a collection of packed tables: the caches in front of the
+    stores, prefetch, streaming checkpoints and the counters (see the module docstring). The
+    first base of :class:`TieredEmbeddingBagCollection` and of the unpooled
+    :class:`~recsys.embedding.unpooled_tables.TieredEmbeddingCollection`, whose constructor
+    builds its packed tables from :func:`tiered_layout`'s configs, then calls
+    :meth:`_init_tiered`."""
 
-    Args:
-        tables: the tables (``num_embeddings``: a fixed table's rows; a dynamic table's
-            initial-row bound is ``sqrt(1 / num_embeddings)`` unless its options set one).
-        storage: :class:`StorageOptions` for every table, or a dict table name -> options (the
-            others are ``"device"``).
-        optimizer: the fused optimizer (tiered rows carry its state; required).
-        dynamic: table name -> :class:`DynamicTableOptions` of the tiered tables keyed by raw
-            ids (only ``admit_after``, ``admission_capacity``, ``bucket_size`` and
-            ``init_bound`` apply: a tiered dynamic table keeps every key it admits).
-        is_weighted, device, backend, validate: as for EmbeddingBagCollection. On the
-            ``meta`` device no store is made (a sharded collection builds each rank's part).
-        seed: a row's initial value is a function of (seed, table, row or key).
-        blocks: table name -> :class:`RowBlock`, for fixed tables that are one block of a
-            larger table (default: each table whole).
-
-    Raises:
-        ValueError: a bad option (named), a table named twice, a dynamic table that is not
-            tiered, or no fused optimizer.
-    """
-
-    def __init__(
+    def _init_tiered(
         self,
-        tables: list[EmbeddingBagConfig],
-        storage: StorageOptions | dict[str, StorageOptions],
-        optimizer: FusedOptimizer,
-        dynamic: dict[str, DynamicTableOptions] | None = None,
-        is_weighted: bool = False,
-        device: torch.device | str | None = None,
-        *,
-        seed: int = 0,
-        backend: str = "auto",
-        validate: bool = True,
-        blocks: dict[str, RowBlock] | None = None,
+        tables: list[BaseEmbeddingConfig],
+        layout: TieredLayout,
+        seed: int,
+        blocks: dict[str, RowBlock] | None,
     ) -> None:
-        if not isinstance(optimizer, FusedOptimizer):
-            raise ValueError(
-                f"optimizer={optimizer!r}; a tiered table is trained by a fused optimizer "
-                "(its rows and their state move between tiers together)"
-            )
-        given = options_by_table(tables, storage, StorageOptions, "storage")
-        options = {c.name: given.get(c.name, StorageOptions()) for c in tables}
-        dynamic = dict(dynamic or {})
-        untiered = [name for name in dynamic if options[name].tier == "device"]
-        if untiered:
-            raise ValueError(
-                f"dynamic tables {untiered} have storage tier 'device' in a tiered collection; "
-                "give them tier 'host' or 'disk' (or use DynamicEmbeddingBagCollection)"
-            )
-        for name, table_options in dynamic.items():
-            unsupported = {
-                key: getattr(table_options, key)
-                for key in ("max_capacity", "memory_budget_mb", "ttl_steps")
-                if getattr(table_options, key)
-            }
-            if unsupported:
-                raise ValueError(
-                    f"dynamic table '{name}' is tiered, which keeps every key it admits: "
-                    f"{unsupported} is not supported there yet; expected 0 (or tier 'device')"
-                )
-        tiered = {c.name: c for c in tables if options[c.name].tier != "device"}
-        self._record_bytes = {name: row_bytes(config, optimizer) for name, config in tiered.items()}
-        # A fixed table's cache never needs more rows than the table has.
-        cache_rows = {
-            n: options[n].rows(self._record_bytes[n])
-            if n in dynamic
-            else min(options[n].rows(self._record_bytes[n]), c.num_embeddings)
-            for n, c in tiered.items()
-        }
-        packed = [
-            replace(c, num_embeddings=cache_rows[c.name] + 1) if c.name in tiered else c
-            for c in tables
-        ]
-        for config in tables:
-            if not config.feature_names:
-                config.feature_names = [config.name]
-        super().__init__(
-            packed, is_weighted, device, backend=backend, validate=validate, optimizer=optimizer
-        )
+        self._record_bytes = layout.record_bytes
         self._logical_configs = tables
-        self.storage = options
+        self.storage = layout.options
         self.seed = seed
-        self.dynamic_options = dynamic
+        self.dynamic_options = layout.dynamic
         self.blocks = {
-            n: (blocks or {}).get(n, RowBlock(0, c.num_embeddings)) for n, c in tiered.items()
+            n: (blocks or {}).get(n, RowBlock(0, c.num_embeddings))
+            for n, c in layout.tiered.items()
         }
-        self._tiered = list(tiered)
+        self._tiered = list(layout.tiered)
         self.caches: dict[str, RowCache] = {}
         self.admission: dict[str, AdmissionCounter] = {}
-        for name, config in tiered.items():
+        for name, config in layout.tiered.items():
             if self.device.type != "meta":
-                self.caches[name] = self._build_cache(config, cache_rows[name], dynamic.get(name))
+                self.caches[name] = self._build_cache(
+                    config, layout.cache_rows[name], layout.dynamic.get(name)
+                )
         self._train_steps = 0
         self._queue: list[PrefetchBatch] = []
         self.prefetch_wait_seconds = 0.0
@@ -217,7 +169,7 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
 
     def _table_tensors(self, name: str) -> list[torch.Tensor]:
         """Table ``name``'s weight and optimizer-state views in the packed buffers."""
-        bag = self.embedding_bags[name]
+        bag = self.table_modules[name]
         return [bag.weight.data] + [getattr(bag, s) for s in self.optimizer.states]
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -229,7 +181,7 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         return list(self._tiered)
 
     def set_optimizer(self, optimizer: FusedOptimizer | None) -> None:
-        """As EmbeddingBagCollection's, once the tiered tables exist only with an optimizer of
+        """As the packed tables', once the tiered tables exist only with an optimizer of
         the same state (their stored rows hold it, and keep it: the cached rows are written
         back first, and read again from the store).
 
@@ -257,54 +209,12 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         for config in self._logical_configs:
             if config.name not in self.caches:
                 with torch.no_grad():
-                    config.init_fn(self.embedding_bags[config.name].weight)
+                    config.init_fn(self.table_modules[config.name].weight)
         for cache in self.caches.values():
             cache.clear()
             cache.store.clear()
         for tensor in (t for n in self.caches for t in self._table_tensors(n)):
             tensor.zero_()
-
-    def pooled_values(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        """As EmbeddingBagCollection's. A batch that does not train (an evaluation) and has
-        more distinct rows than a cache holds is pooled in pieces of samples that fit, one after
-        the other (pooling reads only each sample's own rows): an evaluation batch may be
-        larger than the training batches the caches were sized for."""
-        evaluating = self.caches and not self._trains() and not torch.compiler.is_exporting()
-        if evaluating and not features.values().is_meta:
-            pieces = self._pieces_that_fit(features)
-            if len(pieces) > 1:
-                pool = super().pooled_values
-                return torch.cat([pool(piece) for piece in pieces])
-        return super().pooled_values(features)
-
-    def _pieces_that_fit(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
-        """``features`` whole when its rows fit in every cache beside the prefetched batches'
-        rows; else cut into runs of samples that fit (halving until they do; a single sample
-        is left whole). Cutting forgets the prefetched batches (each is then prepared by its
-        own forward): rows are pinned by ticket order, so the pieces' rows would stay pinned
-        behind theirs."""
-        self.wait_prefetch()
-
-        def fits(piece: KeyedJaggedTensor, room: dict[str, int]) -> bool:
-            tables = self._ids_by_table(piece)
-            return all(len(torch.unique(ids)) <= room[n] for n, (_, ids) in tables.items())
-
-        def split(piece: KeyedJaggedTensor, room: dict[str, int]) -> list[KeyedJaggedTensor]:
-            if piece.stride() == 1 or fits(piece, room):
-                return [piece]
-            half = piece.stride() // 2
-            first = sample_range(piece, 0, half)
-            return split(first, room) + split(sample_range(piece, half, piece.stride()), room)
-
-        room = {}
-        for name, cache in self.caches.items():
-            pending = self._pending_tickets(name)
-            pinned = int((cache.row_ticket >= min(pending)).sum()) if pending else 0
-            room[name] = cache.num_rows - pinned
-        if fits(features, room):
-            return [features]
-        self.drop_prefetched()
-        return split(features, {name: cache.num_rows for name, cache in self.caches.items()})
 
     def lookup_ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """The ids with every tiered table's ids replaced by their cache rows (prepared by
@@ -423,6 +333,22 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
                 tensors[0][cache.num_rows] = 0
                 for state, tensor in zip(self.optimizer.states, tensors[1:], strict=True):
                     tensor[cache.num_rows] = self.optimizer.initial_state(state)
+
+    def _room_beside_prefetched(self) -> dict[str, int]:
+        """Per tiered table, the cache rows a lookup may take now: all but the prefetched
+        batches' (after waiting for the running prefetch)."""
+        self.wait_prefetch()
+        room = {}
+        for name, cache in self.caches.items():
+            pending = self._pending_tickets(name)
+            pinned = int((cache.row_ticket >= min(pending)).sum()) if pending else 0
+            room[name] = cache.num_rows - pinned
+        return room
+
+    def _fits(self, features: KeyedJaggedTensor, room: dict[str, int]) -> bool:
+        """Whether each tiered table's distinct ids of ``features`` fit in its ``room``."""
+        tables = self._ids_by_table(features)
+        return all(len(torch.unique(ids)) <= room[n] for n, (_, ids) in tables.items())
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Queue a coming batch ``features`` (call it between steps, for the batches to train
@@ -549,17 +475,98 @@ class TieredEmbeddingBagCollection(EmbeddingBagCollection):
         """The state_dict keys of the tiered tables' cache buffers, which ``state_dict()``
         leaves out (their rows are saved by :meth:`tiered_files`)."""
         states = list(self.optimizer.states) if self.optimizer is not None else []
-        return [f"embedding_bags.{n}.{k}" for n in self.caches for k in ["weight", *states]]
+        return [f"{self.tables_key}.{n}.{k}" for n in self.caches for k in ["weight", *states]]
 
 
-def _drop_tiered_rows(module: TieredEmbeddingBagCollection, state_dict, prefix, local_metadata):
+class TieredEmbeddingBagCollection(TieredTables, EmbeddingBagCollection):
+    """An EmbeddingBagCollection whose tables may live in host memory or on disk behind a cache.
+
+    Args:
+        tables: the tables (``num_embeddings``: a fixed table's rows; a dynamic table's
+            initial-row bound is ``sqrt(1 / num_embeddings)`` unless its options set one).
+        storage: :class:`StorageOptions` for every table, or a dict table name -> options (the
+            others are ``"device"``).
+        optimizer: the fused optimizer (tiered rows carry its state; required).
+        dynamic: table name -> :class:`DynamicTableOptions` of the tiered tables keyed by raw
+            ids (only ``admit_after``, ``admission_capacity``, ``bucket_size`` and
+            ``init_bound`` apply: a tiered dynamic table keeps every key it admits).
+        is_weighted, device, backend, validate: as for EmbeddingBagCollection. On the
+            ``meta`` device no store is made (a sharded collection builds each rank's part).
+        seed: a row's initial value is a function of (seed, table, row or key).
+        blocks: table name -> :class:`RowBlock`, for fixed tables that are one block of a
+            larger table (default: each table whole).
+
+    Raises:
+        ValueError: a bad option (named), a table named twice, a dynamic table that is not
+            tiered, or no fused optimizer.
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        storage: StorageOptions | dict[str, StorageOptions],
+        optimizer: FusedOptimizer,
+        dynamic: dict[str, DynamicTableOptions] | None = None,
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        *,
+        seed: int = 0,
+        backend: str = "auto",
+        validate: bool = True,
+        blocks: dict[str, RowBlock] | None = None,
+    ) -> None:
+        layout = tiered_layout(tables, storage, optimizer, dynamic)
+        super().__init__(
+            layout.packed,
+            is_weighted,
+            device,
+            backend=backend,
+            validate=validate,
+            optimizer=optimizer,
+        )
+        self._init_tiered(tables, layout, seed, blocks)
+
+    def pooled_values(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """As EmbeddingBagCollection's. A batch that does not train (an evaluation) and has
+        more distinct rows than a cache holds is pooled in pieces of samples that fit, one after
+        the other (pooling reads only each sample's own rows): an evaluation batch may be
+        larger than the training batches the caches were sized for."""
+        evaluating = self.caches and not self._trains() and not torch.compiler.is_exporting()
+        if evaluating and not features.values().is_meta:
+            pieces = self._pieces_that_fit(features)
+            if len(pieces) > 1:
+                pool = super().pooled_values
+                return torch.cat([pool(piece) for piece in pieces])
+        return super().pooled_values(features)
+
+    def _pieces_that_fit(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
+        """``features`` whole when its rows fit in every cache beside the prefetched batches'
+        rows; else cut into runs of samples that fit (halving until they do; a single sample
+        is left whole). Cutting forgets the prefetched batches (each is then prepared by its
+        own forward): rows are pinned by ticket order, so the pieces' rows would stay pinned
+        behind theirs."""
+
+        def split(piece: KeyedJaggedTensor, room: dict[str, int]) -> list[KeyedJaggedTensor]:
+            if piece.stride() == 1 or self._fits(piece, room):
+                return [piece]
+            half = piece.stride() // 2
+            first = sample_range(piece, 0, half)
+            return split(first, room) + split(sample_range(piece, half, piece.stride()), room)
+
+        if self._fits(features, self._room_beside_prefetched()):
+            return [features]
+        self.drop_prefetched()
+        return split(features, {name: cache.num_rows for name, cache in self.caches.items()})
+
+
+def _drop_tiered_rows(module: TieredTables, state_dict, prefix, local_metadata):
     """state_dict post-hook: a tiered table's cache buffers are not its state (its rows are
     streamed by :meth:`TieredEmbeddingBagCollection.tiered_files`)."""
     for key in module.tiered_state_keys():
         state_dict.pop(prefix + key, None)
 
 
-def _allow_missing_tiered_rows(module: TieredEmbeddingBagCollection, incompatible) -> None:
+def _allow_missing_tiered_rows(module: TieredTables, incompatible) -> None:
     """load_state_dict post-hook: a state without tiered tables' cache buffers is complete."""
     dropped = module.tiered_state_keys()
     for key in list(incompatible.missing_keys):

@@ -5,11 +5,16 @@ row-wise shard holds (:class:`RowBlock`)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+
+from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.row_cache import CACHE_POLICIES
+from recsys.embedding.tables import options_by_table, row_bytes
 
-__all__ = ["TIERS", "RowBlock", "StorageOptions"]
+__all__ = ["TIERS", "RowBlock", "StorageOptions", "TieredLayout", "tiered_layout"]
 
 TIERS = ("device", "host", "disk")
 
@@ -56,3 +61,70 @@ class RowBlock:
 
     offset: int
     table_rows: int
+
+
+@dataclass
+class TieredLayout:
+    """How a tiered collection's tables are held (see :func:`tiered_layout`)."""
+
+    options: dict[str, StorageOptions]  # every table's (``"device"`` for the untiered)
+    dynamic: dict[str, DynamicTableOptions]  # the tiered tables keyed by raw ids
+    tiered: dict[str, BaseEmbeddingConfig]  # the tables in host memory or on disk
+    record_bytes: dict[str, int]  # a tiered table's bytes per row (weights and state)
+    cache_rows: dict[str, int]  # a tiered table's cache rows
+    packed: list[BaseEmbeddingConfig]  # the packed tables: a tiered table's cache + 1 row
+
+
+def tiered_layout(
+    tables: list[BaseEmbeddingConfig],
+    storage: StorageOptions | dict[str, StorageOptions],
+    optimizer: FusedOptimizer,
+    dynamic: dict[str, DynamicTableOptions] | None,
+) -> TieredLayout:
+    """Each table's tier and cache, checked (arguments as
+    :class:`TieredEmbeddingBagCollection`'s).
+
+    Raises:
+        ValueError: a bad option (named), a dynamic table that is not tiered, or no fused
+            optimizer."""
+    if not isinstance(optimizer, FusedOptimizer):
+        raise ValueError(
+            f"optimizer={optimizer!r}; a tiered table is trained by a fused optimizer "
+            "(its rows and their state move between tiers together)"
+        )
+    given = options_by_table(tables, storage, StorageOptions, "storage")
+    options = {c.name: given.get(c.name, StorageOptions()) for c in tables}
+    dynamic = dict(dynamic or {})
+    untiered = [name for name in dynamic if options[name].tier == "device"]
+    if untiered:
+        raise ValueError(
+            f"dynamic tables {untiered} have storage tier 'device' in a tiered collection; "
+            "give them tier 'host' or 'disk' (or use a dynamic collection)"
+        )
+    for name, table_options in dynamic.items():
+        unsupported = {
+            key: getattr(table_options, key)
+            for key in ("max_capacity", "memory_budget_mb", "ttl_steps")
+            if getattr(table_options, key)
+        }
+        if unsupported:
+            raise ValueError(
+                f"dynamic table '{name}' is tiered, which keeps every key it admits: "
+                f"{unsupported} is not supported there yet; expected 0 (or tier 'device')"
+            )
+    tiered = {c.name: c for c in tables if options[c.name].tier != "device"}
+    record_bytes = {name: row_bytes(config, optimizer) for name, config in tiered.items()}
+    # A fixed table's cache never needs more rows than the table has.
+    cache_rows = {
+        n: options[n].rows(record_bytes[n])
+        if n in dynamic
+        else min(options[n].rows(record_bytes[n]), c.num_embeddings)
+        for n, c in tiered.items()
+    }
+    packed = [
+        replace(c, num_embeddings=cache_rows[c.name] + 1) if c.name in tiered else c for c in tables
+    ]
+    for config in tables:
+        if not config.feature_names:
+            config.feature_names = [config.name]
+    return TieredLayout(options, dynamic, tiered, record_bytes, cache_rows, packed)

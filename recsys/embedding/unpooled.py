@@ -137,6 +137,7 @@ class EmbeddingCollection(PackedTables):
                 torch.empty(ids_per_key[k], tables[t].shape[1], dtype=dtype, device="meta")
                 for k, t in zip(positions, self._plan.feature_to_table, strict=True)
             ]
+        ids = self.lookup_ids(features)  # first: a dynamic table may grow (new buffers)
         if not self._views_intact():
             self._repack()
             tables = [t.weight for t in self.table_modules.values()]
@@ -150,7 +151,7 @@ class EmbeddingCollection(PackedTables):
             self._plan,
             self._flat,
             handles,
-            features.values(),
+            ids,
             features.offsets(),
             positions,
             features.stride(),
@@ -166,12 +167,17 @@ class EmbeddingCollection(PackedTables):
     ) -> list[torch.Tensor]:
         """What ``torch.export`` traces: one ``F.embedding`` per feature over its table's
         parameter (no checks: ``F.embedding`` raises on an id outside its table)."""
-        starts, values = features.offset_per_key(), features.values()
+        starts, values = features.offset_per_key(), self.lookup_ids(features)
         dtype = accumulate_dtype(self._flat.dtype)
         return [
             F.embedding(values[starts[k] : starts[k + 1]], tables[t]).to(dtype)
             for k, t in zip(positions, self._plan.feature_to_table, strict=True)
         ]
+
+    def lookup_ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """The row each id of ``features.values()`` reads in its table: here the ids
+        themselves (a dynamic or tiered collection maps its keys to rows)."""
+        return features.values()
 
     def is_weighted(self) -> bool:
         return False

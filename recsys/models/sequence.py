@@ -60,6 +60,8 @@ class SequenceEncoder(nn.Module):
             raise ValueError(f"max_len={max_len}; expected >= 1")
         self.embeddings, self.max_len = embeddings, max_len
         self.dim = configs[0].embedding_dim
+        self.item_table = configs[0].name
+        # A dynamic item table: the rows it started with (its corpus is item_keys()).
         self.num_items = configs[0].num_embeddings
         self.positions = nn.Embedding(max_len, self.dim)
         nn.init.normal_(self.positions.weight, std=0.02)
@@ -86,7 +88,8 @@ class SequenceEncoder(nn.Module):
         both = KeyedJaggedTensor(
             keys=[HISTORY, CANDIDATES],
             values=torch.cat([ids, extra]),
-            lengths=torch.stack([lengths.sum(), lengths.new_tensor(extra.numel())]),
+            # [2]: no tensor built from host data (a copy to the device on a GPU)
+            lengths=torch.cat([lengths.sum().view(1), lengths.new_full((1,), extra.numel())]),
             stride=1,
             length_per_key=[total, extra.numel()],
             offset_per_key=[0, total, total + extra.numel()],
@@ -115,9 +118,19 @@ class SequenceEncoder(nn.Module):
         picked = hidden[last.clamp(min=0)] if hidden.shape[0] else hidden.new_zeros(0, self.dim)
         return torch.where((lengths > 0)[:, None], picked, 0.0)
 
-    def item_vectors(self) -> torch.Tensor:
-        """[N, D] every item's vector (for full-corpus ranking): row i is item id i."""
-        ids = torch.arange(self.num_items, device=self.positions.weight.device)
+    def item_keys(self) -> torch.Tensor | None:
+        """The item corpus of a dynamic item table (raw ids, a row per key): the keys it holds
+        now, ascending (every item trained on and not evicted since); None for a fixed table,
+        whose corpus is the ids ``0 .. num_items - 1``."""
+        live_keys = getattr(self.embeddings, "live_keys", None)
+        return live_keys(self.item_table) if live_keys is not None else None
+
+    def item_vectors(self, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, D] the vector of every item of the corpus (for full-corpus ranking): row i is
+        item id i of a fixed table, else the i-th of ``keys`` (default :meth:`item_keys`)."""
+        ids = keys if keys is not None else self.item_keys()
+        if ids is None:
+            ids = torch.arange(self.num_items, device=self.positions.weight.device)
         empty = KeyedJaggedTensor(
             keys=[HISTORY], values=ids[:0], lengths=ids.new_zeros(1), stride=1
         )

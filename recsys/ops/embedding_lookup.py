@@ -224,6 +224,7 @@ def table_batched_embedding_lookup(
         backend=backend,
         validate="off",
         keep=keep,
+        key_lengths=group_ids,  # known on the host: no read of the device for the count
     )  # [B', sum_g D_g]
     # Split (not sliced): backward then joins the features' gradients with one concatenation,
     # where a slice per feature would zero-fill a whole [B', sum_g D_g] gradient each.

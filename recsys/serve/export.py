@@ -47,7 +47,6 @@ import os
 import shutil
 import time
 import tomllib
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from glob import glob
@@ -82,8 +81,13 @@ from recsys.serve.exported_deltas import (
     apply_exported_deltas,
     exported_dynamic_tables,
 )
-from recsys.serve.program_file import write_program
-from recsys.serve.retrieval_export import RETRIEVAL_FILE, export_retrieval, predict_top_k
+from recsys.serve.program_file import archive_has, archive_text, write_program
+from recsys.serve.retrieval_export import (
+    RETRIEVAL_FILE,
+    check_retrieval_options,
+    export_retrieval,
+    predict_top_k,
+)
 from recsys.serve.tiered_export import TIERED_FILE, tiered_export
 
 __all__ = [
@@ -121,7 +125,13 @@ class InferenceModule(nn.Module):
         return torch.sigmoid(self.model(dense, sparse))  # [B, T]
 
 
-def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool = False) -> Path:
+def export_model(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    overwrite: bool = False,
+    top_k: int | None = None,
+) -> Path:
     """Export a checkpoint's model as a ``torch.export`` ExportedProgram file (``.pt2``).
 
     Args:
@@ -129,13 +139,16 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
             newest checkpoint).
         output: the file to write; it appears only once complete.
         overwrite: replace ``output`` when it exists (else that is an error).
+        top_k: a sequence model's K: its program returns each history's top K items (None:
+            100, or every item when fewer).
 
     Returns:
-        ``output``. A sequence model's checkpoint (sasrec, hstu) exports its top-100 program
+        ``output``. A sequence model's checkpoint (sasrec, hstu) exports its top-K program
         (:mod:`recsys.serve.retrieval_export`).
 
     Raises:
-        ValueError: ``output`` exists and ``overwrite`` is False, or is a directory.
+        ValueError: ``output`` exists and ``overwrite`` is False, or is a directory; a
+            ``top_k`` outside [1, the items the model ranks], or for a CTR model.
 
     Example::
 
@@ -146,10 +159,10 @@ def export_model(checkpoint: str | Path, output: str | Path, *, overwrite: bool 
     output = Path(output)
     _check_output(output, overwrite)
     name = read_config(checkpoint).model.name
-    if name in SEQUENCE_MODELS:  # top-K items of a history
-        return export_retrieval(checkpoint, output)
     if name in TARGET_RANKING_MODELS:
         raise ValueError(f"recsys export does not take a {name} checkpoint yet")
+    if name in SEQUENCE_MODELS or top_k is not None:  # top-K items of a history
+        return export_retrieval(checkpoint, output, top_k)
     spec = read_spec(checkpoint)
     model = load_model(checkpoint, device="cpu").requires_grad_(False)
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
@@ -229,14 +242,14 @@ def load_program(
     if not path.is_file():
         raise FileNotFoundError(f"exported model not found: '{path}' (`recsys export` writes one)")
     # Checked first: torch.export.load logs a long traceback before raising on other files.
-    if not _archive_has(path, f"extra/{SPEC_FILE}"):
+    if not archive_has(path, f"extra/{SPEC_FILE}"):
         raise ValueError(
             f"'{path}' was not written by recsys export (a torch.export .pt2 archive with "
             f"{SPEC_FILE} inside)"
         )
     extra_files = {SPEC_FILE: "", CONFIG_FILE: ""}
     for name in (DYNAMIC_FILE, TIERED_FILE):  # exports before deltas (or tiers) have none
-        if _archive_has(path, f"extra/{name}"):
+        if archive_has(path, f"extra/{name}"):
             extra_files[name] = ""
     program = torch.export.load(path, extra_files=extra_files)
     fields = json.loads(extra_files[SPEC_FILE])
@@ -247,21 +260,6 @@ def load_program(
         tiered = json.loads(extra_files[TIERED_FILE])
         attach_cached_tables(module, tiered, list(spec.sparse_names), cache_rows)
     return module, spec, dynamic
-
-
-def _archive_text(path: Path, member: str) -> str:
-    """The text of ``member`` (under the archive's top folder) of a zip archive."""
-    with zipfile.ZipFile(path) as archive:
-        (name,) = [n for n in archive.namelist() if n.endswith(f"/{member}")]
-        return archive.read(name).decode()
-
-
-def _archive_has(path: Path, member: str) -> bool:
-    """Whether zip archive ``path`` holds ``member`` under its top folder (False: not a zip)."""
-    if not zipfile.is_zipfile(path):
-        return False
-    with zipfile.ZipFile(path) as archive:
-        return any(name.endswith(f"/{member}") for name in archive.namelist())
 
 
 @dataclass
@@ -289,6 +287,7 @@ def predict(
     format: str | None = None,
     deltas: str | Path | None = None,
     cache_rows: int | None = None,
+    top_k: int | None = None,
 ) -> PredictReport:
     """Score parquet files with an exported model and write the scores as parquet (a sequence
     model's export: the top-K items of each history of an ``items`` column, see
@@ -328,6 +327,9 @@ def predict(
         cache_rows: an export with tiered tables: rows of each one's cache
             (:mod:`recsys.serve.cached_tables`; default: the training run's). The scores do
             not depend on it.
+        top_k: a sequence model's export: the items per history (None: the export's K; at
+            most that). With ``transform`` a sequence model's ``items`` column holds raw item
+            values, encoded as its training data was.
 
     Raises:
         FileNotFoundError: no model file, or no input file.
@@ -346,20 +348,15 @@ def predict(
     if not transform and (data is not None or format is not None):
         raise ValueError("data and format describe raw input: they need transform")
     start = time.perf_counter()
-    top_k = _archive_has(Path(model_path), f"extra/{RETRIEVAL_FILE}")  # a sequence model's
-    if top_k and (transform or deltas is not None):
-        raise ValueError(
-            f"'{model_path}' is a sequence model's export: it reads histories of encoded item "
-            "ids (an 'items' column, as `recsys preprocess --format interactions` writes them), "
-            "without transform or deltas"
-        )
+    retrieval = archive_has(Path(model_path), f"extra/{RETRIEVAL_FILE}")  # a sequence model's
+    check_retrieval_options(model_path, retrieval, data, format, deltas, top_k)
     deltas_step = None
-    if not top_k:
+    if not retrieval:
         model, spec, dynamic = load_program(model_path, cache_rows)
         if deltas is not None:
             deltas_step = apply_exported_deltas(model, dynamic, deltas, model_path)
     output = Path(output)
-    inputs = _input_files(str(input), parquet=not transform)
+    inputs = _input_files(str(input), parquet=not transform or retrieval)
     for file in inputs:
         if output.resolve() == file.resolve():
             raise ValueError(
@@ -372,8 +369,10 @@ def predict(
             "would read it as input; write it elsewhere"
         )
     _check_output(output, overwrite)
-    if top_k:  # the top-K items of each history
-        rows, columns = predict_top_k(model_path, inputs, output, batch_size)
+    if retrieval:  # the top-K items of each history
+        rows, columns = predict_top_k(
+            model_path, inputs, output, batch_size, top_k=top_k, raw=transform
+        )
         return PredictReport(output, rows, len(inputs), columns, time.perf_counter() - start)
     with contextlib.ExitStack() as stack:
         if transform:
@@ -466,7 +465,7 @@ def training_data(
         if model_path.is_dir():
             text = (resolve_checkpoint(model_path) / CONFIG_FILE).read_text()
         else:
-            text = _archive_text(model_path, f"extra/{CONFIG_FILE}")
+            text = archive_text(model_path, f"extra/{CONFIG_FILE}")
         data = tomllib.loads(text).get("data", {}).get("path", "")
     directory = Path(data)
     if not (directory / "metadata.json").is_file():

@@ -1,10 +1,11 @@
 """Writing an exported program as a ``.pt2`` file, the one way both exports (``recsys export``
-of a CTR model and of a sequence model's top-K program) do it."""
+of a CTR model and of a sequence model's top-K program) do it, and reading its members."""
 
 from __future__ import annotations
 
 import io
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -31,3 +32,18 @@ def write_program(
     output.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(output, archive.getbuffer())
     return output
+
+
+def archive_text(path: Path, member: str) -> str:
+    """The text of ``member`` (under the archive's top folder) of a zip archive."""
+    with zipfile.ZipFile(path) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(f"/{member}")]
+        return archive.read(name).decode()
+
+
+def archive_has(path: Path, member: str) -> bool:
+    """Whether zip archive ``path`` holds ``member`` under its top folder (False: not a zip)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith(f"/{member}") for name in archive.namelist())

@@ -10,21 +10,32 @@ The program's forward, with B histories (any B >= 1) and L item ids in all (any 
                            categorify's reserved ids 0-2 are never returned)
              f32[B, K]     their scores, the user vector . the item vector
 
-Attention is padded to the model's ``max_len`` inside (one shape for every batch), so scores
-equal the trained model's up to float rounding. The archive carries the checkpoint's
-``spec.json`` and ``config.toml`` like a CTR export, and ``retrieval.json`` (K, the first item,
-max_len, the number of items).
+K is the export's ``top_k`` (default: 100, or every item when the corpus is smaller; an
+explicit one must be between 1 and the corpus size). The corpus is every item id of a fixed
+table from the first real one on, or, for a dynamic item table (raw item keys), the keys it
+held at the checkpoint: its top items are keys, and an item it never trained reads the zero
+row. Attention is padded to the model's ``max_len`` inside (one shape for every batch), so
+scores equal the trained model's up to float rounding. The archive carries the checkpoint's
+``spec.json`` and ``config.toml`` like a CTR export, ``retrieval.json`` (K, the first item,
+max_len, the number of items, the corpus size) and ``items.json``, the training data's item
+encoding (:class:`recsys.data.item_encoding.ItemEncoding`).
 
 :func:`predict_top_k` reads parquet files with an ``items`` list column (the histories
 ``recsys preprocess --format interactions`` writes: e.g. its ``test/`` split), cuts each
 history to its last ``max_len`` items, and writes ``top_items`` and ``top_scores`` list
-columns, with the input's ``user`` and ``target`` columns passed through when present.
+columns (its ``top_k``: any K up to the export's), with the input's ``user`` and ``target``
+columns passed through when present. With ``raw`` the ``items`` column holds raw item values,
+as the interaction log names them (strings, integers): they are encoded as the training data
+was (an item unknown to a categorified vocabulary is its rare id), and ``top_items`` holds
+items again (categorify: the items' own values; hash: the bucket ids; raw: the 64-bit keys).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,22 +46,44 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from recsys._files import remove_quietly
+from recsys.build.tiered_tables import tiered_collections
 from recsys.checkpoint.io import load_model, read_config
+from recsys.config import SEQUENCE_MODELS
+from recsys.data import resolve_source
+from recsys.data.item_encoding import ItemEncoding
+from recsys.data.prepared import read_metadata
+from recsys.data.sequence_source import build_sequence_dataset
+from recsys.models.next_item import corpus_keys
 from recsys.serve.program_file import write_program
 
-__all__ = ["RETRIEVAL_FILE", "TopKModule", "export_retrieval", "predict_top_k"]
+__all__ = [
+    "ITEMS_FILE",
+    "RETRIEVAL_FILE",
+    "TopKModule",
+    "check_retrieval_options",
+    "check_top_k",
+    "export_retrieval",
+    "load_item_encoding",
+    "predict_top_k",
+]
 
 RETRIEVAL_FILE = "retrieval.json"
+ITEMS_FILE = "items.json"
 PASSED_THROUGH = ("user", "target")
+DEFAULT_TOP_K = 100
 
 
 class TopKModule(nn.Module):
     """A sequence model behind plain-tensor inputs, returning each history's top ``k`` items
-    (see the module docstring)."""
+    (see the module docstring): of the ids from ``first_item`` on, or of ``keys`` [N]
+    (a dynamic item table's corpus)."""
 
-    def __init__(self, model: nn.Module, k: int, first_item: int) -> None:
+    def __init__(
+        self, model: nn.Module, k: int, first_item: int, keys: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.model, self.k, self.first_item = model, k, first_item
+        self.register_buffer("keys", keys)
 
     def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Offsets computed here keep the graph ATen-only (the KJT would call an FBGEMM op).
@@ -59,25 +92,45 @@ class TopKModule(nn.Module):
             keys=["items"], values=values, lengths=lengths, offsets=offsets, stride=lengths.shape[0]
         )
         queries = self.model.user_vectors(history, self.model.max_len)  # [B, D]
+        if self.keys is not None:
+            top = (queries @ self.model.item_vectors(self.keys).t()).topk(self.k, dim=1)
+            return self.keys[top.indices], top.values
         items = self.model.item_vectors()[self.first_item :]  # [N', D]
         top = (queries @ items.t()).topk(self.k, dim=1)  # [B, K]
         return top.indices + self.first_item, top.values
 
 
-def export_retrieval(checkpoint: Path, output: Path, top_k: int = 100) -> Path:
+def export_retrieval(checkpoint: Path, output: Path, top_k: int | None = None) -> Path:
     """Write the top-``top_k`` program of a sequence model's ``checkpoint`` to ``output`` (a
     checked, new or replaceable file: :func:`recsys.serve.export.export_model`).
 
     Raises:
-        ValueError: top_k < 1.
+        ValueError: top_k outside [1, the corpus size] (None: 100, or the whole corpus when
+            smaller), or a tiered item table (not exported yet).
     """
-    if top_k < 1:
-        raise ValueError(f"top_k = {top_k}; expected >= 1")
     config = read_config(checkpoint)
+    if config.model.name not in SEQUENCE_MODELS:
+        raise ValueError(
+            f"top_k = {top_k}: a {config.model.name} model scores rows, top_k is for sequence "
+            f"models' exports ({', '.join(SEQUENCE_MODELS)})"
+        )
     model = load_model(checkpoint, device="cpu").requires_grad_(False).eval()
-    first_item = _first_item(config)
-    k = min(top_k, model.num_items - first_item)
-    module = TopKModule(model, k, first_item)
+    if tiered_collections(model):
+        raise ValueError(
+            f"'{checkpoint}' has a tiered item table (model.storage.tier = "
+            f"{config.model.storage.tier!r}); exporting it is not supported yet"
+        )
+    data = _training_data(config)
+    first_item = data.first_item
+    keys = model.item_keys()
+    if keys is not None:
+        keys = corpus_keys(keys, first_item)
+    corpus = model.num_items - first_item if keys is None else len(keys)
+    if corpus < 1:
+        raise ValueError(f"'{checkpoint}': its item table holds no item to rank")
+    k = check_top_k(top_k, corpus, "the items the model ranks") if top_k is not None else None
+    k = k or min(DEFAULT_TOP_K, corpus)
+    module = TopKModule(model, k, first_item, keys)
     example = (torch.arange(first_item, first_item + 3), torch.tensor([2, 1]))
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
     with torch.no_grad():
@@ -89,22 +142,73 @@ def export_retrieval(checkpoint: Path, output: Path, top_k: int = 100) -> Path:
         "first_item": first_item,
         "max_len": model.max_len,
         "num_items": model.num_items,
+        "corpus": corpus,
+        "dynamic": keys is not None,
     }
-    return write_program(
-        program, checkpoint, output, {RETRIEVAL_FILE: json.dumps(info, indent=1) + "\n"}
-    )
+    extra = {
+        RETRIEVAL_FILE: json.dumps(info, indent=1) + "\n",
+        ITEMS_FILE: data.item_encoding.to_json(),
+    }
+    return write_program(program, checkpoint, output, extra)
 
 
-def _first_item(config) -> int:
-    """The first real item id of the run's data: 3 when categorify reserved 0-2."""
-    from recsys.data import resolve_source
-    from recsys.data.prepared import read_metadata
+def check_retrieval_options(
+    model_path: str | Path,
+    retrieval: bool,
+    data: object,
+    format: object,
+    deltas: object,
+    top_k: int | None,
+) -> None:
+    """Refuse predict options that do not apply to ``model_path`` (``retrieval``: a sequence
+    model's export).
 
+    Raises:
+        ValueError: data, format or deltas for a sequence model; top_k for a CTR model."""
+    if retrieval and (data is not None or format is not None or deltas is not None):
+        raise ValueError(
+            f"'{model_path}' is a sequence model's export: it reads histories (an 'items' "
+            "column: item ids as `recsys preprocess --format interactions` writes them, or raw "
+            "item values with transform, encoded by what the export carries), without data, "
+            "format or deltas"
+        )
+    if not retrieval and top_k is not None:
+        raise ValueError(
+            f"top_k = {top_k}: '{model_path}' is a CTR model's export, which scores rows; "
+            "top_k is for sequence models' exports"
+        )
+
+
+def check_top_k(top_k: int, most: int, what: str) -> int:
+    """``top_k`` when in [1, ``most``].
+
+    Raises:
+        ValueError: naming ``top_k`` and the bound (``what`` the ``most`` count)."""
+    if not 1 <= top_k <= most:
+        raise ValueError(f"top_k = {top_k}; expected 1 <= top_k <= {most}, {what}")
+    return top_k
+
+
+def _training_data(config) -> TrainingItems:
+    """The first real item id and the item encoding of the run's data (the synthetic log is
+    generated again, as the run did)."""
     source = resolve_source(config.data, sequences=True)
     if source == "synthetic_sequences":
-        return 3  # the synthetic log is categorified
+        data = build_sequence_dataset(
+            config.data, source, config.model.sequence.max_len, config.run.seed
+        )
+        return TrainingItems(data.first_item, data.item_encoding)
     reserved = read_metadata(config.data.path)["sequence"].get("reserved_ids") or {}
-    return max(reserved.values()) + 1 if reserved else 0
+    first_item = max(reserved.values()) + 1 if reserved else 0
+    return TrainingItems(first_item, ItemEncoding.read(config.data.path))
+
+
+@dataclass
+class TrainingItems:
+    """What an export records of the items of a run's data."""
+
+    first_item: int
+    item_encoding: ItemEncoding
 
 
 def load_retrieval(path: str | Path) -> tuple[nn.Module, dict]:
@@ -114,17 +218,56 @@ def load_retrieval(path: str | Path) -> tuple[nn.Module, dict]:
     return program.module(), json.loads(extra_files[RETRIEVAL_FILE])
 
 
+def load_item_encoding(path: str | Path) -> ItemEncoding:
+    """The training data's item encoding an export carries.
+
+    Raises:
+        ValueError: an export written before exports carried it."""
+    with zipfile.ZipFile(path) as archive:
+        names = [n for n in archive.namelist() if n.endswith(f"extra/{ITEMS_FILE}")]
+        if not names:
+            raise ValueError(
+                f"'{path}' carries no item encoding (exported by an older recsys): export the "
+                "checkpoint again to predict from raw item histories"
+            )
+        return ItemEncoding.from_json(archive.read(names[0]).decode())
+
+
 def predict_top_k(
-    model_path: str | Path, files: list[Path], output: Path, batch_size: int
+    model_path: str | Path,
+    files: list[Path],
+    output: Path,
+    batch_size: int,
+    *,
+    top_k: int | None = None,
+    raw: bool = False,
 ) -> tuple[int, list[str]]:
     """Write the top-K items of every history of ``files`` to ``output`` (atomically); (rows,
     columns written). See the module docstring.
 
+    Args:
+        top_k: K (None: the export's); at most the export's.
+        raw: the histories hold raw item values, encoded here as the training data was.
+
     Raises:
-        ValueError: an input without an ``items`` list column, or an id outside the item table.
+        ValueError: an input without an ``items`` list column, an id outside the item table,
+            or a top_k outside [1, the export's].
     """
     model, info = load_retrieval(model_path)
     max_len, num_items = info["max_len"], info["num_items"]
+    exported = info["top_k"]
+    corpus = info.get("corpus", num_items - info["first_item"])
+    k = exported if top_k is None else top_k
+    if top_k is not None and not 1 <= top_k <= exported:
+        more = (
+            f"'{model_path}' returns its top {exported} of {corpus} items: export the "
+            f"checkpoint again with --top-k {top_k}"
+            if 1 <= top_k <= corpus
+            else f"the model ranks {corpus} items"
+        )
+        check_top_k(top_k, exported, more)
+    encoding = load_item_encoding(model_path) if raw else None
+    check_ids = None if info.get("dynamic") or raw else num_items
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".tmp-{os.getpid()}-{output.name}")
     rows, writer, columns = 0, None, []
@@ -139,9 +282,10 @@ def predict_top_k(
                     )
                 for start in range(0, table.num_rows, batch_size):
                     piece = table.slice(start, batch_size)
-                    top_ids, top_scores = _top_k(model, piece, max_len, num_items, file)
+                    top_ids, top_scores = _top_k(model, piece, max_len, check_ids, file, encoding)
+                    top_ids, top_scores = top_ids[:, :k], top_scores[:, :k]
                     out = {n: piece.column(n) for n in PASSED_THROUGH if n in piece.column_names}
-                    out["top_items"] = pa.array(list(top_ids.numpy()), pa.list_(pa.int64()))
+                    out["top_items"] = _items(top_ids.numpy(), encoding)
                     out["top_scores"] = pa.array(list(top_scores.numpy()), pa.list_(pa.float32()))
                     result = pa.table(out)
                     if writer is None:
@@ -159,21 +303,41 @@ def predict_top_k(
     return rows, columns
 
 
+def _items(top_ids: np.ndarray, encoding: ItemEncoding | None) -> pa.Array:
+    """The ``top_items`` column of [B, K] ids: the ids, or raw items for raw histories."""
+    batch, k = top_ids.shape
+    if encoding is None:
+        return pa.array(list(top_ids), pa.list_(pa.int64()))
+    values = encoding.decode(top_ids.reshape(-1))
+    offsets = pa.array(np.arange(0, batch * k + 1, k, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(values))
+
+
 def _top_k(
-    model: nn.Module, piece: pa.Table, max_len: int, num_items: int, file: Path
+    model: nn.Module,
+    piece: pa.Table,
+    max_len: int,
+    num_items: int | None,
+    file: Path,
+    encoding: ItemEncoding | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     items = piece.column("items").combine_chunks()
     offsets = items.offsets.to_numpy().astype(np.int64)
-    values = items.values.to_numpy().astype(np.int64)[offsets[0] : offsets[-1]]
+    raw_values = items.values.slice(offsets[0], offsets[-1] - offsets[0])
+    if encoding is not None:
+        values = encoding.encode(raw_values)
+    else:
+        values = raw_values.to_numpy(zero_copy_only=False).astype(np.int64)
     offsets = offsets - offsets[0]
     ends = offsets[1:]
     starts = np.maximum(offsets[:-1], ends - max_len)  # the most recent max_len items
     lengths = ends - starts
     index = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
     kept = values[np.arange(lengths.sum()) + index]
-    if len(kept) and (kept.min() < 0 or kept.max() >= num_items):
+    if num_items is not None and len(kept) and (kept.min() < 0 or kept.max() >= num_items):
         raise ValueError(
             f"'{file}': item ids span [{kept.min()}, {kept.max()}]; the model's item table has "
-            f"{num_items} rows (ids as its training histories encoded them)"
+            f"{num_items} rows (ids as its training histories encoded them; raw item values "
+            "need --transform)"
         )
     return model(torch.from_numpy(kept), torch.from_numpy(lengths))

@@ -159,6 +159,9 @@ class TrainPipeline:
         if batch is not None:
             for collection in self.collections:
                 collection.prefetch_input(batch.sparse)
-            for collection in self.tiered:
-                collection.prefetch(batch.sparse)
+            # A sequence batch has no ``sparse``: its model builds the lookup (history and
+            # sampled candidates) in its forward, which prepares the rows then.
+            sparse = getattr(batch, "sparse", None)
+            for collection in self.tiered if sparse is not None else []:
+                collection.prefetch(sparse)
         return batch

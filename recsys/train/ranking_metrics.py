@@ -10,7 +10,9 @@ item unseen in training) is a miss. Then, per user,
 
     HR@k = [r < k],   NDCG@k = [r < k] / log2(r + 2),   MRR = 1 / (r + 1)
 
-averaged over users. Scores are computed in float64 in chunks of ``chunk_items`` items
+averaged over users. With ``keys`` (a dynamic item table's corpus: the ids it holds a row
+for), row i of the items is id ``keys[i]``, every row is a candidate and a target it lacks is a
+miss. Scores are computed in float64 in chunks of ``chunk_items`` items
 ([B, chunk] at a time, never [B, N]), so a corpus of millions of items fits. Under
 torch.distributed, :meth:`RankingMetrics.compute` sums over the ranks, so each rank evaluates
 its own users and every rank gets the metrics of all of them.
@@ -35,18 +37,22 @@ def target_ranks(
     first_item: int = 0,
     exclude: tuple[torch.Tensor, torch.Tensor] | None = None,
     chunk_items: int = 65536,
+    keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each user's target rank among the candidates (see the module docstring); -1 where the
     target is not a candidate.
 
     Args:
         queries: [B, D] one query vector per user.
-        items: [N, D] the item table (row i: item id i).
+        items: [N, D] the item table (row i: item id i), or with ``keys`` the corpus.
         targets: [B] int64 target item ids.
         first_item: the first candidate id (ids below are reserved).
         exclude: (values [L], offsets [B + 1]) int64: each user's items not to rank (their
             history); the target itself is never excluded.
         chunk_items: items scored at a time.
+        keys: [N] int64 ascending: the item id of each row of ``items`` (a dynamic item
+            table's corpus: the keys it holds). Every row is a candidate; a target outside
+            ``keys`` is a miss, and ids of ``exclude`` outside it are ignored.
 
     Raises:
         ValueError: mismatched shapes, a target outside [0, N), or chunk_items < 1.
@@ -61,6 +67,19 @@ def target_ranks(
         raise ValueError(f"targets {tuple(targets.shape)}: expected one per query, ({batch},)")
     if chunk_items < 1:
         raise ValueError(f"chunk_items = {chunk_items}; expected >= 1")
+    known = None
+    if keys is not None:
+        if keys.shape != (num_items,):
+            raise ValueError(f"keys {tuple(keys.shape)}: expected one per item, ({num_items},)")
+        targets, known = _rows_of(keys, targets)
+        if exclude is not None:
+            rows, found = _rows_of(keys, exclude[0])
+            # an unknown excluded id excludes the target's own row: a no-op (never excluded)
+            target_of = torch.repeat_interleave(targets, exclude[1].diff(), output_size=len(rows))
+            exclude = (torch.where(found, rows, target_of), exclude[1])
+        first_item = 0
+        if not num_items:  # an empty corpus: every target a miss
+            return torch.full_like(targets, -1)
     if batch and (targets.min() < 0 or targets.max() >= num_items):
         raise ValueError(
             f"target ids span [{int(targets.min())}, {int(targets.max())}]; the item table has "
@@ -85,7 +104,17 @@ def target_ranks(
         mine = (targets >= start) & (targets < stop)
         scores[rows[mine], targets[mine] - start] = -math.inf  # not counted against itself
         ahead += (scores >= target_scores[:, None]).sum(dim=1)
-    return torch.where(targets >= first_item, ahead, -1)
+    candidate = targets >= first_item if known is None else known
+    return torch.where(candidate, ahead, -1)
+
+
+def _rows_of(keys: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the row of each of ``ids`` in ascending ``keys``, 0 where absent; whether present)."""
+    if not keys.numel():
+        return torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+    at = torch.searchsorted(keys, ids).clamp(max=keys.numel() - 1)
+    found = keys[at] == ids
+    return torch.where(found, at, 0), found
 
 
 class RankingMetrics:
@@ -116,6 +145,7 @@ class RankingMetrics:
         items: torch.Tensor,
         targets: torch.Tensor,
         exclude: tuple[torch.Tensor, torch.Tensor] | None = None,
+        keys: torch.Tensor | None = None,
     ) -> None:
         """Add a batch of users (arguments as :func:`target_ranks`)."""
         rank = target_ranks(
@@ -125,6 +155,7 @@ class RankingMetrics:
             first_item=self.first_item,
             exclude=exclude,
             chunk_items=self.chunk_items,
+            keys=keys,
         )
         hit = rank >= 0
         r = rank.clamp(min=0).double()

@@ -10,6 +10,11 @@ in the train histories) and, on the synthetic log's test split, ``oracle_hr@10``
 ``oracle_ndcg@10`` (expected of the ranking by the true next-item distribution:
 :func:`recsys.data.synthetic_sequences.oracle_metrics`).
 
+With a dynamic item table (raw item keys, or ``model.dynamic.tables``) the ranking corpus is the
+keys the table holds at the evaluation (every item trained on and not evicted since, reserved
+ids left out): a held-out item the table lacks is a miss, as an item unseen in training is with
+categorified ids. The popularity reference ranks the train histories' distinct items.
+
 Under torchrun the item table is sharded (:class:`recsys.distributed.ShardedEmbeddingCollection`,
 placed by the planner) and the dense layers run under DDP: each rank trains on its share of
 every global batch of ``train.batch_size x world_size`` users (its own in-batch negatives) and
@@ -31,10 +36,11 @@ from torchrec import KeyedJaggedTensor
 from recsys.config import Config
 from recsys.data import resolve_source
 from recsys.data.layout import EpochLayout, Reshard
+from recsys.data.loader import background
 from recsys.data.sequence_batches import ITEMS, SequenceBatch, SequenceLoader
 from recsys.data.sequence_source import SequenceDataset, build_sequence_dataset
 from recsys.distributed.parallel import DistributedInfo
-from recsys.models.next_item import next_item_loss
+from recsys.models.next_item import corpus_keys, next_item_loss
 from recsys.train.ranking_metrics import RankingMetrics
 
 __all__ = ["NextItemTask", "ranking_line"]
@@ -44,19 +50,37 @@ KS = (10, 50)
 
 class _Epoch:
     """The batches of one epoch of a split from ``start_batch`` on, moved to ``device``;
-    ``len()`` is the epoch's whole length (the trainer counts from 0)."""
+    ``len()`` is the epoch's whole length (the trainer counts from 0). With ``prefetch`` > 0
+    they are cut in a background thread that many ahead (on CUDA in pinned memory, copied
+    without blocking), so the training step never waits for the host to build one."""
 
     def __init__(
-        self, loader: SequenceLoader, epoch: int, start_batch: int, device: torch.device
+        self,
+        loader: SequenceLoader,
+        epoch: int,
+        start_batch: int,
+        device: torch.device,
+        prefetch: int = 0,
     ) -> None:
         self.loader, self.epoch, self.start_batch, self.device = loader, epoch, start_batch, device
+        self.prefetch = prefetch
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[SequenceBatch]:
-        for batch in self.loader.epoch(self.epoch, self.start_batch):
-            yield batch.to(self.device)
+        pin = self.device.type == "cuda"
+        built = self.loader.epoch(self.epoch, self.start_batch)
+        batches = (batch.pin_memory() if pin else batch for batch in built)
+        if self.prefetch > 0:
+            batches = background(batches, self.prefetch)
+        try:
+            for batch in batches:
+                yield batch.to(self.device, non_blocking=pin)
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:  # stops the background thread
+                close()
 
     @property
     def layout(self) -> EpochLayout:
@@ -114,8 +138,17 @@ class NextItemTask:
                     f"the {split} split of the histories has no user (a user needs 3 events or "
                     "more for a valid and a test target)"
                 )
-        counts = torch.from_numpy(self.data.train_item_counts()).double()
-        self.popularity = {split: self._popularity(counts, split) for split in ("valid", "test")}
+        if self.data.raw_ids:  # raw item keys: counted by key
+            keys, counts = (torch.from_numpy(a) for a in self.data.train_key_counts())
+            self.popularity = {
+                split: self._popularity(counts.double(), split, keys.to(device))
+                for split in ("valid", "test")
+            }
+        else:
+            counts = torch.from_numpy(self.data.train_item_counts()).double()
+            self.popularity = {
+                split: self._popularity(counts, split) for split in ("valid", "test")
+            }
         if self.data.max_len > self.max_len:
             say(
                 f"histories of up to {self.data.max_len} events are cut to their last "
@@ -149,7 +182,9 @@ class NextItemTask:
             rank=self.info.rank,
             world_size=self.info.world_size,
         )
-        return _Epoch(loader, epoch, start_batch, self.device)
+        prefetch = self.config.data.prefetch_batches  # -1 (auto): 4 on CUDA, none on CPU
+        prefetch = prefetch if prefetch >= 0 else (4 if self.device.type == "cuda" else 0)
+        return _Epoch(loader, epoch, start_batch, self.device, prefetch)
 
     def _eval_batches(self, split: str) -> Iterator[SequenceBatch | None]:
         """This rank's batches of ``split``, then None until it has given as many as rank 0
@@ -183,14 +218,17 @@ class NextItemTask:
         was_training = model.training
         model.eval()
         metrics = self._metrics()
-        items = model.item_vectors()  # [N, D]
+        keys = model.item_keys()  # a dynamic item table's corpus: the keys it holds
+        if keys is not None:
+            keys = corpus_keys(keys, self.data.first_item)
+        items = model.item_vectors(keys)  # [N, D]
         users = 0
         for batch in self._eval_batches(split):
             if batch is None:  # this rank has no users left: an empty lookup, as collective
                 model.user_vectors(self._no_users(), 0)
                 continue
             queries = model.user_vectors(batch.items, batch.max_length)  # [B, D]
-            metrics.update(queries, items, batch.targets, self._exclude(batch))
+            metrics.update(queries, items, batch.targets, self._exclude(batch), keys)
             users += batch.size
         model.train(was_training)
         result: dict[str, Any] = {**metrics.compute(), "num_users": self._summed(users)}
@@ -225,14 +263,17 @@ class NextItemTask:
             return None
         return batch.items.values(), batch.items.offsets()
 
-    def _popularity(self, counts: torch.Tensor, split: str) -> dict[str, float]:
+    def _popularity(
+        self, counts: torch.Tensor, split: str, keys: torch.Tensor | None = None
+    ) -> dict[str, float]:
         """The metrics of ranking items by their train count: a query of 1 against one-dim item
-        "vectors" holding the counts, so ties, candidates and exclusions are the model's."""
+        "vectors" holding the counts, so ties, candidates and exclusions are the model's (raw
+        item keys: ``keys`` [N] ascending, the items counted)."""
         metrics = self._metrics()
         items = counts[:, None].to(self.device)  # [N, 1]
         for batch in self.loader(split):
             queries = torch.ones(batch.size, 1, dtype=torch.float64, device=self.device)
-            metrics.update(queries, items, batch.targets, self._exclude(batch))
+            metrics.update(queries, items, batch.targets, self._exclude(batch), keys)
         return metrics.compute()
 
 

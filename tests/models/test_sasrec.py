@@ -11,7 +11,9 @@ from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 import recsys
 from recsys.data.sequence_batches import SequenceBatch
+from recsys.embedding.dynamic_table import DynamicTableOptions
 from recsys.embedding.optim import Adam
+from recsys.embedding.unpooled_tables import DynamicEmbeddingCollection
 from recsys.models.next_item import next_item_loss
 from recsys.models.sasrec import CANDIDATES, HISTORY, SASRec
 from tests.models.sequence_training import train_and_rank
@@ -101,6 +103,42 @@ def test_sampled_softmax_corrects_for_in_batch_popularity_and_masks_hits():
     positive = (hidden * table[targets]).sum(1, keepdim=True)
     want = F.cross_entropy(torch.cat([positive, logits], 1), torch.zeros(4, dtype=torch.int64))
     assert torch.allclose(loss, want, atol=1e-6)
+
+
+def _dynamic_twin(fixed: SASRec, num_items: int) -> SASRec:
+    """``fixed`` over a dynamic item table holding keys 0 .. num_items - 1 with its rows."""
+    table = EmbeddingConfig(name="item", num_embeddings=8, embedding_dim=8, feature_names=FEATURES)
+    items = DynamicEmbeddingCollection([table], DynamicTableOptions(), optimizer=Adam(lr=0.01))
+    keys = torch.arange(num_items)
+    kjt = KeyedJaggedTensor(keys=FEATURES, values=keys, lengths=torch.tensor([num_items, 0]))
+    items(kjt)  # a training lookup inserts every key
+    with torch.no_grad():
+        weight = items.embeddings["item"].weight
+        slots = items.dynamic["item"].find(keys)
+        weight[slots] = fixed.embeddings.embeddings["item"].weight[keys]
+    twin = SASRec(items, max_len=12, num_heads=2, dropout=0.1)
+    twin.load_state_dict(
+        {k: v for k, v in fixed.state_dict().items() if not k.startswith("embeddings.")},
+        strict=False,
+    )
+    return twin
+
+
+@pytest.mark.parametrize("full_softmax", [False, True])
+def test_a_dynamic_item_table_holding_every_id_gives_the_fixed_tables_loss(full_softmax):
+    """Over raw keys the corpus is the keys held: holding exactly the fixed table's ids, the
+    loss (same draws, same logQ) and the ranking vectors are the fixed table's."""
+    fixed = _model().eval()
+    dynamic = _dynamic_twin(fixed, 40).eval()
+    batch = _train_batch([[4, 5, 6, 5, 9], [7, 5], [3, 30, 31]])
+    losses = []
+    for model in (fixed, dynamic):
+        g = torch.Generator().manual_seed(1)
+        options = dict(in_batch=3, uniform=5, first_item=3, generator=g, full_softmax=full_softmax)
+        losses.append(next_item_loss(model, batch, **options))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    assert torch.equal(dynamic.item_keys(), torch.arange(40))
+    assert torch.equal(dynamic.item_vectors(), fixed.item_vectors())
 
 
 def test_bad_models_and_batches_are_named():

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from recsys.config import load_config
+from recsys.data.keys import value_keys
 from recsys.distributed.parallel import DistributedInfo
 from recsys.serve.export import export_model, predict
-from recsys.serve.retrieval_export import load_retrieval
+from recsys.serve.retrieval_export import load_item_encoding, load_retrieval
 from recsys.train.retrieval import NextItemTask
 from recsys.train.trainer import train
 from tests.train.test_sequence_training import TINY
@@ -67,10 +68,87 @@ def test_predicted_top_10_reproduces_the_test_hit_rate(exported, tmp_path):
 def test_predict_refuses_raw_input_and_missing_histories(exported, tmp_path):
     _, _, model_path = exported
     with pytest.raises(ValueError, match="sequence model's export"):
-        predict(model_path, tmp_path, tmp_path / "out.parquet", transform=True)
+        predict(model_path, tmp_path, tmp_path / "out.parquet", transform=True, format="csv")
     pq.write_table(pa.table({"user": ["a"]}), tmp_path / "no_items.parquet")
     with pytest.raises(ValueError, match="has no 'items' column"):
         predict(model_path, tmp_path / "no_items.parquet", tmp_path / "out.parquet")
     with pytest.raises(ValueError, match="item ids span \\[3, 99\\]"):
         predict(model_path, _histories(tmp_path, [[3, 99]]), tmp_path / "out.parquet")
     assert not (tmp_path / "out.parquet").exists()
+
+
+def test_top_k_is_an_export_and_predict_option(exported, tmp_path):
+    root, _, model_path = exported
+    corpus = load_retrieval(model_path)[1]["corpus"]
+    for bad in (0, corpus + 1):
+        with pytest.raises(ValueError, match=f"top_k = {bad}; expected 1 <= top_k <= {corpus}"):
+            export_model(root / "run", tmp_path / "bad.pt2", top_k=bad)
+    five = export_model(root / "run", tmp_path / "five.pt2", top_k=5)
+    assert load_retrieval(five)[1]["top_k"] == 5
+    histories = _histories(tmp_path, [[5, 9, 4], [7]])
+    predict(model_path, histories, tmp_path / "all.parquet")
+    predict(five, histories, tmp_path / "three.parquet", top_k=3)
+    every = pq.read_table(tmp_path / "all.parquet")["top_items"].to_pylist()
+    three = pq.read_table(tmp_path / "three.parquet")["top_items"].to_pylist()
+    assert three == [top[:3] for top in every]
+    with pytest.raises(
+        ValueError, match="top_k = 6; .* export the checkpoint again with --top-k 6"
+    ):
+        predict(five, histories, tmp_path / "six.parquet", top_k=6)
+    with pytest.raises(ValueError, match=f"top_k = 0; .* the model ranks {corpus} items"):
+        predict(five, histories, tmp_path / "none.parquet", top_k=0)
+
+
+def test_predict_from_raw_item_histories(exported, tmp_path):
+    """Raw item values go through the training data's encoding: the same top items as the
+    encoded histories, given back as the items' own values (categorify)."""
+    _, _, model_path = exported
+    encoding = load_item_encoding(model_path)
+    assert encoding.encoding == "categorify"
+    rows = [[5, 9, 4], [], [12, 3, 3, 40, 2]]  # 2: the rare id, an item unseen in training
+    predict(model_path, _histories(tmp_path, rows), tmp_path / "ids.parquet", top_k=7)
+    unseen = "an item no one saw"
+    names = [
+        [encoding.decode(np.array([i])).to_pylist()[0] if i >= 3 else unseen for i in r]
+        for r in rows
+    ]
+    pq.write_table(pa.table({"items": pa.array(names)}), tmp_path / "raw.parquet")
+    predict(
+        model_path, tmp_path / "raw.parquet", tmp_path / "raw_top.parquet", transform=True, top_k=7
+    )
+    by_id = pq.read_table(tmp_path / "ids.parquet")["top_items"].to_pylist()
+    by_name = pq.read_table(tmp_path / "raw_top.parquet")["top_items"].to_pylist()
+    assert by_name == [encoding.decode(np.array(top)).to_pylist() for top in by_id]
+    assert all(isinstance(item, str) and item.startswith("i") for top in by_name for item in top)
+
+
+@pytest.mark.slow
+def test_a_dynamic_item_table_exports_its_keys_and_reads_raw_items(tmp_path):
+    """Raw item keys: the corpus is the keys the table held at the checkpoint; raw item values
+    and their keys give the same top items; an item never trained reads the zero row."""
+    result = train(
+        load_config(
+            None,
+            [*TINY, "--data.synthetic_sequences.id_encoding=raw", f"--run.dir={tmp_path / 'run'}"],
+        )
+    )
+    model_path = export_model(tmp_path / "run", tmp_path / "model.pt2", top_k=10)
+    info = load_retrieval(model_path)[1]
+    assert info["dynamic"] and info["corpus"] == 60 and result.test["hr@10"] > 0
+    names = [["i3", "i17", "i4"], ["i8", "never seen"], []]
+    pq.write_table(pa.table({"items": pa.array(names)}), tmp_path / "raw.parquet")
+    keys = [value_keys(pa.array(n, pa.string())).tolist() for n in names]
+    predict(model_path, tmp_path / "raw.parquet", tmp_path / "by_name.parquet", transform=True)
+    predict(model_path, _histories(tmp_path, keys), tmp_path / "by_key.parquet")
+    other_unknown = [[keys[1][0], int(value_keys(pa.array(["another unseen one"]))[0])]]
+    predict(model_path, _histories(tmp_path, other_unknown), tmp_path / "unknown.parquet")
+    by_name = pq.read_table(tmp_path / "by_name.parquet").to_pydict()
+    by_key = pq.read_table(tmp_path / "by_key.parquet").to_pydict()
+    unknown = pq.read_table(tmp_path / "unknown.parquet").to_pydict()
+    assert by_name["top_items"] == by_key["top_items"]
+    corpus = set(value_keys(pa.array([f"i{i}" for i in range(60)])).tolist())
+    assert all(len(top) == 10 and set(top) <= corpus for top in by_key["top_items"])
+    # Items never trained read the zero row: one unknown item is as good as another.
+    assert by_key["top_items"][1] == unknown["top_items"][0]
+    np.testing.assert_allclose(by_key["top_scores"][1], unknown["top_scores"][0], rtol=1e-5)
+    assert by_key["top_scores"][2] == [0.0] * 10  # an empty history: the zero user vector

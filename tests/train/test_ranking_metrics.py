@@ -56,6 +56,38 @@ def test_ranks_match_the_definition(chunk_items, first_item, with_history):
     assert ranks.tolist() == want
 
 
+@pytest.mark.parametrize("with_history", [False, True])
+def test_ranks_over_keys_are_the_ranks_of_their_rows(with_history):
+    """A dynamic table's corpus: row i is key keys[i]; a target it lacks is a miss and history
+    items it lacks exclude nothing."""
+    queries, items, targets, exclude, history = _case(seed=11)
+    generator = torch.Generator().manual_seed(2)
+    keys = torch.randint(-(2**40), 2**40, (100,), generator=generator).unique()[:37]
+    assert len(keys) == 37
+    targets[1] = 36
+    absent = keys.max() + 1
+    values, offsets = exclude
+    keyed_values = keys[values]
+    keyed_values[-1:] = absent  # a history item outside the corpus
+    keyed_targets = keys[targets]
+    keyed_targets[1] = absent  # a held-out item the table lacks
+    ranks = target_ranks(
+        queries,
+        items,
+        keyed_targets,
+        exclude=(keyed_values, offsets) if with_history else None,
+        chunk_items=7,
+        keys=keys,
+    )
+    last = int(torch.searchsorted(offsets, len(values) - 1, right=True)) - 1
+    history[last] = history[last][:-1]  # its last item is not in the corpus: excludes nothing
+    want = _reference_ranks(queries, items, targets, 0, history if with_history else None)
+    want[1] = -1
+    assert ranks.tolist() == want
+    empty = target_ranks(queries, items[:0], keyed_targets, keys=keys[:0])
+    assert empty.tolist() == [-1] * len(targets)
+
+
 def test_ties_count_against_the_target():
     """A model that scores every item alike ranks each target last."""
     queries, items = torch.ones(4, 3), torch.ones(20, 3)

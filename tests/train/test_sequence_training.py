@@ -126,7 +126,14 @@ def test_recipe_trains_as_it_is(recipe, tmp_path):
         (["--model.sequence.num_heads=3"], "divisible by model.sequence.num_heads"),
         (["--data.synthetic_sequences.num_topics=100"], "num_items >= num_topics"),
         (["--train.batch_size=500"], "larger than the 200 train histories"),
-        (["--model.storage.tier=host"], "keeps its item table on the device"),
+        (
+            ["--data.synthetic_sequences.id_encoding=raw", "--model.storage.tier=host"],
+            "tiered dynamic item table is not supported",
+        ),
+        (
+            ["--model.dynamic.tables=['all']", "--train.fused_embedding_update=false"],
+            "trained by the fused embedding update",
+        ),
     ],
 )
 def test_bad_sequence_configs_are_named(tmp_path, overrides, message):

@@ -1,7 +1,8 @@
 """One steady-state training step of the default recipe (``configs/dlrm_synthetic.toml``),
 audited by :class:`recsys.train.step_audit.StepAudit`, against the budget recorded in
 ``step_audit_budget.json``: in one process (fixed tables, ``train.id_checks = "async"`` as on
-a GPU: no sync at all), in one process with every table dynamic and every key of the step
+a GPU: no sync at all), SASRec's step (``configs/sasrec_synthetic.toml``: no sync but its
+CPU backward's), in one process with every table dynamic and every key of the step
 already held (at most 2 syncs and twice the fixed step's ops), and on each of 2 gloo ranks (the
 sharded step). A sync beyond the
 budget fails naming its ``file:line``; ops beyond it name the files whose count grew.
@@ -19,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from recsys.config import load_config
@@ -160,6 +162,34 @@ def test_dynamic_all_hits_step_within_budget(tmp_path):
     assert {site.split(":")[0] for _, site in report.syncs} <= {"recsys/embedding/key_arena.py"}
     assert report.num_ops <= 2 * sum(fixed["ops"].values()), report.describe()
     check("dynamic_all_hits", [summary(report)])
+
+
+SEQUENCE_RECIPE = RECIPE.with_name("sasrec_synthetic.toml")
+# The CPU backward of a fused update whose optimizer FBGEMM's CPU kernels lack (Adam): it
+# reads its segment bounds on the host. A GPU runs the Triton backward instead.
+CPU_BACKWARD = {"recsys/ops/embedding_bag_layout.py", "recsys/ops/embedding_bag_cpu.py"}
+
+
+@pytest.mark.slow
+def test_sequence_step_within_budget(tmp_path):
+    """SASRec's next-item step (sampled softmax, fused Adam on the item table), batches cut
+    ahead in the loader's thread, ids checked on the device: no sync but the CPU backward's."""
+    options = [
+        f"--run.dir={tmp_path / 'run'}",
+        "--run.device=cpu",
+        "--train.progress_bar=false",
+        "--train.log_every_steps=1000",
+        "--train.eval_every_steps=0",
+        "--checkpoint.save_final=false",
+        "--data.prefetch_batches=2",
+        "--data.synthetic_sequences.num_users=600",
+        "--train.epochs=1",
+        '--train.id_checks="async"',
+    ]
+    report = audit_training(load_config(SEQUENCE_RECIPE, options), warmup=WARMUP, steps=1)
+    assert_nothing_logged(tmp_path / "run")
+    assert {site.split(":")[0] for _, site in report.syncs} <= CPU_BACKWARD, report.describe()
+    check("sequence_one_process", [summary(report)])
 
 
 def audit_placing_step(tmp_path, monkeypatch, options: list[str]) -> tuple[AuditReport, list]:
