@@ -176,18 +176,32 @@ def make_model(
     return model, torch.optim.Adam(dense, lr=run.lr)
 
 
-def train_recsys(split_dir: Path, run: SASRecRun, device: torch.device) -> dict[str, float]:
-    """``recsys train`` of SASRec on the histories in ``split_dir`` for ``run.epochs`` epochs
-    (the run's config below; no valid evaluation, no checkpoint), ranking every item for each
-    test user at the end; HR@10, NDCG@10, MRR, steps and seconds."""
+# the recsys models a run can train on the split (--recsys-models): model.name and overrides
+RECSYS_MODELS = {
+    "sasrec": ("sasrec", []),
+    "hstu": ("hstu", []),
+    "hstu_rab": ("hstu", ["--model.sequence.relative_bias=true"]),
+}
+
+
+def train_recsys(
+    split_dir: Path, run: SASRecRun, device: torch.device, model: str = "sasrec"
+) -> dict[str, float]:
+    """``recsys train`` of ``model`` (a key of :data:`RECSYS_MODELS`; SASRec by default) on the
+    histories in ``split_dir`` for ``run.epochs`` epochs (the run's config below, the FFN width
+    for SASRec only; no valid evaluation, no checkpoint), ranking every item for each test user
+    at the end; HR@10, NDCG@10, MRR, steps and seconds."""
+    name, extra = RECSYS_MODELS[model]
+    ffn = [f"--model.sequence.ffn_dim={run.ffn_dim}"] if name == "sasrec" else []
     overrides = [
-        "--model.name=sasrec",
+        f"--model.name={name}",
+        *extra,
+        *ffn,
         f"--model.embedding_dim={run.dim}",
         f"--model.sequence.max_len={run.max_len}",
         f"--model.sequence.num_blocks={run.blocks}",
         f"--model.sequence.num_heads={run.heads}",
         f"--model.sequence.dropout={run.dropout}",
-        f"--model.sequence.ffn_dim={run.ffn_dim}",
         f"--data.path={split_dir}",
         f"--train.batch_size={run.batch_size}",
         f"--train.epochs={run.epochs}",
@@ -295,25 +309,27 @@ def accuracy_rows(
     metadata = preprocess(csv_path, split_dir, run.max_len)
     prep_s = time.perf_counter() - started
     num_items = metadata["sequence"]["num_items"]
-    ours = train_recsys(split_dir, run, args.device)
-    ours_wall = time.perf_counter() - started
     dataset = (
         f"{ML_100K.name} ({ML_100K.package}) leave-one-out: {metadata['input']['users']} users, "
         f"{num_items - FIRST_ID} train items, {metadata['input']['interactions']} events"
     )
-    config = run.describe()
-    lines = [
-        _accuracy_line(
-            "recsys",
-            dataset,
-            config,
-            ours,
-            ours_wall,
-            env,
-            f"preprocess_s={prep_s:.1f} train_s={ours['train_s']:.1f} eval_s="
-            f"{ours['eval_s']:.1f} steps={ours['steps']} mrr={ours['mrr']:.4f}; {load}",
+    lines = []
+    for model in args.recsys_models:
+        ours = train_recsys(split_dir, run, args.device, model)
+        ours_wall = time.perf_counter() - started
+        lines.append(
+            _accuracy_line(
+                "recsys" if model == "sasrec" else f"recsys_{model}",
+                dataset,
+                run.describe() if model == "sasrec" else f"{model}: {run.describe()}",
+                ours,
+                ours_wall,
+                env,
+                f"preprocess_s={prep_s:.1f} train_s={ours['train_s']:.1f} eval_s="
+                f"{ours['eval_s']:.1f} steps={ours['steps']} mrr={ours['mrr']:.4f}; {load}",
+            )
         )
-    ]
+        load, started = load_note(), time.perf_counter() - prep_s
     if peer is not None:
         load = load_note()
         started = time.perf_counter()
@@ -471,6 +487,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="RecBole examples per batch (default: as many steps per epoch as recsys)",
     )
     parser.add_argument("--loss", choices=["full", "sampled"], default=defaults.loss)
+    parser.add_argument(
+        "--recsys-models",
+        nargs="+",
+        choices=list(RECSYS_MODELS),
+        default=["sasrec"],
+        help="recsys models trained on the split (hstu: HSTU, the FFN width unused; hstu_rab: "
+        "with the relative position bias)",
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     parser.add_argument("--step-lens", type=int, nargs="+", default=[50, 200])
