@@ -81,11 +81,9 @@ __all__ = ["KeyArena", "Placed", "build_arenas", "joins_arena"]
 
 # Hint entries per slot of a table (more: fewer keys sharing an entry, more memory and cache
 # traffic), and the most hint entries of an arena (2**23: 64 MiB): past that, the largest
-# tables get fewer per slot, and hints serve their hot keys. Entries go in sets of
-# ``HINT_WAYS`` (a key's hint is in any entry of its set, so hot keys that hash alike each
-# keep one).
+# tables get fewer per slot, and hints serve their hot keys. A key's hint is the one entry its
+# hash names (sets of several entries cost more gathers per id than the scans they save).
 HINTS_PER_SLOT = 4
-HINT_WAYS = 4
 MAX_HINTS = 1 << 23
 # Fibonacci hashing: bits 32.. of key * 2**64 / golden ratio pick a hint entry.
 _FIBONACCI = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as int64
@@ -216,15 +214,15 @@ class KeyArena:
             "seed": [*(table.seed for table in self.tables), 0],
             "insertable": [*(self._insertable(table) for table in self.tables), False],
         }
-        # each table's own region of hint sets (a power of two), then one set for ids of no
+        # each table's own region of hints (a power of two), then one entry for ids of no
         # table, all naming the scratch slot (EMPTY_KEY, of no table) until written
-        sets = [n // HINT_WAYS for n in hint_sizes(capacities)]
-        per_table["hint_base"] = [*itertools.accumulate([0, *sets[:-1]]), sum(sets)]
-        per_table["hint_mask"] = [*(n - 1 for n in sets), 0]
+        sizes = hint_sizes(capacities)
+        per_table["hint_base"] = [*itertools.accumulate([0, *sizes[:-1]]), sum(sizes)]
+        per_table["hint_mask"] = [*(n - 1 for n in sizes), 0]
         self._hints = None
         if self.backend == "torch":
             self._hints = torch.full(
-                (sum(sets) + 1, HINT_WAYS), total, dtype=torch.int64, device=self.device
+                (sum(sizes) + 1,), total, dtype=torch.int64, device=self.device
             )
         self._per_table = {
             name: torch.tensor(values, device=self.device) for name, values in per_table.items()
@@ -456,7 +454,7 @@ class KeyArena:
         self, ids: torch.Tensor, per_id: _Ids
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
         """Each id's slot in the arena, -1 where its table does not hold it, and the ids whose
-        bucket was scanned (positions [U], their slots [U] and hint sets [U] (None: no hints);
+        bucket was scanned (positions [U], their slots [U] and hint entries [U] (None: no hints);
         None when every id of the arena had a valid hint). Triton: one scan of every id's
         bucket. Torch: the hints, then a scan of the ids without a valid one, listed by a host
         read; the keys it finds are hinted."""
@@ -472,15 +470,12 @@ class KeyArena:
             if not per_id.every_id:  # ids of no table of the arena: at the scratch, no miss
                 found = torch.where(per_id.mine, found, self.scratch)
             return found, (per_id.position, found, None)
-        # [V] the hint set of the id's own table, [V, W] the slots its entries name and [V]
-        # the one holding the id's key (-1: none does)
-        hint_set = (((ids * _FIBONACCI) >> 32) & per_id.hint_mask) + per_id.hint_base
-        ways = self._hints.index_select(0, hint_set)
-        hit = self.keys.index_select(0, ways.view(-1)).view_as(ways) == ids.unsqueeze(1)
-        slot = torch.where(hit, ways, -1).amax(dim=1)
+        # [V] the hint of the id's own table, the slot it names (the scratch where none)
+        hint_at = (((ids * _FIBONACCI) >> 32) & per_id.hint_mask) + per_id.hint_base
+        slot = self._hints.index_select(0, hint_at)
         # (a free slot holds EMPTY_KEY: an id of that reserved value must scan, find nothing
         # and reach the insert path's error)
-        unsure = (slot < 0) | (ids == EMPTY_KEY)
+        unsure = (self.keys.index_select(0, slot) != ids) | (ids == EMPTY_KEY)
         if not per_id.every_id:
             unsure &= per_id.mine
         # the first host read of a step (its only one when every id has a valid hint)
@@ -494,16 +489,15 @@ class KeyArena:
             ids.index_select(0, where),
             per_id.first_bucket.index_select(0, where),
         )  # [U]
-        sets = hint_set.index_select(0, where)
-        self._remember(sets, slots)
-        return slot.index_put_((where,), slots), (where, slots, sets)
+        hints = hint_at.index_select(0, where)
+        self._remember(hints, slots)
+        return slot.index_put_((where,), slots), (where, slots, hints)
 
-    def _remember(self, sets: torch.Tensor, slots: torch.Tensor) -> None:
-        """Hint the found ``slots`` [U] (-1: absent, not hinted) in the first entry of their
-        hint ``sets`` [U], the entries there moving one along (the least recent goes)."""
-        ways = self._hints.index_select(0, sets)  # [U, W]
-        moved = torch.cat([slots.unsqueeze(1), ways[:, :-1]], dim=1)
-        self._hints.index_put_((sets,), torch.where((slots >= 0).unsqueeze(1), moved, ways))
+    def _remember(self, hints: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the found ``slots`` [U] into their ``hints`` entries [U] (-1: absent, the
+        entry kept)."""
+        kept = self._hints.index_select(0, hints)
+        self._hints.index_put_((hints,), torch.where(slots >= 0, slots, kept))
 
     def _count_inserts(
         self,
