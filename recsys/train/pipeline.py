@@ -23,8 +23,9 @@ of batch i+1 done and unused, which changed nothing, and the collections forget 
 
 ``train.pipeline = "auto"`` (the default) pipelines on CUDA where a collection exchanges ids
 (torchrun with more than one rank, some table not DATA_PARALLEL). On CPU it is off: on 2 gloo
-ranks of a 2-core machine there is no idle core for the exchange to run on, and the pipelined
-step measured 0.83x the plain one (``benchmarks/results/train_step.csv``). In one process there
+ranks of a 2-core machine there is little idle time for the exchange to run in (the pipelined
+step measured 0.83x the plain one with the counts exchanged at pull time, 1.05-1.08x with
+them read after forward: ``benchmarks/results/train_step.csv``). In one process there
 is no input_dist to run ahead. "on" pipelines anyway (and says it is inactive where nothing runs
 ahead: :attr:`TrainPipeline.note`), "off" is the plain loop.
 
