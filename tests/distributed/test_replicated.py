@@ -126,7 +126,7 @@ def _bitwise_body(rank: int, world: int, sharded_table: bool = False) -> None:
                 (sharded(kjt).values() * upstream).sum().backward()
             if sharded_table and step > 1:  # the rows' counts and union came with the counts
                 reads = [(op, site.split(":")[0]) for op, site in report.syncs]
-                assert reads.count(("tolist", "recsys/distributed/comm.py")) == 1, reads
+                assert reads.count(("tolist", "recsys/distributed/counts.py")) == 1, reads
                 files = {file for _, file in reads}
                 assert "recsys/distributed/replicated.py" not in files, report.describe()
                 assert "recsys/ops/row_update.py" not in files, report.describe()  # 2 dim groups
