@@ -126,10 +126,14 @@ class TargetRankingTask:
         self.config, self.device, self.info = config, device, info
         sequence = config.model.sequence
         self.max_len = sequence.max_len
-        try:
-            params = SyntheticSequences(
-                **asdict(config.data.synthetic_sequences), seed=config.run.seed
+        options = asdict(config.data.synthetic_sequences)
+        if options.pop("id_encoding") != "index":
+            raise ValueError(
+                "model.name = 'hstu_ranking' trains on item indices; data.synthetic_sequences."
+                "id_encoding = 'raw' (dynamic item tables) is for sasrec / hstu"
             )
+        try:
+            params = SyntheticSequences(**options, seed=config.run.seed)
         except ValueError as error:
             raise ValueError(f"[data.synthetic_sequences]: {error}") from None
         self.samples: RankingSamples = synthetic_ranking(params, sequence.num_candidates)

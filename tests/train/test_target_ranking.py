@@ -58,3 +58,6 @@ def test_other_data_and_several_processes_are_refused(tmp_path):
     config = _config(tmp_path)
     with pytest.raises(ValueError, match="trains in one process; this run has 2"):
         TargetRankingTask(config, None, DistributedInfo(0, 2, 0), print)
+    config = _config(tmp_path, "--data.synthetic_sequences.id_encoding=raw")
+    with pytest.raises(ValueError, match="id_encoding = 'raw'"):
+        TargetRankingTask(config, None, DistributedInfo(0, 1, 0), print)
