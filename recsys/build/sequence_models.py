@@ -84,6 +84,11 @@ def build_sequence_model(
     storage = storage_options(config.storage, [logical], dynamic, run_dir)
     table = replace(logical, feature_names=[HISTORY, CANDIDATES])
     items = _item_collection(config, table, options, storage, device, embedding_optimizer, seed)
+    if config.name in ("hstu", "hstu_ranking") and sequence.num_heads > dim:
+        raise ValueError(
+            f"model.sequence.num_heads = {sequence.num_heads} must be <= model.embedding_dim "
+            f"= {dim}"
+        )
     if config.name == "sasrec":
         if dim % sequence.num_heads:
             raise ValueError(
@@ -99,11 +104,6 @@ def build_sequence_model(
             ffn_dim=sequence.ffn_dim or None,
         )
     elif config.name == "hstu":
-        if sequence.num_heads > dim:
-            raise ValueError(
-                f"model.sequence.num_heads = {sequence.num_heads} must be <= model.embedding_dim "
-                f"= {dim}"
-            )
         model = HSTU(
             items,
             max_len=sequence.max_len,
@@ -115,11 +115,6 @@ def build_sequence_model(
             relative_bias=sequence.relative_bias,
         )
     elif config.name == "hstu_ranking":
-        if sequence.num_heads > dim:
-            raise ValueError(
-                f"model.sequence.num_heads = {sequence.num_heads} must be <= model.embedding_dim "
-                f"= {dim}"
-            )
         model = HSTURanking(
             items,
             max_len=sequence.max_len,

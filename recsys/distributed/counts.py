@@ -35,11 +35,10 @@ class PendingCounts:
     width: int
     num_extras: int
     slots: int  # this rank's slots
-    read: torch.Tensor | None = None  # what the host reads, once the exchange has arrived
-    prepare: Callable[[], torch.Tensor] | None = None  # builds ``read`` after the exchange
+    prepare: Callable[[], torch.Tensor] | None = None  # what the host reads, once arrived
     work: Any = None  # the collective (None once waited for)
     event: Any = None  # CUDA: the side stream's event after the copy to ``host``
-    host: torch.Tensor | None = None  # CUDA: ``read`` in pinned host memory
+    host: torch.Tensor | None = None  # CUDA: ``prepare()`` in pinned host memory
     stats: CommStats | None = None
     _counts: Counts | None = None
 
@@ -57,7 +56,7 @@ class PendingCounts:
             else:
                 self.work.wait()
                 known = self.prepare().tolist()
-        self.work = self.prepare = self.read = None
+        self.work = self.prepare = None
         world, width, num_extras = self.world, self.width, self.num_extras
         rows = [known[s * width : (s + 1) * width] for s in range(world)]
         self._counts = Counts(

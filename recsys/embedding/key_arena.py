@@ -362,7 +362,7 @@ class KeyArena:
         mapped, missing, fresh, counted = None if per_id.every_id else per_id.mine, [], None, False
         overflow = False
         if scanned is not None:  # misses can only be among the scanned ids
-            where, slots, sets = scanned
+            where, slots, hints = scanned
             tables = per_id.table.index_select(0, where)
             # [T + 1] ids without a row per table: a host read
             missed = torch.zeros_like(self.hits).index_add_(0, tables, (slots < 0).long())
@@ -384,8 +384,8 @@ class KeyArena:
                 self.hits += hits * (missed == 0)  # the others count theirs on their path
                 counted = True
                 found.index_put_((where,), fresh.slots)
-                if sets is not None:  # the keys placed now: hinted for the next lookups
-                    self._remember(sets, torch.where(slots < 0, fresh.slots, -1))
+                if hints is not None:  # the keys placed now: hinted for the next lookups
+                    self._remember(hints, torch.where(slots < 0, fresh.slots, -1))
             if missing:  # the ids of tables with no miss left
                 mapped = (missed == 0).index_select(0, per_id.table)
                 if per_id.mine is not None:
