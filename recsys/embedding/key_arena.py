@@ -20,9 +20,10 @@ ids that scanned their bucket, T tables of the arena)::
             their own insert path
 
 The host reads (``[...]``): on CUDA the misses per table (1 per step) and, on a step with new
-keys, what was placed (2); on CPU first the list of ids without a valid hint (below), then the
-same two reads only when that list is not empty (1 to 3 per step; a step of hits: 1 or 2).
-A table at its cap (its eviction) costs no more reads.
+keys, what was placed (2); on CPU, the compiled loops (below) list the ids without a slot and
+the same two reads follow only when there are any (a step of hits: none); the tensor ops first
+list the ids without a valid hint (1 to 3 per step; a step of hits: 1 or 2). A table at its
+cap (its eviction) costs no more reads.
 
 Finding the slots: on CUDA one Triton launch scans each id's bucket
 (:func:`~recsys.ops.slot_map_arena.find_arena_slots`). On CPU, where scanning the [V, S] bucket rows
@@ -31,7 +32,11 @@ a hash of the key in its table's own region of a hint buffer, naming a slot; a h
 accepted only if its slot holds the key (only the table's ids write its region, so the slot
 is the key's slot in that table). The ids without a valid hint (new keys, two hot keys on one
 entry, slots moved by a rehash) are listed (``nonzero``) and only those scan their bucket,
-then write their hint. Hints never change a result, only how it is found.
+then write their hint. Hints never change a result, only how it is found. On CPU the hints'
+check with the scans it needs, and the update of the slots a lookup uses (scores, last steps,
+hits) are one compiled loop each (:mod:`recsys.ops.key_arena_cpu`), bitwise the tensor ops they
+replace (which run where the loops cannot be compiled); the loop lists only the ids without a
+slot, as a length it returns: a CPU step of hits reads nothing back.
 
 Placing new keys (:func:`~recsys.embedding.arena_placement.place_new`) follows the map's own
 rule: the distinct new keys of a bucket, by ascending key, take its free slots by ascending slot,
@@ -69,6 +74,7 @@ from recsys.embedding.arena_admission import AdmissionArena
 from recsys.embedding.arena_placement import Placed, place_new
 from recsys.embedding.dynamic_table import DynamicTable
 from recsys.embedding.score_policy import LFU, LRU
+from recsys.ops import key_arena_cpu
 from recsys.ops._triton import resolve_backend
 from recsys.ops.slot_map import (
     EMPTY_KEY,
@@ -148,6 +154,10 @@ class KeyArena:
         features: per table, the features it reads.
     """
 
+    # On CPU, find and update through the compiled loops of :mod:`recsys.ops.key_arena_cpu`
+    # where they load (False: the tensor ops, the same results; read at the next rebuild).
+    cpu_loops = True
+
     def __init__(self, tables: list[DynamicTable], features: list[list[str]]) -> None:
         maps = [table.map for table in tables]
         if len({(m.bucket_size, m.device) for m in maps}) != 1:
@@ -220,6 +230,8 @@ class KeyArena:
         per_table["hint_base"] = [*itertools.accumulate([0, *sizes[:-1]]), sum(sizes)]
         per_table["hint_mask"] = [*(n - 1 for n in sizes), 0]
         self._hints = None
+        # the CPU loops (compiled C) where they load, else the same as tensor ops
+        self._loops = self.device.type == "cpu" and self.cpu_loops and key_arena_cpu.available()
         if self.backend == "torch":
             self._hints = torch.full(
                 (sum(sizes) + 1,), total, dtype=torch.int64, device=self.device
@@ -309,17 +321,19 @@ class KeyArena:
         stride = features.stride()
         key_ends = features.offsets()[stride::stride].contiguous()  # [F] where keys end
         position = torch.arange(num_ids, device=self.device)
-        columns = feature_columns.index_select(
-            0, torch.searchsorted(key_ends, position, right=True)
-        )  # [V, 7]
-        table = columns[:, 0]
+        columns = (
+            feature_columns.index_select(0, torch.searchsorted(key_ends, position, right=True))
+            .t()
+            .contiguous()
+        )  # [7, V]: each a contiguous [V] (the CPU loops take them as arrays)
+        table = columns[0]
         every_id = all(key in table_of for key in keys)
         per_id = _Ids(
             table=table,
             mine=None if every_id else table < len(self.tables),
             position=position,
             every_id=every_id,
-            **{name: columns[:, c + 1] for c, name in enumerate(_PER_ID)},
+            **{name: columns[c + 1] for c, name in enumerate(_PER_ID)},
         )
         if cache_key:
             if len(self._per_ids) >= 8:  # lengths per key vary: keep the recent ones
@@ -395,22 +409,35 @@ class KeyArena:
             live = found >= 0 if mapped is None else mapped & (found >= 0)
         # [V] each live id's slot, the scratch for the rest
         target = found if live is None else torch.where(live, found, self.scratch)
-        if not counted:
-            self._count_hits(target, live, per_id.table, per_id.position)
-        self.last_seen.index_fill_(0, target, step)
-        if not any(self._lfu):
-            self.scores.index_fill_(0, target, step)
-        elif all(self._lfu):
-            self.scores.index_put_((target,), self._one, accumulate=True)
-        else:
-            lfu = self._per_table["lfu"].index_select(0, per_id.table)
-            lfu_target = torch.where(lfu, target, self.scratch)
-            self.scores.index_put_((lfu_target,), self._one, accumulate=True)
-            self.scores.index_fill_(0, torch.where(lfu, self.scratch, target), step)
+        touch = key_arena_cpu.touch if self._loops else self._touch
+        hits = None if counted else self.hits
+        lfu_mode = 0 if not any(self._lfu) else 1 if all(self._lfu) else 2
+        touch(target, live, per_id.table, hits, self.last_seen, self.scores,
+              self._per_table["lfu"], lfu_mode, self.scratch, step)  # fmt: skip
         rows = found - per_id.base
         if overflow:
             rows = torch.where(found >= 0, rows, per_id.zero_row)
         return rows, mapped, missing, fresh
+
+    def _touch(self, target, live, table, hits, last_seen, scores, lfu, lfu_mode, scratch, step):
+        """:func:`recsys.ops.key_arena_cpu.touch` as tensor ops: each table's distinct live
+        slots of ``target`` [V] added to ``hits`` (unless None: each id writes its position into
+        its slot's last step, and the one whose position stays counts the slot), then the last
+        steps and scores."""
+        if hits is not None:
+            positions = torch.arange(len(target), device=target.device)
+            last_seen.index_put_((target,), positions)
+            won = last_seen.index_select(0, target) == positions
+            hits.index_add_(0, table, (won if live is None else won & live).long())
+        last_seen.index_fill_(0, target, step)
+        if lfu_mode == 0:
+            scores.index_fill_(0, target, step)
+        elif lfu_mode == 1:
+            scores.index_put_((target,), self._one, accumulate=True)
+        else:
+            lfu = lfu.index_select(0, table)
+            scores.index_put_((torch.where(lfu, target, scratch),), self._one, accumulate=True)
+            scores.index_fill_(0, torch.where(lfu, scratch, target), step)
 
     def _pin_hits(self, found: torch.Tensor, per_id: _Ids) -> torch.Tensor:
         """Before new keys are placed: mark the slot of every id of the batch that has one
@@ -470,6 +497,22 @@ class KeyArena:
             if not per_id.every_id:  # ids of no table of the arena: at the scratch, no miss
                 found = torch.where(per_id.mine, found, self.scratch)
             return found, (per_id.position, found, None)
+        if self._loops:  # one pass: hints, then scans, hints written; lists only misses
+            slot, where, hints = key_arena_cpu.find(
+                ids.contiguous(),
+                per_id.hint_mask,
+                per_id.hint_base,
+                per_id.num_buckets,
+                per_id.first_bucket,
+                None if per_id.every_id else per_id.mine,
+                self._hints,
+                self.keys,
+                self.bucket_size,
+                EMPTY_KEY,
+            )
+            if not len(where):
+                return slot, None
+            return slot, (where, slot.index_select(0, where), hints)
         # [V] the hint of the id's own table, the slot it names (the scratch where none)
         hint_at = (((ids * _FIBONACCI) >> 32) & per_id.hint_mask) + per_id.hint_base
         slot = self._hints.index_select(0, hint_at)
@@ -482,6 +525,18 @@ class KeyArena:
         where = unsure.nonzero().squeeze(1)  # [U]
         if not len(where):
             return slot, None
+        return self._scan(ids, per_id, slot, where, hint_at.index_select(0, where))
+
+    def _scan(
+        self,
+        ids: torch.Tensor,
+        per_id: _Ids,
+        slot: torch.Tensor,
+        where: torch.Tensor,
+        hints: torch.Tensor,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The ids at ``where`` [U] (without a valid hint, entries ``hints`` [U]) scan their
+        bucket; the keys found are hinted; ``slot`` [V] takes their slots (-1: absent)."""
         slots = find_slots_torch(
             self.keys[: self.scratch],
             per_id.num_buckets.index_select(0, where),
@@ -489,7 +544,6 @@ class KeyArena:
             ids.index_select(0, where),
             per_id.first_bucket.index_select(0, where),
         )  # [U]
-        hints = hint_at.index_select(0, where)
         self._remember(hints, slots)
         return slot.index_put_((where,), slots), (where, slots, hints)
 
@@ -521,19 +575,3 @@ class KeyArena:
             if evictions[t] and table.records_deletions:
                 mine = placed.tables == t
                 table.record_deleted(torch.where(mine, placed.evicted, EMPTY_KEY))
-
-    def _count_hits(
-        self,
-        target: torch.Tensor,
-        live: torch.Tensor | None,
-        table_of: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> None:
-        """Add each table's distinct live keys to its pending hits (a step without new keys):
-        each id writes its position into its slot's last step, and the one whose position
-        stays counts the slot (the last steps are written again right after)."""
-        self.last_seen.index_put_((target,), positions)
-        won = self.last_seen.index_select(0, target) == positions
-        if live is not None:
-            won &= live
-        self.hits.index_add_(0, table_of, won.long())

@@ -17,6 +17,7 @@ from recsys.embedding.key_arena import joins_arena
 from recsys.embedding.optim import Adam, RowWiseAdagrad
 from recsys.embedding.score_policy import ScorePolicy
 from recsys.embedding.slot_map import SlotMap
+from recsys.ops import key_arena_cpu
 from recsys.ops.slot_map import EMPTY_KEY, RESERVED_KEY
 from recsys.train.step_audit import StepAudit
 
@@ -122,9 +123,20 @@ OPTIONS = {
 
 
 @pytest.mark.parametrize(
-    "case, backend", [*((case, "torch") for case in sorted(OPTIONS)), ("at_the_cap", "triton")]
+    "case, backend",
+    [
+        *((case, "torch") for case in sorted(OPTIONS)),
+        ("at_the_cap", "triton"),
+        # the tensor ops the compiled CPU loops replace (where they cannot be compiled)
+        ("lru_and_lfu", "tensor ops"),
+        ("at_the_cap", "tensor ops"),
+    ],
 )
 def test_arena_trains_bitwise_like_each_tables_own_path(case, backend, monkeypatch):
+    loops = backend != "tensor ops" and key_arena_cpu.available()
+    if backend == "tensor ops":
+        monkeypatch.setattr(key_arena.KeyArena, "cpu_loops", False)
+        backend = "torch"
     item_dim = 4 if case in ("one_dim_capped", "at_the_cap", "admission") else 8
     models = {
         arena: _collection(
@@ -162,6 +174,7 @@ def test_arena_trains_bitwise_like_each_tables_own_path(case, backend, monkeypat
                 pooled.square().sum().backward()
             outputs[arena] = pooled.detach()
         assert torch.equal(outputs[0], outputs[1]), f"step {step}"
+    assert all(arena._loops == loops for arena in models[1]._arenas)
     states = [m.state_dict() for m in models.values()]
     assert states[0].keys() == states[1].keys()
     for key in states[0]:
@@ -214,7 +227,11 @@ def test_arena_groups_tables_by_bucket_size_and_leaves_ttl_and_custom_scores_out
     assert ebc.dynamic_stats()["item"]["hits"] > 0
 
 
-def test_all_hits_lookup_waits_at_most_twice_and_a_reserved_key_still_raises():
+@pytest.mark.parametrize("loops", [True, False])
+def test_all_hits_lookup_waits_at_most_twice_and_a_reserved_key_still_raises(loops, monkeypatch):
+    if loops and not key_arena_cpu.available():
+        pytest.skip(f"no C compiler: {key_arena_cpu.unavailable_reason()}")
+    monkeypatch.setattr(key_arena.KeyArena, "cpu_loops", loops)
     options = {name: DynamicTableOptions(score="lfu") for name in ("user", "city")}
     options["item"] = DynamicTableOptions(score="lru")
     ebc = _collection(True, options, RowWiseAdagrad(lr=0.1))
@@ -223,10 +240,12 @@ def test_all_hits_lookup_waits_at_most_twice_and_a_reserved_key_still_raises():
         ebc(features).values().sum().backward()
     with StepAudit(torch.device("cpu")) as report:
         ebc.lookup_ids(features)
-    # the reads: how many ids have no valid hint (on CPU) and, when some do, which tables miss
-    # a key among them (none)
-    assert 1 <= report.num_syncs <= 2, report.describe()
-    assert {site.split(":")[0] for _, site in report.syncs} == {"recsys/embedding/key_arena.py"}
+    if loops:  # the compiled loops find every id's slot and list none: nothing read back
+        assert report.num_syncs == 0, report.describe()
+    else:  # how many ids have no valid hint and, when some do, which tables miss a key (none)
+        assert 1 <= report.num_syncs <= 2, report.describe()
+        sites = {site.split(":")[0] for _, site in report.syncs}
+        assert sites == {"recsys/embedding/key_arena.py"}
     ebc.train(False)
     with StepAudit(torch.device("cpu")) as lookups:
         ebc.lookup_ids(features)

@@ -1,0 +1,194 @@
+"""The CPU loops of a key arena's lookup, compiled C: one pass over a batch's ids each.
+
+On CPU a key arena (:mod:`recsys.embedding.key_arena`) finds each id's slot through a hint
+(scanning its bucket where the hint fails) and updates the slots the batch uses; as tensor ops
+that is about twenty passes over the ids (hash, gathers, compares, ``nonzero``, a scan of the
+[U, S] bucket rows of the ids whose hint failed, a scatter and gather to count distinct keys,
+more scatters), each a random access per id. :func:`find` and :func:`touch` do the same in
+one loop each (``key_arena_cpu.c``): the same slots, hit counts, scores and last steps bit for
+bit (tested against the tensor ops), deterministic, single-threaded. One difference in how,
+not what: the loop scans the bucket of an id whose hint failed at once (the tensor ops list
+those ids with a host read, then scan), so it lists only the ids their map does not hold.
+
+The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``; ``-O2``,
+no machine-specific flags) into ``$RECSYS_CACHE_DIR`` (default ``~/.cache/recsys``), keyed by
+the source's hash, written atomically; a later process loads it in a millisecond. Where there
+is no compiler, the compile fails, or ``RECSYS_CPU_OPS=0``, :func:`available` is False (the
+reason in :func:`unavailable_reason`) and the arena runs its tensor ops: the loops are a speed
+path, never a different result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "find", "touch", "unavailable_reason"]
+
+_SOURCE = Path(__file__).with_name("key_arena_cpu.c")
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_REASON: str | None = None  # why the library is not there (None: not tried yet, or loaded)
+_TRIED = False
+
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RECSYS_CACHE_DIR") or Path.home() / ".cache" / "recsys"
+    return Path(root) / "cpu_ops"
+
+
+def _compile(source: Path, target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found ($CC, cc or gcc)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds
+
+
+def _load() -> ctypes.CDLL | None:
+    global _LIB, _REASON, _TRIED
+    with _LOCK:
+        if _TRIED:
+            return _LIB
+        _TRIED = True
+        if os.environ.get("RECSYS_CPU_OPS", "1") == "0":
+            _REASON = "turned off by RECSYS_CPU_OPS=0"
+            return None
+        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+        target = _cache_dir() / f"key_arena_cpu-{digest}-{platform.machine()}.so"
+        try:
+            if not target.is_file():
+                _compile(_SOURCE, target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, RuntimeError) as error:
+            _REASON = str(error)
+            return None
+        lib.recsys_arena_find.restype = _I64
+        lib.recsys_arena_find.argtypes = [_I64, *[_P] * 8, _I64, _I64, _P, _P, _P]
+        lib.recsys_arena_touch.restype = None
+        lib.recsys_arena_touch.argtypes = [_I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I64]
+        _LIB = lib
+        return lib
+
+
+def available() -> bool:
+    """Whether the compiled loops are loaded (compiling them on the first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (None when it is True)."""
+    return None if available() else _REASON
+
+
+def _ptr(tensor: torch.Tensor | None, dtype: torch.dtype, name: str) -> int | None:
+    """The data pointer of a contiguous CPU tensor of ``dtype`` (None stays None)."""
+    if tensor is None:
+        return None
+    if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} is a {tensor.dtype} tensor on {tensor.device} (contiguous: "
+            f"{tensor.is_contiguous()}); expected a contiguous {dtype} CPU tensor"
+        )
+    return tensor.data_ptr()
+
+
+def find(
+    ids: torch.Tensor,
+    hint_mask: torch.Tensor,
+    hint_base: torch.Tensor,
+    num_buckets: torch.Tensor,
+    first_bucket: torch.Tensor,
+    mine: torch.Tensor | None,
+    hints: torch.Tensor,
+    keys: torch.Tensor,
+    bucket_size: int,
+    empty_key: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each id's slot in its map of the arena, through its hint, else a scan of its bucket
+    (which writes the hint): ``(slot [V], where [U], hint_at [U])`` — ``slot`` -1 where the
+    map does not hold the id (and the hinted slot, the scratch, for ids of no table of the
+    arena: ``mine`` False; None: every id is the arena's); ``where`` those ids' positions in
+    ascending order, ``hint_at`` their hint entries. ``hints`` is updated in place. All int64
+    (``mine`` bool) CPU tensors; the entries of ``hints`` must name slots of ``keys`` and the
+    per-id bucket ranges lie in ``keys`` (not checked: the arena builds them)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the arena's CPU loops are not available: {_REASON}")
+    n = ids.numel()
+    slot = torch.empty(n, dtype=torch.int64)
+    where = torch.empty(n, dtype=torch.int64)
+    hint_at = torch.empty(n, dtype=torch.int64)
+    listed = lib.recsys_arena_find(
+        n,
+        _ptr(ids, torch.int64, "ids"),
+        _ptr(hint_mask, torch.int64, "hint_mask"),
+        _ptr(hint_base, torch.int64, "hint_base"),
+        _ptr(num_buckets, torch.int64, "num_buckets"),
+        _ptr(first_bucket, torch.int64, "first_bucket"),
+        _ptr(mine, torch.bool, "mine"),
+        _ptr(hints, torch.int64, "hints"),
+        _ptr(keys, torch.int64, "keys"),
+        bucket_size,
+        empty_key,
+        slot.data_ptr(),
+        where.data_ptr(),
+        hint_at.data_ptr(),
+    )
+    return slot, where[:listed], hint_at[:listed]
+
+
+def touch(
+    target: torch.Tensor,
+    live: torch.Tensor | None,
+    table: torch.Tensor,
+    hits: torch.Tensor | None,
+    last_seen: torch.Tensor,
+    scores: torch.Tensor,
+    lfu: torch.Tensor,
+    lfu_mode: int,
+    scratch: int,
+    step: int,
+) -> None:
+    """A lookup's update of the slots ``target`` [V] (in place): with ``hits`` [T + 1], each
+    table's distinct slots among the ``live`` ids (None: all) added to it; every target's last
+    step set to ``step``; its score set to ``step`` (LRU tables) or one more per id (LFU,
+    ``lfu`` [T + 1] bool per table), the ids of one kind writing the ``scratch`` slot for the
+    other's update, as the arena's tensor ops do. ``lfu_mode``: 0 every table LRU, 1 every
+    table LFU, 2 both kinds. ``table`` [V]: each id's arena table."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the arena's CPU loops are not available: {_REASON}")
+    if lfu_mode not in (0, 1, 2):
+        raise ValueError(f"lfu_mode is {lfu_mode!r}; expected 0, 1 or 2")
+    lib.recsys_arena_touch(
+        target.numel(),
+        _ptr(target, torch.int64, "target"),
+        _ptr(live, torch.bool, "live"),
+        _ptr(table, torch.int64, "table"),
+        int(hits is not None),
+        _ptr(hits, torch.int64, "hits"),
+        _ptr(last_seen, torch.int64, "last_seen"),
+        _ptr(scores, torch.int64, "scores"),
+        lfu_mode,
+        _ptr(lfu, torch.bool, "lfu"),
+        scratch,
+        step,
+    )
