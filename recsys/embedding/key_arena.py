@@ -20,10 +20,10 @@ ids that scanned their bucket, T tables of the arena)::
             their own insert path
 
 The host reads (``[...]``): on CUDA the misses per table (1 per step) and, on a step with new
-keys, what was placed (2); on CPU, the compiled loops (below) list the ids without a slot and
-the same two reads follow only when there are any (a step of hits: none); the tensor ops first
-list the ids without a valid hint (1 to 3 per step; a step of hits: 1 or 2). A table at its
-cap (its eviction) costs no more reads.
+keys, what was placed (2); on CPU, the compiled loops (below) list the ids without a slot, and
+when there are any, what was placed is read (a step of hits: no read; with new keys: 1); the
+tensor ops first list the ids without a valid hint (1 to 3 per step; a step of hits: 1 or 2).
+A table at its cap (its eviction) costs no more reads.
 
 Finding the slots: on CUDA one Triton launch scans each id's bucket
 (:func:`~recsys.ops.slot_map_arena.find_arena_slots`). On CPU, where scanning the [V, S] bucket rows
@@ -230,12 +230,14 @@ class KeyArena:
         per_table["hint_base"] = [*itertools.accumulate([0, *sizes[:-1]]), sum(sizes)]
         per_table["hint_mask"] = [*(n - 1 for n in sizes), 0]
         self._hints = None
-        # the CPU loops (compiled C) where they load, else the same as tensor ops
-        self._loops = self.device.type == "cpu" and self.cpu_loops and key_arena_cpu.available()
         if self.backend == "torch":
             self._hints = torch.full(
                 (sum(sizes) + 1,), total, dtype=torch.int64, device=self.device
             )
+        # the CPU loops (compiled C) where they load, else the same as tensor ops; the find's
+        # loop (with hints) lists only the ids without a slot
+        self._loops = self.device.type == "cpu" and self.cpu_loops and key_arena_cpu.available()
+        self._lists_misses = self._loops and self._hints is not None
         self._per_table = {
             name: torch.tensor(values, device=self.device) for name, values in per_table.items()
         }
@@ -378,9 +380,10 @@ class KeyArena:
         if scanned is not None:  # misses can only be among the scanned ids
             where, slots, hints = scanned
             tables = per_id.table.index_select(0, where)
-            # [T + 1] ids without a row per table: a host read
+            # [T + 1] ids without a row per table: a host read (the CPU loops list only ids
+            # without a slot: some table misses one, nothing to read)
             missed = torch.zeros_like(self.hits).index_add_(0, tables, (slots < 0).long())
-            if any(missed.tolist()):
+            if self._lists_misses or any(missed.tolist()):
                 hits = self._pin_hits(found, per_id)
                 fresh = place_new(
                     self, ids.index_select(0, where), tables, slots, hits, self._caps_now(), step
@@ -497,7 +500,7 @@ class KeyArena:
             if not per_id.every_id:  # ids of no table of the arena: at the scratch, no miss
                 found = torch.where(per_id.mine, found, self.scratch)
             return found, (per_id.position, found, None)
-        if self._loops:  # one pass: hints, then scans, hints written; lists only misses
+        if self._lists_misses:  # one pass: hints, then scans, hints written
             slot, where, hints = key_arena_cpu.find(
                 ids.contiguous(),
                 per_id.hint_mask,

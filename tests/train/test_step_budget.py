@@ -25,6 +25,7 @@ import torch
 
 from recsys.config import load_config
 from recsys.embedding.slot_map import SlotMap
+from recsys.ops import key_arena_cpu
 from recsys.train import step_audit
 from recsys.train import trainer as trainer_module
 from recsys.train.step_audit import AuditReport, StepAudit, audit_training
@@ -145,9 +146,18 @@ def test_one_process_step_within_budget(tmp_path):
     check("one_process", [summary(report)])
 
 
+# The dynamic budgets are those of the key arena's compiled CPU loops (two C calls a step, not
+# torch ops); without a C compiler the arena runs their tensor ops (tested in test_key_arena).
+needs_loops = pytest.mark.skipif(
+    not key_arena_cpu.available(), reason=f"no C compiler: {key_arena_cpu.unavailable_reason()}"
+)
+
+
+@needs_loops
 def test_dynamic_all_hits_step_within_budget(tmp_path):
     """Every table dynamic, one batch of data over and over (every key of the audited step is
-    held): the key arena's reads only (at most 2 syncs), at most twice the fixed step's ops."""
+    held): no read back (the key arena's loops list no id without a slot), at most twice the
+    fixed step's ops."""
     one_batch = [
         *recipe(tmp_path / "run", ranks=1),
         '--train.id_checks="async"',
@@ -158,8 +168,7 @@ def test_dynamic_all_hits_step_within_budget(tmp_path):
     report = audit_training(load_config(RECIPE, one_batch), warmup=WARMUP, steps=1)
     assert_nothing_logged(tmp_path / "run")
     fixed = json.loads(BUDGET_FILE.read_text())["one_process"]
-    assert report.num_syncs <= 2, report.describe()
-    assert {site.split(":")[0] for _, site in report.syncs} <= {"recsys/embedding/key_arena.py"}
+    assert report.num_syncs == 0, report.describe()
     assert report.num_ops <= 2 * sum(fixed["ops"].values()), report.describe()
     check("dynamic_all_hits", [summary(report)])
 
@@ -226,14 +235,17 @@ def audit_placing_step(tmp_path, monkeypatch, options: list[str]) -> tuple[Audit
     return report, placed[at_audit[0] :]
 
 
+@needs_loops
 def test_dynamic_new_keys_step_within_budget(tmp_path, monkeypatch):
     """Every table dynamic, fresh samples: once the tables have grown, a step whose batch
-    brings new keys places them in the key arena, with one more sync than a step of hits."""
+    brings new keys places them in the key arena, with one sync (what was placed) where a step
+    of hits has none."""
     report, placed = audit_placing_step(tmp_path, monkeypatch, [])
     assert sum(counts[0] for counts in placed), "the audited step placed no new key"
     check("dynamic_new_keys", [summary(report)])
 
 
+@needs_loops
 def test_dynamic_at_cap_step_within_budget(tmp_path, monkeypatch):
     """Every table dynamic and at its cap (4096 rows from the start): a step whose batch brings
     new keys evicts in the key arena, with no more syncs than a step that only places."""
