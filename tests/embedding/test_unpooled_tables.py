@@ -247,7 +247,9 @@ def test_keys_without_a_row_read_zeros_after_a_step_that_updated_the_zero_row():
     assert torch.equal(out, torch.zeros(4, 8))
 
 
-@pytest.mark.parametrize(("name", "tier"), [("adagrad", "host"), ("adam", "disk")])
+@pytest.mark.parametrize(
+    ("name", "tier"), [pytest.param("adagrad", "host", marks=pytest.mark.slow), ("adam", "disk")]
+)
 def test_tiered_dynamic_trains_like_a_fixed_collection_with_the_same_initial_rows(
     name, tier, tmp_path
 ):
