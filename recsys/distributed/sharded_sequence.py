@@ -31,7 +31,8 @@ zeros), saved by key in the logical layout of the one-process collection
 ...), so a checkpoint loads on any number of ranks. :meth:`live_keys` gathers every rank's keys
 (a collective): a sequence model's ranking corpus and uniform negatives see every rank's items.
 A :class:`~recsys.embedding.unpooled_tables.TieredEmbeddingCollection` (built on ``meta``) is
-sharded TABLE_WISE or ROW_WISE, each rank's shard in a store of its own.
+sharded TABLE_WISE or ROW_WISE (KEY_WISE when dynamic), each rank's shard in a store of its
+own.
 
 The host must know each feature's id count (the KJT's ``length_per_key``, which recsys'
 batches carry); without it, it is read from the device, as in the unsharded collection.

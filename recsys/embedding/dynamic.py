@@ -96,6 +96,7 @@ class DynamicTables:
         self._arenas = build_arenas(keyed, features)
         self._arena_tables = {name for arena in self._arenas for name in arena.names}
         self._zero_rows = None  # (layout, element and row indices of the arena zero rows)
+        self._zero_rows_stale = False  # a training step may have updated the zero rows
         self._arena_offsets = {}  # id(arena) -> (layout, its tables' element and row offsets)
         self.seed = seed
         self.register_buffer(DYNAMIC_STEP, torch.zeros((), dtype=torch.int64, device=self.device))
@@ -169,7 +170,7 @@ class DynamicTables:
         training = self.training and self.optimizer is not None
         if training:
             self._zero_rows_stale = True
-        elif getattr(self, "_zero_rows_stale", False):
+        elif self._zero_rows_stale:
             self._clear_zero_rows()
         step = self._advance_step() if training else None
         out, missing = values, set()
