@@ -145,10 +145,42 @@ def _bitwise(rank: int, world: int) -> None:
 
 def _bitwise_and_refusals(rank: int, world: int) -> None:
     _bitwise(rank, world)
+    _parallelized_sasrec(rank, world)
     with pytest.raises(ValueError, match="table 'item' is ROW_WISE but dynamic"):
         ShardedEmbeddingCollection(
             collection(OPTIMIZERS["sgd"]), {**plan(world), "item": P.row_wise(8, 8, world)}
         )
+
+
+def _parallelized_sasrec(rank: int, world: int) -> None:
+    """parallelize() shards a SASRec's dynamic item table KEY_WISE (DDP wraps the rest): after
+    a training step on each rank's own raw keys, ``item_keys()`` (the ranking corpus, the
+    uniform negatives' pool) is every rank's keys on every rank."""
+    import torch.distributed as dist
+
+    from recsys.distributed.parallel import parallelize
+    from recsys.distributed.plan import ShardingType
+    from recsys.models.sasrec import CANDIDATES, HISTORY, SASRec
+
+    torch.manual_seed(0)
+    table = EmbeddingConfig(
+        name="item", embedding_dim=8, num_embeddings=8, feature_names=[HISTORY, CANDIDATES]
+    )
+    items = DynamicEmbeddingCollection(
+        [table], DynamicTableOptions(), seed=SEED, optimizer=Adam(lr=0.01)
+    )
+    model = parallelize(SASRec(items, max_len=6, num_blocks=1, num_heads=2), torch.device("cpu"))
+    assert isinstance(model.module.embeddings, ShardedEmbeddingCollection)
+    kind = model.module.sharding_plan.collections["embeddings"]["item"].sharding_type
+    assert ShardingType(kind) == ShardingType.KEY_WISE
+    g = torch.Generator().manual_seed(rank)
+    keys = torch.randint(-(2**62), 2**62, (9,), generator=g)
+    history = KeyedJaggedTensor(keys=[HISTORY], values=keys[:6], lengths=torch.tensor([4, 2]))
+    hidden, vectors = model(history, 4, keys[6:])
+    (hidden @ vectors.t()).logsumexp(dim=1).mean().backward()
+    every: list = [None] * world
+    dist.all_gather_object(every, keys)
+    assert torch.equal(model.module.item_keys(), torch.cat(every).unique())
 
 
 def test_dynamic_sequence_tables_match_one_process_bitwise_on_two_ranks():
