@@ -112,8 +112,9 @@ def build_model(
             key).
     """
     if config.name in (*SEQUENCE_MODELS, *TARGET_RANKING_MODELS):  # user histories in
-        # Under torchrun too the item table is built whole on ``device``: parallelize copies
-        # its rows into the shards, so every world size starts from one process's rows.
+        # Under torchrun too a fixed or dynamic item table is built whole on ``device``:
+        # parallelize copies its rows into the shards, so every world size starts from one
+        # process's rows (a tiered one goes to ``table_device``: its rows start lazily).
         return build_sequence_model(
             config,
             spec,
@@ -121,6 +122,7 @@ def build_model(
             embedding_optimizer=embedding_optimizer,
             seed=seed,
             run_dir=run_dir,
+            table_device=table_device,
         )
     if config.name not in MODELS:
         raise ValueError(

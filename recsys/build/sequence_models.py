@@ -49,18 +49,23 @@ def build_sequence_model(
     embedding_optimizer: FusedOptimizer | None = None,
     seed: int = 0,
     run_dir: str | Path = ".",
+    table_device: torch.device | None = None,
 ) -> nn.Module:
     """``config.name`` (sasrec, hstu or hstu_ranking) over the item table of ``spec`` (one
     feature), on ``device``. The item table is dynamic when the data's items are raw keys or
     ``model.dynamic.tables`` names it (its rows start at ``model.dynamic.initial_capacity``;
     a key's initial row depends on (``seed``, table, key)), and tiered when
-    ``[model.storage]`` puts it in host memory or on disk (a disk tier without a path keeps
-    its files under ``run_dir``).
+    ``[model.storage]`` puts it in host memory or on disk (or both: a dynamic table kept behind
+    a cache, its ranking corpus the keys of its store and cache; a disk tier without a path keeps
+    its files under ``run_dir``). A tiered item table is built on ``table_device`` when given
+    (``meta`` under torchrun: each rank makes only its shards, see
+    :func:`recsys.distributed.parallel.parallelize`); the rest of the model on ``device``.
 
     Raises:
         ValueError: a spec that is not one item feature, options the model cannot take
             (naming the key), a dynamic or tiered table without the fused embedding update,
-            or a table both dynamic and tiered (not supported for sequence models yet).
+            or a dynamic tiered table with options a tiered table cannot take (a cap, a
+            memory budget, a TTL).
     """
     labelled = config.name == "hstu_ranking"  # clicks on candidates
     if len(spec.sparse_names) != 1 or spec.num_dense or bool(spec.label_names) != labelled:
@@ -83,7 +88,8 @@ def build_sequence_model(
     options = dynamic_options(config.dynamic, spec, [logical])
     storage = storage_options(config.storage, [logical], dynamic, run_dir)
     table = replace(logical, feature_names=[HISTORY, CANDIDATES])
-    items = _item_collection(config, table, options, storage, device, embedding_optimizer, seed)
+    where = table_device if storage and table_device is not None else device
+    items = _item_collection(config, table, options, storage, where, embedding_optimizer, seed)
     if config.name in ("hstu", "hstu_ranking") and sequence.num_heads > dim:
         raise ValueError(
             f"model.sequence.num_heads = {sequence.num_heads} must be <= model.embedding_dim "
@@ -128,7 +134,15 @@ def build_sequence_model(
         )
     else:
         raise ValueError(f"model.name = {config.name!r} is not a sequence model")
-    return model.to(device)
+    if items.device.type != "meta":
+        return model.to(device)
+    for child in model.children():  # the rest; the tables stay on meta until sharded
+        if child is not items:
+            child.to(device)
+    with torch.no_grad():
+        for parameter in model.parameters(recurse=False):
+            parameter.data = parameter.data.to(device)
+    return model
 
 
 def _item_collection(
@@ -147,15 +161,10 @@ def _item_collection(
             f"a {kind} item table ({config.name}) is trained by the fused embedding update; set "
             "train.fused_embedding_update = true"
         )
-    if storage and dynamic:
-        raise ValueError(
-            f"model.storage.tier = {config.storage.tier!r} with a dynamic item table (raw item "
-            f"keys or model.dynamic.tables = {config.dynamic.tables}): a tiered dynamic item "
-            "table is not supported for sequence models yet (its ranking corpus would be read "
-            "back from the store); use tier 'device', or categorified items"
+    if storage:  # dynamic too: its ranking corpus is the keys of its store and cache
+        return TieredEmbeddingCollection(
+            [table], storage, optimizer, dynamic or None, device=device, seed=seed
         )
-    if storage:
-        return TieredEmbeddingCollection([table], storage, optimizer, device=device, seed=seed)
     if dynamic:
         return DynamicEmbeddingCollection(
             [table], dynamic, device=device, seed=seed, optimizer=optimizer

@@ -21,7 +21,12 @@ from recsys.config import StorageConfig
 from recsys.distributed.ranks import all_gather
 from recsys.embedding.interface import embedding_collections
 from recsys.embedding.row_store import DiskRecords, FixedStore
-from recsys.embedding.tiered import TIERS, StorageOptions, TieredEmbeddingBagCollection
+from recsys.embedding.tiered import (
+    TIERS,
+    StorageOptions,
+    TieredEmbeddingBagCollection,
+    TieredTables,
+)
 
 __all__ = [
     "TIERED_DIR",
@@ -105,7 +110,7 @@ def close_stores(model: nn.Module) -> None:
     a run that ends releases its disk tier's locks, so a next run in the same process may use
     the same path."""
     for module in model.modules():
-        if isinstance(module, TieredEmbeddingBagCollection):
+        if isinstance(module, TieredTables):  # pooled or unpooled (a sequence model's)
             module.close()
 
 

@@ -24,15 +24,16 @@ from recsys.distributed.planner import plan_sharding
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.distributed.sharded_sequence import ShardedEmbeddingCollection
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic import DynamicTables
 from recsys.embedding.dynamic_table import UNCAPPED
 from recsys.embedding.interface import (
     EmbeddingCollectionInterface,
     embedding_collections,
     state_prefix,
 )
-from recsys.embedding.tiered import TieredEmbeddingBagCollection
+from recsys.embedding.tiered import TieredTables
 from recsys.embedding.unpooled import EmbeddingCollection
+from recsys.embedding.unpooled_tables import DynamicEmbeddingCollection, TieredEmbeddingCollection
 
 
 @dataclass(frozen=True)
@@ -209,18 +210,12 @@ def _data_parallel(model: nn.Module, device: torch.device, ignored: list[str]) -
 def _shardable(
     model: nn.Module,
 ) -> dict[str, EmbeddingBagCollection | EmbeddingCollection]:
-    """The model's collections, each of a kind parallelize() can shard."""
+    """The model's collections, each of a kind parallelize() can shard (an unpooled one plain,
+    dynamic or tiered)."""
     collections = embedding_collections(model)
+    unpooled = (EmbeddingCollection, DynamicEmbeddingCollection, TieredEmbeddingCollection)
     for path, collection in collections.items():
-        plain_sequence = type(collection) is EmbeddingCollection
-        if isinstance(collection, EmbeddingCollection) and not plain_sequence:
-            raise ValueError(
-                f"parallelize(): the collection at '{path}' is a {type(collection).__name__}: "
-                "dynamic and tiered tables of an (unpooled) EmbeddingCollection are not sharded "
-                "yet (no KEY_WISE for sequence models); train it in one process, or with a "
-                "fixed item table (categorified items, model.storage.tier = 'device')"
-            )
-        if not (isinstance(collection, EmbeddingBagCollection) or plain_sequence):
+        if not (isinstance(collection, EmbeddingBagCollection) or type(collection) in unpooled):
             raise ValueError(
                 f"parallelize(): the collection at '{path}' is a {type(collection).__name__}; "
                 "only an (unsharded) EmbeddingBagCollection or EmbeddingCollection can be "
@@ -234,11 +229,11 @@ def dynamic_rows(collections: dict[str, EmbeddingBagCollection]) -> dict[str, in
     dynamic table may hold (0: no cap), for :func:`plan_sharding`'s ``dynamic_rows``."""
     out = {}
     for path, collection in collections.items():
-        if isinstance(collection, DynamicEmbeddingBagCollection):
+        if isinstance(collection, DynamicTables):
             for name, table in collection.dynamic.items():
                 cap = table.map.max_capacity
                 out[f"{path}:{name}" if path else name] = 0 if cap >= UNCAPPED else cap
-        if isinstance(collection, TieredEmbeddingBagCollection):  # a tiered one keeps every key
+        if isinstance(collection, TieredTables):  # a tiered one keeps every key
             out.update(
                 {f"{path}:{name}" if path else name: 0 for name in collection.dynamic_options}
             )
@@ -250,9 +245,9 @@ def tiered_rows(collections: dict[str, EmbeddingBagCollection]) -> dict[str, int
     each tiered table's shards, for :func:`plan_sharding`'s ``tiered_rows``."""
     out = {}
     for path, collection in collections.items():
-        if isinstance(collection, TieredEmbeddingBagCollection):
+        if isinstance(collection, TieredTables):
             for name in collection.tiered_tables():
-                rows = collection.embedding_bags[name].weight.shape[0] - 1  # the spare row
+                rows = collection.table_modules[name].weight.shape[0] - 1  # the spare row
                 out[f"{path}:{name}" if path else name] = rows
     return out
 

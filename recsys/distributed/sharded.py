@@ -77,10 +77,12 @@ from recsys.distributed.shard_build import (
     tiered_of,
 )
 from recsys.distributed.sharded_dynamic import (
+    gathered_keys,
     key_wise_state,
     key_wise_stats,
     key_wise_targets,
     load_key_wise,
+    table_state_keys,
 )
 from recsys.distributed.sharded_input import (
     InputSpec,
@@ -494,6 +496,12 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
         (the trainer does, at every train log event)."""
         return key_wise_stats(self)
 
+    def live_keys(self, name: str) -> torch.Tensor | None:
+        """The keys dynamic ``name`` holds on every rank, ascending (None for a fixed table):
+        gathered from the ranks, a collective (see
+        :func:`~recsys.distributed.sharded_dynamic.gathered_keys`)."""
+        return gathered_keys(self, name) if name in self._dynamic else None
+
     def take_delta(self) -> dict[str, TableDelta]:
         """This rank's part of every dynamic table's delta (the keys it owns)."""
         if self.shards is None:
@@ -502,7 +510,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
 
     def variable_state_keys(self) -> list[str]:
         """The dynamic tables' state keys (their sizes change as they train)."""
-        return [k for name in self.key_wise_tables() for k in self.shards.table_state_keys(name)]
+        return [k for name in self.key_wise_tables() for k in table_state_keys(self, name)]
 
     def load_targets(self, state: dict[str, Any], saved: SavedState, prefix: str) -> None:
         """As the interface's, with each rank's part of a dynamic table read by routing bucket

@@ -39,7 +39,7 @@ from torch.distributed._shard.sharded_tensor import (
 from recsys.distributed.sharded_state import ShardedCollection
 from recsys.embedding.dynamic import DYNAMIC
 from recsys.embedding.dynamic_table import KEYED, PER_BUCKET, PER_PART
-from recsys.embedding.interface import TABLES, SavedState
+from recsys.embedding.interface import TABLES, UNPOOLED_TABLES, SavedState
 from recsys.embedding.key_routing import KeyRouting, bucket_ranges, decode_layout
 
 ROWS = "bucket_counts"  # the counts that split a table's rows (and its keys)
@@ -52,9 +52,27 @@ def counts_of(key: str) -> str | None:
     parts: ``bucket_counts`` for the rows and key state, ``admission_bucket_counts`` for the
     admission counter's; None for an entry that is not per key."""
     kind, _, name = key.split(".")
-    if kind == TABLES:
+    if kind in (TABLES, UNPOOLED_TABLES):
         return ROWS
     return KEYED.get(name)
+
+
+def outer_key(sharded: ShardedCollection, key: str) -> str:
+    """A key of this rank's shards (a pooled collection: ``embedding_bags.<t>.<x>``) as the
+    sharded collection names it (an unpooled one: ``embeddings.<t>.<x>``)."""
+    head, _, rest = key.partition(".")
+    return f"{sharded.tables_key}.{rest}" if head == TABLES else key
+
+
+def inner_key(sharded: ShardedCollection, key: str) -> str:
+    """The inverse of :func:`outer_key`: a collection's key as its shards name it."""
+    head, _, rest = key.partition(".")
+    return f"{TABLES}.{rest}" if head == sharded.tables_key else key
+
+
+def table_state_keys(sharded: ShardedCollection, name: str) -> list[str]:
+    """KEY_WISE table ``name``'s state keys, as the sharded collection names them."""
+    return [outer_key(sharded, key) for key in sharded.shards.table_state_keys(name)]
 
 
 def _row_sharded(
@@ -103,7 +121,10 @@ def key_wise_state(sharded: ShardedCollection, prefix: str) -> dict[str, Any]:
     tables = sharded.key_wise_tables()
     if not tables:
         return {}
-    local = {name: sharded.shards.table_state(name) for name in tables}
+    local = {
+        name: {outer_key(sharded, k): v for k, v in sharded.shards.table_state(name).items()}
+        for name in tables
+    }
     counted = [(t, k) for t in tables for k in COUNTED.values() if _key(t, k) in local[t]]
     sizes = _all_gather_sizes(sharded, [len(local[t][_key(t, k)]) for t, k in counted])
     rows = {
@@ -135,7 +156,7 @@ def key_wise_targets(
     per-bucket / per-part / layout entries are read whole. Entries the checkpoint lacks are
     dropped."""
     for name in sharded.key_wise_tables():
-        keys = sharded.shards.table_state_keys(name)
+        keys = table_state_keys(sharded, name)
         present = [k for k in keys if saved.shape(k) is not None]
         for key in set(keys) - set(present):
             state.pop(prefix + key, None)
@@ -194,7 +215,7 @@ def load_key_wise(sharded: ShardedCollection, name: str, entries: dict[str, Any]
             value = torch.tensor([math.ceil(int(value.sum()) / parts)], dtype=torch.int64)
         elif short in PER_PART:
             value = value[j : j + 1]
-        local[key] = value
+        local[inner_key(sharded, key)] = value
     keys = local.get(_key(name, "keys"))
     if keys is not None and len(keys):
         owners = routing.owners(parts, keys.device)[routing.buckets(keys)]
@@ -228,6 +249,26 @@ def key_wise_stats(sharded: ShardedCollection) -> dict[str, dict[str, float]]:
         totals.update({f"size_rank{r}": float(n) for r, n in enumerate(sizes.tolist())})
         out[table] = totals
     return out
+
+
+def gathered_keys(sharded: ShardedCollection, name: str) -> torch.Tensor:
+    """[n] int64, ascending: every key KEY_WISE table ``name`` holds, on any rank: each rank's
+    own keys (``live_keys`` of its part), all-gathered (their counts, then the keys padded to
+    the longest). The same tensor on every rank, and the one process's ``live_keys`` after the
+    same training; a collective. Costs one all-gather of the table's keys (8 bytes a key), so
+    a caller that needs them every step (a sequence model's uniform negatives, drawn from its
+    item corpus) pays that per step."""
+    mine = sharded.shards.live_keys(name)
+    if mine is None:
+        raise ValueError(f"table '{name}' holds no keys of its own (not a dynamic table)")
+    mine = mine.to(sharded.device)
+    sizes = [s[0] for s in _all_gather_sizes(sharded, [mine.numel()])]
+    padded = torch.zeros(max(1, *sizes), dtype=mine.dtype, device=mine.device)
+    padded[: mine.numel()] = mine
+    out = [torch.empty_like(padded) for _ in range(sharded.world_size)]
+    dist.all_gather(out, padded, group=sharded.process_group)
+    keys = torch.cat([keys[:size] for keys, size in zip(out, sizes, strict=True)])
+    return keys.sort().values
 
 
 def _key(table: str, name: str) -> str:

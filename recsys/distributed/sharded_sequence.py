@@ -22,6 +22,18 @@ a rank's "batch" is its largest table's id count and the other tables' bags past
 count are empty (zero rows, not returned): a cost in exchanged bytes only when the tables'
 counts differ much, and none with one table (SASRec, HSTU).
 
+Dynamic and tiered tables shard the same way, their twin being of their kind
+(:func:`pooled_twin`): a dynamic table of a
+:class:`~recsys.embedding.unpooled_tables.DynamicEmbeddingCollection` is KEY_WISE (each key
+routed to the rank owning its routing bucket, inserted and updated there; keys without a row read
+zeros), saved by key in the logical layout of the one-process collection
+(:mod:`recsys.distributed.sharded_dynamic`: ``embeddings.<t>.weight`` and ``dynamic.<t>.keys``
+...), so a checkpoint loads on any number of ranks. :meth:`live_keys` gathers every rank's keys
+(a collective): a sequence model's ranking corpus and uniform negatives see every rank's items.
+A :class:`~recsys.embedding.unpooled_tables.TieredEmbeddingCollection` (built on ``meta``) is
+sharded TABLE_WISE or ROW_WISE (KEY_WISE when dynamic), each rank's shard in a store of its
+own.
+
 The host must know each feature's id count (the KJT's ``length_per_key``, which recsys'
 batches carry); without it, it is read from the device, as in the unsharded collection.
 """
@@ -37,10 +49,13 @@ from torchrec.modules.embedding_configs import PoolingType
 from recsys.distributed.plan import TableSharding
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.inputs import FeatureOrder, input_weights
-from recsys.embedding.interface import OPTIMIZER_STEP, TABLES, UNPOOLED_TABLES
+from recsys.embedding.interface import TABLES, UNPOOLED_TABLES
 from recsys.embedding.tables import output_keys
+from recsys.embedding.tiered import TieredEmbeddingBagCollection
 from recsys.embedding.unpooled import EmbeddingCollection
+from recsys.embedding.unpooled_tables import DynamicEmbeddingCollection, TieredEmbeddingCollection
 
 
 def bag_feature(config: EmbeddingConfig) -> str:
@@ -52,11 +67,20 @@ def bag_feature(config: EmbeddingConfig) -> str:
 def pooled_twin(module: EmbeddingCollection) -> EmbeddingBagCollection:
     """The pooled collection an EmbeddingCollection is sharded as: per table, a sum-pooled bag
     table of the same rows (values, optimizer and its state) read by one feature
-    (:func:`bag_feature`)."""
-    if type(module) is not EmbeddingCollection:
+    (:func:`bag_feature`); of the collection's kind: a
+    :class:`~recsys.embedding.unpooled_tables.DynamicEmbeddingCollection` becomes a
+    :class:`~recsys.embedding.dynamic.DynamicEmbeddingBagCollection` with the same options,
+    seed and keys, a :class:`~recsys.embedding.unpooled_tables.TieredEmbeddingCollection` (on
+    ``meta``) a :class:`~recsys.embedding.tiered.TieredEmbeddingBagCollection` with the same
+    storage, dynamic options and seed.
+
+    Raises:
+        ValueError: not an unpooled recsys collection, or a tiered one off the meta device."""
+    kinds = (EmbeddingCollection, DynamicEmbeddingCollection, TieredEmbeddingCollection)
+    if type(module) not in kinds:
         raise ValueError(
-            f"ShardedEmbeddingCollection shards a plain recsys.EmbeddingCollection, got a "
-            f"{type(module).__name__} (dynamic and tiered sequence tables are not sharded yet)"
+            f"ShardedEmbeddingCollection shards a recsys.EmbeddingCollection (plain, dynamic or "
+            f"tiered), got a {type(module).__name__}"
         )
     configs = [
         EmbeddingBagConfig(
@@ -70,23 +94,41 @@ def pooled_twin(module: EmbeddingCollection) -> EmbeddingBagCollection:
         )
         for c in module.embedding_configs()
     ]
-    twin = EmbeddingBagCollection(
-        configs,
-        device=module.device,
-        backend=module.backend,
-        validate=module.validate,
-        optimizer=module.optimizer,
-    )
+    common = {"device": module.device, "backend": module.backend, "validate": module.validate}
+    if isinstance(module, TieredEmbeddingCollection):
+        if module.device.type != "meta":
+            raise ValueError(
+                "a tiered EmbeddingCollection is sharded from the meta device (build it with "
+                "device='meta'): its rows are in its store, which no rank copies whole"
+            )
+        twin: EmbeddingBagCollection = TieredEmbeddingBagCollection(
+            configs,
+            dict(module.storage),
+            module.optimizer,
+            dict(module.dynamic_options),
+            seed=module.seed,
+            **common,
+        )
+    elif isinstance(module, DynamicEmbeddingCollection):
+        options = {name: table.options for name, table in module.dynamic.items()}
+        twin = DynamicEmbeddingBagCollection(
+            configs, options, seed=module.seed, optimizer=module.optimizer, **common
+        )
+    else:
+        twin = EmbeddingBagCollection(configs, optimizer=module.optimizer, **common)
     if module.device.type != "meta":
-        state = {
-            (TABLES + key[len(UNPOOLED_TABLES) :] if key != OPTIMIZER_STEP else key): value
-            for key, value in module.state_dict().items()
-        }
-        twin.load_state_dict(state)
+        twin.load_state_dict({pooled_key(key): value for key, value in module.state_dict().items()})
     if module.is_frozen():
         for parameter in twin.parameters():
             parameter.requires_grad_(False)
     return twin
+
+
+def pooled_key(key: str) -> str:
+    """An unpooled collection's state key as its pooled twin names it
+    (``embeddings.<table>.<x>`` -> ``embedding_bags.<table>.<x>``; other keys unchanged)."""
+    head, _, rest = key.partition(".")
+    return f"{TABLES}.{rest}" if head == UNPOOLED_TABLES and rest else key
 
 
 class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):

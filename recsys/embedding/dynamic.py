@@ -96,6 +96,7 @@ class DynamicTables:
         self._arenas = build_arenas(keyed, features)
         self._arena_tables = {name for arena in self._arenas for name in arena.names}
         self._zero_rows = None  # (layout, element and row indices of the arena zero rows)
+        self._zero_rows_stale = False  # a training step may have updated the zero rows
         self._arena_offsets = {}  # id(arena) -> (layout, its tables' element and row offsets)
         self.seed = seed
         self.register_buffer(DYNAMIC_STEP, torch.zeros((), dtype=torch.int64, device=self.device))
@@ -167,6 +168,10 @@ class DynamicTables:
                 arena.release()
             return self._exported_rows(features)
         training = self.training and self.optimizer is not None
+        if training:
+            self._zero_rows_stale = True
+        elif self._zero_rows_stale:
+            self._clear_zero_rows()
         step = self._advance_step() if training else None
         out, missing = values, set()
         for arena in self._arenas:
@@ -185,6 +190,16 @@ class DynamicTables:
             if missing.intersection(arena.names):
                 arena.refresh()  # the maps these tables grew or filled
         return out
+
+    def _clear_zero_rows(self) -> None:
+        """Zero every dynamic table's zero row before a lookup outside training: the fused
+        update of the step before may have moved it (the gradients of keys not admitted land
+        there until the next training lookup resets it), and keys without a row must read
+        zeros."""
+        with torch.no_grad():
+            for name, table in self.dynamic.items():
+                self.table_modules[name].weight[table.zero_row] = 0
+        self._zero_rows_stale = False
 
     def _per_table_rows(
         self, features: KeyedJaggedTensor, out: torch.Tensor, names: list[str], step: int | None

@@ -72,7 +72,7 @@ from recsys.embedding.tiered_options import (
     tiered_layout,
 )
 from recsys.embedding.tiered_prefetch import PrefetchBatch
-from recsys.ops.slot_map import check_keys
+from recsys.ops.slot_map import EMPTY_KEY, check_keys
 
 __all__ = [
     "TIERS",
@@ -447,6 +447,18 @@ class TieredTables:
             if isinstance(store, KeyedStore):
                 out[name]["stored"] = store.num_stored
         return out
+
+    def live_keys(self, name: str) -> torch.Tensor | None:
+        """[n] int64, ascending: the keys dynamic tiered table ``name`` holds a row for (in its
+        store or in its cache, not written back yet; waits for a running prefetch); None for
+        a fixed table, whose ids are its rows."""
+        if name not in self.dynamic_options or name not in self.caches:
+            return None
+        self.wait_prefetch()
+        cache = self.caches[name]
+        stored = cache.store.index.entries()[0]
+        cached = cache.row_key[cache.row_key != EMPTY_KEY]
+        return torch.unique(torch.cat([stored.to(self.device), cached.to(self.device)]))
 
     def tiered_files(self, parts: dict[str, TablePart] | None = None) -> TieredFiles:
         """The streaming reader / writer of the tiered tables' rows for checkpoints.

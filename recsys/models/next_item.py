@@ -17,7 +17,8 @@ A **dynamic item table** (raw item keys, ``model.item_keys()`` not None) has no 
 candidates are the keys it holds (its corpus, reserved ids below ``first_item`` left out), so
 uniform negatives are drawn from those keys (none at the first step, when it holds none), a
 negative's count among the targets is counted by comparison ([P, S]), and full softmax ranks
-the corpus and the batch's targets.
+the corpus and the batch's targets. Sharded over ranks (KEY_WISE), ``item_keys()`` gathers
+every rank's keys, so each rank draws from the whole corpus.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ from recsys.data.prepared import read_metadata
 from recsys.data.sequence_source import build_sequence_dataset
 from recsys.models.next_item import corpus_keys
 from recsys.serve.program_file import write_program
+from recsys.serve.retrieval_tables import in_memory_item_table
 
 __all__ = [
     "ITEMS_FILE",
@@ -106,7 +107,7 @@ def export_retrieval(checkpoint: Path, output: Path, top_k: int | None = None) -
 
     Raises:
         ValueError: top_k outside [1, the corpus size] (None: 100, or the whole corpus when
-            smaller), or a tiered item table (not exported yet).
+            smaller).
     """
     config = read_config(checkpoint)
     if config.model.name not in SEQUENCE_MODELS:
@@ -115,11 +116,10 @@ def export_retrieval(checkpoint: Path, output: Path, top_k: int | None = None) -
             f"models' exports ({', '.join(SEQUENCE_MODELS)})"
         )
     model = load_model(checkpoint, device="cpu").requires_grad_(False).eval()
-    if tiered_collections(model):
-        raise ValueError(
-            f"'{checkpoint}' has a tiered item table (model.storage.tier = "
-            f"{config.model.storage.tier!r}); exporting it is not supported yet"
-        )
+    tiered = tiered_collections(model)
+    in_memory_item_table(model)  # a tiered item table: its rows read into the program
+    for collection in tiered:
+        collection.close()
     data = _training_data(config)
     first_item = data.first_item
     keys = model.item_keys()

@@ -19,7 +19,9 @@ Under torchrun the item table is sharded (:class:`recsys.distributed.ShardedEmbe
 placed by the planner) and the dense layers run under DDP: each rank trains on its share of
 every global batch of ``train.batch_size x world_size`` users (its own in-batch negatives) and
 evaluates users r, r + W, ...; the ranking sums are added over ranks. Every lookup is a
-collective, so a rank with fewer evaluation batches than rank 0 looks up empty ones.
+collective, so a rank with fewer evaluation batches than rank 0 looks up empty ones. A dynamic
+item table is sharded KEY_WISE; its ranking corpus and the uniform negatives of each step are
+the keys of every rank, all-gathered (``model.item_keys()``, a collective every rank makes).
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def test_only_a_plain_embedding_collection_is_sharded():
             name="t", embedding_dim=4, num_embeddings=5, feature_names=["f"]
         )
     ]
-    with pytest.raises(ValueError, match="plain recsys.EmbeddingCollection"):
+    with pytest.raises(ValueError, match="shards a recsys.EmbeddingCollection"):
         pooled_twin(EmbeddingBagCollection(tables))
 
 

@@ -225,3 +225,60 @@ def test_tiered_checkpoint_resumes_bitwise(tmp_path):
     got = _train(resumed, batches[4:], same, 4)
     for g, e in zip(got, expected[4:], strict=True):
         assert torch.equal(g, e)
+
+
+def test_keys_without_a_row_read_zeros_after_a_step_that_updated_the_zero_row():
+    """Keys not admitted yet train the zero row until the next training lookup resets it: a
+    lookup outside training right after that step still reads zeros for keys without a row."""
+    dynamic = DynamicEmbeddingCollection(
+        _configs(8),
+        DynamicTableOptions(admit_after=2),
+        optimizer=Adam(lr=0.1),
+        backend="torch",
+        seed=SEED,
+    )
+    vocab = _vocab()
+    lengths = torch.tensor([4, 0, 0])
+    kjt = KeyedJaggedTensor(keys=["h", "c", "u"], values=vocab[:4], lengths=lengths)
+    dynamic(kjt)["h"].values().sum().backward()  # seen once: not admitted, the zero row read
+    assert dynamic.embeddings["item"].weight[-1].abs().sum() > 0  # the update moved it
+    dynamic.eval()
+    out = dynamic(kjt)["h"].values()
+    assert torch.equal(out, torch.zeros(4, 8))
+
+
+@pytest.mark.parametrize(
+    ("name", "tier"), [pytest.param("adagrad", "host", marks=pytest.mark.slow), ("adam", "disk")]
+)
+def test_tiered_dynamic_trains_like_a_fixed_collection_with_the_same_initial_rows(
+    name, tier, tmp_path
+):
+    """Tables both tiered and dynamic: raw keys behind a cache smaller than the keys trained,
+    bitwise the fixed collection whose row r is key vocab[r]'s initial row; ``live_keys`` is
+    every key trained (in the store or the cache); a key without a row reads zeros."""
+    storage = StorageOptions(tier=tier, cache_rows=48, path=str(tmp_path))
+    dynamic = dict.fromkeys(["item", "user"], DynamicTableOptions())
+    tiered = TieredEmbeddingCollection(
+        _configs(ROWS), storage, OPTIMIZERS[name](), dynamic, backend="torch", seed=SEED
+    )
+    vocab = _vocab()
+    fixed = _fixed_twin(OPTIMIZERS[name](), vocab, lambda t: math.sqrt(1 / ROWS))
+    batches = list(_stream(10))
+    got = _train(tiered, batches, lambda ranks: vocab[ranks])
+    expected = _train(fixed, batches, lambda ranks: ranks)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+    assert tiered.tiered_stats()["item"]["evicted"] > 0
+    seen = torch.cat([vocab[r[: int(n[: 2 * len(n) // 3].sum())]] for r, n in batches]).unique()
+    assert torch.equal(tiered.live_keys("item"), seen)
+    tiered.eval()
+    unknown = torch.tensor([123456789])
+    asked = torch.cat([seen, unknown])
+    lengths = torch.tensor([0, len(asked), 0])
+    out = tiered(KeyedJaggedTensor(keys=["h", "c", "u"], values=asked, lengths=lengths))["c"]
+    index = {int(k): r for r, k in enumerate(vocab)}
+    rows = torch.tensor([index[int(k)] for k in seen])
+    assert torch.equal(out.values()[:-1], fixed.embeddings["item"].weight.detach()[rows])
+    assert torch.equal(out.values()[-1], torch.zeros(8))
+    assert torch.equal(tiered.live_keys("item"), seen)  # the lookup inserted nothing
+    assert tiered.live_keys("nothing") is None

@@ -152,3 +152,39 @@ def test_a_dynamic_item_table_exports_its_keys_and_reads_raw_items(tmp_path):
     assert by_key["top_items"][1] == unknown["top_items"][0]
     np.testing.assert_allclose(by_key["top_scores"][1], unknown["top_scores"][0], rtol=1e-5)
     assert by_key["top_scores"][2] == [0.0] * 10  # an empty history: the zero user vector
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic"])
+def test_a_tiered_item_table_exports_its_rows_into_the_program(dynamic, tmp_path):
+    """A disk-tier item table (fixed, or dynamic: raw item keys) behind a cache smaller than
+    it: the export reads its rows from the checkpoint's store into the program, whose top
+    items and scores are the trained model's (the checkpoint loaded with its tiered table)."""
+    from recsys.checkpoint.io import latest_checkpoint, load_model
+    from recsys.models.next_item import corpus_keys
+    from recsys.serve.retrieval_export import TopKModule
+
+    tiered = ["--model.storage.tier=disk", "--model.storage.cache_rows=58"]
+    if dynamic:
+        tiered.append("--data.synthetic_sequences.id_encoding=raw")
+    run_dir = tmp_path / "run"
+    train(load_config(None, [*TINY, *tiered, f"--run.dir={run_dir}"]))
+    model_path = export_model(run_dir, tmp_path / "model.pt2", top_k=10)
+    info = load_retrieval(model_path)[1]
+    assert info["dynamic"] == dynamic and info["corpus"] == 60
+    run = load_config(run_dir / "config.toml")
+    task = NextItemTask(run, torch.device("cpu"), DistributedInfo(0, 1, 0), print)
+    test = task.data.splits["test"]
+    ends = list(zip(test.offsets[:-1], test.offsets[1:], strict=True))[:40]
+    rows = [test.values[a:b].tolist()[-10:] for a, b in ends] + [[]]
+    predict(model_path, _histories(tmp_path, rows), tmp_path / "top.parquet")
+    out = pq.read_table(tmp_path / "top.parquet").to_pydict()
+    trained = load_model(latest_checkpoint(run_dir / "checkpoints"), device="cpu").eval()
+    keys = trained.item_keys()
+    first = info["first_item"]
+    reference = TopKModule(trained, 10, first, None if keys is None else corpus_keys(keys, first))
+    values = torch.tensor([i for r in rows for i in r], dtype=torch.int64)
+    with torch.no_grad():
+        top, scores = reference(values, torch.tensor([len(r) for r in rows]))
+    assert out["top_items"] == top.tolist()
+    np.testing.assert_allclose(out["top_scores"], scores.numpy(), rtol=1e-5, atol=1e-6)

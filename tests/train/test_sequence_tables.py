@@ -1,5 +1,5 @@
 """`recsys train` of a sequence model whose item table is dynamic (raw item keys, or
-model.dynamic.tables) or tiered (on disk behind a cache): it trains and ranks, a resumed run
+model.dynamic.tables), tiered (on disk behind a cache) or both: it trains and ranks, a resumed run
 continues exactly, and `recsys eval` of its checkpoint reproduces the test ranking."""
 
 import pytest
@@ -12,6 +12,12 @@ TABLES = {
     "raw_keys": ["--data.synthetic_sequences.id_encoding=raw"],
     "dynamic": ["--model.dynamic.tables=['all']", "--model.dynamic.initial_capacity=16"],
     "tiered": ["--model.storage.tier=disk", "--model.storage.cache_rows=58"],
+    "tiered_dynamic": [
+        "--model.storage.tier=disk",
+        "--model.storage.cache_rows=58",
+        "--model.dynamic.tables=['all']",
+        "--model.dynamic.initial_capacity=16",
+    ],
 }
 
 
@@ -21,6 +27,7 @@ TABLES = {
         "dynamic",
         pytest.param("raw_keys", marks=pytest.mark.slow),
         pytest.param("tiered", marks=pytest.mark.slow),
+        pytest.param("tiered_dynamic", marks=pytest.mark.slow),
     ],
 )
 def test_trains_resumes_exactly_and_evaluates(kind, tmp_path):
@@ -29,7 +36,7 @@ def test_trains_resumes_exactly_and_evaluates(kind, tmp_path):
     assert whole.steps == 12 and set(whole.test) >= RANKING
     events = read_metrics(tmp_path / "whole" / "metrics.jsonl")
     train_events = [e for e in events if e["split"] == "train"]
-    if kind == "tiered":
+    if kind.startswith("tiered"):
         assert train_events[-1]["tiered/item/cache_rows"] == 58
     else:  # every item trained has a row: the corpus ranked
         assert train_events[-1]["dynamic/item/size"] >= 50

@@ -127,8 +127,12 @@ def test_recipe_trains_as_it_is(recipe, tmp_path):
         (["--data.synthetic_sequences.num_topics=100"], "num_items >= num_topics"),
         (["--train.batch_size=500"], "larger than the 200 train histories"),
         (
-            ["--data.synthetic_sequences.id_encoding=raw", "--model.storage.tier=host"],
-            "tiered dynamic item table is not supported",
+            [
+                "--data.synthetic_sequences.id_encoding=raw",
+                "--model.storage.tier=host",
+                "--model.dynamic.max_capacity=64",
+            ],
+            "is tiered, which keeps every key it admits",
         ),
         (
             ["--model.dynamic.tables=['all']", "--train.fused_embedding_update=false"],
