@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
+from recsys.ops.jagged_dense_add import jagged_dense_add
+
 __all__ = ["CANDIDATES", "HISTORY", "Events", "SequenceEncoder"]
 
 HISTORY, CANDIDATES = "history", "candidates"
@@ -126,8 +128,15 @@ class SequenceEncoder(nn.Module):
         ends = torch.cumsum(lengths, 0)
         offsets = torch.cat([ends.new_zeros(1), ends])
         column = torch.arange(total, device=ids.device) - offsets[user]
-        position = lengths[user] - 1 - column  # 0 for the most recent event
-        x = items * math.sqrt(self.dim) + self.positions(position)
+        # sqrt(D) e(item) + p(position), positions counted back from the most recent event
+        x = jagged_dense_add(
+            items,
+            offsets,
+            self.positions.weight,
+            scale=math.sqrt(self.dim),
+            from_end=True,
+            validate=False,  # offsets built here; max_length checked against max_len above
+        )
         hidden = self.encode(Events(x, user, column, lengths, offsets, max_length, times))
         out = looked_up[CANDIDATES].values() if candidates is not None else None
         return hidden, out

@@ -66,11 +66,12 @@ def test_causal_and_independent_of_the_batch(relative_bias):
 
 
 @pytest.mark.parametrize("relative_bias", [False, True])
-def test_the_triton_kernels_give_the_torch_paths_model(relative_bias):
+def test_the_triton_kernels_give_the_torch_paths_model(relative_bias, monkeypatch):
     histories = [[1, 2, 3], [4], list(range(5, 40)), [7, 8]]  # one history past a tile
     kjt, longest = _kjt(histories)
     outs, grads = [], []
     for backend in ("torch", "triton"):
+        monkeypatch.setenv("RECSYS_BACKEND", backend)  # the position add's "auto" too
         model = _model(backend=backend, relative_bias=relative_bias).eval()
         if relative_bias:  # a bias large enough to matter, different per position difference
             with torch.no_grad():
@@ -80,7 +81,7 @@ def test_the_triton_kernels_give_the_torch_paths_model(relative_bias):
         hidden.square().sum().backward()
         outs.append(hidden.detach())
         block = model.blocks[0]
-        grads.append([block.uvqk.weight.grad])
+        grads.append([block.uvqk.weight.grad, model.positions.weight.grad])
         if relative_bias:
             grads[-1].append(block.position_bias.grad)
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
