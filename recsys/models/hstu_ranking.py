@@ -145,9 +145,7 @@ class HSTURanking(nn.Module):
         both = KeyedJaggedTensor(
             keys=[HISTORY, CANDIDATES],
             values=torch.cat([history_ids, candidate_ids]),
-            lengths=torch.stack(
-                [history_lengths.sum(), candidate_lengths.new_tensor(num_candidates)]
-            ),
+            lengths=torch.stack([history_lengths.sum(), candidate_lengths.sum()]),
             stride=1,
             length_per_key=[num_history, num_candidates],
             offset_per_key=[0, num_history, num_history + num_candidates],
