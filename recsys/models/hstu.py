@@ -12,8 +12,8 @@ so a user's vector does not depend on who shares the batch). ``num_blocks`` bloc
 LayerNorm. Inputs, positions and the lookup of history and candidates are
 :class:`~recsys.models.sequence.SequenceEncoder`'s (learned absolute positions). The relative
 attention bias of the paper (rab, shared by the heads, computed inside the kernel) comes in two
-halves, each a table learned per block: with ``relative_bias`` the position half (2 ``max_len``
-- 1 entries, one per position difference) and with ``time_bias`` the time half
+halves, each a table learned per block: with ``relative_bias`` the position half
+(2 ``max_len`` - 1 entries, one per position difference) and with ``time_bias`` the time half
 (:data:`TIME_BUCKETS` + 1 entries, one per bucket ``floor(log(|t_i - t_j|) / 0.301)`` of the
 time between the query's event and the key's, in seconds: the research HSTU's bucketing).
 A model with the time half needs each event's time: ``forward(history, max_length,
@@ -39,7 +39,8 @@ __all__ = ["CANDIDATES", "HISTORY", "HSTU", "TIME_BUCKETS", "HSTUBlock"]
 
 TIME_BUCKETS = 128
 """Buckets of the time bias (the research HSTU's): ``log(|dt| / 1 s) / 0.301`` reaches 128 at
-about 5e16 s, so every real gap has its own bucket, and gaps under a second share bucket 0."""
+about 5e16 s, so no real gap is clamped into the last bucket; gaps under a second share
+bucket 0."""
 
 
 class HSTUBlock(nn.Module):
