@@ -18,8 +18,9 @@ Paths: :func:`jagged_dense_add_reference` one sequence at a time in float64 (the
 specification); the torch path gathers ``dense`` by each row's position (index built without
 reading the device) and adds; the Triton path fuses the scale, gather and add: forward one
 program per (sequence, D tile) looping over its rows in tiles of ``BLOCK_R``; the table's
-gradient one program per (position tile, D tile) looping over the sequences in a fixed order
-(fp32 sums, no atomics: deterministic). Dtypes: x and dense fp32 / bf16 / fp16 (y in their
+gradient one program per (position tile, D tile, chunk of sequences) looping over its
+sequences in a fixed order into an fp32 partial sum, the chunks' partials then summed (no
+atomics: deterministic on a device). Dtypes: x and dense fp32 / bf16 / fp16 (y in their
 promoted dtype; fp64 runs on the torch path), fp32 arithmetic.
 """
 
@@ -29,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from recsys.ops._triton import autocast_inputs, resolve_backend
+from recsys.ops._triton import autocast_inputs, resolve_backend, split_rows
 
 __all__ = ["jagged_dense_add", "jagged_dense_add_reference"]
 
@@ -129,20 +130,26 @@ def _forward_kernel(
 @triton.jit
 def _grad_dense_kernel(
     grad_ptr,
-    grad_dense_ptr,
+    partial_ptr,
     offsets_ptr,
     num_sequences,
     num_positions,
     width,
+    seqs_per_program,
     FROM_END: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """Partial table gradient [num_positions, width] of the sequences of chunk
+    ``program_id(2)``, position tile ``program_id(0)``, column tile ``program_id(1)``."""
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    chunk = tl.program_id(2)
     col_mask = cols < width
     acc = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
-    for seq in range(0, num_sequences):  # a fixed order: deterministic sums
+    first = chunk * seqs_per_program
+    last = tl.minimum(first + seqs_per_program, num_sequences)
+    for seq in range(first, last):  # a fixed order: deterministic sums
         start = tl.load(offsets_ptr + seq).to(tl.int64)
         rows = tl.load(offsets_ptr + seq + 1).to(tl.int64) - start
         c = rows - 1 - p if FROM_END else p.to(tl.int64)
@@ -150,12 +157,41 @@ def _grad_dense_kernel(
         at = (start + c)[:, None] * width + cols[None, :]
         acc += tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
     store_mask = (p < num_positions)[:, None] & col_mask[None, :]
-    out_at = p[:, None].to(tl.int64) * width + cols[None, :]
-    tl.store(grad_dense_ptr + out_at, acc.to(grad_dense_ptr.dtype.element_ty), mask=store_mask)
+    out_at = (chunk.to(tl.int64) * num_positions + p[:, None]) * width + cols[None, :]
+    tl.store(partial_ptr + out_at, acc, mask=store_mask)
 
 
 def _block_d(width: int) -> int:
     return min(MAX_BLOCK_D, max(16, triton.next_power_of_2(width)))
+
+
+def _grad_dense(
+    grad: torch.Tensor, offsets: torch.Tensor, num_positions: int, from_end: bool
+) -> torch.Tensor:
+    """fp32 [N, D] the table's gradient: the sequences cut into chunks (``split_rows``: about
+    4 programs per SM), one fp32 partial sum per chunk, summed here (deterministic on a
+    device)."""
+    batch, width = offsets.numel() - 1, grad.shape[1]
+    if not (num_positions and width and batch):
+        return grad.new_zeros(num_positions, width, dtype=torch.float32)
+    block_d = _block_d(width)
+    tiles = triton.cdiv(num_positions, BLOCK_R) * triton.cdiv(width, block_d)
+    chunks, per_chunk = split_rows(batch, 1, tiles, grad.device)
+    partial = grad.new_empty(chunks, num_positions, width, dtype=torch.float32)
+    grid = (triton.cdiv(num_positions, BLOCK_R), triton.cdiv(width, block_d), chunks)
+    _grad_dense_kernel[grid](
+        grad,
+        partial,
+        offsets,
+        batch,
+        num_positions,
+        width,
+        per_chunk,
+        FROM_END=from_end,
+        BLOCK_P=BLOCK_R,
+        BLOCK_D=block_d,
+    )
+    return partial.sum(0) if chunks > 1 else partial[0]
 
 
 class JaggedDenseAddFunction(torch.autograd.Function):
@@ -193,22 +229,7 @@ class JaggedDenseAddFunction(torch.autograd.Function):
         grad_x = (grad * scale).to(x_dtype) if ctx.needs_input_grad[0] else None
         grad_dense = None
         if ctx.needs_input_grad[2]:
-            width = grad.shape[1]
-            grad_dense = torch.zeros(num_positions, width, dtype=dense_dtype, device=grad.device)
-            block_d = _block_d(width)
-            if num_positions and width:
-                grid = (triton.cdiv(num_positions, BLOCK_R), triton.cdiv(width, block_d))
-                _grad_dense_kernel[grid](
-                    grad,
-                    grad_dense,
-                    offsets,
-                    offsets.numel() - 1,
-                    num_positions,
-                    width,
-                    FROM_END=from_end,
-                    BLOCK_P=BLOCK_R,
-                    BLOCK_D=block_d,
-                )
+            grad_dense = _grad_dense(grad, offsets, num_positions, from_end).to(dense_dtype)
         return grad_x, None, grad_dense, None, None
 
 
