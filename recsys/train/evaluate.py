@@ -149,13 +149,16 @@ class EvalResult:
 
     def summary(self) -> str:
         """One line: the trainer's eval line, per-task AUCs, the sample count and the data (a
-        sequence model: its ranking line and the user count)."""
+        sequence model: its ranking line and the user count; hstu_ranking: the eval line and the
+        user count)."""
         if "num_users" in self.metrics:
             from recsys.train.retrieval import ranking_line
 
+            ranked = "hr@10" in self.metrics
+            line = (ranking_line if ranked else eval_line)(self.split, self.step, self.metrics)
             return (
-                f"{ranking_line(self.split, self.step, self.metrics)}; "
-                f"{self.metrics['num_users']:,} users of {self.data}; checkpoint {self.checkpoint}"
+                f"{line}; {self.metrics['num_users']:,} users of {self.data}; checkpoint "
+                f"{self.checkpoint}"
             )
         tasks = [
             f"{k.removeprefix('auc_')} {v:.4f}" for k, v in self.metrics.items() if k[:4] == "auc_"

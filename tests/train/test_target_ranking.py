@@ -75,6 +75,7 @@ def test_recsys_eval_reproduces_the_test_event(trained):
     assert result.metrics == {k: v for k, v in _test_event(run_dir).items() if k in result.metrics}
     assert set(result.metrics) == {"auc", "logloss", "oracle_auc", "num_users"}
     assert result.data == "synthetic interaction log"
+    assert result.summary().startswith(f"eval test step 48: auc {result.metrics['auc']:.4f} ")
     valid = evaluate_checkpoint(run_dir, split="valid").metrics
     assert valid["num_users"] == 64 and valid["auc"] != result.metrics["auc"]
 
