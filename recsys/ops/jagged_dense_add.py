@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from recsys.ops._triton import autocast_inputs, resolve_backend, split_rows
+from recsys.ops._triton import resolve_backend, split_rows
 
 __all__ = ["jagged_dense_add", "jagged_dense_add_reference"]
 
@@ -280,6 +280,6 @@ def jagged_dense_add(
         raise ValueError(f"jagged_dense_add's Triton kernels take {TRITON_DTYPES}: {unsupported}")
     if chosen == "torch":
         return _torch_path(x, offsets, dense, scale, from_end)
-    x, dense = autocast_inputs(x, dense)
-    with torch.autocast("cuda", enabled=False):
-        return JaggedDenseAddFunction.apply(x, offsets, dense, float(scale), from_end)
+    # No autocast cast: like torch's own elementwise ops, the add keeps its inputs' dtypes (a
+    # residual stream started here stays fp32 under bf16 autocast).
+    return JaggedDenseAddFunction.apply(x, offsets, dense, float(scale), from_end)
