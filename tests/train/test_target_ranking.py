@@ -52,6 +52,11 @@ def trained(tmp_path_factory):
     return run_dir, train(_config(run_dir))
 
 
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    return export_model(trained[0], tmp_path_factory.mktemp("export") / "model.pt2")
+
+
 def _test_event(run_dir: Path) -> dict:
     (test,) = [e for e in read_metrics(run_dir / "metrics.jsonl") if e["split"] == "test"]
     return test
@@ -80,9 +85,9 @@ def test_recsys_eval_reproduces_the_test_event(trained):
     assert valid["num_users"] == 64 and valid["auc"] != result.metrics["auc"]
 
 
-def test_the_export_scores_the_candidates_as_the_run_did(trained, tmp_path):
+def test_the_export_scores_the_candidates_as_the_run_did(trained, exported, tmp_path):
     run_dir, _ = trained
-    model_path = export_model(run_dir, tmp_path / "model.pt2")
+    model_path = exported
     config = load_config(run_dir / "config.toml")
     task = TargetRankingTask(config, torch.device("cpu"), DistributedInfo(0, 1, 0), print)
     samples, users = task.samples, task.users["test"]
@@ -116,9 +121,8 @@ def test_the_export_scores_the_candidates_as_the_run_did(trained, tmp_path):
     assert single == pytest.approx(out["score_click"][0][2], abs=1e-6)
 
 
-def test_predict_refuses_what_a_ranking_export_does_not_read(trained, tmp_path):
-    run_dir, _ = trained
-    model_path = export_model(run_dir, tmp_path / "model.pt2")
+def test_predict_refuses_what_a_ranking_export_does_not_read(trained, exported, tmp_path):
+    run_dir, model_path = trained[0], exported
     with pytest.raises(ValueError, match="top_k = 5: a hstu_ranking model scores the candidates"):
         export_model(run_dir, tmp_path / "top.pt2", top_k=5)
     with pytest.raises(ValueError, match="ranking model's export: .* without top_k"):
