@@ -181,6 +181,10 @@ RECSYS_MODELS = {
     "sasrec": ("sasrec", []),
     "hstu": ("hstu", []),
     "hstu_rab": ("hstu", ["--model.sequence.relative_bias=true"]),
+    "hstu_rab_time": (
+        "hstu",
+        ["--model.sequence.relative_bias=true", "--model.sequence.time_bias=true"],
+    ),
 }
 
 
@@ -493,7 +497,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=list(RECSYS_MODELS),
         default=["sasrec"],
         help="recsys models trained on the split (hstu: HSTU, the FFN width unused; hstu_rab: "
-        "with the relative position bias)",
+        "with the relative position bias; hstu_rab_time: with the position + time bias)",
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")

@@ -95,6 +95,13 @@ def build_sequence_model(
             f"model.sequence.num_heads = {sequence.num_heads} must be <= model.embedding_dim "
             f"= {dim}"
         )
+    if sequence.time_bias and (config.name != "hstu" or not sequence.relative_bias):
+        raise ValueError(
+            f"model.sequence.time_bias = true with model.name = {config.name!r} and "
+            f"model.sequence.relative_bias = {str(sequence.relative_bias).lower()}: the time "
+            "bias is the second half of hstu's relative bias (model.name = 'hstu', "
+            "relative_bias = true: position bias; time_bias = true as well: position + time)"
+        )
     if config.name == "sasrec":
         if dim % sequence.num_heads:
             raise ValueError(
@@ -119,6 +126,7 @@ def build_sequence_model(
             v_dim=sequence.v_dim or None,
             dropout=sequence.dropout,
             relative_bias=sequence.relative_bias,
+            time_bias=sequence.time_bias,
         )
     elif config.name == "hstu_ranking":
         model = HSTURanking(

@@ -59,8 +59,13 @@ class SequenceModelConfig:
     """hstu_ranking: candidates per user, appended to the history as attention targets (the
     synthetic ranking data draws this many per user)."""
     relative_bias: bool = False
-    """hstu: each block learns a relative attention bias by position difference (computed in
-    the attention kernel; the time-difference half is not wired to the data yet)."""
+    """hstu, hstu_ranking: each block learns a relative attention bias by position difference
+    (computed in the attention kernel)."""
+    time_bias: bool = False
+    """hstu: with relative_bias, each block also learns the time half of the relative bias,
+    by the log-bucketed time between two events (``relative_bias = true`` alone: position
+    bias; both: position + time). The model then reads each event's time: the histories'
+    ``times`` in training and evaluation, and a ``times`` input of its export."""
 
 
 @dataclass

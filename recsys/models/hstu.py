@@ -10,12 +10,16 @@ One block, on the jagged rows x [sum L, D] of a batch (no padding anywhere):
 with ``alpha = 1 / sqrt(Dqk)`` and N the model's ``max_len`` (one normalizer whatever the batch,
 so a user's vector does not depend on who shares the batch). ``num_blocks`` blocks, then a final
 LayerNorm. Inputs, positions and the lookup of history and candidates are
-:class:`~recsys.models.sequence.SequenceEncoder`'s (learned absolute positions). With
-``relative_bias`` each block also learns the paper's relative position bias rab (a table of
-2 ``max_len`` - 1 entries, one per position difference, shared by the heads, computed inside
-the kernel). The time half of the paper's bias (log-bucketed time differences, which
-``jagged_attention`` supports) is not used here: the retrieval batches carry event times, but
-the model's forward, the next-item loss and the exported query program do not pass them yet.
+:class:`~recsys.models.sequence.SequenceEncoder`'s (learned absolute positions). The relative
+attention bias of the paper (rab, shared by the heads, computed inside the kernel) comes in two
+halves, each a table learned per block: with ``relative_bias`` the position half
+(2 ``max_len`` - 1 entries, one per position difference) and with ``time_bias`` the time half
+(:data:`TIME_BUCKETS` + 1 entries, one per bucket ``floor(log(|t_i - t_j|) / 0.301)`` of the
+time between the query's event and the key's, in seconds: the research HSTU's bucketing).
+A model with the time half needs each event's time: ``forward(history, max_length,
+candidates, times)`` with ``times`` [sum L] aligned with the history's ids (a
+:class:`~recsys.data.sequence_batches.SequenceBatch` carries them as ``times``), and its
+exported program takes them as a third input.
 The attention runs on ``recsys.ops.jagged_attention``: its Triton kernels on CUDA, the padded
 torch path on CPU (``backend``).
 """
@@ -31,14 +35,20 @@ from torch import nn
 from recsys.models.sequence import CANDIDATES, HISTORY, Events, SequenceEncoder
 from recsys.ops.jagged_attention import jagged_attention
 
-__all__ = ["CANDIDATES", "HISTORY", "HSTU", "HSTUBlock"]
+__all__ = ["CANDIDATES", "HISTORY", "HSTU", "TIME_BUCKETS", "HSTUBlock"]
+
+TIME_BUCKETS = 128
+"""Buckets of the time bias (the research HSTU's): ``log(|dt| / 1 s) / 0.301`` reaches 128 at
+about 5e16 s, so no real gap is clamped into the last bucket; gaps under a second share
+bucket 0."""
 
 
 class HSTUBlock(nn.Module):
     """One HSTU block on jagged rows x [T, D] (the module docstring's equations); with
     ``num_targets`` [B] the last rows of each sequence are targets (see
     ``recsys.ops.jagged_attention``). ``position_bias_len``: 0 or the 2N - 1 rows of the
-    relative position bias for sequences of up to N rows."""
+    relative position bias for sequences of up to N rows; ``time_bias_len``: 0 or the rows of
+    the time bias (:data:`TIME_BUCKETS` + 1), which needs ``timestamps`` [T] in forward."""
 
     def __init__(
         self,
@@ -49,13 +59,17 @@ class HSTUBlock(nn.Module):
         dropout: float,
         backend: str,
         position_bias_len: int,
+        time_bias_len: int = 0,
     ) -> None:
         super().__init__()
         self.heads, self.qk_dim, self.v_dim, self.backend = heads, qk_dim, v_dim, backend
-        self.position_bias = None
+        self.position_bias = self.time_bias = None
         if position_bias_len:
             # rab by position difference j - i + max_len - 1 (Meta's init)
             self.position_bias = nn.Parameter(torch.empty(position_bias_len).normal_(std=0.02))
+        if time_bias_len:
+            # rab by the log bucket of |t_i - t_j| (Meta's init)
+            self.time_bias = nn.Parameter(torch.empty(time_bias_len).normal_(std=0.02))
         self.norm = nn.LayerNorm(dim)
         self.uvqk = nn.Linear(dim, heads * (2 * v_dim + 2 * qk_dim))
         self.out_norm = nn.LayerNorm(heads * v_dim)
@@ -68,6 +82,7 @@ class HSTUBlock(nn.Module):
         offsets: torch.Tensor,
         max_len: int,
         num_targets: torch.Tensor | None = None,
+        timestamps: torch.Tensor | None = None,
     ) -> torch.Tensor:
         total, heads = x.shape[0], self.heads
         sizes = [heads * self.v_dim] * 2 + [heads * self.qk_dim] * 2
@@ -80,7 +95,9 @@ class HSTUBlock(nn.Module):
             max_len,
             alpha=1.0 / math.sqrt(self.qk_dim),
             num_targets=num_targets,
+            timestamps=timestamps if self.time_bias is not None else None,
             position_weights=self.position_bias,
+            time_weights=self.time_bias,
             backend=self.backend,
             validate=False,  # the model checked the longest history against max_len
         )
@@ -97,6 +114,8 @@ class HSTU(SequenceEncoder):
         qk_dim / v_dim: per-head widths of q, k and of u, v (default: dim // num_heads).
         dropout: on the inputs and each block's output.
         relative_bias: each block learns a relative position bias (module docstring).
+        time_bias: each block learns a relative time bias (module docstring): ``forward``
+            then needs the events' ``times``.
         backend: ``jagged_attention``'s backend ("auto", "triton", "torch").
 
     Example:
@@ -117,9 +136,11 @@ class HSTU(SequenceEncoder):
         v_dim: int | None = None,
         dropout: float = 0.2,
         relative_bias: bool = False,
+        time_bias: bool = False,
         backend: str = "auto",
     ) -> None:
         super().__init__(embeddings, max_len=max_len)
+        self.uses_times = time_bias
         if num_blocks < 1 or num_heads < 1 or self.dim < num_heads:
             raise ValueError(
                 f"num_blocks={num_blocks} and num_heads={num_heads} must be >= 1 and num_heads "
@@ -129,8 +150,9 @@ class HSTU(SequenceEncoder):
         v_dim = v_dim or self.dim // num_heads
         self.input_dropout = nn.Dropout(dropout)
         bias_len = 2 * max_len - 1 if relative_bias else 0
+        time_len = TIME_BUCKETS + 1 if time_bias else 0
         self.blocks = nn.ModuleList(
-            HSTUBlock(self.dim, num_heads, qk_dim, v_dim, dropout, backend, bias_len)
+            HSTUBlock(self.dim, num_heads, qk_dim, v_dim, dropout, backend, bias_len, time_len)
             for _ in range(num_blocks)
         )
         self.norm = nn.LayerNorm(self.dim)
@@ -138,5 +160,5 @@ class HSTU(SequenceEncoder):
     def encode(self, events: Events) -> torch.Tensor:
         x = self.input_dropout(events.x)
         for block in self.blocks:
-            x = block(x, events.offsets, self.max_len)
+            x = block(x, events.offsets, self.max_len, timestamps=events.times)
         return self.norm(x)

@@ -27,6 +27,8 @@ from torchrec import KeyedJaggedTensor
 
 from recsys.models.hstu import HSTUBlock
 from recsys.models.sequence import CANDIDATES, HISTORY
+from recsys.ops.jagged_concat import jagged_concat, jagged_split
+from recsys.ops.jagged_dense_add import jagged_dense_add
 
 __all__ = ["HSTURanking"]
 
@@ -143,49 +145,41 @@ class HSTURanking(nn.Module):
         both = KeyedJaggedTensor(
             keys=[HISTORY, CANDIDATES],
             values=torch.cat([history_ids, candidate_ids]),
-            lengths=torch.stack(
-                [history_lengths.sum(), candidate_lengths.new_tensor(num_candidates)]
-            ),
+            lengths=torch.stack([history_lengths.sum(), candidate_lengths.sum()]),
             stride=1,
             length_per_key=[num_history, num_candidates],
             offset_per_key=[0, num_history, num_history + num_candidates],
         )
         looked_up = self.embeddings(both)
-        items = torch.cat([looked_up[HISTORY].values(), looked_up[CANDIDATES].values()])
+        history_items = looked_up[HISTORY].values()  # [n, D]
+        candidate_items = looked_up[CANDIDATES].values()  # [m, D]
 
-        device = history_ids.device
-        batch = history_lengths.numel()
-        lengths = history_lengths + candidate_lengths  # [B]
-        total = num_history + num_candidates
-        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])  # [B + 1]
-        history_starts = history_lengths.cumsum(0) - history_lengths
-        candidate_starts = candidate_lengths.cumsum(0) - candidate_lengths
-        user = torch.repeat_interleave(
-            torch.arange(batch, device=device), lengths, output_size=total
-        )  # [n + m rows]
-        column = torch.arange(total, device=device) - offsets[user]
-        seen = history_lengths[user]
-        is_target = column >= seen
-        source = torch.where(
-            is_target,
-            num_history + candidate_starts[user] + column - seen,
-            history_starts[user] + column,
-        )  # row of ``items`` each sequence row reads
-        back = (seen - 1 - column).clamp(min=0)  # 0 for the latest event
-        extra = torch.where(is_target[:, None], self.target, self.positions(back))
-        x = self.input_dropout(items[source] * math.sqrt(self.dim) + extra)  # [n + m, D]
+        history_offsets = torch.cat([history_lengths.new_zeros(1), history_lengths.cumsum(0)])
+        candidate_offsets = torch.cat(
+            [candidate_lengths.new_zeros(1), candidate_lengths.cumsum(0)]
+        )  # [B + 1] each
+        scale = math.sqrt(self.dim)
+        # history: positions counted back from the latest event; candidates: the target vector
+        history_x = jagged_dense_add(
+            history_items,
+            history_offsets,
+            self.positions.weight,
+            scale=scale,
+            from_end=True,
+            validate=False,  # offsets built here; max_length checked above
+        )
+        candidate_x = candidate_items * scale + self.target
+        x, offsets = jagged_concat(
+            history_x, history_offsets, candidate_x, candidate_offsets, validate=False
+        )  # [n + m, D], each user's history then candidates
+        x = self.input_dropout(x)
         # one normalizer N whatever the batch, so a score does not depend on the batch
         span = self.max_len + self.max_candidates
         for block in self.blocks:
             x = block(x, offsets, span, num_targets=candidate_lengths)
         x = self.norm(x)
-        owner = torch.repeat_interleave(
-            torch.arange(batch, device=device), candidate_lengths, output_size=num_candidates
-        )
-        rows = (
-            offsets[owner]
-            + history_lengths[owner]
-            + (torch.arange(num_candidates, device=device) - candidate_starts[owner])
-        )  # each candidate's row in the sequences
-        scored = torch.cat([x[rows], items[num_history:]], dim=1)  # [sum m, 2D]
+        _, candidate_states = jagged_split(
+            x, history_offsets, candidate_offsets, num_history, validate=False
+        )  # [m, D] in candidates' order
+        scored = torch.cat([candidate_states, candidate_items], dim=1)  # [sum m, 2D]
         return self.head(scored)

@@ -69,7 +69,7 @@ def next_item_loss(
     positions = targets.numel()
     if full_softmax:
         candidates = torch.arange(first_item, num_items, device=device)
-        hidden, vectors = model(batch.items, batch.max_length, candidates)
+        hidden, vectors = model(batch.items, batch.max_length, candidates, batch.times)
         logits = hidden @ vectors.t()  # [P, N']
         return F.cross_entropy(logits, targets - first_item)
     draws = [
@@ -79,7 +79,9 @@ def next_item_loss(
         _draw(first_item, num_items, uniform, generator, device),
     ]
     negatives = torch.cat(draws)
-    hidden, vectors = model(batch.items, batch.max_length, torch.cat([targets, negatives]))
+    hidden, vectors = model(
+        batch.items, batch.max_length, torch.cat([targets, negatives]), batch.times
+    )
     positive = (hidden * vectors[:positions]).sum(dim=1, keepdim=True)  # [P, 1]
     logits = hidden @ vectors[positions:].t()  # [P, S]
     if logq:
@@ -105,7 +107,7 @@ def _keyed_full_softmax(model, batch: SequenceBatch, corpus: torch.Tensor) -> to
     table gets its row in this forward)."""
     targets = batch.targets
     candidates = torch.unique(torch.cat([corpus, targets]))  # ascending
-    hidden, vectors = model(batch.items, batch.max_length, candidates)
+    hidden, vectors = model(batch.items, batch.max_length, candidates, batch.times)
     logits = hidden @ vectors.t()  # [P, N']
     return F.cross_entropy(logits, torch.searchsorted(candidates, targets))
 
@@ -137,7 +139,9 @@ def _keyed_sampled_softmax(
         picks = _draw(0, num_keys, uniform, generator, device)
         draws.append(corpus[picks])
     negatives = torch.cat(draws)
-    hidden, vectors = model(batch.items, batch.max_length, torch.cat([targets, negatives]))
+    hidden, vectors = model(
+        batch.items, batch.max_length, torch.cat([targets, negatives]), batch.times
+    )
     positive = (hidden * vectors[:positions]).sum(dim=1, keepdim=True)  # [P, 1]
     logits = hidden @ vectors[positions:].t()  # [P, S]
     hits = negatives[None, :] == targets[:, None]  # [P, S]

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
+from recsys.ops.jagged_dense_add import jagged_dense_add
+
 __all__ = ["CANDIDATES", "HISTORY", "Events", "SequenceEncoder"]
 
 HISTORY, CANDIDATES = "history", "candidates"
@@ -26,8 +28,9 @@ HISTORY, CANDIDATES = "history", "candidates"
 class Events:
     """The events of a batch of histories, jagged: ``x`` [sum L, D] the model's inputs
     (``sqrt(D) e(item) + p(position)``), ``user`` and ``column`` [sum L] each event's
-    history and place in it, ``lengths`` [B] and ``offsets`` [B + 1] the histories, and
-    ``max_length`` the longest (host-known)."""
+    history and place in it, ``lengths`` [B] and ``offsets`` [B + 1] the histories,
+    ``max_length`` the longest (host-known), and ``times`` [sum L] the events' times (None
+    when the caller passed none)."""
 
     x: torch.Tensor
     user: torch.Tensor
@@ -35,6 +38,7 @@ class Events:
     lengths: torch.Tensor
     offsets: torch.Tensor
     max_length: int
+    times: torch.Tensor | None = None
 
 
 class SequenceEncoder(nn.Module):
@@ -70,15 +74,36 @@ class SequenceEncoder(nn.Module):
         """Hidden states [sum L, D], aligned with ``events.x``."""
         raise NotImplementedError
 
+    uses_times = False
+    """Whether :meth:`encode` reads the events' times (a model with a time bias): then
+    ``forward`` and ``user_vectors`` need ``times``."""
+
     def forward(
-        self, history: KeyedJaggedTensor, max_length: int, candidates: torch.Tensor | None = None
+        self,
+        history: KeyedJaggedTensor,
+        max_length: int,
+        candidates: torch.Tensor | None = None,
+        times: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states [sum L, D] at every position of ``history`` (one key, any name; lengths
         [B]; ``max_length`` its longest history, known on the host), and the vectors
-        [C, D] of the item ids ``candidates`` [C] (None: none), from one lookup."""
+        [C, D] of the item ids ``candidates`` [C] (None: none), from one lookup. ``times``
+        [sum L]: the events' times in seconds, aligned with ``history.values()`` (read by a
+        model whose ``uses_times``, ignored by the others).
+
+        Raises:
+            ValueError: a history longer than ``max_len``, or no (or misaligned) ``times``
+                for a model that uses them.
+        """
         lengths = history.lengths()
         ids = history.values()
         total = ids.numel()
+        if self.uses_times and (times is None or times.shape != ids.shape):
+            shape = None if times is None else tuple(times.shape)
+            raise ValueError(
+                f"this {type(self).__name__} learns a time bias: it needs the events' times "
+                f"[{total}] with the history (got {shape})"
+            )
         if max_length > self.max_len:
             raise ValueError(
                 f"a history of {max_length} items; this {type(self).__name__} has positions for "
@@ -103,16 +128,25 @@ class SequenceEncoder(nn.Module):
         ends = torch.cumsum(lengths, 0)
         offsets = torch.cat([ends.new_zeros(1), ends])
         column = torch.arange(total, device=ids.device) - offsets[user]
-        position = lengths[user] - 1 - column  # 0 for the most recent event
-        x = items * math.sqrt(self.dim) + self.positions(position)
-        hidden = self.encode(Events(x, user, column, lengths, offsets, max_length))
+        # sqrt(D) e(item) + p(position), positions counted back from the most recent event
+        x = jagged_dense_add(
+            items,
+            offsets,
+            self.positions.weight,
+            scale=math.sqrt(self.dim),
+            from_end=True,
+            validate=False,  # offsets built here; max_length checked against max_len above
+        )
+        hidden = self.encode(Events(x, user, column, lengths, offsets, max_length, times))
         out = looked_up[CANDIDATES].values() if candidates is not None else None
         return hidden, out
 
-    def user_vectors(self, history: KeyedJaggedTensor, max_length: int) -> torch.Tensor:
+    def user_vectors(
+        self, history: KeyedJaggedTensor, max_length: int, times: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[B, D]: each user's hidden state at the most recent event (zeros for an empty
-        history)."""
-        hidden, _ = self.forward(history, max_length)
+        history); ``times`` as :meth:`forward`'s."""
+        hidden, _ = self.forward(history, max_length, times=times)
         lengths = history.lengths()
         last = torch.cumsum(lengths, 0) - 1
         picked = hidden[last.clamp(min=0)] if hidden.shape[0] else hidden.new_zeros(0, self.dim)
@@ -134,4 +168,5 @@ class SequenceEncoder(nn.Module):
         empty = KeyedJaggedTensor(
             keys=[HISTORY], values=ids[:0], lengths=ids.new_zeros(1), stride=1
         )
-        return self.forward(empty, 0, candidates=ids)[1]
+        no_times = torch.zeros(0, dtype=torch.float64, device=ids.device)
+        return self.forward(empty, 0, candidates=ids, times=no_times)[1]

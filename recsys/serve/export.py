@@ -75,13 +75,14 @@ from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.parquet import table_to_batch
 from recsys.data.prepared import file_fingerprint, new_directory_beside, read_metadata
 from recsys.ops.slot_map import check_keys
+from recsys.serve import ranking_export
 from recsys.serve.cached_tables import attach_cached_tables
 from recsys.serve.exported_deltas import (
     DYNAMIC_FILE,
     apply_exported_deltas,
     exported_dynamic_tables,
 )
-from recsys.serve.program_file import archive_has, archive_text, write_program
+from recsys.serve.program_file import archive_has, archive_text, check_output, write_program
 from recsys.serve.retrieval_export import (
     RETRIEVAL_FILE,
     check_retrieval_options,
@@ -143,8 +144,8 @@ def export_model(
             100, or every item when fewer).
 
     Returns:
-        ``output``. A sequence model's checkpoint (sasrec, hstu) exports its top-K program
-        (:mod:`recsys.serve.retrieval_export`).
+        ``output``. Sequence models (sasrec, hstu) export a top-K program, hstu_ranking a
+        candidate-scoring one (:mod:`recsys.serve.retrieval_export`, ``ranking_export``).
 
     Raises:
         ValueError: ``output`` exists and ``overwrite`` is False, or is a directory; a
@@ -157,10 +158,10 @@ def export_model(
     """
     checkpoint = resolve_checkpoint(checkpoint)
     output = Path(output)
-    _check_output(output, overwrite)
+    check_output(output, overwrite)
     name = read_config(checkpoint).model.name
-    if name in TARGET_RANKING_MODELS:
-        raise ValueError(f"recsys export does not take a {name} checkpoint yet")
+    if name in TARGET_RANKING_MODELS:  # each history's candidates scored
+        return ranking_export.export_ranking(checkpoint, output, top_k)
     if name in SEQUENCE_MODELS or top_k is not None:  # top-K items of a history
         return export_retrieval(checkpoint, output, top_k)
     spec = read_spec(checkpoint)
@@ -178,14 +179,6 @@ def export_model(
     )
     extra[DYNAMIC_FILE] = json.dumps(dynamic, indent=1) + "\n"
     return write_program(program, checkpoint, output, extra)
-
-
-def _check_output(output: Path, overwrite: bool) -> None:
-    """Refuse to replace an existing file unless asked, and never a directory."""
-    if output.is_dir():
-        raise ValueError(f"output '{output}' is a directory; give the file to write")
-    if output.exists() and not overwrite:
-        raise ValueError(f"output '{output}' exists; pass --overwrite to replace it")
 
 
 def _example_inputs(spec: DatasetSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -349,14 +342,18 @@ def predict(
         raise ValueError("data and format describe raw input: they need transform")
     start = time.perf_counter()
     retrieval = archive_has(Path(model_path), f"extra/{RETRIEVAL_FILE}")  # a sequence model's
+    ranking = archive_has(Path(model_path), f"extra/{ranking_export.RANKING_FILE}")  # hstu_ranking
+    ranking_export.check_ranking_options(
+        model_path, ranking, transform, data, format, deltas, top_k
+    )
     check_retrieval_options(model_path, retrieval, data, format, deltas, top_k)
     deltas_step = None
-    if not retrieval:
+    if not retrieval and not ranking:
         model, spec, dynamic = load_program(model_path, cache_rows)
         if deltas is not None:
             deltas_step = apply_exported_deltas(model, dynamic, deltas, model_path)
     output = Path(output)
-    inputs = _input_files(str(input), parquet=not transform or retrieval)
+    inputs = _input_files(str(input), parquet=not transform or retrieval or ranking)
     for file in inputs:
         if output.resolve() == file.resolve():
             raise ValueError(
@@ -368,11 +365,14 @@ def predict(
             f"output '{output}' is inside the input directory '{input}', where a later run "
             "would read it as input; write it elsewhere"
         )
-    _check_output(output, overwrite)
-    if retrieval:  # the top-K items of each history
+    check_output(output, overwrite)
+    if ranking:  # each history's candidates
+        rows, columns = ranking_export.predict_candidates(model_path, inputs, output, batch_size)
+    elif retrieval:  # the top-K items of each history
         rows, columns = predict_top_k(
             model_path, inputs, output, batch_size, top_k=top_k, raw=transform
         )
+    if ranking or retrieval:
         return PredictReport(output, rows, len(inputs), columns, time.perf_counter() - start)
     with contextlib.ExitStack() as stack:
         if transform:

@@ -1,5 +1,6 @@
-"""Writing an exported program as a ``.pt2`` file, the one way both exports (``recsys export``
-of a CTR model and of a sequence model's top-K program) do it, and reading its members."""
+"""Writing an exported program as a ``.pt2`` file, the one way every export (``recsys export``
+of a CTR model, a sequence model's top-K program, a ranking model's candidate scores) does it,
+and reading its members."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ import torch
 
 from recsys._files import write_bytes_atomic
 from recsys.checkpoint.io import CONFIG_FILE, SPEC_FILE
+
+
+def check_output(output: Path, overwrite: bool) -> None:
+    """Refuse to replace an existing file unless asked, and never a directory."""
+    if output.is_dir():
+        raise ValueError(f"output '{output}' is a directory; give the file to write")
+    if output.exists() and not overwrite:
+        raise ValueError(f"output '{output}' exists; pass --overwrite to replace it")
 
 
 def write_program(

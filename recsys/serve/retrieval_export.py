@@ -6,6 +6,9 @@ The program's forward, with B histories (any B >= 1) and L item ids in all (any 
     values   int64[L]      every history's item ids, oldest first, history after history
                            (ids as the training data encoded them), at most max_len each
     lengths  int64[B]      the histories' lengths (0: an empty history)
+    times    f64[L]        only for a model with a time bias (hstu with
+                           ``model.sequence.time_bias``): each event's time in seconds, aligned
+                           with ``values`` (``retrieval.json`` says ``"times": true``)
     ->       int64[B, K]   the top K item ids, best first (ids from the first real item on:
                            categorify's reserved ids 0-2 are never returned)
              f32[B, K]     their scores, the user vector . the item vector
@@ -20,14 +23,16 @@ scores equal the trained model's up to float rounding. The archive carries the c
 max_len, the number of items, the corpus size) and ``items.json``, the training data's item
 encoding (:class:`recsys.data.item_encoding.ItemEncoding`).
 
-:func:`predict_top_k` reads parquet files with an ``items`` list column (the histories
-``recsys preprocess --format interactions`` writes: e.g. its ``test/`` split), cuts each
-history to its last ``max_len`` items, and writes ``top_items`` and ``top_scores`` list
-columns (its ``top_k``: any K up to the export's), with the input's ``user`` and ``target``
-columns passed through when present. With ``raw`` the ``items`` column holds raw item values,
-as the interaction log names them (strings, integers): they are encoded as the training data
-was (an item unknown to a categorified vocabulary is its rare id), and ``top_items`` holds
-items again (categorify: the items' own values; hash: the bucket ids; raw: the 64-bit keys).
+:func:`predict_top_k` reads parquet files with an ``items`` list column (the histories ``recsys
+preprocess --format interactions`` writes: e.g. its ``test/`` split), cuts each history to its
+last ``max_len`` items (and, for a model with a time bias, its ``times`` list column the same:
+the events' times in seconds, as that split holds them), and writes ``top_items`` and
+``top_scores`` list columns (its ``top_k``: any K up to the export's), with the input's
+``user`` and ``target`` columns passed through when present. With ``raw`` the ``items`` column
+holds raw item values, as the interaction log names them (strings, integers): they are encoded
+as the training data was (an item unknown to a categorified vocabulary is its rare id), and
+``top_items`` holds items again (categorify: the items' own values; hash: the bucket ids; raw:
+the 64-bit keys).
 """
 
 from __future__ import annotations
@@ -86,13 +91,15 @@ class TopKModule(nn.Module):
         self.model, self.k, self.first_item = model, k, first_item
         self.register_buffer("keys", keys)
 
-    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, values: torch.Tensor, lengths: torch.Tensor, times: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
         # Offsets computed here keep the graph ATen-only (the KJT would call an FBGEMM op).
         offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])  # [B + 1]
         history = KeyedJaggedTensor(
             keys=["items"], values=values, lengths=lengths, offsets=offsets, stride=lengths.shape[0]
         )
-        queries = self.model.user_vectors(history, self.model.max_len)  # [B, D]
+        queries = self.model.user_vectors(history, self.model.max_len, times)  # [B, D]
         if self.keys is not None:
             top = (queries @ self.model.item_vectors(self.keys).t()).topk(self.k, dim=1)
             return self.keys[top.indices], top.values
@@ -133,10 +140,12 @@ def export_retrieval(checkpoint: Path, output: Path, top_k: int | None = None) -
     module = TopKModule(model, k, first_item, keys)
     example = (torch.arange(first_item, first_item + 3), torch.tensor([2, 1]))
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
+    shapes = {"values": {0: ids}, "lengths": {0: batch}}
+    if model.uses_times:  # the events' times, aligned with values
+        example += (torch.tensor([0.0, 60.0, 30.0], dtype=torch.float64),)
+        shapes["times"] = {0: ids}
     with torch.no_grad():
-        program = torch.export.export(
-            module, example, dynamic_shapes={"values": {0: ids}, "lengths": {0: batch}}
-        )
+        program = torch.export.export(module, example, dynamic_shapes=shapes)
     info = {
         "top_k": k,
         "first_item": first_item,
@@ -144,6 +153,7 @@ def export_retrieval(checkpoint: Path, output: Path, top_k: int | None = None) -
         "num_items": model.num_items,
         "corpus": corpus,
         "dynamic": keys is not None,
+        "times": model.uses_times,
     }
     extra = {
         RETRIEVAL_FILE: json.dumps(info, indent=1) + "\n",
@@ -254,7 +264,7 @@ def predict_top_k(
             or a top_k outside [1, the export's].
     """
     model, info = load_retrieval(model_path)
-    max_len, num_items = info["max_len"], info["num_items"]
+    max_len, num_items, timed = info["max_len"], info["num_items"], info.get("times", False)
     exported = info["top_k"]
     corpus = info.get("corpus", num_items - info["first_item"])
     k = exported if top_k is None else top_k
@@ -280,9 +290,18 @@ def predict_top_k(
                         f"'{file}' has no 'items' column (each row's history of item ids); "
                         f"its columns: {', '.join(table.column_names)}"
                     )
+                if timed and "times" not in table.column_names:
+                    raise ValueError(
+                        f"'{file}' has no 'times' column; '{model_path}' (a model with a time "
+                        "bias) reads each event's time in seconds beside its item, a list "
+                        "column aligned with 'items' (as `recsys preprocess --format "
+                        "interactions` writes it)"
+                    )
                 for start in range(0, table.num_rows, batch_size):
                     piece = table.slice(start, batch_size)
-                    top_ids, top_scores = _top_k(model, piece, max_len, check_ids, file, encoding)
+                    top_ids, top_scores = _top_k(
+                        model, piece, max_len, check_ids, file, encoding, timed
+                    )
                     top_ids, top_scores = top_ids[:, :k], top_scores[:, :k]
                     out = {n: piece.column(n) for n in PASSED_THROUGH if n in piece.column_names}
                     out["top_items"] = _items(top_ids.numpy(), encoding)
@@ -320,6 +339,7 @@ def _top_k(
     num_items: int | None,
     file: Path,
     encoding: ItemEncoding | None,
+    timed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     items = piece.column("items").combine_chunks()
     offsets = items.offsets.to_numpy().astype(np.int64)
@@ -340,4 +360,24 @@ def _top_k(
             f"{num_items} rows (ids as its training histories encoded them; raw item values "
             "need --transform)"
         )
-    return model(torch.from_numpy(kept), torch.from_numpy(lengths))
+    inputs = [torch.from_numpy(kept), torch.from_numpy(lengths)]
+    if timed:
+        inputs.append(
+            torch.from_numpy(_times(piece, offsets, file)[np.arange(lengths.sum()) + index])
+        )
+    return model(*inputs)
+
+
+def _times(piece: pa.Table, offsets: np.ndarray, file: Path) -> np.ndarray:
+    """float64 [L] the ``times`` list column's values, checked to align with ``items``
+    (whose offsets, from 0, are ``offsets``)."""
+    times = piece.column("times").combine_chunks()
+    starts = times.offsets.to_numpy().astype(np.int64)
+    if not np.array_equal(starts - starts[0], offsets):
+        row = int(np.flatnonzero(np.diff(starts) != np.diff(offsets))[0])
+        raise ValueError(
+            f"'{file}': row {row} has {int(np.diff(starts)[row])} times and "
+            f"{int(np.diff(offsets)[row])} items; expected one time per item"
+        )
+    values = times.values.slice(starts[0], starts[-1] - starts[0])
+    return values.to_numpy(zero_copy_only=False).astype(np.float64)

@@ -49,7 +49,7 @@ from recsys.distributed.parallel import (
 )
 from recsys.embedding.dynamic_table import load_every_key
 from recsys.embedding.interface import state_to_load
-from recsys.train.metrics import BinaryMetrics
+from recsys.train.metrics import BinaryMetrics, eval_line
 
 SPLITS = ("train", "valid", "test")
 
@@ -122,15 +122,6 @@ def evaluate_split(
     return result
 
 
-def eval_line(split: str, step: int, result: dict[str, Any]) -> str:
-    """The line an evaluation prints: ``eval test step 292: auc 0.7650 logloss 0.4711`` (plus
-    the oracle's AUC on synthetic data)."""
-    line = f"eval {split} step {step}: auc {result['auc']:.4f} logloss {result['logloss']:.4f}"
-    if "oracle_auc" in result:
-        line += f" (oracle auc {result['oracle_auc']:.4f})"
-    return line
-
-
 def prefetch_batches(config: DataConfig, device: torch.device) -> int:
     """``data.prefetch_batches`` with -1 (auto) resolved: 4 on CUDA, 0 on CPU."""
     if config.prefetch_batches == -1:
@@ -158,13 +149,16 @@ class EvalResult:
 
     def summary(self) -> str:
         """One line: the trainer's eval line, per-task AUCs, the sample count and the data (a
-        sequence model: its ranking line and the user count)."""
+        sequence model: its ranking line and the user count; hstu_ranking: the eval line and the
+        user count)."""
         if "num_users" in self.metrics:
             from recsys.train.retrieval import ranking_line
 
+            ranked = "hr@10" in self.metrics
+            line = (ranking_line if ranked else eval_line)(self.split, self.step, self.metrics)
             return (
-                f"{ranking_line(self.split, self.step, self.metrics)}; "
-                f"{self.metrics['num_users']:,} users of {self.data}; checkpoint {self.checkpoint}"
+                f"{line}; {self.metrics['num_users']:,} users of {self.data}; checkpoint "
+                f"{self.checkpoint}"
             )
         tasks = [
             f"{k.removeprefix('auc_')} {v:.4f}" for k, v in self.metrics.items() if k[:4] == "auc_"
@@ -224,10 +218,7 @@ def evaluate_checkpoint(
         if config.model.name in SEQUENCE_MODELS:
             return _evaluate_sequences(path, config, spec, device, info, split)
         if config.model.name in TARGET_RANKING_MODELS:
-            raise ValueError(
-                f"recsys eval does not take a {config.model.name} checkpoint yet; its training "
-                "run's metrics.jsonl holds the valid and test AUC"
-            )
+            return _evaluate_target_ranking(path, config, spec, device, info, split)
         dataset = _dataset(config, spec, path, new_data="data.path" in _keys(overrides))
         if not sum(dataset.chunk_rows(split, i) for i in range(dataset.num_chunks(split))):
             raise ValueError(f"the {split} split of {data_name(config)} has no rows")
@@ -260,6 +251,25 @@ def _evaluate_sequences(
     from recsys.train.retrieval import NextItemTask
 
     task = NextItemTask(config, device, info, lambda line: None)
+    check_spec(spec, task.spec, f"{data_name(config)} and checkpoint '{path}'")
+    model, step = _load_model(path, config, spec, device, info)
+    return EvalResult(path, step, split, data_name(config), task.evaluate(model, split))
+
+
+def _evaluate_target_ranking(
+    path: Path,
+    config: Config,
+    spec: DatasetSpec,
+    device: torch.device,
+    info: DistributedInfo,
+    split: str,
+) -> EvalResult:
+    """:func:`evaluate_checkpoint` of a target-aware ranking model (hstu_ranking): the AUC /
+    logloss of its run's evaluations (:class:`~recsys.train.target_ranking.TargetRankingTask`)
+    on the candidates of ``split``."""
+    from recsys.train.target_ranking import TargetRankingTask
+
+    task = TargetRankingTask(config, device, info, lambda line: None)
     check_spec(spec, task.spec, f"{data_name(config)} and checkpoint '{path}'")
     model, step = _load_model(path, config, spec, device, info)
     return EvalResult(path, step, split, data_name(config), task.evaluate(model, split))
@@ -403,7 +413,8 @@ def _current_info() -> DistributedInfo:
 
 def data_name(config: Config) -> str:
     """The data, as the trainer's summary names it."""
-    source = resolve_source(config.data, sequences=config.model.name in SEQUENCE_MODELS)
+    histories = (*SEQUENCE_MODELS, *TARGET_RANKING_MODELS)
+    source = resolve_source(config.data, sequences=config.model.name in histories)
     if source == "synthetic":
         return "synthetic data"
     if source == "synthetic_sequences":

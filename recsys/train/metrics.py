@@ -221,3 +221,12 @@ def _scalars(prefix: str, values: dict[str, Any]) -> Iterator[tuple[str, float]]
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All events of a metrics.jsonl file, in order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def eval_line(split: str, step: int, result: dict[str, Any]) -> str:
+    """The line an evaluation prints: ``eval test step 292: auc 0.7650 logloss 0.4711`` (plus
+    the oracle's AUC on synthetic data)."""
+    line = f"eval {split} step {step}: auc {result['auc']:.4f} logloss {result['logloss']:.4f}"
+    if "oracle_auc" in result:
+        line += f" (oracle auc {result['oracle_auc']:.4f})"
+    return line

@@ -227,9 +227,9 @@ class NextItemTask:
         users = 0
         for batch in self._eval_batches(split):
             if batch is None:  # this rank has no users left: an empty lookup, as collective
-                model.user_vectors(self._no_users(), 0)
+                model.user_vectors(self._no_users(), 0, self._no_times())
                 continue
-            queries = model.user_vectors(batch.items, batch.max_length)  # [B, D]
+            queries = model.user_vectors(batch.items, batch.max_length, batch.times)  # [B, D]
             metrics.update(queries, items, batch.targets, self._exclude(batch), keys)
             users += batch.size
         model.train(was_training)
@@ -244,6 +244,9 @@ class NextItemTask:
     def _no_users(self) -> KeyedJaggedTensor:
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)
         return KeyedJaggedTensor(keys=[ITEMS], values=empty, lengths=empty, stride=0)
+
+    def _no_times(self) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.float64, device=self.device)
 
     def _summed(self, count: int) -> int:
         """``count`` added over the ranks."""

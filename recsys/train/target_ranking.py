@@ -7,7 +7,13 @@ Data: the built-in synthetic interaction log (``[data.synthetic_sequences]``) wi
 (:mod:`recsys.data.synthetic_ranking`); users are split 80 / 10 / 10 into train / valid / test
 by ``run.seed``. Histories longer than ``model.sequence.max_len`` keep their latest events.
 Every evaluation also reports ``oracle_auc``: the AUC of ranking the same candidates by their
-true click probability, the best achievable. One process only (no torchrun yet).
+true click probability, the best achievable.
+
+Under torchrun the item table is sharded (placed by the planner, as sasrec's) and the rest runs
+under DDP: each global batch of ``train.batch_size x world_size`` users is dealt out in
+``train.batch_size`` slices, one per rank, and evaluation scores users r, r + W, ... on rank r
+(a rank with fewer batches than the others looks up empty ones, as every lookup is a
+collective), gathering every rank's scores for the AUC.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.functional.classification import binary_auroc
@@ -28,7 +35,7 @@ from recsys.data.batch import DatasetSpec
 from recsys.data.synthetic_ranking import RankingSamples, oracle_auc, synthetic_ranking
 from recsys.data.synthetic_sequences import SyntheticSequences
 from recsys.distributed.parallel import DistributedInfo
-from recsys.train.evaluate import eval_line
+from recsys.train.metrics import eval_line
 
 __all__ = ["RankingBatch", "TargetRankingTask"]
 
@@ -63,33 +70,25 @@ class RankingBatch:
 
 
 class _Epoch:
-    """The batches of one epoch of a split from ``start_batch`` on; ``len()`` is the epoch's
-    whole length."""
+    """The batches of one epoch of a split (each the users of one batch, on this rank) from
+    ``start`` on; ``len()`` is the epoch's whole length."""
 
-    def __init__(
-        self,
-        task: TargetRankingTask,
-        users: np.ndarray,
-        batch_size: int,
-        start: int,
-        drop_last: bool,
-    ) -> None:
-        self.task, self.users, self.batch_size, self.start = task, users, batch_size, start
-        self.drop_last = drop_last
+    def __init__(self, task: TargetRankingTask, batches: list[np.ndarray], start: int) -> None:
+        self.task, self.batches, self.start = task, batches, start
 
     def __len__(self) -> int:
-        if self.drop_last:
-            return len(self.users) // self.batch_size
-        return -(-len(self.users) // self.batch_size)
+        return len(self.batches)
 
     def __iter__(self) -> Iterator[RankingBatch]:
-        for index in range(self.start, len(self)):
-            picked = self.users[index * self.batch_size : (index + 1) * self.batch_size]
-            yield self.task.batch(picked).to(self.task.device)
+        for users in self.batches[self.start :]:
+            yield self.task.batch(users).to(self.task.device)
 
     @property
     def layout(self) -> Any:
-        raise ValueError("an hstu_ranking run resumes with the train.batch_size it was saved with")
+        raise ValueError(
+            "an hstu_ranking run resumes with the train.batch_size and number of processes it "
+            "was saved with"
+        )
 
 
 class TargetRankingTask:
@@ -98,11 +97,11 @@ class TargetRankingTask:
     Args:
         config: the run's config (``[data.synthetic_sequences]``, ``[model.sequence]``).
         device: where batches go.
-        info: this process's rank and the world size (one process only).
+        info: this process's rank and the world size.
         say: prints a line on the first rank.
 
     Raises:
-        ValueError: data other than the built-in synthetic log, or more than one process.
+        ValueError: data other than the built-in synthetic log.
     """
 
     def __init__(
@@ -117,11 +116,6 @@ class TargetRankingTask:
                 f"model.name = 'hstu_ranking' trains on the built-in synthetic ranking data "
                 f"only (data.source = 'auto' or 'synthetic_sequences', no data.path); got "
                 f"data.source = {config.data.source!r}, data.path = {config.data.path!r}"
-            )
-        if info.world_size != 1:
-            raise ValueError(
-                f"model.name = 'hstu_ranking' trains in one process; this run has "
-                f"{info.world_size}"
             )
         self.config, self.device, self.info = config, device, info
         sequence = config.model.sequence
@@ -173,7 +167,8 @@ class TargetRankingTask:
         starts = np.maximum(samples.offsets[users + 1] - self.max_len, samples.offsets[users])
         ends = samples.offsets[users + 1]
         lengths = ends - starts
-        history = np.concatenate([samples.items[a:b] for a, b in zip(starts, ends, strict=True)])
+        pieces = [samples.items[a:b] for a, b in zip(starts, ends, strict=True)]
+        history = np.concatenate([samples.items[:0], *pieces])  # no users: an empty batch
         candidates = samples.candidates[users]  # [B, C]
         count = candidates.shape[1]
         return RankingBatch(
@@ -205,36 +200,54 @@ class TargetRankingTask:
     def loader(
         self, split: str, epoch: int = 0, start_batch: int = 0, reshards: tuple = ()
     ) -> _Epoch:
-        """The batches of ``split`` (train: epoch ``epoch`` shuffled by run.seed, whole batches
-        only, from ``start_batch``)."""
+        """This rank's batches of ``split`` from ``start_batch`` on (train: epoch ``epoch``
+        shuffled by run.seed, whole global batches only, this rank's slice of each; valid /
+        test: users rank, rank + W, ... in order)."""
         train = self.config.train
+        rank, world = self.info.rank, self.info.world_size
         users = self.users[split]
         if split == "train":
             generator = np.random.default_rng([self.config.run.seed, epoch])
             users = users[generator.permutation(len(users))]
-            return _Epoch(self, users, train.batch_size, start_batch, drop_last=True)
-        return _Epoch(self, users, train.eval_batch_size, start_batch, drop_last=False)
+            size, step = train.batch_size, train.batch_size * world
+            starts = range(rank * size, len(users) // step * step, step)
+            return _Epoch(self, [users[a : a + size] for a in starts], start_batch)
+        mine, size = users[rank::world], train.eval_batch_size
+        return _Epoch(self, [mine[a : a + size] for a in range(0, len(mine), size)], start_batch)
 
     def steps_per_epoch(self) -> int:
         steps = len(self.loader("train"))
         if steps == 0:
             raise ValueError(
-                f"train.batch_size = {self.config.train.batch_size} is larger than the "
-                f"{len(self.users['train'])} train users"
+                f"train.batch_size = {self.config.train.batch_size} x {self.info.world_size} "
+                f"processes is larger than the {len(self.users['train'])} train users"
             )
         return steps
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str) -> dict[str, Any]:
-        """AUC and logloss of the candidates of ``split``'s users, and the oracle's AUC."""
+        """AUC and logloss of the candidates of ``split``'s users (every rank's), and the
+        oracle's AUC."""
+        model = getattr(model, "module", model)  # no gradients: around a DDP wrapper
         was_training = model.training
         model.eval()
         logits, labels = [], []
-        for batch in self.loader(split):
+        batches = self.loader(split)
+        world, size = self.info.world_size, self.config.train.eval_batch_size
+        most = -(-len(self.users[split][::world]) // size)  # rank 0's batches, the most
+        for batch in batches:
             logits.append(self.logits(model, batch).float())
             labels.append(batch.labels)
+        for _ in range(most - len(batches)):  # as many lookups as rank 0 (collectives)
+            self.logits(model, self.batch(np.zeros(0, dtype=np.int64)).to(self.device))
         model.train(was_training)
-        scores, truth = torch.cat(logits), torch.cat(labels)
+        scores = torch.cat([torch.zeros(0), *(x.cpu() for x in logits)])
+        truth = torch.cat([torch.zeros(0), *(x.cpu() for x in labels)])
+        if world > 1:
+            parts: list[Any] = [None] * world
+            dist.all_gather_object(parts, (scores, truth))
+            scores = torch.cat([p[0] for p in parts])
+            truth = torch.cat([p[1] for p in parts])
         return {
             "auc": float(binary_auroc(scores, truth.long())),
             "logloss": float(F.binary_cross_entropy_with_logits(scores, truth)),

@@ -28,7 +28,8 @@ from recsys.data import build_dataset
 from recsys.data.layout import Reshard
 from recsys.data.loader import BatchLoader
 from recsys.distributed.parallel import DistributedInfo
-from recsys.train.evaluate import eval_line, evaluate_split
+from recsys.train.evaluate import evaluate_split
+from recsys.train.metrics import eval_line
 
 __all__ = ["CTRTask", "build_task"]
 

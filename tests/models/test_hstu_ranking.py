@@ -63,18 +63,24 @@ def test_a_score_depends_on_its_history_not_on_other_candidates_or_the_batch():
     assert not torch.allclose(moved, alone, atol=1e-4)
 
 
-def test_the_triton_kernels_give_the_torch_paths_scores():
+def test_the_triton_kernels_give_the_torch_paths_scores(monkeypatch):
+    """Attention, the jagged concat / split of history and candidates and the position add
+    all on their Triton kernels (RECSYS_BACKEND=triton: every op's "auto")."""
     histories = [[1, 2, 3], [4], list(range(5, 40)), []]
     candidates = [[1, 5], [7, 8, 9], [3], [2, 4, 6, 8]]
     scores, grads = [], []
     for backend in ("torch", "triton"):
+        monkeypatch.setenv("RECSYS_BACKEND", backend)
         model = _model(backend=backend).eval()
         score = _score(model, histories, candidates)
         score.square().sum().backward()
         scores.append(score.detach())
-        grads.append(model.blocks[0].position_bias.grad)
+        grads.append([model.blocks[0].position_bias.grad, model.positions.weight.grad])
+        grads[-1] += [model.target.grad, model.embeddings.embeddings["item"].weight.grad]
     assert torch.allclose(scores[0], scores[1], atol=1e-5)
-    assert (grads[0] - grads[1]).abs().max() <= 1e-2 * grads[0].abs().max()
+    for want, got in zip(grads[0], grads[1], strict=True):
+        assert want.abs().max() > 0
+        assert (want - got).abs().max() <= 1e-2 * want.abs().max()
 
 
 def test_bad_inputs_are_named():

@@ -188,3 +188,46 @@ def test_a_tiered_item_table_exports_its_rows_into_the_program(dynamic, tmp_path
         top, scores = reference(values, torch.tensor([len(r) for r in rows]))
     assert out["top_items"] == top.tolist()
     np.testing.assert_allclose(out["top_scores"], scores.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_time_bias_model_exports_with_a_times_input(tmp_path):
+    """hstu with position + time bias: the program takes the events' times as a third input,
+    predict reads them from the histories' ``times`` column (the test split's reproduces the
+    run's test HR@10), and refuses histories without them."""
+    timed = [
+        "--model.name=hstu",
+        "--model.sequence.relative_bias=true",
+        "--model.sequence.time_bias=true",
+        "--train.epochs=1",
+    ]
+    result = train(load_config(None, [*TINY, *timed, f"--run.dir={tmp_path / 'run'}"]))
+    model_path = export_model(tmp_path / "run", tmp_path / "model.pt2")
+    info = load_retrieval(model_path)[1]
+    assert info["times"]
+    run = load_config(tmp_path / "run" / "config.toml")
+    task = NextItemTask(run, torch.device("cpu"), DistributedInfo(0, 1, 0), print)
+    test = task.data.splits["test"]
+    ends = list(zip(test.offsets[:-1], test.offsets[1:], strict=True))
+    items = pa.array([test.values[a:b].tolist() for a, b in ends], pa.list_(pa.int64()))
+    times = pa.array([test.times[a:b].tolist() for a, b in ends], pa.list_(pa.float64()))
+    pq.write_table(pa.table({"items": items, "times": times}), tmp_path / "test.parquet")
+    predict(model_path, tmp_path / "test.parquet", tmp_path / "top.parquet")
+    top = pq.read_table(tmp_path / "top.parquet")["top_items"].to_pylist()
+    hits = [target in t[:10] for target, t in zip(test.targets, top, strict=True)]
+    assert np.mean(hits) == pytest.approx(result.test["hr@10"], abs=1.5 / len(hits))
+
+    history = pa.array([[5, 9, 4]], pa.list_(pa.int64()))
+    for name, seconds in (("close", [0.0, 1.0, 2.0]), ("far", [0.0, 1e6, 2e6])):
+        row = pa.table({"items": history, "times": pa.array([seconds], pa.list_(pa.float64()))})
+        pq.write_table(row, tmp_path / f"{name}.parquet")
+        predict(model_path, tmp_path / f"{name}.parquet", tmp_path / f"{name}_top.parquet")
+    scores = [
+        pq.read_table(tmp_path / f"{n}_top.parquet")["top_scores"][0] for n in ("close", "far")
+    ]
+    assert scores[0].as_py() != scores[1].as_py()  # the times reach the model
+    with pytest.raises(ValueError, match="has no 'times' column; .* reads each event's time"):
+        predict(model_path, _histories(tmp_path, [[5, 9, 4]]), tmp_path / "out.parquet")
+    bad = pa.table({"items": history, "times": pa.array([[0.0, 1.0]], pa.list_(pa.float64()))})
+    pq.write_table(bad, tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match="row 0 has 2 times and 3 items"):
+        predict(model_path, tmp_path / "bad.parquet", tmp_path / "out.parquet")

@@ -124,6 +124,11 @@ def test_recipe_trains_as_it_is(recipe, tmp_path):
             "no negatives to sample",
         ),
         (["--model.sequence.num_heads=3"], "divisible by model.sequence.num_heads"),
+        (["--model.sequence.time_bias=true"], "time bias is the second half of hstu's"),
+        (
+            ["--model.name=hstu", "--model.sequence.time_bias=true"],
+            "relative_bias = false: the time bias",
+        ),
         (["--data.synthetic_sequences.num_topics=100"], "num_items >= num_topics"),
         (["--train.batch_size=500"], "larger than the 200 train histories"),
         (
