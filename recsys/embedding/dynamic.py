@@ -198,7 +198,7 @@ class DynamicTables:
         zeros."""
         with torch.no_grad():
             for name, table in self.dynamic.items():
-                self.table_modules[name].weight[table.zero_row] = 0
+                self.table_modules[name].weight.select(0, table.zero_row).zero_()
         self._zero_rows_stale = False
 
     def _per_table_rows(

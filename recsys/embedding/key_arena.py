@@ -88,8 +88,11 @@ __all__ = ["KeyArena", "Placed", "build_arenas", "joins_arena"]
 # Hint entries per slot of a table (more: fewer keys sharing an entry, more memory and cache
 # traffic), and the most hint entries of an arena (2**23: 64 MiB): past that, the largest
 # tables get fewer per slot, and hints serve their hot keys. A key's hint is the one entry its
-# hash names (sets of several entries cost more gathers per id than the scans they save).
+# hash names (sets of several entries cost more gathers per id than the scans they save). The
+# CPU loops scan a failed hint's bucket at once, for less than the cache misses of a larger
+# hint buffer: 2 per slot there (measured on the DLRM step, batch 256 and 2048).
 HINTS_PER_SLOT = 4
+HINTS_PER_SLOT_LOOPS = 2
 MAX_HINTS = 1 << 23
 # Fibonacci hashing: bits 32.. of key * 2**64 / golden ratio pick a hint entry.
 _FIBONACCI = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as int64
@@ -100,10 +103,10 @@ def joins_arena(table: DynamicTable) -> bool:
     return type(table.map.policy) in (LRU, LFU) and not table.options.ttl_steps
 
 
-def hint_sizes(capacities: list[int]) -> list[int]:
-    """Hint entries of each table: a power of two near ``HINTS_PER_SLOT`` per slot (at least
-    64), the largest halved while they sum past ``MAX_HINTS``."""
-    sizes = [max(64, 1 << (HINTS_PER_SLOT * c - 1).bit_length()) for c in capacities]
+def hint_sizes(capacities: list[int], per_slot: int = HINTS_PER_SLOT) -> list[int]:
+    """Hint entries of each table: a power of two near ``per_slot`` per slot (at least 64),
+    the largest halved while they sum past ``MAX_HINTS``."""
+    sizes = [max(64, 1 << (per_slot * c - 1).bit_length()) for c in capacities]
     while sum(sizes) > MAX_HINTS and max(sizes) > 64:
         largest = sizes.index(max(sizes))
         sizes[largest] //= 2
@@ -224,9 +227,11 @@ class KeyArena:
             "seed": [*(table.seed for table in self.tables), 0],
             "insertable": [*(self._insertable(table) for table in self.tables), False],
         }
+        # the CPU loops (compiled C) where they load, else the same as tensor ops
+        self._loops = self.device.type == "cpu" and self.cpu_loops and key_arena_cpu.available()
         # each table's own region of hints (a power of two), then one entry for ids of no
         # table, all naming the scratch slot (EMPTY_KEY, of no table) until written
-        sizes = hint_sizes(capacities)
+        sizes = hint_sizes(capacities, HINTS_PER_SLOT_LOOPS if self._loops else HINTS_PER_SLOT)
         per_table["hint_base"] = [*itertools.accumulate([0, *sizes[:-1]]), sum(sizes)]
         per_table["hint_mask"] = [*(n - 1 for n in sizes), 0]
         self._hints = None
@@ -234,9 +239,7 @@ class KeyArena:
             self._hints = torch.full(
                 (sum(sizes) + 1,), total, dtype=torch.int64, device=self.device
             )
-        # the CPU loops (compiled C) where they load, else the same as tensor ops; the find's
-        # loop (with hints) lists only the ids without a slot
-        self._loops = self.device.type == "cpu" and self.cpu_loops and key_arena_cpu.available()
+        # the find's loop (with hints) lists only the ids without a slot
         self._lists_misses = self._loops and self._hints is not None
         self._per_table = {
             name: torch.tensor(values, device=self.device) for name, values in per_table.items()
