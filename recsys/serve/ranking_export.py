@@ -29,7 +29,6 @@ float32 per candidate, in the candidates' order), passing ``user``, ``candidates
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +38,9 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from recsys._files import remove_quietly
 from recsys.checkpoint.io import load_model, read_config, read_spec
 from recsys.config import TARGET_RANKING_MODELS
+from recsys.serve.parquet_pieces import ParquetPieces
 from recsys.serve.program_file import write_program
 
 __all__ = [
@@ -176,42 +175,26 @@ def predict_candidates(
             the item table, or a row with more candidates than the model scores at once.
     """
     model, info = load_ranking(model_path)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".tmp-{os.getpid()}-{output.name}")
-    rows, writer, columns = 0, None, []
-    try:
-        with torch.no_grad():
-            for file in files:
-                table = pq.read_table(file)
-                missing = [c for c in ("items", "candidates") if c not in table.column_names]
-                if missing:
-                    raise ValueError(
-                        f"'{file}' has no {' or '.join(repr(c) for c in missing)} column (each "
-                        "row's history and candidates, item id lists); its columns: "
-                        f"{', '.join(table.column_names)}"
-                    )
-                for start in range(0, table.num_rows, batch_size):
-                    piece = table.slice(start, batch_size)
-                    probabilities, lengths = _score(model, piece, info, file)  # [M, T], [B]
-                    splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-                    out = {n: piece.column(n) for n in PASSED_THROUGH if n in piece.column_names}
-                    for task, label in enumerate(info["labels"]):
-                        values = pa.array(probabilities[:, task].numpy(), pa.float32())
-                        out[f"score_{label}"] = pa.ListArray.from_arrays(splits, values)
-                    result = pa.table(out)
-                    if writer is None:
-                        writer, columns = pq.ParquetWriter(tmp, result.schema), result.column_names
-                    writer.write_table(result)
-                    rows += piece.num_rows
-        if writer is not None:
-            writer.close()
-            writer = None
-            os.replace(tmp, output)
-    finally:
-        if writer is not None:
-            writer.close()
-        remove_quietly(tmp)
-    return rows, columns
+    with ParquetPieces(output) as out, torch.no_grad():
+        for file in files:
+            table = pq.read_table(file)
+            missing = [c for c in ("items", "candidates") if c not in table.column_names]
+            if missing:
+                raise ValueError(
+                    f"'{file}' has no {' or '.join(repr(c) for c in missing)} column (each "
+                    "row's history and candidates, item id lists); its columns: "
+                    f"{', '.join(table.column_names)}"
+                )
+            for start in range(0, table.num_rows, batch_size):
+                piece = table.slice(start, batch_size)
+                probabilities, lengths = _score(model, piece, info, file)  # [M, T], [B]
+                splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+                columns = {n: piece.column(n) for n in PASSED_THROUGH if n in piece.column_names}
+                for task, label in enumerate(info["labels"]):
+                    values = pa.array(probabilities[:, task].numpy(), pa.float32())
+                    columns[f"score_{label}"] = pa.ListArray.from_arrays(splits, values)
+                out.write(pa.table(columns))
+    return out.rows, out.columns
 
 
 def _ids(piece: pa.Table, column: str) -> tuple[np.ndarray, np.ndarray]:

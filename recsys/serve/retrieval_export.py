@@ -38,7 +38,6 @@ the 64-bit keys).
 from __future__ import annotations
 
 import json
-import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,6 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from recsys._files import remove_quietly
 from recsys.build.tiered_tables import tiered_collections
 from recsys.checkpoint.io import load_model, read_config
 from recsys.config import SEQUENCE_MODELS
@@ -59,6 +57,7 @@ from recsys.data.item_encoding import ItemEncoding
 from recsys.data.prepared import read_metadata
 from recsys.data.sequence_source import build_sequence_dataset
 from recsys.models.next_item import corpus_keys
+from recsys.serve.parquet_pieces import ParquetPieces
 from recsys.serve.program_file import write_program
 from recsys.serve.retrieval_tables import in_memory_item_table
 
@@ -278,48 +277,32 @@ def predict_top_k(
         check_top_k(top_k, exported, more)
     encoding = load_item_encoding(model_path) if raw else None
     check_ids = None if info.get("dynamic") or raw else num_items
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".tmp-{os.getpid()}-{output.name}")
-    rows, writer, columns = 0, None, []
-    try:
-        with torch.no_grad():
-            for file in files:
-                table = pq.read_table(file)
-                if "items" not in table.column_names:
-                    raise ValueError(
-                        f"'{file}' has no 'items' column (each row's history of item ids); "
-                        f"its columns: {', '.join(table.column_names)}"
-                    )
-                if timed and "times" not in table.column_names:
-                    raise ValueError(
-                        f"'{file}' has no 'times' column; '{model_path}' (a model with a time "
-                        "bias) reads each event's time in seconds beside its item, a list "
-                        "column aligned with 'items' (as `recsys preprocess --format "
-                        "interactions` writes it)"
-                    )
-                for start in range(0, table.num_rows, batch_size):
-                    piece = table.slice(start, batch_size)
-                    top_ids, top_scores = _top_k(
-                        model, piece, max_len, check_ids, file, encoding, timed
-                    )
-                    top_ids, top_scores = top_ids[:, :k], top_scores[:, :k]
-                    out = {n: piece.column(n) for n in PASSED_THROUGH if n in piece.column_names}
-                    out["top_items"] = _items(top_ids.numpy(), encoding)
-                    out["top_scores"] = pa.array(list(top_scores.numpy()), pa.list_(pa.float32()))
-                    result = pa.table(out)
-                    if writer is None:
-                        writer, columns = pq.ParquetWriter(tmp, result.schema), result.column_names
-                    writer.write_table(result)
-                    rows += piece.num_rows
-        if writer is not None:
-            writer.close()
-            writer = None
-            os.replace(tmp, output)
-    finally:
-        if writer is not None:
-            writer.close()
-        remove_quietly(tmp)
-    return rows, columns
+    with ParquetPieces(output) as out, torch.no_grad():
+        for file in files:
+            table = pq.read_table(file)
+            if "items" not in table.column_names:
+                raise ValueError(
+                    f"'{file}' has no 'items' column (each row's history of item ids); "
+                    f"its columns: {', '.join(table.column_names)}"
+                )
+            if timed and "times" not in table.column_names:
+                raise ValueError(
+                    f"'{file}' has no 'times' column; '{model_path}' (a model with a time "
+                    "bias) reads each event's time in seconds beside its item, a list "
+                    "column aligned with 'items' (as `recsys preprocess --format "
+                    "interactions` writes it)"
+                )
+            for start in range(0, table.num_rows, batch_size):
+                piece = table.slice(start, batch_size)
+                top_ids, top_scores = _top_k(
+                    model, piece, max_len, check_ids, file, encoding, timed
+                )
+                top_ids, top_scores = top_ids[:, :k], top_scores[:, :k]
+                columns = {n: piece.column(n) for n in PASSED_THROUGH if n in piece.column_names}
+                columns["top_items"] = _items(top_ids.numpy(), encoding)
+                columns["top_scores"] = pa.array(list(top_scores.numpy()), pa.list_(pa.float32()))
+                out.write(pa.table(columns))
+    return out.rows, out.columns
 
 
 def _items(top_ids: np.ndarray, encoding: ItemEncoding | None) -> pa.Array:
