@@ -240,6 +240,10 @@ def load_program(
             f"'{path}' was not written by recsys export (a torch.export .pt2 archive with "
             f"{SPEC_FILE} inside)"
         )
+    for name in (RETRIEVAL_FILE, ranking_export.RANKING_FILE):  # it scores histories
+        if archive_has(path, f"extra/{name}"):
+            message = f"a sequence model's export ({name} inside): `recsys predict` scores it"
+            raise ValueError(f"'{path}' is {message}; this takes a CTR model's export")
     extra_files = {SPEC_FILE: "", CONFIG_FILE: ""}
     for name in (DYNAMIC_FILE, TIERED_FILE):  # exports before deltas (or tiers) have none
         if archive_has(path, f"extra/{name}"):

@@ -10,7 +10,7 @@ import torch
 from recsys.config import load_config
 from recsys.data.keys import value_keys
 from recsys.distributed.parallel import DistributedInfo
-from recsys.serve.export import export_model, predict
+from recsys.serve.export import export_model, load_exported, predict
 from recsys.serve.retrieval_export import load_item_encoding, load_retrieval
 from recsys.train.retrieval import NextItemTask
 from recsys.train.trainer import train
@@ -75,6 +75,13 @@ def test_predict_refuses_raw_input_and_missing_histories(exported, tmp_path):
     with pytest.raises(ValueError, match="item ids span \\[3, 99\\]"):
         predict(model_path, _histories(tmp_path, [[3, 99]]), tmp_path / "out.parquet")
     assert not (tmp_path / "out.parquet").exists()
+
+
+def test_a_sequence_export_is_refused_where_a_ctr_program_is_loaded(exported):
+    # (recsys serve and load_exported score CTR rows, not histories)
+    _, _, model_path = exported
+    with pytest.raises(ValueError, match=r"sequence model's export \(retrieval.json inside\)"):
+        load_exported(model_path)
 
 
 def test_top_k_is_an_export_and_predict_option(exported, tmp_path):

@@ -14,7 +14,7 @@ from torchmetrics.functional.classification import binary_auroc
 
 from recsys.config import load_config
 from recsys.distributed.parallel import DistributedInfo
-from recsys.serve.export import export_model, predict
+from recsys.serve.export import export_model, load_exported, predict
 from recsys.train.evaluate import evaluate_checkpoint
 from recsys.train.metrics import read_metrics
 from recsys.train.target_ranking import TargetRankingTask
@@ -138,6 +138,9 @@ def test_predict_refuses_what_a_ranking_export_does_not_read(trained, exported, 
     with pytest.raises(ValueError, match="items ids span \\[1, 100\\]; .* has 100 rows"):
         predict(model_path, tmp_path / "big.parquet", tmp_path / "out.parquet")
     assert not (tmp_path / "out.parquet").exists()
+    # recsys serve (and load_exported) score CTR rows: a ranking export is refused there
+    with pytest.raises(ValueError, match=r"sequence model's export \(ranking.json inside\)"):
+        load_exported(model_path)
 
 
 def test_ranks_deal_out_whole_global_batches_and_every_eval_user(tmp_path):
