@@ -178,6 +178,8 @@ class KeyArena:
         for t, slot_map in enumerate(maps):
             slot_map.pending_hits = self.hits[t]
         self._lfu = [isinstance(m.policy, LFU) for m in maps]
+        # how scores update: 0 every table LRU, 1 every table LFU, 2 both kinds
+        self._lfu_mode = 0 if not any(self._lfu) else 1 if all(self._lfu) else 2
         self.admission = AdmissionArena(tables) if any(t.admission for t in tables) else None
         self._one = torch.ones((), dtype=torch.int64, device=self.device)
         self._generations: tuple[int, ...] | None = None
@@ -383,10 +385,11 @@ class KeyArena:
         if scanned is not None:  # misses can only be among the scanned ids
             where, slots, hints = scanned
             tables = per_id.table.index_select(0, where)
-            # [T + 1] ids without a row per table: a host read (the CPU loops list only ids
-            # without a slot: some table misses one, nothing to read)
-            missed = torch.zeros_like(self.hits).index_add_(0, tables, (slots < 0).long())
-            if self._lists_misses or any(missed.tolist()):
+            # the CPU loops list only ids without a slot (some table misses one); else [T + 1]
+            # the ids without a row per table, a host read
+            if self._lists_misses or any(
+                torch.zeros_like(self.hits).index_add_(0, tables, (slots < 0).long()).tolist()
+            ):
                 hits = self._pin_hits(found, per_id)
                 fresh = place_new(
                     self, ids.index_select(0, where), tables, slots, hits, self._caps_now(), step
@@ -417,9 +420,8 @@ class KeyArena:
         target = found if live is None else torch.where(live, found, self.scratch)
         touch = key_arena_cpu.touch if self._loops else self._touch
         hits = None if counted else self.hits
-        lfu_mode = 0 if not any(self._lfu) else 1 if all(self._lfu) else 2
         touch(target, live, per_id.table, hits, self.last_seen, self.scores,
-              self._per_table["lfu"], lfu_mode, self.scratch, step)  # fmt: skip
+              self._per_table["lfu"], self._lfu_mode, self.scratch, step)  # fmt: skip
         rows = found - per_id.base
         if overflow:
             rows = torch.where(found >= 0, rows, per_id.zero_row)
