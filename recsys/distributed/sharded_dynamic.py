@@ -64,10 +64,12 @@ def outer_key(sharded: ShardedCollection, key: str) -> str:
     return f"{sharded.tables_key}.{rest}" if head == TABLES else key
 
 
-def inner_key(sharded: ShardedCollection, key: str) -> str:
-    """The inverse of :func:`outer_key`: a collection's key as its shards name it."""
+def pooled_key(key: str) -> str:
+    """An unpooled collection's state key as its pooled twin (its shards) names it
+    (``embeddings.<table>.<x>`` -> ``embedding_bags.<table>.<x>``; other keys unchanged): the
+    inverse of :func:`outer_key`."""
     head, _, rest = key.partition(".")
-    return f"{TABLES}.{rest}" if head == sharded.tables_key else key
+    return f"{TABLES}.{rest}" if head == UNPOOLED_TABLES and rest else key
 
 
 def table_state_keys(sharded: ShardedCollection, name: str) -> list[str]:
@@ -215,7 +217,7 @@ def load_key_wise(sharded: ShardedCollection, name: str, entries: dict[str, Any]
             value = torch.tensor([math.ceil(int(value.sum()) / parts)], dtype=torch.int64)
         elif short in PER_PART:
             value = value[j : j + 1]
-        local[inner_key(sharded, key)] = value
+        local[pooled_key(key)] = value
     keys = local.get(_key(name, "keys"))
     if keys is not None and len(keys):
         owners = routing.owners(parts, keys.device)[routing.buckets(keys)]

@@ -48,10 +48,11 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from recsys.distributed.plan import TableSharding
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
+from recsys.distributed.sharded_dynamic import pooled_key
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.inputs import FeatureOrder, input_weights
-from recsys.embedding.interface import TABLES, UNPOOLED_TABLES
+from recsys.embedding.interface import UNPOOLED_TABLES
 from recsys.embedding.tables import output_keys
 from recsys.embedding.tiered import TieredEmbeddingBagCollection
 from recsys.embedding.unpooled import EmbeddingCollection
@@ -122,13 +123,6 @@ def pooled_twin(module: EmbeddingCollection) -> EmbeddingBagCollection:
         for parameter in twin.parameters():
             parameter.requires_grad_(False)
     return twin
-
-
-def pooled_key(key: str) -> str:
-    """An unpooled collection's state key as its pooled twin names it
-    (``embeddings.<table>.<x>`` -> ``embedding_bags.<table>.<x>``; other keys unchanged)."""
-    head, _, rest = key.partition(".")
-    return f"{TABLES}.{rest}" if head == UNPOOLED_TABLES and rest else key
 
 
 class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):

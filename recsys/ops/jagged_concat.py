@@ -38,6 +38,7 @@ __all__ = ["jagged_concat", "jagged_concat_reference", "jagged_split", "jagged_s
 
 BLOCK_R = 16  # rows per loop step
 MAX_BLOCK_W = 256  # row elements per program
+_INT_DTYPES = (torch.int32, torch.int64)  # of the offsets
 
 
 def jagged_concat_reference(
@@ -186,15 +187,7 @@ def _joined_index(
 
 def _check(a, a_offsets, b, b_offsets) -> None:
     for name, offsets in (("a_offsets", a_offsets), ("b_offsets", b_offsets)):
-        if (
-            offsets.dim() != 1
-            or offsets.numel() < 1
-            or offsets.dtype
-            not in (
-                torch.int32,
-                torch.int64,
-            )
-        ):
+        if offsets.dim() != 1 or offsets.numel() < 1 or offsets.dtype not in _INT_DTYPES:
             raise ValueError(f"{name} {tuple(offsets.shape)} {offsets.dtype}: expected int [B + 1]")
     if a_offsets.shape != b_offsets.shape:
         raise ValueError(
