@@ -215,10 +215,8 @@ def evaluate_checkpoint(
     try:
         verify_checkpoint(path)  # before its spec.json is trusted, and its tensors read
         spec = read_spec(path)
-        if config.model.name in SEQUENCE_MODELS:
-            return _evaluate_sequences(path, config, spec, device, info, split)
-        if config.model.name in TARGET_RANKING_MODELS:
-            return _evaluate_target_ranking(path, config, spec, device, info, split)
+        if config.model.name in SEQUENCE_MODELS or config.model.name in TARGET_RANKING_MODELS:
+            return _evaluate_histories(path, config, spec, device, info, split)
         dataset = _dataset(config, spec, path, new_data="data.path" in _keys(overrides))
         if not sum(dataset.chunk_rows(split, i) for i in range(dataset.num_chunks(split))):
             raise ValueError(f"the {split} split of {data_name(config)} has no rows")
@@ -238,7 +236,7 @@ def evaluate_checkpoint(
             shutdown_distributed()
 
 
-def _evaluate_sequences(
+def _evaluate_histories(
     path: Path,
     config: Config,
     spec: DatasetSpec,
@@ -246,30 +244,16 @@ def _evaluate_sequences(
     info: DistributedInfo,
     split: str,
 ) -> EvalResult:
-    """:func:`evaluate_checkpoint` of a sequence model: the ranking of its run's evaluations
-    (:class:`~recsys.train.retrieval.NextItemTask`) on the histories ``config`` names."""
-    from recsys.train.retrieval import NextItemTask
+    """:func:`evaluate_checkpoint` of a model trained on histories, as its run evaluated: a
+    sequence model's ranking (:class:`~recsys.train.retrieval.NextItemTask`) on the histories
+    ``config`` names, or hstu_ranking's AUC / logloss
+    (:class:`~recsys.train.target_ranking.TargetRankingTask`) on the candidates of ``split``."""
+    if config.model.name in SEQUENCE_MODELS:
+        from recsys.train.retrieval import NextItemTask as Task
+    else:
+        from recsys.train.target_ranking import TargetRankingTask as Task
 
-    task = NextItemTask(config, device, info, lambda line: None)
-    check_spec(spec, task.spec, f"{data_name(config)} and checkpoint '{path}'")
-    model, step = _load_model(path, config, spec, device, info)
-    return EvalResult(path, step, split, data_name(config), task.evaluate(model, split))
-
-
-def _evaluate_target_ranking(
-    path: Path,
-    config: Config,
-    spec: DatasetSpec,
-    device: torch.device,
-    info: DistributedInfo,
-    split: str,
-) -> EvalResult:
-    """:func:`evaluate_checkpoint` of a target-aware ranking model (hstu_ranking): the AUC /
-    logloss of its run's evaluations (:class:`~recsys.train.target_ranking.TargetRankingTask`)
-    on the candidates of ``split``."""
-    from recsys.train.target_ranking import TargetRankingTask
-
-    task = TargetRankingTask(config, device, info, lambda line: None)
+    task = Task(config, device, info, lambda line: None)
     check_spec(spec, task.spec, f"{data_name(config)} and checkpoint '{path}'")
     model, step = _load_model(path, config, spec, device, info)
     return EvalResult(path, step, split, data_name(config), task.evaluate(model, split))
