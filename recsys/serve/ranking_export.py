@@ -42,6 +42,7 @@ from recsys.checkpoint.io import load_model, read_config, read_spec
 from recsys.config import TARGET_RANKING_MODELS
 from recsys.serve.parquet_pieces import ParquetPieces
 from recsys.serve.program_file import write_program
+from recsys.serve.retrieval_export import latest_rows
 
 __all__ = [
     "RANKING_FILE",
@@ -210,11 +211,8 @@ def _score(
 ) -> tuple[torch.Tensor, np.ndarray]:
     history, history_offsets = _ids(piece, "items")
     candidates, candidate_offsets = _ids(piece, "candidates")
-    ends = history_offsets[1:]
-    starts = np.maximum(history_offsets[:-1], ends - info["max_len"])  # the latest max_len
-    lengths = ends - starts
-    index = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
-    kept = history[np.arange(lengths.sum()) + index]
+    rows, lengths = latest_rows(history_offsets, info["max_len"])
+    kept = history[rows]
     counts = np.diff(candidate_offsets)
     if len(counts) and counts.max() > info["max_candidates"]:
         row = int(counts.argmax())

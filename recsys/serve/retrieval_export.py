@@ -332,11 +332,8 @@ def _top_k(
     else:
         values = raw_values.to_numpy(zero_copy_only=False).astype(np.int64)
     offsets = offsets - offsets[0]
-    ends = offsets[1:]
-    starts = np.maximum(offsets[:-1], ends - max_len)  # the most recent max_len items
-    lengths = ends - starts
-    index = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
-    kept = values[np.arange(lengths.sum()) + index]
+    rows, lengths = latest_rows(offsets, max_len)
+    kept = values[rows]
     if num_items is not None and len(kept) and (kept.min() < 0 or kept.max() >= num_items):
         raise ValueError(
             f"'{file}': item ids span [{kept.min()}, {kept.max()}]; the model's item table has "
@@ -345,10 +342,18 @@ def _top_k(
         )
     inputs = [torch.from_numpy(kept), torch.from_numpy(lengths)]
     if timed:
-        inputs.append(
-            torch.from_numpy(_times(piece, offsets, file)[np.arange(lengths.sum()) + index])
-        )
+        inputs.append(torch.from_numpy(_times(piece, offsets, file)[rows]))
     return model(*inputs)
+
+
+def latest_rows(offsets: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Of histories whose items lie at ``offsets`` [B + 1] (from 0): the rows of each one's
+    most recent ``max_len`` items, history by history, and how many each keeps [B]."""
+    ends = offsets[1:]
+    starts = np.maximum(offsets[:-1], ends - max_len)
+    lengths = ends - starts
+    index = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    return np.arange(lengths.sum()) + index, lengths
 
 
 def _times(piece: pa.Table, offsets: np.ndarray, file: Path) -> np.ndarray:
