@@ -14,8 +14,8 @@ The C file is compiled on first use with the system C compiler (``$CC``, else ``
 no machine-specific flags) into ``$RECSYS_CACHE_DIR`` (default ``~/.cache/recsys``), keyed by
 the source's hash, written atomically; a later process loads it in a millisecond. Where there
 is no compiler, the compile fails, or ``RECSYS_CPU_OPS=0``, :func:`available` is False (the
-reason in :func:`unavailable_reason`) and the arena runs its tensor ops: the loops are a speed
-path, never a different result.
+reason in :func:`unavailable_reason`; a failed compile or load also warns once) and the arena
+runs its tensor ops: the loops are a speed path, never a different result.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -79,6 +80,12 @@ def _load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(target))
         except (OSError, RuntimeError) as error:
             _REASON = str(error)
+            warnings.warn(
+                f"recsys: the key arena's CPU loops are not available ({_REASON}); dynamic "
+                "tables on CPU run their tensor ops instead (the same results, slower)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             return None
         lib.recsys_arena_find.restype = _I64
         lib.recsys_arena_find.argtypes = [_I64, *[_P] * 8, _I64, _I64, _P, _P, _P]
