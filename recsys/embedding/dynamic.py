@@ -93,8 +93,7 @@ class DynamicTables:
         self._logical_configs = tables
         self.dynamic = nn.ModuleDict(keyed)
         features = {c.name: c.feature_names for c in tables}
-        self._arenas = build_arenas(keyed, features)
-        self._arena_tables = {name for arena in self._arenas for name in arena.names}
+        self._set_arenas(build_arenas(keyed, features))
         self._zero_rows = None  # (layout, element and row indices of the arena zero rows)
         self._zero_rows_stale = False  # a training step may have updated the zero rows
         self._arena_offsets = {}  # id(arena) -> (layout, its tables' element and row offsets)
@@ -106,6 +105,13 @@ class DynamicTables:
         self.register_state_dict_post_hook(_save_key_layout)
         self.register_load_state_dict_pre_hook(_load_key_layout)
         self.register_load_state_dict_post_hook(_start_delta_at_load)
+
+    def _set_arenas(self, arenas: list[KeyArena]) -> None:
+        """Map the keys of the tables of ``arenas`` through them (the others: each on its own
+        insert path)."""
+        self._arenas = arenas
+        self._arena_tables = {name for arena in arenas for name in arena.names}
+        self._outside_arenas = [name for name in self.dynamic if name not in self._arena_tables]
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._logical_configs
@@ -169,7 +175,8 @@ class DynamicTables:
             return self._exported_rows(features)
         training = self.training and self.optimizer is not None
         if training:
-            self._zero_rows_stale = True
+            if not self._zero_rows_stale:
+                self._zero_rows_stale = True
         elif self._zero_rows_stale:
             self._clear_zero_rows()
         step = self._advance_step() if training else None
@@ -182,7 +189,9 @@ class DynamicTables:
                 self._init_placed_rows(arena, placed)
         if training and self._arenas:
             self._reset_zero_rows()
-        per_table = [n for n in self.dynamic if n not in self._arena_tables or n in missing]
+        per_table = self._outside_arenas
+        if missing:
+            per_table = [n for n in self.dynamic if n not in self._arena_tables or n in missing]
         if not per_table:
             return out
         out = self._per_table_rows(features, out, per_table, step)

@@ -74,6 +74,7 @@ from recsys.embedding.arena_admission import AdmissionArena
 from recsys.embedding.arena_placement import Placed, place_new
 from recsys.embedding.dynamic_table import DynamicTable
 from recsys.embedding.score_policy import LFU, LRU
+from recsys.embedding.slot_map import SlotMap
 from recsys.ops import key_arena_cpu
 from recsys.ops._triton import resolve_backend
 from recsys.ops.slot_map import (
@@ -143,6 +144,8 @@ class _Ids:
     zero_row: torch.Tensor
     hint_base: torch.Tensor
     hint_mask: torch.Tensor
+    # the columns as the arena's CPU loops take them (checked once; None until first used)
+    loop_columns: tuple | None = None
 
 
 # the per-table tensors each id carries (columns of one gather per batch)
@@ -187,14 +190,19 @@ class KeyArena:
         self._per_ids: dict[tuple[object, ...], _Ids] = {}
         self._caps: dict[tuple[int, ...], torch.Tensor] = {}
         self._pins: torch.Tensor | None = None  # per slot, the last lookup that pinned it
+        self._bound: key_arena_cpu.ArenaLoops | None = None  # the CPU loops on its buffers
+        self._changes_seen = -1  # SlotMap.changes at the last check of the generations
         self._mark = self._next_mark = 1  # marks of the slots pinned by the current lookup
 
     # ------------------------------------------------------------------ layout
 
     def _current(self) -> None:
-        """Rebuild the buffers if a map took new tensors since the last build."""
-        if self._generations != tuple(table.map.generation for table in self.tables):
-            self._rebuild()
+        """Rebuild the buffers if a map took new tensors since the last build (their
+        generations compared only when some map anywhere took new ones)."""
+        if self._generations is None or self._changes_seen != SlotMap.changes:
+            if self._generations != tuple(table.map.generation for table in self.tables):
+                self._rebuild()
+            self._changes_seen = SlotMap.changes
         if self.admission is not None:
             self.admission.current()
 
@@ -256,6 +264,20 @@ class KeyArena:
             dtype=torch.float64,
             device=self.device,
         )
+        self._bound = None
+        if self._lists_misses:
+            self._bound = key_arena_cpu.ArenaLoops(
+                self._hints,
+                self.keys,
+                self.last_seen,
+                self.scores,
+                self.hits,
+                self._per_table["lfu"],
+                self._lfu_mode,
+                self.bucket_size,
+                EMPTY_KEY,
+                self.scratch,
+            )
         self._per_ids.clear()
         self._feature_columns.clear()
         self._pins = None
@@ -375,7 +397,13 @@ class KeyArena:
         if not ids.numel():
             return ids, torch.zeros_like(ids, dtype=torch.bool), [], None
         per_id = self._per_id(features, ids.numel())
-        found, scanned = self._find(ids, per_id)  # [V], -1 where absent
+        if self._bound is not None and step is not None:
+            # one call: find, and where every id has a slot, the touch and the rows
+            found, rows, scanned = self._find_and_touch(ids, per_id, step)
+            if rows is not None:
+                return rows, None if per_id.every_id else per_id.mine, [], None
+        else:
+            found, scanned = self._find(ids, per_id)  # [V], -1 where absent
         if step is None:
             check_keys(ids)
             rows = torch.where(found >= 0, found - per_id.base, per_id.zero_row)
@@ -484,6 +512,28 @@ class KeyArena:
             cap = torch.tensor([*flags, -1], device=self.device)
             self._caps[flags] = cap
         return cap
+
+    def _find_and_touch(
+        self, ids: torch.Tensor, per_id: _Ids, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+        """The CPU loops' lookup of a training step: ``(found, rows, scanned)`` as
+        :meth:`_find` gives ``found`` and ``scanned``; where every id has a slot (``scanned``
+        None), the slots are touched as :meth:`lookup` does and ``rows`` are each id's row
+        (``found`` is then ``rows``: not read)."""
+        if per_id.loop_columns is None:
+            per_id.loop_columns = self._bound.columns(
+                per_id.hint_mask,
+                per_id.hint_base,
+                per_id.num_buckets,
+                per_id.first_bucket,
+                None if per_id.every_id else per_id.mine,
+                per_id.table,
+                per_id.base,
+            )
+        slot, rows, where, hints = self._bound.lookup(ids.contiguous(), per_id.loop_columns, step)
+        if rows is not None:
+            return rows, rows, None
+        return slot, None, (where, slot.index_select(0, where), hints)
 
     def _find(
         self, ids: torch.Tensor, per_id: _Ids

@@ -63,6 +63,11 @@ class SlotMap:
         insertion = slot_map.insert(ids, counts, step)
     """
 
+    changes = 0
+    """How many times any map took new tensors (the sum of every map's ``generation`` steps):
+    a caller holding views of several maps' tensors compares their generations only when it
+    moved."""
+
     def __init__(
         self,
         capacity: int,
@@ -480,6 +485,7 @@ class SlotMap:
     def _use(self, layout: Layout) -> None:
         if layout.keys is not getattr(self, "keys", None):
             self.generation += 1
+            SlotMap.changes += 1
         self.num_buckets = layout.num_buckets
         self.keys, self.scores, self.last_seen = layout.keys, layout.scores, layout.last_seen
 

@@ -104,11 +104,14 @@ int64_t recsys_arena_find(
  * ids that change nothing).
  *
  * count != 0: each table's distinct slots among the live ids (live may be NULL: all are) are
- * added to hits[table[i]] (the slots are first marked with INT64_MIN, a value no last step
- * takes). Then every target's last step becomes `step`, and its score: lfu_mode 0 (every
- * table LRU) `step`; 1 (every table LFU) one more per id; 2 (mixed: lfu[table[i]] says) one
- * more per id of an LFU table at its slot and at the scratch for the others, then `step` at
- * the slots of the others and at the scratch for the LFU ones (the torch path's order). */
+ * added to hits[table[i]]: with lfu_mode 0 or 1 in the same pass as the update, a slot counted
+ * at its first id (whose last step is not yet `step`: steps only grow, so no slot's last step
+ * is `step` before its step's lookup); with 2, the slots are first marked with INT64_MIN, a
+ * value no last step takes. Then every target's last step becomes `step`, and its score:
+ * lfu_mode 0 (every table LRU) `step`; 1 (every table LFU) one more per id; 2 (mixed:
+ * lfu[table[i]] says) one more per id of an LFU table at its slot and at the scratch for the
+ * others, then `step` at the slots of the others and at the scratch for the LFU ones (the torch
+ * path's order). */
 void recsys_arena_touch(
     int64_t n,
     const int64_t *target,
@@ -123,6 +126,24 @@ void recsys_arena_touch(
     int64_t scratch,
     int64_t step)
 {
+    if (count && lfu_mode != 2) {
+        /* one pass: a slot counts at its first live id (its last step is not yet `step`) */
+        for (int64_t i = 0; i < n; ++i) {
+            if (i + AHEAD < n) {
+                __builtin_prefetch(last_seen + target[i + AHEAD], 1);
+                __builtin_prefetch(scores + target[i + AHEAD], 1);
+            }
+            const int64_t slot = target[i];
+            if ((live == 0 || live[i]) && last_seen[slot] != step)
+                hits[table[i]] += 1;
+            last_seen[slot] = step;
+            if (lfu_mode == 0)
+                scores[slot] = step;
+            else
+                scores[slot] += 1;
+        }
+        return;
+    }
     if (count) {
         for (int64_t i = 0; i < n; ++i) {
             if (i + AHEAD < n)
@@ -152,4 +173,47 @@ void recsys_arena_touch(
         for (int64_t i = 0; i < n; ++i)
             scores[lfu[table[i]] ? scratch : target[i]] = step;
     }
+}
+
+/* One lookup of a training step: recsys_arena_find, then, where it listed no id (every id of
+ * the arena has a slot), recsys_arena_touch of those slots (count on, live = mine: the ids of
+ * no table hold the scratch slot) and each id's row in its table, rows_out[i] = slot_out[i] -
+ * base[i] (rows_out may be slot_out). Where it listed ids, nothing is touched and rows_out is
+ * not written (the caller places the new keys, then touches). Returns how many were listed. */
+int64_t recsys_arena_lookup(
+    int64_t n,
+    const int64_t *ids,
+    const int64_t *hint_mask,
+    const int64_t *hint_base,
+    const int64_t *num_buckets,
+    const int64_t *first_bucket,
+    const uint8_t *mine,
+    int64_t *hints,
+    const int64_t *keys,
+    int64_t bucket_size,
+    int64_t empty_key,
+    int64_t *slot_out,
+    int64_t *missing_out,
+    int64_t *hint_at_out,
+    const int64_t *table,
+    const int64_t *base,
+    int64_t *hits,
+    int64_t *last_seen,
+    int64_t *scores,
+    int64_t lfu_mode,
+    const uint8_t *lfu,
+    int64_t scratch,
+    int64_t step,
+    int64_t *rows_out)
+{
+    const int64_t listed = recsys_arena_find(n, ids, hint_mask, hint_base, num_buckets,
+        first_bucket, mine, hints, keys, bucket_size, empty_key, slot_out, missing_out,
+        hint_at_out);
+    if (listed)
+        return listed;
+    recsys_arena_touch(
+        n, slot_out, mine, table, 1, hits, last_seen, scores, lfu_mode, lfu, scratch, step);
+    for (int64_t i = 0; i < n; ++i)
+        rows_out[i] = slot_out[i] - base[i];
+    return 0;
 }

@@ -9,6 +9,8 @@ one loop each (``key_arena_cpu.c``): the same slots, hit counts, scores and last
 bit (tested against the tensor ops), deterministic, single-threaded. One difference in how,
 not what: the loop scans the bucket of an id whose hint failed at once (the tensor ops list
 those ids with a host read, then scan), so it lists only the ids their map does not hold.
+A training step calls both at once through :class:`ArenaLoops` (bound to the arena's buffers,
+checked once): one foreign call for a step whose keys are all held.
 
 The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``; ``-O2``,
 no machine-specific flags) into ``$RECSYS_CACHE_DIR`` (default ``~/.cache/recsys``), keyed by
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "find", "touch", "unavailable_reason"]
+__all__ = ["ArenaLoops", "available", "find", "touch", "unavailable_reason"]
 
 _SOURCE = Path(__file__).with_name("key_arena_cpu.c")
 _LOCK = threading.Lock()
@@ -91,6 +93,16 @@ def _load() -> ctypes.CDLL | None:
         lib.recsys_arena_find.argtypes = [_I64, *[_P] * 8, _I64, _I64, _P, _P, _P]
         lib.recsys_arena_touch.restype = None
         lib.recsys_arena_touch.argtypes = [_I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I64]
+        lib.recsys_arena_lookup.restype = _I64
+        lib.recsys_arena_lookup.argtypes = [
+            *lib.recsys_arena_find.argtypes,
+            *[_P] * 5,
+            _I64,
+            _P,
+            _I64,
+            _I64,
+            _P,
+        ]
         _LIB = lib
         return lib
 
@@ -179,7 +191,8 @@ def touch(
     step set to ``step``; its score set to ``step`` (LRU tables) or one more per id (LFU,
     ``lfu`` [T + 1] bool per table), the ids of one kind writing the ``scratch`` slot for the
     other's update, as the arena's tensor ops do. ``lfu_mode``: 0 every table LRU, 1 every
-    table LFU, 2 both kinds. ``table`` [V]: each id's arena table."""
+    table LFU, 2 both kinds. ``table`` [V]: each id's arena table. Ids that are not ``live``
+    target the ``scratch``; ``step`` is above every slot's last step (steps only grow)."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the arena's CPU loops are not available: {_REASON}")
@@ -199,3 +212,116 @@ def touch(
         scratch,
         step,
     )
+
+
+class ArenaLoops:
+    """The loops bound to one arena's buffers for the lookups of training steps: the buffers'
+    pointers are checked once, here, and the tensors held (the arena binds anew whenever it
+    takes new buffers), so a step pays one foreign call instead of two calls that each check a
+    dozen tensors.
+
+    Args:
+        hints, keys, last_seen, scores: the arena's int64 buffers (updated in place).
+        hits: [T + 1] int64, each table's hit count (added to).
+        lfu: [T + 1] bool, which tables are LFU; ``lfu_mode`` as in :func:`touch`.
+        bucket_size, empty_key, scratch: as in :func:`find` and :func:`touch`.
+    """
+
+    def __init__(
+        self,
+        hints: torch.Tensor,
+        keys: torch.Tensor,
+        last_seen: torch.Tensor,
+        scores: torch.Tensor,
+        hits: torch.Tensor,
+        lfu: torch.Tensor,
+        lfu_mode: int,
+        bucket_size: int,
+        empty_key: int,
+        scratch: int,
+    ) -> None:
+        lib = _load()
+        if lib is None:
+            raise RuntimeError(f"the arena's CPU loops are not available: {_REASON}")
+        if lfu_mode not in (0, 1, 2):
+            raise ValueError(f"lfu_mode is {lfu_mode!r}; expected 0, 1 or 2")
+        self._lookup = lib.recsys_arena_lookup
+        self._held = (hints, keys, last_seen, scores, hits, lfu)
+        self._arena = (
+            _ptr(hints, torch.int64, "hints"),
+            _ptr(keys, torch.int64, "keys"),
+            bucket_size,
+            empty_key,
+        )
+        self._touch = (
+            _ptr(hits, torch.int64, "hits"),
+            _ptr(last_seen, torch.int64, "last_seen"),
+            _ptr(scores, torch.int64, "scores"),
+            lfu_mode,
+            _ptr(lfu, torch.bool, "lfu"),
+            scratch,
+        )
+
+    def columns(
+        self,
+        hint_mask: torch.Tensor,
+        hint_base: torch.Tensor,
+        num_buckets: torch.Tensor,
+        first_bucket: torch.Tensor,
+        mine: torch.Tensor | None,
+        table: torch.Tensor,
+        base: torch.Tensor,
+    ) -> tuple[tuple[torch.Tensor | None, ...], tuple[int | None, ...]]:
+        """A batch layout's per-id columns [V] (as in :func:`find`; ``table`` each id's arena
+        table, ``base`` its table's first slot), checked once: what :meth:`lookup` takes. The
+        caller keeps it only as long as the tensors are not written."""
+        held = (hint_mask, hint_base, num_buckets, first_bucket, mine, table, base)
+        names = ("hint_mask", "hint_base", "num_buckets", "first_bucket", "mine", "table", "base")
+        pointers = tuple(
+            _ptr(t, torch.bool if name == "mine" else torch.int64, name)
+            for t, name in zip(held, names, strict=True)
+        )
+        if len({t.numel() for t in held if t is not None}) != 1:
+            raise ValueError("the per-id columns differ in length")
+        return held, pointers
+
+    def lookup(
+        self, ids: torch.Tensor, columns: tuple[tuple, tuple], step: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """:func:`find` of ``ids`` (as laid out by ``columns``, from :meth:`columns`), then,
+        when every id of the arena has a slot, :func:`touch` of them at ``step`` (hits counted,
+        the ids of no table at the scratch) and each id's row: ``(slot, rows, where,
+        hint_at)``. Where ids were listed, ``rows`` is None and nothing was touched; where
+        none was, ``slot`` is None (``rows`` took its place)."""
+        held, (hint_mask, hint_base, num_buckets, first_bucket, mine, table, base) = columns
+        n = ids.numel()
+        if held[0].numel() != n:
+            raise ValueError(f"{n} ids for per-id columns of {held[0].numel()}")
+        ids_at = _ptr(ids, torch.int64, "ids")
+        out = torch.empty(3 * n, dtype=torch.int64)  # slots (then rows), where, hint entries
+        at = out.data_ptr()
+        hints_at, keys_at, bucket_size, empty_key = self._arena
+        listed = self._lookup(
+            n,
+            ids_at,
+            hint_mask,
+            hint_base,
+            num_buckets,
+            first_bucket,
+            mine,
+            hints_at,
+            keys_at,
+            bucket_size,
+            empty_key,
+            at,
+            at + 8 * n,
+            at + 16 * n,
+            table,
+            base,
+            *self._touch,
+            step,
+            at,
+        )
+        if listed:
+            return out[:n], None, out[n : n + listed], out[2 * n : 2 * n + listed]
+        return None, out[:n], out[n:n], out[2 * n : 2 * n]

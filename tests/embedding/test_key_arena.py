@@ -45,7 +45,7 @@ def _collection(
         configs, options, seed=3, backend=backend, optimizer=optimizer, validate=validate
     )
     if not arena:  # every table on its own insert path, as before arenas
-        ebc._arenas, ebc._arena_tables = [], set()
+        ebc._set_arenas([])
     return ebc
 
 

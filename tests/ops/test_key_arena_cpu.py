@@ -146,6 +146,51 @@ def test_touch_is_the_tensor_ops(lfu_flags, with_live, count):
             assert torch.equal(state[name], value), name
 
 
+@pytest.mark.parametrize("every_id", [False, True])
+@pytest.mark.parametrize("lfu_flags", [(0, 0, 0), (1, 0, 1)])
+def test_bound_lookup_is_find_then_touch(every_id, lfu_flags):
+    """ArenaLoops.lookup: where every id has a slot, find then touch (hits counted, live =
+    the arena's ids) and the rows; where some id has none, find alone (nothing touched)."""
+    case = _hint_case(3, every_id=every_id)
+    ids, hint_mask, hint_base, num_buckets, first_bucket, mine, hints, keys = case
+    table = torch.searchsorted(torch.tensor(HINT_BASES), hint_base, right=True) - 1
+    base = torch.tensor(FIRST_BUCKET)[table] * 8
+    slot, _, _ = key_arena_cpu.find(*case[:6], hints.clone(), keys, 8, EMPTY_KEY)
+    hit = slot >= 0 if mine is None else (slot >= 0) | ~mine
+    lfu = torch.tensor([*map(bool, lfu_flags), False])
+    mode = 0 if not any(lfu_flags) else 1 if all(lfu_flags) else 2
+    g = torch.Generator().manual_seed(5)
+    for keep in (hit, torch.ones_like(hit)):  # a batch of hits, then one with misses
+        columns = [c[keep] for c in (ids, hint_mask, hint_base, num_buckets, first_bucket)]
+        mask = None if mine is None else mine[keep]
+        state = {
+            "hints": hints.clone(),
+            "hits": torch.randint(0, 9, (4,), generator=g),
+            "last_seen": torch.randint(0, 40, (201,), generator=g),
+            "scores": torch.randint(0, 40, (201,), generator=g),
+        }
+        expected = {k: v.clone() for k, v in state.items()}
+        want = key_arena_cpu.find(*columns, mask, expected["hints"], keys, 8, EMPTY_KEY)
+        loops = key_arena_cpu.ArenaLoops(
+            state["hints"], keys, state["last_seen"], state["scores"], state["hits"], lfu, mode,
+            8, EMPTY_KEY, 200,
+        )  # fmt: skip
+        bound = loops.columns(*columns[1:], mask, table[keep], base[keep])
+        got_slot, rows, got_where, got_hints = loops.lookup(columns[0], bound, 41)
+        assert torch.equal(got_where, want[1]) and torch.equal(got_hints, want[2])
+        if len(want[1]):
+            assert rows is None and torch.equal(got_slot, want[0])
+        else:
+            assert got_slot is None
+            assert torch.equal(rows, want[0] - base[keep])
+            _touch_reference(want[0], mask, table[keep], expected["hits"],
+                             expected["last_seen"], expected["scores"], lfu, 200, 41)  # fmt: skip
+        for name, value in expected.items():
+            assert torch.equal(state[name], value), name
+    with pytest.raises(ValueError, match="10 ids for per-id columns of"):
+        loops.lookup(ids[:10], bound, 42)
+
+
 def test_a_tensor_of_the_wrong_kind_is_refused_with_its_name():
     ids, hint_mask, hint_base, num_buckets, first_bucket, mine, hints, keys = _hint_case(0, 50)
     args = [ids, hint_mask, hint_base, num_buckets, first_bucket, mine, hints, keys, 8, EMPTY_KEY]
