@@ -96,6 +96,9 @@ class DynamicTables:
         self._set_arenas(build_arenas(keyed, features))
         self._zero_rows = None  # (layout, element and row indices of the arena zero rows)
         self._zero_rows_stale = False  # a training step may have updated the zero rows
+        # the arena tables' zero rows or their state may not be at their initial value: a
+        # training step gave ids no row, or something wrote the tables (a load, an init)
+        self._zero_rows_dirty = True
         self._arena_offsets = {}  # id(arena) -> (layout, its tables' element and row offsets)
         self.seed = seed
         self.register_buffer(DYNAMIC_STEP, torch.zeros((), dtype=torch.int64, device=self.device))
@@ -120,6 +123,7 @@ class DynamicTables:
         """As the packed tables'; a table's ``memory_budget_mb`` now counts this
         optimizer's state per row."""
         super().set_optimizer(optimizer)
+        self._zero_rows_dirty = True  # state buffers of their own
         for config in self._logical_configs if hasattr(self, DYNAMIC) else []:
             if config.name in self.dynamic:
                 self.dynamic[config.name].budget(row_bytes(config, optimizer))
@@ -148,6 +152,7 @@ class DynamicTables:
         initial rows (the other rows zero)."""
         if self.device.type == "meta" or not hasattr(self, DYNAMIC):
             return
+        self._zero_rows_dirty = True
         for config in self._logical_configs:
             weight = self.table_modules[config.name].weight
             with torch.no_grad():
@@ -180,15 +185,17 @@ class DynamicTables:
         elif self._zero_rows_stale:
             self._clear_zero_rows()
         step = self._advance_step() if training else None
-        out, missing = values, set()
+        out, missing, placed_keys = values, set(), False
         for arena in self._arenas:
             rows, mapped, names, placed = arena.lookup(features, step)
             out = rows if mapped is None else torch.where(mapped, rows, out)
             missing.update(names)
-            if placed is not None and arena.places_keys:
-                self._init_placed_rows(arena, placed)
+            if placed is not None:
+                placed_keys = True
+                if arena.places_keys:
+                    self._init_placed_rows(arena, placed)
         if training and self._arenas:
-            self._reset_zero_rows()
+            self._reset_zero_rows(placed_keys or bool(missing))
         per_table = self._outside_arenas
         if missing:
             per_table = [n for n in self.dynamic if n not in self._arena_tables or n in missing]
@@ -280,15 +287,21 @@ class DynamicTables:
         self._step_seen = (buffer, buffer._version, step + 1)
         return step + 1
 
-    def _reset_zero_rows(self) -> None:
+    def _reset_zero_rows(self, ids_without_rows: bool) -> None:
         """Put the zero row of every arena table back to zero and its optimizer state to the
         initial value (as :meth:`_place` does for a table on the insert path): one write per
-        packed buffer."""
+        packed buffer. Skipped while nothing can have moved them: the last training step
+        gave every id a row (so its update wrote no zero row) and nothing wrote the tables
+        since. ``ids_without_rows``: this step placed keys (its ids at a cap or not admitted
+        read a zero row, and the placement writes one) or left some to the insert path."""
         layout = self._layout
-        if self._zero_rows is None or (self._zero_rows[0], self._zero_rows[1].device) != (
-            layout,
-            self._flat.device,
-        ):
+        dirty = self._zero_rows_dirty
+        if dirty != ids_without_rows:
+            self._zero_rows_dirty = ids_without_rows
+        cached = self._zero_rows
+        if cached is not None and cached[0] is layout and not (dirty or ids_without_rows):
+            return
+        if cached is None or (cached[0], cached[1].device) != (layout, self._flat.device):
             tables = self._table_indices(self._arena_tables)
             elements = torch.cat(
                 [
@@ -301,8 +314,9 @@ class DynamicTables:
             rows = torch.tensor(
                 [layout.row_offsets[t] + layout.rows[t] - 1 for t in tables], device=self.device
             )
-            self._zero_rows = (layout, elements, rows)
-        _, elements, rows = self._zero_rows
+            cached = (layout, elements, rows)
+        self._zero_rows = (layout, *cached[1:])  # (an equal layout may be a new object)
+        _, elements, rows = cached
         with torch.no_grad():
             self._flat.index_fill_(0, elements, 0)
             self._initial_state_at(rows, elements)
@@ -394,6 +408,7 @@ class DynamicTables:
         """Replace dynamic table ``name``'s keys, rows and optimizer state by ``saved`` (what
         :meth:`table_state` returns, keys in any order; optimizer state it lacks starts
         fresh)."""
+        self._zero_rows_dirty = True
         with torch.no_grad():
             for key, rows in self.slot_rows(name, saved).items():
                 _, _, tensor = key.split(".")
@@ -547,7 +562,9 @@ def _load_key_layout(
 
 def _start_delta_at_load(module: DynamicTables, incompatible_keys) -> None:
     """load_state_dict post-hook: the loaded state is the baseline of the next delta (see
-    :meth:`DynamicEmbeddingBagCollection.take_delta`)."""
+    :meth:`DynamicEmbeddingBagCollection.take_delta`); its zero rows are reset before the
+    next training step."""
+    module._zero_rows_dirty = True
     step = int(module.dynamic_step)
     for table in module.dynamic.values():
         table.start_delta(step, loaded=True)

@@ -295,3 +295,53 @@ def test_arena_rebuilds_after_a_table_grows_or_loads():
     ebc.train(False)
     copy.train(False)
     assert torch.equal(copy(features).values(), ebc(features).values())
+
+
+def _held_batch(model: DynamicEmbeddingBagCollection, batch: int = 6) -> KeyedJaggedTensor:
+    """A batch of keys the model's tables hold (one id per sample and feature): all hits."""
+    values = []
+    for feature, table in FEATURES.items():
+        if table == "fixed":
+            values.append(torch.arange(batch) % 16)
+            continue
+        keys, _ = model.dynamic[table].map.entries()
+        values.append(keys[torch.arange(batch) % len(keys)])
+    return KeyedJaggedTensor(
+        keys=list(FEATURES),
+        values=torch.cat(values),
+        lengths=torch.ones(batch * len(FEATURES), dtype=torch.int64),
+    )
+
+
+def test_zero_rows_are_reset_only_after_steps_that_gave_ids_no_row(monkeypatch):
+    """At every training lookup each arena table's zero row reads zeros with its optimizer
+    state initial, whether the lookup reset it (after a step whose ids at a cap had no row
+    and pooled it, or a load) or skipped the reset (the step before gave every id a row)."""
+    model = _collection(True, OPTIONS["at_the_cap"], RowWiseAdagrad(lr=0.1), item_dim=4)
+    steps, resets = [], []
+    reset = DynamicEmbeddingBagCollection._initial_state_at
+    monkeypatch.setattr(
+        DynamicEmbeddingBagCollection,
+        "_initial_state_at",
+        lambda m, rows, elements: (resets.append(steps[-1]), reset(m, rows, elements)),
+    )
+    for batch in _batches(6, batch=24, universe=400, seed=5):
+        # new keys at the caps (some overflow), then twice keys all held
+        for features in (batch, None, None):
+            features = features or _held_batch(model)
+            steps.append(len(steps))
+            loads = steps[-1] == 11  # a load: the zero rows are reset at the next lookup
+            if loads:
+                model.load_state_dict(model.state_dict())
+            pooled = model(features).values()
+            for name, table in model.dynamic.items():
+                bag = model.table_modules[name]
+                assert not bag.weight[table.zero_row].any(), (steps[-1], name)
+                for state in model.optimizer.states:
+                    initial = model.optimizer.initial_state(state)
+                    zero_row = getattr(bag, state)[table.zero_row]
+                    assert (zero_row == initial).all(), (steps[-1], name)
+            pooled.square().sum().backward()
+    assert sum(s["overflow"] for s in model.dynamic_stats().values()) > 0
+    # reset at each step with new keys, the step after it and after the load; else skipped
+    assert sorted(set(resets)) == [s for s in steps if s % 3 != 2 or s == 11], resets
