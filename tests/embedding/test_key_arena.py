@@ -300,7 +300,7 @@ def test_arena_rebuilds_after_a_table_grows_or_loads():
 def _held_batch(model: DynamicEmbeddingBagCollection, batch: int = 6) -> KeyedJaggedTensor:
     """A batch of keys the model's tables hold (one id per sample and feature): all hits."""
     values = []
-    for feature, table in FEATURES.items():
+    for table in FEATURES.values():
         if table == "fixed":
             values.append(torch.arange(batch) % 16)
             continue
