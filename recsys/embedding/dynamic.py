@@ -95,6 +95,7 @@ class DynamicTables:
         features = {c.name: c.feature_names for c in tables}
         self._set_arenas(build_arenas(keyed, features))
         self._zero_rows = None  # (layout, element and row indices of the arena zero rows)
+        self._live_keys = {}  # name -> (its map's keys, their version, its live keys)
         self._zero_rows_stale = False  # a training step may have updated the zero rows
         # the arena tables' zero rows or their state may not be at their initial value: a
         # training step gave ids no row, or something wrote the tables (a load, an init)
@@ -375,10 +376,21 @@ class DynamicTables:
 
     def live_keys(self, name: str) -> torch.Tensor | None:
         """[n] int64, ascending: the keys dynamic table ``name`` holds a row for now (None for
-        a fixed table, whose ids are its rows ``0 .. num_embeddings - 1``)."""
+        a fixed table, whose ids are its rows ``0 .. num_embeddings - 1``). The same tensor
+        while the map holds the same keys: read it, do not write it."""
         if name not in self.dynamic:
             return None
-        return self.dynamic[name].map.entries()[0]
+        # kept until the map's keys change (an insert, an eviction, new tensors): a training
+        # step that reads the corpus (a sequence model's negatives) and inserts nothing
+        # neither waits on the host (``entries`` lists the live slots) nor sorts them again
+        keys = self.dynamic[name].map.keys
+        if torch.is_inference(keys):  # (no version counter to tell a change)
+            return self.dynamic[name].map.entries()[0]
+        cached = self._live_keys.get(name)
+        if cached is None or cached[0] is not keys or cached[1] != keys._version:
+            cached = (keys, keys._version, self.dynamic[name].map.entries()[0])
+            self._live_keys[name] = cached
+        return cached[2]
 
     def variable_state_keys(self) -> list[str]:
         """State keys whose size is the number of keys a dynamic table holds."""

@@ -14,6 +14,7 @@ from recsys.embedding.dynamic_table import DynamicTableOptions
 from recsys.embedding.interface import state_to_load
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from recsys.embedding.row_init import initial_rows, table_seed
+from recsys.embedding.slot_map import SlotMap
 from recsys.embedding.tiered import StorageOptions
 from recsys.embedding.unpooled import EmbeddingCollection
 from recsys.embedding.unpooled_tables import DynamicEmbeddingCollection, TieredEmbeddingCollection
@@ -112,6 +113,31 @@ def test_dynamic_trains_like_a_fixed_collection_with_the_same_initial_rows(name)
             assert torch.equal(saved, want), (config.name, suffix)
     seen = torch.cat([vocab[r[: int(n[: 2 * len(n) // 3].sum())]] for r, n in batches]).unique()
     assert torch.equal(dynamic.live_keys("item"), seen)  # ascending: every key trained
+
+
+def test_live_keys_are_listed_again_only_after_the_map_changes(monkeypatch):
+    """A training step that inserts nothing leaves live_keys as it was (the same tensor, the
+    live slots not listed again); new keys and a load list them again."""
+    dynamic = DynamicEmbeddingCollection(
+        _configs(8), DynamicTableOptions(), optimizer=Adam(lr=0.1), backend="torch", seed=SEED
+    )
+    vocab = _vocab()
+    listed = []
+    entries = SlotMap.entries
+    monkeypatch.setattr(SlotMap, "entries", lambda m: (listed.append(m.name), entries(m))[1])
+
+    def step(keys: torch.Tensor) -> torch.Tensor:
+        lengths = torch.tensor([len(keys), 0, 0])
+        dynamic(KeyedJaggedTensor(keys=["h", "c", "u"], values=keys, lengths=lengths))
+        return dynamic.live_keys("item")
+
+    first = step(vocab[:5])
+    assert step(vocab[:3]) is first and step(vocab[1:4]) is first and listed == ["item"]
+    grown = step(vocab[3:8])  # new keys
+    assert torch.equal(grown, vocab[:8].sort().values) and len(listed) == 2
+    dynamic.load_state_dict(dynamic.state_dict())
+    listed.clear()
+    assert torch.equal(dynamic.live_keys("item"), grown) and listed == ["item"]
 
 
 def test_dynamic_lookups_outside_training_read_the_zero_row_and_insert_nothing():
