@@ -95,8 +95,14 @@ def export_triton(
         (work / "model" / "1").mkdir(parents=True)
         config = triton_config(program, name, device)
         spec = read_spec(checkpoint)
+        arguments = ", ".join(
+            f"INPUT__{i} {argument}"
+            for i, argument in enumerate(program.graph_signature.user_inputs)
+        )
         header = (
-            f"# recsys export of {checkpoint} (inputs: see recsys.serve.export)\n"
+            f"# recsys export of {checkpoint}\n"
+            f"# {arguments} (the program's arguments: see recsys.serve.export, or for a sequence\n"
+            "# model recsys.serve.retrieval_export / ranking_export)\n"
             f"# dense features {list(spec.dense_names)}\n"
             f"# categorical features {list(spec.sparse_names)}\n"
             f"# tasks {list(spec.label_names)}\n"

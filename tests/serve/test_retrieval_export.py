@@ -12,6 +12,7 @@ from recsys.data.keys import value_keys
 from recsys.distributed.parallel import DistributedInfo
 from recsys.serve.export import export_model, load_exported, predict
 from recsys.serve.retrieval_export import load_item_encoding, load_retrieval
+from recsys.serve.triton_export import export_triton
 from recsys.train.retrieval import NextItemTask
 from recsys.train.trainer import train
 from tests.train.test_sequence_training import TINY
@@ -238,3 +239,22 @@ def test_a_time_bias_model_exports_with_a_times_input(tmp_path):
     pq.write_table(bad, tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match="row 0 has 2 times and 3 items"):
         predict(model_path, tmp_path / "bad.parquet", tmp_path / "out.parquet")
+
+
+@pytest.mark.slow
+def test_a_triton_repository_of_a_sequence_model_returns_the_programs_top_items(exported, tmp_path):
+    """export --format triton of a sasrec run: config.pbtxt names the program's arguments,
+    and the AOTInductor package gives the top-K of the exported program."""
+    root, _, model_path = exported
+    model = export_triton(root / "run", tmp_path / "models", name="sasrec")
+    text = (model / "config.pbtxt").read_text()
+    assert "# INPUT__0 values, INPUT__1 lengths (the program's" in text
+    assert text.count("TYPE_INT64") == 3 and "TYPE_FP32" in text  # ids, lengths, top ids
+    package = torch._inductor.aoti_load_package(str(model / "1" / "model.pt2"))
+    program, info = load_retrieval(model_path)
+    first = info["first_item"]
+    values = torch.arange(first, first + 9) % info["num_items"]
+    lengths = torch.tensor([3, 0, 6])
+    want, got = program(values, lengths), package(values, lengths)
+    assert torch.equal(want[0], got[0])
+    torch.testing.assert_close(want[1], got[1])

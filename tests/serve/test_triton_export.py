@@ -84,6 +84,8 @@ def test_the_package_predicts_as_the_export(run, tmp_path):  # noqa: F811
     assert main([*command, "--output", str(repository)]) == 0
     files = sorted(str(p.relative_to(repository)) for p in repository.rglob("*"))
     assert files == ["ctr", "ctr/1", "ctr/1/model.pt2", "ctr/config.pbtxt"]
+    text = (repository / "ctr" / "config.pbtxt").read_text()
+    assert "# INPUT__0 dense, INPUT__1 values, INPUT__2 lengths (the program's" in text
     config = _parse(repository / "ctr" / "config.pbtxt")
     assert config["platform"] == "torch_aoti" and config["input"][0] == [
         "INPUT__0",
