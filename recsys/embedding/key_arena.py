@@ -194,6 +194,14 @@ class KeyArena:
         self._changes_seen = -1  # SlotMap.changes at the last check of the generations
         self._mark = self._next_mark = 1  # marks of the slots pinned by the current lookup
 
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``, pickle) binds the CPU loops to its own buffers: what they
+        hold are this arena's data pointers (and a foreign function, which does not pickle)."""
+        state = self.__dict__.copy()
+        state["_bound"] = None
+        state["_per_ids"] = {}  # (their loop columns hold pointers too)
+        return state
+
     # ------------------------------------------------------------------ layout
 
     def _current(self) -> None:
@@ -264,20 +272,7 @@ class KeyArena:
             dtype=torch.float64,
             device=self.device,
         )
-        self._bound = None
-        if self._lists_misses:
-            self._bound = key_arena_cpu.ArenaLoops(
-                self._hints,
-                self.keys,
-                self.last_seen,
-                self.scores,
-                self.hits,
-                self._per_table["lfu"],
-                self._lfu_mode,
-                self.bucket_size,
-                EMPTY_KEY,
-                self.scratch,
-            )
+        self._bound = None  # bound to these buffers at the next training lookup
         self._per_ids.clear()
         self._feature_columns.clear()
         self._pins = None
@@ -397,7 +392,7 @@ class KeyArena:
         if not ids.numel():
             return ids, torch.zeros_like(ids, dtype=torch.bool), [], None
         per_id = self._per_id(features, ids.numel())
-        if self._bound is not None and step is not None:
+        if self._lists_misses and step is not None:
             # one call: find, and where every id has a slot, the touch and the rows
             found, rows, scanned = self._find_and_touch(ids, per_id, step)
             if rows is not None:
@@ -520,6 +515,19 @@ class KeyArena:
         :meth:`_find` gives ``found`` and ``scanned``; where every id has a slot (``scanned``
         None), the slots are touched as :meth:`lookup` does and ``rows`` are each id's row
         (``found`` is then ``rows``: not read)."""
+        if self._bound is None:
+            self._bound = key_arena_cpu.ArenaLoops(
+                self._hints,
+                self.keys,
+                self.last_seen,
+                self.scores,
+                self.hits,
+                self._per_table["lfu"],
+                self._lfu_mode,
+                self.bucket_size,
+                EMPTY_KEY,
+                self.scratch,
+            )
         if per_id.loop_columns is None:
             per_id.loop_columns = self._bound.columns(
                 per_id.hint_mask,

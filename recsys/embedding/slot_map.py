@@ -22,6 +22,7 @@ The admission counter, a map of counts without rows, is :mod:`recsys.embedding.a
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -36,6 +37,8 @@ from recsys.embedding.slot_layout import (
     empty_layout,
 )
 from recsys.ops.slot_map import EMPTY_KEY, assign_slots, check_keys, find_slots, keep_per_bucket
+
+_CHANGES = itertools.count(1)  # SlotMap.changes' successive values
 
 __all__ = ["LFU", "LRU", "Insertion", "ScorePolicy", "SlotMap", "score_policy"]
 
@@ -485,7 +488,7 @@ class SlotMap:
     def _use(self, layout: Layout) -> None:
         if layout.keys is not getattr(self, "keys", None):
             self.generation += 1
-            SlotMap.changes += 1
+            SlotMap.changes = next(_CHANGES)  # (atomic: a tiered prefetch thread grows maps)
         self.num_buckets = layout.num_buckets
         self.keys, self.scores, self.last_seen = layout.keys, layout.scores, layout.last_seen
 

@@ -5,6 +5,9 @@ run waits on the host at most twice."""
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
@@ -345,3 +348,33 @@ def test_zero_rows_are_reset_only_after_steps_that_gave_ids_no_row(monkeypatch):
     assert sum(s["overflow"] for s in model.dynamic_stats().values()) > 0
     # reset at each step with new keys, the step after it and after the load; else skipped
     assert sorted(set(resets)) == [s for s in steps if s % 3 != 2 or s == 11], resets
+
+
+def test_a_trained_collection_copies_and_pickles_into_one_of_its_own():
+    """deepcopy / torch.save of a collection whose arena has stepped: the copy binds the CPU
+    loops to its own buffers, trains as the original does, and leaves the original alone."""
+    batches = list(_batches(6, batch=24, universe=400, seed=5))
+    model = _collection(True, OPTIONS["lru_and_lfu"], RowWiseAdagrad(lr=0.1))
+    for features in batches[:3]:
+        model(features).values().square().sum().backward()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy(model), torch.load(buffer, weights_only=False)]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    outputs = []
+    for twin in copies:
+        for features in batches[3:]:
+            pooled = twin(features).values()
+            outputs.append(pooled.detach())
+            pooled.square().sum().backward()
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    for features in batches[3:]:
+        pooled = model(features).values()
+        outputs.append(pooled.detach())
+        pooled.square().sum().backward()
+    n = len(batches) - 3
+    for k in range(n):
+        assert torch.equal(outputs[k], outputs[2 * n + k]), k
+        assert torch.equal(outputs[n + k], outputs[2 * n + k]), k
+    assert all(a._loops == key_arena_cpu.available() for a in copies[0]._arenas)
