@@ -70,48 +70,22 @@ from dataclasses import dataclass
 import torch
 from torchrec import KeyedJaggedTensor
 
+from recsys.embedding import arena_find
 from recsys.embedding.arena_admission import AdmissionArena
 from recsys.embedding.arena_placement import Placed, place_new
 from recsys.embedding.dynamic_table import DynamicTable
 from recsys.embedding.score_policy import LFU, LRU
-from recsys.embedding.slot_map import SlotMap
+from recsys.embedding.slot_layout import latest_generation
 from recsys.ops import key_arena_cpu
 from recsys.ops._triton import resolve_backend
-from recsys.ops.slot_map import (
-    EMPTY_KEY,
-    check_keys,
-    find_slots_torch,
-)
-from recsys.ops.slot_map_arena import find_arena_slots
+from recsys.ops.slot_map import EMPTY_KEY, check_keys
 
 __all__ = ["KeyArena", "Placed", "build_arenas", "joins_arena"]
-
-# Hint entries per slot of a table (more: fewer keys sharing an entry, more memory and cache
-# traffic), and the most hint entries of an arena (2**23: 64 MiB): past that, the largest
-# tables get fewer per slot, and hints serve their hot keys. A key's hint is the one entry its
-# hash names (sets of several entries cost more gathers per id than the scans they save). The
-# CPU loops scan a failed hint's bucket at once, for less than the cache misses of a larger
-# hint buffer: 2 per slot there (measured on the DLRM step, batch 256 and 2048).
-HINTS_PER_SLOT = 4
-HINTS_PER_SLOT_LOOPS = 2
-MAX_HINTS = 1 << 23
-# Fibonacci hashing: bits 32.. of key * 2**64 / golden ratio pick a hint entry.
-_FIBONACCI = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as int64
 
 
 def joins_arena(table: DynamicTable) -> bool:
     """Whether ``table``'s keys are mapped by an arena: scored LRU or LFU, without a TTL."""
     return type(table.map.policy) in (LRU, LFU) and not table.options.ttl_steps
-
-
-def hint_sizes(capacities: list[int], per_slot: int = HINTS_PER_SLOT) -> list[int]:
-    """Hint entries of each table: a power of two near ``per_slot`` per slot (at least 64),
-    the largest halved while they sum past ``MAX_HINTS``."""
-    sizes = [max(64, 1 << (per_slot * c - 1).bit_length()) for c in capacities]
-    while sum(sizes) > MAX_HINTS and max(sizes) > 64:
-        largest = sizes.index(max(sizes))
-        sizes[largest] //= 2
-    return sizes
 
 
 def build_arenas(tables: dict[str, DynamicTable], features: dict[str, list[str]]):
@@ -182,23 +156,22 @@ class KeyArena:
             slot_map.pending_hits = self.hits[t]
         self._lfu = [isinstance(m.policy, LFU) for m in maps]
         # how scores update: 0 every table LRU, 1 every table LFU, 2 both kinds
-        self._lfu_mode = 0 if not any(self._lfu) else 1 if all(self._lfu) else 2
+        self.lfu_mode = 0 if not any(self._lfu) else 1 if all(self._lfu) else 2
         self.admission = AdmissionArena(tables) if any(t.admission for t in tables) else None
-        self._one = torch.ones((), dtype=torch.int64, device=self.device)
         self._generations: tuple[int, ...] | None = None
         self._feature_columns: dict[tuple[str, ...], torch.Tensor] = {}
         self._per_ids: dict[tuple[object, ...], _Ids] = {}
         self._caps: dict[tuple[int, ...], torch.Tensor] = {}
         self._pins: torch.Tensor | None = None  # per slot, the last lookup that pinned it
-        self._bound: key_arena_cpu.ArenaLoops | None = None  # the CPU loops on its buffers
-        self._changes_seen = -1  # SlotMap.changes at the last check of the generations
+        self.bound_loops: key_arena_cpu.ArenaLoops | None = None  # the CPU loops on its buffers
+        self._changes_seen = -1  # latest_generation() at the last check of the generations
         self._mark = self._next_mark = 1  # marks of the slots pinned by the current lookup
 
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``, pickle) binds the CPU loops to its own buffers: what they
         hold are this arena's data pointers (and a foreign function, which does not pickle)."""
         state = self.__dict__.copy()
-        state["_bound"] = None
+        state["bound_loops"] = None
         state["_per_ids"] = {}  # (their loop columns hold pointers too)
         return state
 
@@ -207,10 +180,10 @@ class KeyArena:
     def _current(self) -> None:
         """Rebuild the buffers if a map took new tensors since the last build (their
         generations compared only when some map anywhere took new ones)."""
-        if self._generations is None or self._changes_seen != SlotMap.changes:
+        if self._generations is None or self._changes_seen != latest_generation():
             if self._generations != tuple(table.map.generation for table in self.tables):
                 self._rebuild()
-            self._changes_seen = SlotMap.changes
+            self._changes_seen = latest_generation()
         if self.admission is not None:
             self.admission.current()
 
@@ -249,16 +222,17 @@ class KeyArena:
         self._loops = self.device.type == "cpu" and self.cpu_loops and key_arena_cpu.available()
         # each table's own region of hints (a power of two), then one entry for ids of no
         # table, all naming the scratch slot (EMPTY_KEY, of no table) until written
-        sizes = hint_sizes(capacities, HINTS_PER_SLOT_LOOPS if self._loops else HINTS_PER_SLOT)
+        per_slot = arena_find.HINTS_PER_SLOT_LOOPS if self._loops else arena_find.HINTS_PER_SLOT
+        sizes = arena_find.hint_sizes(capacities, per_slot)
         per_table["hint_base"] = [*itertools.accumulate([0, *sizes[:-1]]), sum(sizes)]
         per_table["hint_mask"] = [*(n - 1 for n in sizes), 0]
-        self._hints = None
+        self.hints_buffer = None
         if self.backend == "torch":
-            self._hints = torch.full(
+            self.hints_buffer = torch.full(
                 (sum(sizes) + 1,), total, dtype=torch.int64, device=self.device
             )
         # the find's loop (with hints) lists only the ids without a slot
-        self._lists_misses = self._loops and self._hints is not None
+        self.lists_misses = self._loops and self.hints_buffer is not None
         self._per_table = {
             name: torch.tensor(values, device=self.device) for name, values in per_table.items()
         }
@@ -272,7 +246,7 @@ class KeyArena:
             dtype=torch.float64,
             device=self.device,
         )
-        self._bound = None  # bound to these buffers at the next training lookup
+        self.bound_loops = None  # bound to these buffers at the next training lookup
         self._per_ids.clear()
         self._feature_columns.clear()
         self._pins = None
@@ -392,13 +366,13 @@ class KeyArena:
         if not ids.numel():
             return ids, torch.zeros_like(ids, dtype=torch.bool), [], None
         per_id = self._per_id(features, ids.numel())
-        if self._lists_misses and step is not None:
+        if self.lists_misses and step is not None:
             # one call: find, and where every id has a slot, the touch and the rows
-            found, rows, scanned = self._find_and_touch(ids, per_id, step)
+            found, rows, scanned = arena_find.find_and_touch(self, ids, per_id, step)
             if rows is not None:
                 return rows, None if per_id.every_id else per_id.mine, [], None
         else:
-            found, scanned = self._find(ids, per_id)  # [V], -1 where absent
+            found, scanned = arena_find.find(self, ids, per_id)  # [V], -1 where absent
         if step is None:
             check_keys(ids)
             rows = torch.where(found >= 0, found - per_id.base, per_id.zero_row)
@@ -410,7 +384,7 @@ class KeyArena:
             tables = per_id.table.index_select(0, where)
             # the CPU loops list only ids without a slot (some table misses one); else [T + 1]
             # the ids without a row per table, a host read
-            if self._lists_misses or any(
+            if self.lists_misses or any(
                 torch.zeros_like(self.hits).index_add_(0, tables, (slots < 0).long()).tolist()
             ):
                 hits = self._pin_hits(found, per_id)
@@ -431,7 +405,7 @@ class KeyArena:
                 counted = True
                 found.index_put_((where,), fresh.slots)
                 if hints is not None:  # the keys placed now: hinted for the next lookups
-                    self._remember(hints, torch.where(slots < 0, fresh.slots, -1))
+                    arena_find.remember(self, hints, torch.where(slots < 0, fresh.slots, -1))
             if missing:  # the ids of tables with no miss left
                 mapped = (missed == 0).index_select(0, per_id.table)
                 if per_id.mine is not None:
@@ -441,34 +415,14 @@ class KeyArena:
             live = found >= 0 if mapped is None else mapped & (found >= 0)
         # [V] each live id's slot, the scratch for the rest
         target = found if live is None else torch.where(live, found, self.scratch)
-        touch = key_arena_cpu.touch if self._loops else self._touch
+        touch = key_arena_cpu.touch if self._loops else arena_find.touch_tensor_ops
         hits = None if counted else self.hits
         touch(target, live, per_id.table, hits, self.last_seen, self.scores,
-              self._per_table["lfu"], self._lfu_mode, self.scratch, step)  # fmt: skip
+              self._per_table["lfu"], self.lfu_mode, self.scratch, step)  # fmt: skip
         rows = found - per_id.base
         if overflow:
             rows = torch.where(found >= 0, rows, per_id.zero_row)
         return rows, mapped, missing, fresh
-
-    def _touch(self, target, live, table, hits, last_seen, scores, lfu, lfu_mode, scratch, step):
-        """:func:`recsys.ops.key_arena_cpu.touch` as tensor ops: each table's distinct live
-        slots of ``target`` [V] added to ``hits`` (unless None: each id writes its position into
-        its slot's last step, and the one whose position stays counts the slot), then the last
-        steps and scores."""
-        if hits is not None:
-            positions = torch.arange(len(target), device=target.device)
-            last_seen.index_put_((target,), positions)
-            won = last_seen.index_select(0, target) == positions
-            hits.index_add_(0, table, (won if live is None else won & live).long())
-        last_seen.index_fill_(0, target, step)
-        if lfu_mode == 0:
-            scores.index_fill_(0, target, step)
-        elif lfu_mode == 1:
-            scores.index_put_((target,), self._one, accumulate=True)
-        else:
-            lfu = lfu.index_select(0, table)
-            scores.index_put_((torch.where(lfu, target, scratch),), self._one, accumulate=True)
-            scores.index_fill_(0, torch.where(lfu, scratch, target), step)
 
     def _pin_hits(self, found: torch.Tensor, per_id: _Ids) -> torch.Tensor:
         """Before new keys are placed: mark the slot of every id of the batch that has one
@@ -507,117 +461,6 @@ class KeyArena:
             cap = torch.tensor([*flags, -1], device=self.device)
             self._caps[flags] = cap
         return cap
-
-    def _find_and_touch(
-        self, ids: torch.Tensor, per_id: _Ids, step: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
-        """The CPU loops' lookup of a training step: ``(found, rows, scanned)`` as
-        :meth:`_find` gives ``found`` and ``scanned``; where every id has a slot (``scanned``
-        None), the slots are touched as :meth:`lookup` does and ``rows`` are each id's row
-        (``found`` is then ``rows``: not read)."""
-        if self._bound is None:
-            self._bound = key_arena_cpu.ArenaLoops(
-                self._hints,
-                self.keys,
-                self.last_seen,
-                self.scores,
-                self.hits,
-                self._per_table["lfu"],
-                self._lfu_mode,
-                self.bucket_size,
-                EMPTY_KEY,
-                self.scratch,
-            )
-        if per_id.loop_columns is None:
-            per_id.loop_columns = self._bound.columns(
-                per_id.hint_mask,
-                per_id.hint_base,
-                per_id.num_buckets,
-                per_id.first_bucket,
-                None if per_id.every_id else per_id.mine,
-                per_id.table,
-                per_id.base,
-            )
-        slot, rows, where, hints = self._bound.lookup(ids.contiguous(), per_id.loop_columns, step)
-        if rows is not None:
-            return rows, rows, None
-        return slot, None, (where, slot.index_select(0, where), hints)
-
-    def _find(
-        self, ids: torch.Tensor, per_id: _Ids
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
-        """Each id's slot in the arena, -1 where its table does not hold it, and the ids whose
-        bucket was scanned (positions [U], their slots [U] and hint entries [U] (None: no hints);
-        None when every id of the arena had a valid hint). Triton: one scan of every id's
-        bucket. Torch: the hints, then a scan of the ids without a valid one, listed by a host
-        read; the keys it finds are hinted."""
-        if self._hints is None:
-            found = find_arena_slots(
-                self.keys[: self.scratch],
-                self.bucket_size,
-                per_id.num_buckets,
-                per_id.first_bucket,
-                ids,
-                self.backend,
-            )
-            if not per_id.every_id:  # ids of no table of the arena: at the scratch, no miss
-                found = torch.where(per_id.mine, found, self.scratch)
-            return found, (per_id.position, found, None)
-        if self._lists_misses:  # one pass: hints, then scans, hints written
-            slot, where, hints = key_arena_cpu.find(
-                ids.contiguous(),
-                per_id.hint_mask,
-                per_id.hint_base,
-                per_id.num_buckets,
-                per_id.first_bucket,
-                None if per_id.every_id else per_id.mine,
-                self._hints,
-                self.keys,
-                self.bucket_size,
-                EMPTY_KEY,
-            )
-            if not len(where):
-                return slot, None
-            return slot, (where, slot.index_select(0, where), hints)
-        # [V] the hint of the id's own table, the slot it names (the scratch where none)
-        hint_at = (((ids * _FIBONACCI) >> 32) & per_id.hint_mask) + per_id.hint_base
-        slot = self._hints.index_select(0, hint_at)
-        # (a free slot holds EMPTY_KEY: an id of that reserved value must scan, find nothing
-        # and reach the insert path's error)
-        unsure = (self.keys.index_select(0, slot) != ids) | (ids == EMPTY_KEY)
-        if not per_id.every_id:
-            unsure &= per_id.mine
-        # the first host read of a step (its only one when every id has a valid hint)
-        where = unsure.nonzero().squeeze(1)  # [U]
-        if not len(where):
-            return slot, None
-        return self._scan(ids, per_id, slot, where, hint_at.index_select(0, where))
-
-    def _scan(
-        self,
-        ids: torch.Tensor,
-        per_id: _Ids,
-        slot: torch.Tensor,
-        where: torch.Tensor,
-        hints: torch.Tensor,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """The ids at ``where`` [U] (without a valid hint, entries ``hints`` [U]) scan their
-        bucket; the keys found are hinted; ``slot`` [V] takes their slots (-1: absent)."""
-        slots = find_slots_torch(
-            self.keys[: self.scratch],
-            per_id.num_buckets.index_select(0, where),
-            self.bucket_size,
-            ids.index_select(0, where),
-            per_id.first_bucket.index_select(0, where),
-        )  # [U]
-        self._remember(hints, slots)
-        return slot.index_put_((where,), slots), (where, slots, hints)
-
-    def _remember(self, hints: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write the found ``slots`` [U] into their ``hints`` entries [U] (-1: absent, the
-        entry kept)."""
-        kept = self._hints.index_select(0, hints)
-        self._hints.index_put_((hints,), torch.where(slots >= 0, slots, kept))
 
     def _count_inserts(
         self,

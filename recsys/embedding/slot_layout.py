@@ -5,13 +5,25 @@ successive rehashes compose, the distinct-key check, and :class:`Insertion`, wha
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from recsys.ops.slot_map import EMPTY_KEY
 
-__all__ = ["Insertion", "Layout", "check_unique", "compose_slot_maps", "empty_layout"]
+__all__ = [
+    "Insertion",
+    "Layout",
+    "check_unique",
+    "compose_slot_maps",
+    "empty_layout",
+    "latest_generation",
+    "new_generation",
+]
+
+_GENERATIONS = itertools.count(1)
+_latest = 0
 
 
 @dataclass
@@ -64,3 +76,17 @@ def check_unique(sorted_keys: torch.Tensor, name: str) -> None:
     if len(sorted_keys) > 1 and bool((sorted_keys[1:] == sorted_keys[:-1]).any()):
         key = sorted_keys[1:][sorted_keys[1:] == sorted_keys[:-1]][0].item()
         raise ValueError(f"table {name!r}: key {key} appears twice; expected distinct keys")
+
+
+def new_generation() -> int:
+    """A generation for a map that takes new tensors: above every one handed out before, to
+    any map (``next`` of a counter: atomic, as the tiered prefetch thread grows maps too)."""
+    global _latest
+    _latest = next(_GENERATIONS)
+    return _latest
+
+
+def latest_generation() -> int:
+    """The last :func:`new_generation` handed out: a caller holding views of several maps'
+    tensors compares their generations only when this moved."""
+    return _latest

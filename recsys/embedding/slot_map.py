@@ -22,7 +22,6 @@ The admission counter, a map of counts without rows, is :mod:`recsys.embedding.a
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
 
@@ -35,10 +34,9 @@ from recsys.embedding.slot_layout import (
     check_unique,
     compose_slot_maps,
     empty_layout,
+    new_generation,
 )
 from recsys.ops.slot_map import EMPTY_KEY, assign_slots, check_keys, find_slots, keep_per_bucket
-
-_CHANGES = itertools.count(1)  # SlotMap.changes' successive values
 
 __all__ = ["LFU", "LRU", "Insertion", "ScorePolicy", "SlotMap", "score_policy"]
 
@@ -65,11 +63,6 @@ class SlotMap:
         ids, counts = torch.unique(batch_ids, return_counts=True)
         insertion = slot_map.insert(ids, counts, step)
     """
-
-    changes = 0
-    """How many times any map took new tensors (the sum of every map's ``generation`` steps):
-    a caller holding views of several maps' tensors compares their generations only when it
-    moved."""
 
     def __init__(
         self,
@@ -101,11 +94,10 @@ class SlotMap:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.backend = backend
         self.generation = 0
-        """Counts the times the map took new tensors (grew, was restored): a caller holding
-        views of them (:mod:`recsys.embedding.key_arena`) rebuilds when it changes."""
+        """A new :func:`~recsys.embedding.slot_layout.new_generation` whenever the map takes new
+        tensors (grows, is restored): a caller holding views of them (a key arena) rebuilds."""
         self.pending_hits: torch.Tensor | None = None
-        """A 0-d device counter of hits counted by an arena's step, added to ``hits`` when the
-        stats are read (the one place they are read on the host)."""
+        """A 0-d device counter of an arena's hits, added to ``hits`` when stats are read."""
         self._use(empty_layout(math.ceil(capacity / bucket_size), bucket_size, self.device))
         self._size = 0
         self._warned = False  # about keys without room at the maximum size
@@ -487,8 +479,7 @@ class SlotMap:
 
     def _use(self, layout: Layout) -> None:
         if layout.keys is not getattr(self, "keys", None):
-            self.generation += 1
-            SlotMap.changes = next(_CHANGES)  # (atomic: a tiered prefetch thread grows maps)
+            self.generation = new_generation()
         self.num_buckets = layout.num_buckets
         self.keys, self.scores, self.last_seen = layout.keys, layout.scores, layout.last_seen
 

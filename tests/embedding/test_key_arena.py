@@ -248,7 +248,7 @@ def test_all_hits_lookup_waits_at_most_twice_and_a_reserved_key_still_raises(loo
     else:  # how many ids have no valid hint and, when some do, which tables miss a key (none)
         assert 1 <= report.num_syncs <= 2, report.describe()
         sites = {site.split(":")[0] for _, site in report.syncs}
-        assert sites == {"recsys/embedding/key_arena.py"}
+        assert sites <= {"recsys/embedding/key_arena.py", "recsys/embedding/arena_find.py"}
     ebc.train(False)
     with StepAudit(torch.device("cpu")) as lookups:
         ebc.lookup_ids(features)

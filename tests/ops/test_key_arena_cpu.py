@@ -97,7 +97,7 @@ def test_find_is_the_tensor_ops(seed, every_id):
 
 
 def _touch_reference(target, live, table, hits, last_seen, scores, lfu, scratch, step):
-    """The arena's tensor ops (KeyArena._touch and _count_hits)."""
+    """The arena's tensor ops (arena_find.touch_tensor_ops)."""
     if hits is not None:
         positions = torch.arange(len(target))
         last_seen.index_put_((target,), positions)
