@@ -49,7 +49,7 @@ def find_and_touch(
     """The CPU loops' lookup of a training step: ``(found, rows, scanned)`` as
     :func:`find` gives ``found`` and ``scanned``; where every id has a slot (``scanned``
     None), the slots are touched as :meth:`KeyArena.lookup` does and ``rows`` are each id's row
-    (``found`` is then ``rows``: not read)."""
+    (``found`` is then None)."""
     if arena.bound_loops is None:
         arena.bound_loops = key_arena_cpu.ArenaLoops(
             arena.hints_buffer,
@@ -75,7 +75,7 @@ def find_and_touch(
         )
     slot, rows, where, hints = arena.bound_loops.lookup(ids.contiguous(), per_id.loop_columns, step)
     if rows is not None:
-        return rows, rows, None
+        return None, rows, None
     return slot, None, (where, slot.index_select(0, where), hints)
 
 

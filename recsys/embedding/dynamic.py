@@ -316,7 +316,9 @@ class DynamicTables:
                 [layout.row_offsets[t] + layout.rows[t] - 1 for t in tables], device=self.device
             )
             cached = (layout, elements, rows)
-        self._zero_rows = (layout, *cached[1:])  # (an equal layout may be a new object)
+        if cached[0] is not layout:  # an equal layout in a new object
+            cached = (layout, *cached[1:])
+        self._zero_rows = cached
         _, elements, rows = cached
         with torch.no_grad():
             self._flat.index_fill_(0, elements, 0)

@@ -117,6 +117,27 @@ def unavailable_reason() -> str | None:
     return None if available() else _REASON
 
 
+def _library() -> ctypes.CDLL:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the arena's CPU loops are not available: {_REASON}")
+    return lib
+
+
+def _touch_pointers(hits, last_seen, scores, lfu_mode: int, lfu, scratch: int) -> tuple:
+    """The touch loop's arguments from ``hits`` to ``scratch``, checked (see :func:`touch`)."""
+    if lfu_mode not in (0, 1, 2):
+        raise ValueError(f"lfu_mode is {lfu_mode!r}; expected 0, 1 or 2")
+    return (
+        _ptr(hits, torch.int64, "hits"),
+        _ptr(last_seen, torch.int64, "last_seen"),
+        _ptr(scores, torch.int64, "scores"),
+        lfu_mode,
+        _ptr(lfu, torch.bool, "lfu"),
+        scratch,
+    )
+
+
 def _ptr(tensor: torch.Tensor | None, dtype: torch.dtype, name: str) -> int | None:
     """The data pointer of a contiguous CPU tensor of ``dtype`` (None stays None)."""
     if tensor is None:
@@ -148,9 +169,7 @@ def find(
     ascending order, ``hint_at`` their hint entries. ``hints`` is updated in place. All int64
     (``mine`` bool) CPU tensors; the entries of ``hints`` must name slots of ``keys`` and the
     per-id bucket ranges lie in ``keys`` (not checked: the arena builds them)."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"the arena's CPU loops are not available: {_REASON}")
+    lib = _library()
     n = ids.numel()
     slot = torch.empty(n, dtype=torch.int64)
     where = torch.empty(n, dtype=torch.int64)
@@ -193,23 +212,14 @@ def touch(
     other's update, as the arena's tensor ops do. ``lfu_mode``: 0 every table LRU, 1 every
     table LFU, 2 both kinds. ``table`` [V]: each id's arena table. Ids that are not ``live``
     target the ``scratch``; ``step`` is above every slot's last step (steps only grow)."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"the arena's CPU loops are not available: {_REASON}")
-    if lfu_mode not in (0, 1, 2):
-        raise ValueError(f"lfu_mode is {lfu_mode!r}; expected 0, 1 or 2")
+    lib = _library()
     lib.recsys_arena_touch(
         target.numel(),
         _ptr(target, torch.int64, "target"),
         _ptr(live, torch.bool, "live"),
         _ptr(table, torch.int64, "table"),
         int(hits is not None),
-        _ptr(hits, torch.int64, "hits"),
-        _ptr(last_seen, torch.int64, "last_seen"),
-        _ptr(scores, torch.int64, "scores"),
-        lfu_mode,
-        _ptr(lfu, torch.bool, "lfu"),
-        scratch,
+        *_touch_pointers(hits, last_seen, scores, lfu_mode, lfu, scratch),
         step,
     )
 
@@ -240,12 +250,7 @@ class ArenaLoops:
         empty_key: int,
         scratch: int,
     ) -> None:
-        lib = _load()
-        if lib is None:
-            raise RuntimeError(f"the arena's CPU loops are not available: {_REASON}")
-        if lfu_mode not in (0, 1, 2):
-            raise ValueError(f"lfu_mode is {lfu_mode!r}; expected 0, 1 or 2")
-        self._lookup = lib.recsys_arena_lookup
+        self._lookup = _library().recsys_arena_lookup
         self._held = (hints, keys, last_seen, scores, hits, lfu)
         self._arena = (
             _ptr(hints, torch.int64, "hints"),
@@ -253,14 +258,7 @@ class ArenaLoops:
             bucket_size,
             empty_key,
         )
-        self._touch = (
-            _ptr(hits, torch.int64, "hits"),
-            _ptr(last_seen, torch.int64, "last_seen"),
-            _ptr(scores, torch.int64, "scores"),
-            lfu_mode,
-            _ptr(lfu, torch.bool, "lfu"),
-            scratch,
-        )
+        self._touch = _touch_pointers(hits, last_seen, scores, lfu_mode, lfu, scratch)
 
     def columns(
         self,
