@@ -347,7 +347,7 @@ _PREPROCESS_FLAGS = {
     "user": "interactions: the user column",
     "item": "interactions: the item column",
     "time": "interactions: the time column (a user's events are ordered by it)",
-    "max-len": "interactions: the most recent events kept of a history (default 200)",
+    "max-len": "interactions: the most recent events kept of a history (default 0: all)",
 }
 
 

@@ -207,9 +207,18 @@ class PreprocessConfig:
     time: str = ""
     """interactions: the time column (numbers, or parquet timestamps); a user's events are
     ordered by it, ties in input order."""
-    max_len: Annotated[int, AtLeast1] = 200
-    """interactions: the most recent events kept of a history (train rows keep max_len + 1, so
-    that max_len next-item targets remain)."""
+    max_len: Annotated[int, AtLeast0] = 0
+    """interactions: the most recent events kept of a history (0: every event). Training learns
+    from every event kept (``train.next_item.train_rows``) and ``exclude_history`` masks every
+    item kept before a target, so a cap below the longest history drops targets and leaves
+    older items unmasked; it only bounds the stored size (train rows keep max_len + 1 events,
+    so that max_len next-item targets remain)."""
+    item_universe: Literal["train", "log"] = "train"
+    """interactions, categorify: the events the item vocabulary is fitted on, and so the items
+    ranked: ``train``, the train events only (an item that occurs only as a valid or test
+    target gets the rare id and is never a candidate: a forced miss, the cold-item protocol);
+    ``log``, every event of the log (every item of the log is a candidate, as RecBole and most
+    papers rank; such an item's row is never trained)."""
     freq_threshold: Annotated[int, AtLeast0] = 1
     """categorify: values seen fewer times than this in train share the rare id."""
     hash_buckets: Annotated[int, AtLeast1] = 1_000_000

@@ -120,8 +120,18 @@ class NextItemConfig:
     logq_correction: bool = True
     """sampled: subtract log(expected count of each negative among the draws) from its logit,
     which removes the popularity bias of in-batch negatives."""
+    train_rows: Literal["windows", "prefixes", "last"] = "windows"
+    """How a train history longer than ``model.sequence.max_len`` becomes rows. ``windows``:
+    cut from its end into windows of max_len + 1 events (consecutive windows share one event),
+    each predicting every position with the causal loss, so every event after the first is a
+    target once per epoch at about (events + windows) positions of attention. ``prefixes``
+    (RecBole's augmentation): a row per target, its max_len events before it, the loss at the
+    last position only: the same targets, each with the longest context, at up to max_len
+    times the cost of ``windows``. ``last``: only the last max_len + 1 events of each user
+    (older events are never targets; a row per user)."""
     exclude_history: bool = False
-    """Ranking: leave the items of a user's history (other than the target) out of its
-    ranking."""
+    """Ranking: leave every item of a user's history before the target (the whole history the
+    data holds, not only the max_len events the model reads; for test, the train events and
+    the valid target) out of its ranking; the target itself is never excluded."""
     eval_chunk_items: Annotated[int, AtLeast1] = 65536
     """Ranking: items scored at a time (memory is eval_batch_size x this)."""

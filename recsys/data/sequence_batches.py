@@ -4,14 +4,25 @@ interactions`` (:mod:`recsys.data.sequences`), for sequence models.
 A :class:`SequenceBatch` holds B users' histories as a ``KeyedJaggedTensor`` with one key
 (``items``; the ids of a user's events, oldest first), the events' times, and targets:
 
-- **train** (``next_item``): the model reads e_1 .. e_(n-1) and predicts the next item at every
-  position, so ``items`` holds each history without its last event and ``targets`` [sum L] the
-  history shifted by one (e_2 .. e_n), aligned with ``items.values()``;
-- **valid / test**: ``items`` is the whole history and ``targets`` [B] the one item to rank.
+- **train** (``next_item``): a row is a stretch e_s .. e_t of a user's history; the model reads
+  e_s .. e_(t-1) and predicts the next item at every position, so ``items`` holds the row
+  without its last event and ``targets`` [sum L] the row shifted by one (e_(s+1) .. e_t),
+  aligned with ``items.values()``; rows that count only their last position (``prefixes``)
+  carry ``target_positions`` [B], and ``targets`` [B] is then one item per row;
+- **valid / test**: ``items`` is the history (its last ``max_len`` events), ``targets`` [B] the
+  one item to rank, and ``seen_items`` / ``seen_offsets`` every item of the user's history
+  before the target (what ``exclude_history`` leaves out of the ranking).
+
+How a train history becomes rows (``train_rows``), for a user with train events e_1 .. e_n and
+L = ``max_len``: ``windows`` cuts it from its end into rows of L + 1 events that share one
+event with the next (ends n, n - L, n - 2L, ...), so e_2 .. e_n are each a target once per
+epoch; ``prefixes`` makes a row per target e_t (t >= 2) of the L events before it, counting
+only the last position (RecBole's augmentation: every target with its longest context, about L
+times the attention cost); ``last`` keeps one row per user, its last L + 1 events.
 
 Everything the host knows travels with the batch (lengths per key, offsets, the longest
 history), so a model pads or splits without reading the device. :class:`SequenceLoader` reads a
-split into memory (its histories as flat arrays: ~8 bytes per event), deals users to ranks and
+split into memory (its histories as flat arrays: ~8 bytes per event), deals rows to ranks and
 cuts batches; train epochs are shuffled by (seed, epoch), the same on any number of ranks.
 """
 
@@ -31,7 +42,14 @@ from torchrec import KeyedJaggedTensor
 from recsys.data.prepared import SPLITS, read_metadata
 from recsys.data.sequences import SEQUENCE_KIND, segment_index
 
-__all__ = ["Histories", "SequenceBatch", "SequenceLoader", "read_histories"]
+__all__ = [
+    "TRAIN_ROWS",
+    "Histories",
+    "SequenceBatch",
+    "SequenceLoader",
+    "cut_train_rows",
+    "read_histories",
+]
 
 ITEMS = "items"
 
@@ -43,9 +61,14 @@ class SequenceBatch:
     Attributes:
         items: KJT with key ``items``: [sum L] ids, lengths [B].
         times: [sum L] float64 event times, aligned with ``items.values()``.
-        targets: train: [sum L] next items; valid / test: [B] target items.
+        targets: train: [sum L] next items (with ``target_positions``: [B], one per row);
+            valid / test: [B] target items.
         max_length: the longest history in the batch (host-known).
-        next_item: whether ``targets`` is per position (train) or per user.
+        next_item: whether this is a train batch (next-item targets) or one to rank.
+        target_positions: train rows that count only their last position: [B] int64, the
+            position (index into ``items.values()``) of each target; None: every position.
+        seen_items / seen_offsets: valid / test: [S] every item of each user's history before
+            its target (not only the ``max_len`` the model reads), [B + 1] int64 offsets.
     """
 
     items: KeyedJaggedTensor
@@ -53,6 +76,9 @@ class SequenceBatch:
     targets: torch.Tensor
     max_length: int
     next_item: bool
+    target_positions: torch.Tensor | None = None
+    seen_items: torch.Tensor | None = None
+    seen_offsets: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -60,21 +86,24 @@ class SequenceBatch:
 
     def pin_memory(self) -> SequenceBatch:
         """The batch in pinned host memory (so a copy to the GPU can be ``non_blocking``)."""
-        return SequenceBatch(
-            self.items.pin_memory(),
-            self.times.pin_memory(),
-            self.targets.pin_memory(),
-            self.max_length,
-            self.next_item,
-        )
+        return self._map(lambda t: t.pin_memory())
 
     def to(self, device: torch.device, non_blocking: bool = False) -> SequenceBatch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def _map(self, move) -> SequenceBatch:
+        def optional(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else move(tensor)
+
         return SequenceBatch(
-            self.items.to(device, non_blocking=non_blocking),
-            self.times.to(device, non_blocking=non_blocking),
-            self.targets.to(device, non_blocking=non_blocking),
+            move(self.items),
+            move(self.times),
+            move(self.targets),
             self.max_length,
             self.next_item,
+            optional(self.target_positions),
+            optional(self.seen_items),
+            optional(self.seen_offsets),
         )
 
 
@@ -130,19 +159,49 @@ def read_histories(path: str | Path, split: str) -> Histories:
     )
 
 
+TRAIN_ROWS = ("windows", "prefixes", "last")
+
+
+def cut_train_rows(
+    offsets: np.ndarray, max_len: int | None, mode: str
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The rows ``mode`` cuts from histories at ``offsets`` [U + 1] (see the module docstring):
+    each row's first and end event index [R] (users in order, each user's rows oldest first),
+    and whether a row counts only its last position. Histories of fewer than 2 events give no
+    row; ``max_len`` None keeps each history whole, one row."""
+    if mode not in TRAIN_ROWS:
+        raise ValueError(f"train_rows = {mode!r}; expected one of {', '.join(TRAIN_ROWS)}")
+    starts, ends = offsets[:-1], offsets[1:]
+    users = np.flatnonzero(ends - starts >= 2)
+    starts, ends = starts[users], ends[users]
+    if max_len is None or mode == "last":
+        keep = ends - starts if max_len is None else np.minimum(ends - starts, max_len + 1)
+        return ends - keep, ends, False
+    targets = ends - starts - 1  # e_2 .. e_n
+    step = 1 if mode == "prefixes" else max_len
+    per_user = -(-targets // step)  # rows: ceil(targets / step)
+    row_of = np.arange(per_user.sum()) - np.repeat(np.cumsum(per_user) - per_user, per_user)
+    row_ends = np.repeat(ends, per_user) - step * row_of  # each user's last row first
+    row_starts = np.maximum(np.repeat(starts, per_user), row_ends - max_len - 1)
+    order = np.lexsort((row_ends, np.repeat(np.arange(len(users)), per_user)))
+    return row_starts[order], row_ends[order], mode == "prefixes"
+
+
 class SequenceLoader:
     """Batches of one split of a sequence dataset.
 
     Args:
         path: the dataset directory, or a split already read (:func:`read_histories`).
-        split: ``train`` (next-item targets at every position, shuffled), ``valid`` or ``test``.
-        batch_size: users per batch on each rank.
-        rank / world_size: this rank's share: train deals each epoch's shuffled users out in
+        split: ``train`` (next-item targets, rows shuffled), ``valid`` or ``test``.
+        batch_size: rows (valid / test: users) per batch on each rank.
+        rank / world_size: this rank's share: train deals each epoch's shuffled rows out in
             whole global batches of ``batch_size * world_size`` (the last partial one dropped, so
             every rank steps alike); valid / test give rank r users r, r + W, ... (all of them).
         seed: the shuffle's seed (train).
         max_len: the most recent events of a history a batch keeps (None: all); a train row
             keeps ``max_len`` inputs and their targets.
+        train_rows: how train histories become rows (``windows``, ``prefixes``, ``last``; see
+            the module docstring).
     """
 
     def __init__(
@@ -155,6 +214,7 @@ class SequenceLoader:
         world_size: int = 1,
         seed: int = 0,
         max_len: int | None = None,
+        train_rows: str = "windows",
     ) -> None:
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
@@ -168,55 +228,84 @@ class SequenceLoader:
         self.split, self.batch_size = split, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.num_items = self.histories.num_items
+        if split == "train":
+            self.row_starts, self.row_ends, self.last_only = cut_train_rows(
+                self.histories.offsets, max_len, train_rows
+            )
+
+    @property
+    def rows(self) -> int:
+        """Train: the rows an epoch shuffles; valid / test: the users."""
+        return len(self.row_starts) if self.split == "train" else self.histories.users
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
-        users = self.histories.users
         if self.split == "train":
-            return users // (self.batch_size * self.world_size)
-        mine = len(range(self.rank, users, self.world_size))
+            return self.rows // (self.batch_size * self.world_size)
+        mine = len(range(self.rank, self.rows, self.world_size))
         return math.ceil(mine / self.batch_size)
 
     def epoch(self, epoch: int = 0, start_batch: int = 0) -> Iterator[SequenceBatch]:
         """This rank's batches of epoch ``epoch``, from its batch ``start_batch`` on (train:
         the batches before it were trained by a run this one resumes)."""
-        users = self.histories.users
         if self.split == "train":
-            order = np.random.default_rng([self.seed, epoch]).permutation(users)
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.rows)
             step = self.batch_size * self.world_size
             for start in range(start_batch * step, len(self) * step, step):
                 mine = start + self.rank * self.batch_size
                 yield self.batch(order[mine : mine + self.batch_size])
             return
-        order = np.arange(self.rank, users, self.world_size)
+        order = np.arange(self.rank, self.rows, self.world_size)
         for start in range(start_batch * self.batch_size, len(order), self.batch_size):
             yield self.batch(order[start : start + self.batch_size])
 
-    def batch(self, users: np.ndarray) -> SequenceBatch:
-        """The batch of these users (indices into the split), in this order."""
+    def batch(self, rows: np.ndarray) -> SequenceBatch:
+        """The batch of these rows (train; valid / test: users), in this order."""
         h = self.histories
-        starts, ends = h.offsets[users], h.offsets[users + 1]
-        if self.max_len is not None:  # the most recent events (train: plus the last target)
-            keep = self.max_len + (self.split == "train")
-            starts = np.maximum(starts, ends - keep)
-        if self.split == "train":  # read e_1 .. e_(n-1), predict e_2 .. e_n
-            index, lengths = segment_index(starts, ends - 1)[0], ends - 1 - starts
+        if self.split == "train":  # read e_s .. e_(t-1), predict e_(s+1) .. e_t
+            starts, ends = self.row_starts[rows], self.row_ends[rows]
+            index, offsets = segment_index(starts, ends - 1)
+            lengths = ends - 1 - starts
             targets = torch.from_numpy(h.values[index + 1])
-        else:
-            index, lengths = segment_index(starts, ends)[0], ends - starts
-            assert h.targets is not None
-            targets = torch.from_numpy(h.targets[users])
+            positions = None
+            if self.last_only:  # each row's last position
+                positions = torch.from_numpy(offsets[1:].astype(np.int64) - 1)
+                targets = targets[positions]
+            return self._batch(index, lengths, targets, target_positions=positions)
+        seen_starts, ends = h.offsets[rows], h.offsets[rows + 1]
+        starts = seen_starts
+        if self.max_len is not None:  # the most recent events
+            starts = np.maximum(starts, ends - self.max_len)
+        assert h.targets is not None
+        seen, seen_offsets = segment_index(seen_starts, ends)
+        return self._batch(
+            segment_index(starts, ends)[0],
+            ends - starts,
+            torch.from_numpy(h.targets[rows]),
+            seen_items=torch.from_numpy(h.values[seen]),
+            seen_offsets=torch.from_numpy(seen_offsets.astype(np.int64)),
+        )
+
+    def _batch(
+        self, index: np.ndarray, lengths: np.ndarray, targets: torch.Tensor, **extra
+    ) -> SequenceBatch:
+        h = self.histories
         values = torch.from_numpy(h.values[index])
         total = int(lengths.sum())
         kjt = KeyedJaggedTensor(
             keys=[ITEMS],
             values=values,
             lengths=torch.from_numpy(lengths),
-            stride=len(users),
+            stride=len(lengths),
             length_per_key=[total],
             offset_per_key=[0, total],
         )
         longest = int(lengths.max()) if len(lengths) else 0
         return SequenceBatch(
-            kjt, torch.from_numpy(h.times[index]), targets, longest, self.split == "train"
+            kjt,
+            torch.from_numpy(h.times[index]),
+            targets,
+            longest,
+            self.split == "train",
+            **extra,
         )

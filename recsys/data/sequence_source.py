@@ -8,7 +8,7 @@ directory. Every split is read into memory (about 8 bytes per event;
 
 Example::
 
-    data = build_sequence_dataset(config.data, max_len=50, seed=0)
+    data = build_sequence_dataset(config.data, "synthetic_sequences", seed=0)
     loader = data.loader("train", batch_size=128, max_len=50)
 """
 
@@ -54,7 +54,8 @@ class SequenceDataset:
             which a checkpoint's ``spec.json`` records.
         oracle: the synthetic log's expected test metrics of its oracle (``hr@10``,
             ``ndcg@10``, ...); None for other data.
-        max_len: the longest history the data kept (its ``preprocess.max_len``).
+        max_len: the longest history the data kept (its ``preprocess.max_len``; 0: every
+            event).
         item_encoding: how its items were encoded (raw item values -> ids and back).
     """
 
@@ -75,6 +76,7 @@ class SequenceDataset:
         max_len: int | None = None,
         rank: int = 0,
         world_size: int = 1,
+        train_rows: str = "windows",
     ) -> SequenceLoader:
         """Batches of ``split`` for rank ``rank`` of ``world_size`` (see
         :class:`SequenceLoader`)."""
@@ -86,6 +88,7 @@ class SequenceDataset:
             max_len=max_len,
             rank=rank,
             world_size=world_size,
+            train_rows=train_rows,
         )
 
     @property
@@ -103,12 +106,10 @@ class SequenceDataset:
         return np.unique(self.splits["train"].values, return_counts=True)
 
 
-def build_sequence_dataset(
-    config: DataConfig, source: str, max_len: int, seed: int
-) -> SequenceDataset:
+def build_sequence_dataset(config: DataConfig, source: str, seed: int) -> SequenceDataset:
     """The histories ``[data]`` names: ``source`` is ``"sequences"`` (``data.path``) or
     ``"synthetic_sequences"`` (``[data.synthetic_sequences]``, generated with ``seed`` and
-    preprocessed with ``max_len``).
+    preprocessed with every event kept).
 
     Raises:
         ValueError: data.path is not a directory of histories, or a synthetic source with a
@@ -121,7 +122,7 @@ def build_sequence_dataset(
                 f"data.path = '{config.path}' but data.source = 'synthetic_sequences'; use "
                 "data.source = 'auto' (or 'sequences') to read it"
             )
-        return _synthetic(config, max_len, seed)
+        return _synthetic(config, seed)
     if source != "sequences":
         raise ValueError(f"data.source = {source!r}; a sequence model reads 'sequences'")
     if not config.path:
@@ -165,7 +166,7 @@ def _read(path: Path, oracle: dict[str, float] | None) -> SequenceDataset:
     )
 
 
-def _synthetic(config: DataConfig, max_len: int, seed: int) -> SequenceDataset:
+def _synthetic(config: DataConfig, seed: int) -> SequenceDataset:
     from recsys.data.synthetic_sequences import SyntheticSequences, generate_log, oracle_metrics
 
     options = asdict(config.synthetic_sequences)
@@ -185,7 +186,6 @@ def _synthetic(config: DataConfig, max_len: int, seed: int) -> SequenceDataset:
                 user="user",
                 item="item",
                 time="time",
-                max_len=max_len,
                 encoding=encoding,
             )
         )

@@ -10,15 +10,20 @@ order (ties in input order):
   e_1 .. e_(n-1), and ``train`` holds e_1 .. e_(n-2);
 - n <= 2: every event is ``train``; such a user has no valid or test row.
 
-A train row keeps the last ``max_len + 1`` events of its part (``max_len`` next-item targets),
-and is written when it has at least 2 (a target); a valid or test row keeps the last
-``max_len`` events before its target. Columns: ``user`` (the user's text), ``items``
-(list<int64>: the history, oldest first), ``times`` (list<double>); valid and test add
-``target`` (int64) and ``target_time`` (double).
+A train row holds the user's whole train part, and is written when it has at least 2 events
+(a target); a valid or test row holds every event before its target (the loader cuts what a
+model reads to its ``max_len`` and, for training, cuts long histories into rows as
+``train.next_item.train_rows`` says; ranking masks the whole history with ``exclude_history``).
+``max_len`` > 0 caps what is stored: a train row keeps the last ``max_len + 1`` events of its
+part, a valid or test row the last ``max_len`` before its target. Columns: ``user`` (the
+user's text), ``items`` (list<int64>: the history, oldest first), ``times`` (list<double>);
+valid and test add ``target`` (int64) and ``target_time`` (double).
 
-Items are encoded as ``encoding`` says, fitted on the train events only (every event of a
-train part, before truncation): ``categorify``: ids by train count, most frequent first (ties by
-raw key), from 3 (0 padding, 1 missing, 2 rare or unseen; ``freq_threshold`` as for CTR data),
+Items are encoded as ``encoding`` says, fitted on the events ``item_universe`` names: the
+train events only (every event of a train part, before any cap; an item seen only as a valid
+or test target is then rare, never a candidate) or every event of the log (``log``).
+``categorify``: ids by count (train events, or the log's), most frequent first (ties by raw
+key), from 3 (0 padding, 1 missing, 2 rare or unseen; ``freq_threshold`` as for CTR data),
 with ``categories/items.parquet`` mapping each id back to the item's text; ``hash``:
 raw key mod ``hash_buckets``; ``raw``: the raw 64-bit key (:mod:`recsys.data.keys`; dynamic
 tables).
@@ -116,7 +121,9 @@ def preprocess_interactions(config: PreprocessConfig) -> SequenceReport:
         buckets, read = _partition(config, files, work / "buckets", malformed)
         if not sum(read.values()) - malformed.count:
             raise ValueError(f"input '{config.input}' has no usable interaction")
-        counts = _train_counts(buckets) if config.encoding == "categorify" else None
+        counts = None
+        if config.encoding == "categorify":
+            counts = _item_counts(buckets, whole_log=config.item_universe == "log")
         encoder = _Encoder(config, counts)
         rows, written, stats = _write_splits(buckets, work, encoder, config)
         shutil.rmtree(work / "buckets")
@@ -160,6 +167,11 @@ def _check_options(config: PreprocessConfig) -> None:
         )
     if config.normalize_dense:
         raise ValueError("format 'interactions' has no dense columns to normalize")
+    if config.item_universe != "train" and config.encoding != "categorify":
+        raise ValueError(
+            f"preprocess.item_universe = {config.item_universe!r} chooses the items categorify "
+            f"fits; encoding = {config.encoding!r} fits no vocabulary (use 'train', the default)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,12 +397,12 @@ class _Counts:
     texts: pa.Array
 
 
-def _train_counts(buckets: list[Path]) -> _Counts:
-    """How many train events hold each item, over every bucket."""
+def _item_counts(buckets: list[Path], whole_log: bool) -> _Counts:
+    """How many train events (``whole_log``: events) hold each item, over every bucket."""
     keys, counts, texts = [], [], []
     for path in buckets:
         h = _histories(path)
-        index, _ = segment_index(h.starts, h.train_ends)
+        index, _ = segment_index(h.starts, h.ends if whole_log else h.train_ends)
         k, first, c = np.unique(h.item_key[index], return_index=True, return_counts=True)
         keys.append(k)
         counts.append(c)
@@ -488,10 +500,14 @@ def _split_tables(
     trainable = train_ends - h.starts >= 2
     stats["users_too_short"] += int((~trainable).sum())
     evaluated = n >= 3
+
+    def first(end: np.ndarray, kept: int) -> np.ndarray:  # the first event kept before end
+        return np.maximum(h.starts, end - kept) if max_len else h.starts
+
     plans = {  # split -> (users, history start, history end, target index or None)
-        "train": (trainable, np.maximum(h.starts, train_ends - (max_len + 1)), train_ends, None),
-        "valid": (evaluated, np.maximum(h.starts, h.ends - 2 - max_len), h.ends - 2, h.ends - 2),
-        "test": (evaluated, np.maximum(h.starts, h.ends - 1 - max_len), h.ends - 1, h.ends - 1),
+        "train": (trainable, first(train_ends, max_len + 1), train_ends, None),
+        "valid": (evaluated, first(h.ends - 2, max_len), h.ends - 2, h.ends - 2),
+        "test": (evaluated, first(h.ends - 1, max_len), h.ends - 1, h.ends - 1),
     }
     tables = {}
     for split, (users, first, last, target) in plans.items():
@@ -510,7 +526,10 @@ def _split_tables(
 
 def _options(config: PreprocessConfig) -> dict[str, Any]:
     names = ("user", "item", "time", "max_len", "encoding", "freq_threshold", "hash_buckets")
-    return {name: getattr(config, name) for name in names}
+    options = {name: getattr(config, name) for name in names}
+    if config.item_universe != "train":  # absent: the fingerprints of older outputs hold
+        options["item_universe"] = config.item_universe
+    return options
 
 
 def _metadata(

@@ -69,7 +69,7 @@ def next_item_loss(
     positions = targets.numel()
     if full_softmax:
         candidates = torch.arange(first_item, num_items, device=device)
-        hidden, vectors = model(batch.items, batch.max_length, candidates, batch.times)
+        hidden, vectors = _forward(model, batch, candidates)
         logits = hidden @ vectors.t()  # [P, N']
         return F.cross_entropy(logits, targets - first_item)
     draws = [
@@ -79,9 +79,7 @@ def next_item_loss(
         _draw(first_item, num_items, uniform, generator, device),
     ]
     negatives = torch.cat(draws)
-    hidden, vectors = model(
-        batch.items, batch.max_length, torch.cat([targets, negatives]), batch.times
-    )
+    hidden, vectors = _forward(model, batch, torch.cat([targets, negatives]))
     positive = (hidden * vectors[:positions]).sum(dim=1, keepdim=True)  # [P, 1]
     logits = hidden @ vectors[positions:].t()  # [P, S]
     if logq:
@@ -96,6 +94,18 @@ def next_item_loss(
     return F.cross_entropy(both, torch.zeros(positions, dtype=torch.int64, device=device))
 
 
+def _forward(
+    model, batch: SequenceBatch, candidates: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden state of each target's position [P, D] and the candidates' vectors: every
+    position's, or with ``batch.target_positions`` (rows that count their last position only)
+    those positions'."""
+    hidden, vectors = model(batch.items, batch.max_length, candidates, batch.times)
+    if batch.target_positions is not None:
+        hidden = hidden[batch.target_positions]
+    return hidden, vectors
+
+
 def corpus_keys(keys: torch.Tensor, first_item: int) -> torch.Tensor:
     """The candidates among a dynamic item table's ``keys`` (ascending): all but the reserved
     ids ``0 .. first_item - 1`` (raw keys reserve none: ``first_item`` 0)."""
@@ -107,7 +117,7 @@ def _keyed_full_softmax(model, batch: SequenceBatch, corpus: torch.Tensor) -> to
     table gets its row in this forward)."""
     targets = batch.targets
     candidates = torch.unique(torch.cat([corpus, targets]))  # ascending
-    hidden, vectors = model(batch.items, batch.max_length, candidates, batch.times)
+    hidden, vectors = _forward(model, batch, candidates)
     logits = hidden @ vectors.t()  # [P, N']
     return F.cross_entropy(logits, torch.searchsorted(candidates, targets))
 
@@ -139,9 +149,7 @@ def _keyed_sampled_softmax(
         picks = _draw(0, num_keys, uniform, generator, device)
         draws.append(corpus[picks])
     negatives = torch.cat(draws)
-    hidden, vectors = model(
-        batch.items, batch.max_length, torch.cat([targets, negatives]), batch.times
-    )
+    hidden, vectors = _forward(model, batch, torch.cat([targets, negatives]))
     positive = (hidden * vectors[:positions]).sum(dim=1, keepdim=True)  # [P, 1]
     logits = hidden @ vectors[positions:].t()  # [P, S]
     hits = negatives[None, :] == targets[:, None]  # [P, S]

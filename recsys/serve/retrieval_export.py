@@ -203,9 +203,7 @@ def _training_data(config) -> TrainingItems:
     generated again, as the run did)."""
     source = resolve_source(config.data, sequences=True)
     if source == "synthetic_sequences":
-        data = build_sequence_dataset(
-            config.data, source, config.model.sequence.max_len, config.run.seed
-        )
+        data = build_sequence_dataset(config.data, source, config.run.seed)
         return TrainingItems(data.first_item, data.item_encoding)
     reserved = read_metadata(config.data.path)["sequence"].get("reserved_ids") or {}
     first_item = max(reserved.values()) + 1 if reserved else 0

@@ -17,7 +17,7 @@ categorified ids. The popularity reference ranks the train histories' distinct i
 
 Under torchrun the item table is sharded (:class:`recsys.distributed.ShardedEmbeddingCollection`,
 placed by the planner) and the dense layers run under DDP: each rank trains on its share of
-every global batch of ``train.batch_size x world_size`` users (its own in-batch negatives) and
+every global batch of ``train.batch_size x world_size`` rows (its own in-batch negatives) and
 evaluates users r, r + W, ...; the ranking sums are added over ranks. Every lookup is a
 collective, so a rank with fewer evaluation batches than rank 0 looks up empty ones. A dynamic
 item table is sharded KEY_WISE; its ranking corpus and the uniform negatives of each step are
@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -129,9 +130,7 @@ class NextItemTask:
             )
         self.config, self.device, self.info = config, device, info
         self.max_len = config.model.sequence.max_len
-        self.data: SequenceDataset = build_sequence_dataset(
-            config.data, source, self.max_len, config.run.seed
-        )
+        self.data: SequenceDataset = build_sequence_dataset(config.data, source, config.run.seed)
         self.spec = self.data.spec
         self.max_ids_per_sample: dict[str, int] = {}
         for split in ("valid", "test"):
@@ -151,10 +150,13 @@ class NextItemTask:
             self.popularity = {
                 split: self._popularity(counts, split) for split in ("valid", "test")
             }
-        if self.data.max_len > self.max_len:
+        longest = max(int(np.diff(h.offsets).max(initial=0)) for h in self.data.splits.values())
+        if longest > self.max_len:
+            rows = config.train.next_item.train_rows
             say(
-                f"histories of up to {self.data.max_len} events are cut to their last "
-                f"{self.max_len} (model.sequence.max_len)"
+                f"histories of up to {longest} events: the model reads the last {self.max_len} "
+                f"(model.sequence.max_len) before each target; training cuts them into "
+                f"{rows!r} rows (train.next_item.train_rows)"
             )
 
     def loss(self, model: nn.Module, batch: SequenceBatch) -> torch.Tensor:
@@ -183,6 +185,7 @@ class NextItemTask:
             max_len=self.max_len,
             rank=self.info.rank,
             world_size=self.info.world_size,
+            train_rows=self.config.train.next_item.train_rows,
         )
         prefetch = self.config.data.prefetch_batches  # -1 (auto): 4 on CUDA, none on CPU
         prefetch = prefetch if prefetch >= 0 else (4 if self.device.type == "cuda" else 0)
@@ -208,7 +211,7 @@ class NextItemTask:
         if steps == 0:
             raise ValueError(
                 f"train.batch_size = {self.config.train.batch_size} is larger than the "
-                f"{self.data.splits['train'].users} train histories"
+                f"{self.loader('train').loader.rows} train rows"
             )
         return steps
 
@@ -266,7 +269,8 @@ class NextItemTask:
     def _exclude(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.config.train.next_item.exclude_history:
             return None
-        return batch.items.values(), batch.items.offsets()
+        assert batch.seen_items is not None and batch.seen_offsets is not None
+        return batch.seen_items, batch.seen_offsets
 
     def _popularity(
         self, counts: torch.Tensor, split: str, keys: torch.Tensor | None = None

@@ -106,8 +106,10 @@ def test_not_a_sequence_dataset(tmp_path: Path, dataset: Path):
 
 
 def test_max_len_keeps_the_most_recent_events(dataset: Path):
+    # train_rows = "last": one row per user, its last max_len inputs and their targets
     whole = SequenceLoader(dataset, "train", batch_size=8, seed=3)
-    cut = SequenceLoader(read_histories(dataset, "train"), "train", batch_size=8, seed=3, max_len=2)
+    h = read_histories(dataset, "train")
+    cut = SequenceLoader(h, "train", batch_size=8, seed=3, max_len=2, train_rows="last")
     for full, short in zip(whole.epoch(0), cut.epoch(0), strict=True):
         assert short.max_length <= 2
         for n, m in zip(full.items.lengths().tolist(), short.items.lengths().tolist(), strict=True):
@@ -121,6 +123,81 @@ def test_max_len_keeps_the_most_recent_events(dataset: Path):
     assert batch.max_length <= 3
     with pytest.raises(ValueError, match="max_len=0"):
         SequenceLoader(dataset, "test", batch_size=4, max_len=0)
+    with pytest.raises(ValueError, match="train_rows = 'all'"):
+        SequenceLoader(dataset, "train", batch_size=4, max_len=2, train_rows="all")
+
+
+def _rows(loader: SequenceLoader, epoch: int = 0) -> list[tuple[list[int], list[int], int]]:
+    """(inputs, targets, first counted position) of every row of an epoch, in order."""
+    rows = []
+    for batch in loader.epoch(epoch):
+        values, lengths = batch.items.values().tolist(), batch.items.lengths().tolist()
+        targets = batch.targets.tolist()
+        start = 0
+        for b, n in enumerate(lengths):
+            inputs = values[start : start + n]
+            if batch.target_positions is None:
+                rows.append((inputs, targets[start : start + n], 0))
+            else:
+                assert batch.target_positions[b] == start + n - 1  # the row's last position
+                rows.append((inputs, [targets[b]], n - 1))
+            start += n
+    return rows
+
+
+@pytest.mark.parametrize("max_len", [1, 2, 3, 5])
+def test_windows_make_every_event_a_target_once(dataset: Path, max_len: int):
+    h = read_histories(dataset, "train")
+    loader = SequenceLoader(h, "train", batch_size=1, seed=2, max_len=max_len)
+    starts, ends = loader.row_starts, loader.row_ends
+    assert (ends - starts >= 2).all() and (ends - starts <= max_len + 1).all()
+    # the rows' targets (events start + 1 .. end - 1) are e_2 .. e_n of every user, once
+    counted = np.concatenate([np.arange(s + 1, e) for s, e in zip(starts, ends, strict=True)])
+    expected = np.concatenate(
+        [np.arange(s + 1, e) for s, e in zip(h.offsets[:-1], h.offsets[1:], strict=True)]
+    )
+    assert np.array_equal(np.sort(counted), expected)
+    user_of = np.searchsorted(h.offsets, starts, side="right") - 1
+    assert (ends <= h.offsets[user_of + 1]).all()  # a row never spans two users
+    order = np.random.default_rng([2, 0]).permutation(loader.rows)
+    rows = _rows(loader)
+    assert len(rows) == loader.rows
+    for r, (inputs, targets, first) in zip(order, rows, strict=True):
+        events = h.values[starts[r] : ends[r]].tolist()
+        assert (inputs, targets, first) == (events[:-1], events[1:], 0)
+
+
+def test_prefixes_give_each_target_its_longest_context(dataset: Path):
+    h = read_histories(dataset, "train")
+    loader = SequenceLoader(h, "train", batch_size=3, seed=2, max_len=3, train_rows="prefixes")
+    histories = [h.values[h.offsets[u] : h.offsets[u + 1]].tolist() for u in range(h.users)]
+    expected = sorted(
+        (tuple(events[max(0, t - 3) : t]), events[t])
+        for events in histories
+        for t in range(1, len(events))
+    )
+    rows = _rows(loader)
+    assert loader.rows == len(expected) and len(rows) == len(expected) // 3 * 3
+    assert all(position == len(inputs) - 1 for inputs, _, position in rows)
+    assert set((tuple(i), t[0]) for i, t, _ in rows) <= set(expected)
+    whole = SequenceLoader(h, "train", batch_size=1, max_len=3, train_rows="prefixes")
+    assert sorted((tuple(i), t[0]) for i, t, _ in _rows(whole)) == expected
+
+
+def test_eval_batches_carry_the_whole_history_for_exclusion(dataset: Path):
+    h = read_histories(dataset, "test")
+    loader = SequenceLoader(h, "test", batch_size=5, max_len=2)
+    user = 0
+    for batch in loader.epoch():
+        seen, offsets = batch.seen_items.tolist(), batch.seen_offsets.tolist()
+        values, lengths = batch.items.values().tolist(), batch.items.lengths().tolist()
+        start = 0
+        for b, n in enumerate(lengths):
+            history = h.values[h.offsets[user] : h.offsets[user + 1]].tolist()
+            assert seen[offsets[b] : offsets[b + 1]] == history
+            assert values[start : start + n] == history[-2:]
+            start, user = start + n, user + 1
+    assert user == h.users
 
 
 def test_an_epoch_continues_from_a_start_batch(dataset: Path):

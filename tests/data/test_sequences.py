@@ -91,6 +91,32 @@ def test_a_small_log_becomes_leave_one_out_histories(tmp_path: Path) -> None:
             assert schema.metadata[b"recsys.preprocess"] == fingerprint
 
 
+def test_whole_histories_and_the_item_universe_of_the_log(tmp_path: Path) -> None:
+    source = tmp_path / "log.csv"
+    source.write_text(LOG)
+    report = preprocess_interactions(_config(tmp_path, source, item_universe="log"))
+    out = report.output
+    # Counts over the whole log: b 3, a 4, c 2, d 1 (u1's test target): a=3, b=4, c=5, d=6.
+    a, b, c, d = 3, 4, 5, 6
+    assert _rows(out, "test") == [  # max_len 0: every event before the target
+        {
+            "user": "u1",
+            "items": [b, c, a],
+            "times": [1.0, 2.0, 3.0],
+            "target": d,
+            "target_time": 4.0,
+        },
+        {"user": "u4", "items": [b, a], "times": [7.0, 8.0], "target": c, "target_time": 9.0},
+    ]
+    metadata = read_metadata(out)
+    assert metadata["sequence"]["num_items"] == 7 and metadata["sequence"]["max_len"] == 0
+    assert metadata["preprocess"]["item_universe"] == "log"
+    with pytest.raises(ValueError, match="item_universe = 'log'.*encoding = 'hash'"):
+        preprocess_interactions(
+            _config(tmp_path, source, item_universe="log", encoding="hash", overwrite=True)
+        )
+
+
 def _reference(events: list[tuple[str, str, float]], max_len: int) -> tuple[dict, set]:
     """Leave-one-out from the definition, in plain Python, on raw item texts; and the items of
     the train parts (before truncation), which the vocabulary holds."""

@@ -52,7 +52,9 @@ def whole_run(tmp_path_factory):
 
 def test_run_logs_ranking_metrics_and_saves_a_checkpoint(whole_run):
     run_dir, result = whole_run
-    assert result.steps == 12  # 200 users // 32 = 6 batches per epoch, 2 epochs
+    # 200 users' histories (up to 20 events) cut into windows of 11: 7 batches of 32 rows per
+    # epoch, 2 epochs
+    assert result.steps == 14
     events = read_metrics(run_dir / "metrics.jsonl")
     valid = [e for e in events if e["split"] == "valid"]
     (test,) = [e for e in events if e["split"] == "test"]
@@ -71,12 +73,12 @@ def test_resume_continues_the_run_exactly(whole_run, tmp_path):
     run_dir, result = whole_run
     _run(tmp_path, "--checkpoint.keep_best=valid_hr@10", "--train.max_steps=6")
     resumed = _run(tmp_path, "--checkpoint.keep_best=valid_hr@10", "--checkpoint.resume=latest")
-    assert resumed.steps == 12
+    assert resumed.steps == 14
     events = read_metrics(tmp_path / "metrics.jsonl")
     assert [e["step"] for e in events if e["split"] == "resume"] == [6]
     whole = [e for e in read_metrics(run_dir / "metrics.jsonl") if e["split"] == "train"]
     after = [e for e in events if e["split"] == "train" and e["step"] > 6]
-    assert [e["step"] for e in after] == [9, 12]
+    assert [e["step"] for e in after] == [9, 12, 14]
     assert [e["loss"] for e in after] == [e["loss"] for e in whole if e["step"] > 6]
     assert resumed.test["hr@10"] == result.test["hr@10"]
     assert resumed.test["mrr"] == result.test["mrr"]
@@ -85,9 +87,9 @@ def test_resume_continues_the_run_exactly(whole_run, tmp_path):
 def test_recsys_eval_reproduces_the_test_ranking(whole_run):
     run_dir, result = whole_run
     evaluated = evaluate_checkpoint(run_dir)
-    assert evaluated.step == 12
+    assert evaluated.step == 14
     assert evaluated.metrics == result.test
-    assert evaluated.summary().startswith("eval test step 12: hr@10 ")
+    assert evaluated.summary().startswith("eval test step 14: hr@10 ")
     assert "users of synthetic interaction log" in evaluated.summary()
 
 
@@ -130,7 +132,7 @@ def test_recipe_trains_as_it_is(recipe, tmp_path):
             "relative_bias = false: the time bias",
         ),
         (["--data.synthetic_sequences.num_topics=100"], "num_items >= num_topics"),
-        (["--train.batch_size=500"], "larger than the 200 train histories"),
+        (["--train.batch_size=500"], "larger than the 227 train rows"),
         (
             [
                 "--data.synthetic_sequences.id_encoding=raw",
@@ -172,3 +174,43 @@ def test_ctr_model_refuses_user_histories(tmp_path):
 def test_sequence_config_keys_are_checked(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_ranking_masks_the_whole_history_by_brute_force(exclude):
+    """recsys' test ranking (the task's evaluate, as train, torchrun and `recsys eval` run it)
+    against a brute-force one per user: the model reads the last max_len = 10 events of
+    histories of up to 20, and exclude_history masks every item before the target."""
+    import math
+
+    import torch
+    from torchrec import KeyedJaggedTensor
+
+    from recsys.build.models import build_model
+    from recsys.distributed.parallel import DistributedInfo
+    from recsys.train.retrieval import NextItemTask
+
+    config = load_config(None, [*TINY, f"--train.next_item.exclude_history={str(exclude).lower()}"])
+    task = NextItemTask(config, torch.device("cpu"), DistributedInfo(), lambda line: None)
+    model = build_model(config.model, task.spec, torch.device("cpu"), seed=3).eval()
+    result = task.evaluate(model, "test")
+    test, first = task.data.splits["test"], task.data.first_item
+    assert (
+        int(max(test.offsets[1:] - test.offsets[:-1])) > 10
+    )  # histories longer than what the model reads
+    items = model.item_vectors().double()
+    ranks = []
+    with torch.no_grad():
+        for u in range(test.users):
+            history = test.values[test.offsets[u] : test.offsets[u + 1]].tolist()
+            read = torch.tensor(history[-10:])
+            kjt = KeyedJaggedTensor(["items"], read, lengths=torch.tensor([len(read)]))
+            query = model.user_vectors(kjt, len(read))[0].double()
+            target = int(test.targets[u])
+            scores = {i: float(items[i] @ query) for i in range(first, items.shape[0])}
+            masked = set(history) - {target} if exclude else set()
+            others = [i for i in scores if i != target and i not in masked]
+            ranks.append(sum(scores[i] >= scores[target] for i in others))
+    hr = sum(r < 10 for r in ranks) / len(ranks)
+    ndcg = sum(1 / math.log2(r + 2) for r in ranks if r < 10) / len(ranks)
+    assert result["hr@10"] == pytest.approx(hr) and result["ndcg@10"] == pytest.approx(ndcg)
