@@ -1,20 +1,17 @@
 """The data side of benchmarks/sasrec_movielens.py on tiny synthetic logs: the log read out of a
-wheel, its CSV for ``recsys preprocess``, the export of a recsys split to RecBole's atomic files,
-and the peer's ranking against recsys' definition (no RecBole needed)."""
+wheel, its CSV for ``recsys preprocess``, and the peer's ranking against recsys' definition (no
+RecBole needed)."""
 
 from __future__ import annotations
 
 import zipfile
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
-from benchmarks._movielens import LogSource, export_recbole, find_log, write_interactions_csv
-from benchmarks._sasrec_recbole import metrics_from_ranks
+from benchmarks._movielens import LogSource, find_log, write_interactions_csv
+from benchmarks._sasrec_recbole import mask_history, metrics_from_ranks
 from benchmarks._sasrec_recbole import target_ranks as peer_ranks
-from recsys.config import PreprocessConfig
-from recsys.data.sequences import preprocess_interactions
 from recsys.train.ranking_metrics import RankingMetrics, target_ranks
 
 INTER = (
@@ -40,46 +37,6 @@ def test_the_log_is_read_out_of_a_wheel_and_written_as_a_csv(tmp_path):
         write_interactions_csv(b"user_id:token\titem_id:token\n1\t2\n", tmp_path / "bad.csv")
 
 
-def test_the_export_holds_exactly_the_pairs_and_rows_of_the_recsys_split(tmp_path):
-    write_interactions_csv(INTER.encode(), tmp_path / "log.csv")
-    config = PreprocessConfig(
-        format="interactions",
-        input=str(tmp_path / "log.csv"),
-        output=str(tmp_path / "split"),
-        user="user",
-        item="item",
-        time="time",
-        max_len=3,
-    )
-    metadata = preprocess_interactions(config).metadata
-    num_items = metadata["sequence"]["num_items"]
-    counts = export_recbole(tmp_path / "split", tmp_path / "atomic", "t", num_items)
-    categories = pq.read_table(tmp_path / "split" / "categories" / "items.parquet").to_pydict()
-    name = dict(zip(map(str, categories["id"]), categories["item"], strict=True)) | {"2": "rare"}
-
-    def read(split):
-        lines = (tmp_path / "atomic" / "t" / f"t.{split}.inter").read_text().splitlines()
-        assert lines[0] == "user_id:token\titem_id_list:token_seq\titem_id:token"
-        rows = [line.split("\t") for line in lines[1:]]
-        return sorted((u, [name[i] for i in h.split()], name[t]) for u, h, t in rows)
-
-    # u1 by time: m5 m7 m6 m5 m8 m9 -> train m5 m7 m6 m5, kept: the last max_len + 1 = 4;
-    # u2: m7 m5 m6 m5 -> train m7 m5; u3 (one event): nothing to predict.
-    assert read("train") == [
-        ("u1", ["m5"], "m7"),
-        ("u1", ["m5", "m7"], "m6"),
-        ("u1", ["m5", "m7", "m6"], "m5"),
-        ("u2", ["m7"], "m5"),
-    ]
-    # m8 and m9 were never trained on: the rare id 2, as recsys ranks them (a miss).
-    assert read("valid") == [("u1", ["m7", "m6", "m5"], "rare"), ("u2", ["m7", "m5"], "m6")]
-    assert read("test") == [("u1", ["m6", "m5", "rare"], "rare"), ("u2", ["m7", "m5", "m6"], "m5")]
-    assert counts == {"train": 4, "valid": 2, "test": 2}
-    items = (tmp_path / "atomic" / "t" / "t.item").read_text().splitlines()
-    assert items == ["item_id:token"] + [str(i) for i in range(3, num_items)]
-    assert sorted(name[i] for i in items[1:]) == ["m5", "m6", "m7"]
-
-
 def test_the_peer_ranks_by_the_definition_of_recsys_ranking_metrics():
     generator = torch.Generator().manual_seed(0)
     batch, num_items, dim, first = 64, 40, 4, 3
@@ -97,3 +54,23 @@ def test_the_peer_ranks_by_the_definition_of_recsys_ranking_metrics():
     got = metrics_from_ranks(theirs.tolist())
     assert got == pytest.approx({k: expected[k] for k in ("hr@10", "ndcg@10", "mrr")})
     assert 0 < got["hr@10"] < 1
+
+
+def test_the_peer_masks_the_history_as_exclude_history_does():
+    generator = torch.Generator().manual_seed(1)
+    batch, num_items, dim, first = 16, 30, 4, 1
+    queries = torch.randn(batch, dim, generator=generator, dtype=torch.float64)
+    items = torch.randn(num_items, dim, generator=generator, dtype=torch.float64)
+    histories = [
+        torch.randperm(num_items - first, generator=generator)[: 3 + b].add(first).tolist()
+        for b in range(batch)
+    ]
+    targets = torch.tensor([history[-1] for history in histories])  # the last event
+    values = torch.tensor([i for history in histories for i in history[:-1]])
+    offsets = torch.tensor([0] + [len(h) - 1 for h in histories]).cumsum(0)
+    ours = target_ranks(queries, items, targets, first_item=first, exclude=(values, offsets))
+    masked = mask_history(queries @ items.t(), histories, targets.tolist())
+    theirs = peer_ranks(masked, targets, torch.arange(first, num_items))
+    assert torch.equal(ours, theirs)
+    unmasked = target_ranks(queries, items, targets, first_item=first)
+    assert (ours <= unmasked).all() and (ours < unmasked).any()

@@ -9,6 +9,9 @@ The program's forward, with B histories (any B >= 1) and L item ids in all (any 
     times    f64[L]        only for a model with a time bias (hstu with
                            ``model.sequence.time_bias``): each event's time in seconds, aligned
                            with ``values`` (``retrieval.json`` says ``"times": true``)
+    seen_values  int64[S]  only for a run with ``train.next_item.exclude_history``
+    seen_lengths int64[B]  (``retrieval.json`` says ``"exclude_history": true``): every item of
+                           each user's whole history (not cut to max_len), never returned
     ->       int64[B, K]   the top K item ids, best first (ids from the first real item on:
                            categorify's reserved ids 0-2 are never returned)
              f32[B, K]     their scores, the user vector . the item vector
@@ -28,7 +31,10 @@ preprocess --format interactions`` writes: e.g. its ``test/`` split), cuts each 
 last ``max_len`` items (and, for a model with a time bias, its ``times`` list column the same:
 the events' times in seconds, as that split holds them), and writes ``top_items`` and
 ``top_scores`` list columns (its ``top_k``: any K up to the export's), with the input's
-``user`` and ``target`` columns passed through when present. With ``raw`` the ``items`` column
+``user`` and ``target`` columns passed through when present. An export of a run with
+``exclude_history`` is given each whole history as ``seen``, so no item of it is returned, as
+the run's ranking excluded them (a ``target`` column is not read: a history is what the user
+did before the moment predicted). With ``raw`` the ``items`` column
 holds raw item values, as the interaction log names them (strings, integers): they are encoded
 as the training data was (an item unknown to a categorified vocabulary is its rare id), and
 ``top_items`` holds items again (categorify: the items' own values; hash: the bucket ids; raw:
@@ -84,15 +90,27 @@ class TopKModule(nn.Module):
     (a dynamic item table's corpus)."""
 
     def __init__(
-        self, model: nn.Module, k: int, first_item: int, keys: torch.Tensor | None = None
+        self,
+        model: nn.Module,
+        k: int,
+        first_item: int,
+        keys: torch.Tensor | None = None,
+        exclude_history: bool = False,
     ) -> None:
         super().__init__()
         self.model, self.k, self.first_item = model, k, first_item
+        self.exclude_history = exclude_history
         self.register_buffer("keys", keys)
 
     def forward(
-        self, values: torch.Tensor, lengths: torch.Tensor, times: torch.Tensor | None = None
+        self,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        times: torch.Tensor | None = None,
+        seen_values: torch.Tensor | None = None,
+        seen_lengths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
+        """The inputs of the module docstring (``seen_*`` given by keyword)."""
         # Offsets computed here keep the graph ATen-only (the KJT would call an FBGEMM op).
         offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])  # [B + 1]
         history = KeyedJaggedTensor(
@@ -100,11 +118,35 @@ class TopKModule(nn.Module):
         )
         queries = self.model.user_vectors(history, self.model.max_len, times)  # [B, D]
         if self.keys is not None:
-            top = (queries @ self.model.item_vectors(self.keys).t()).topk(self.k, dim=1)
+            scores = queries @ self.model.item_vectors(self.keys).t()  # [B, N]
+        else:
+            scores = queries @ self.model.item_vectors()[self.first_item :].t()  # [B, N']
+        if self.exclude_history:
+            assert seen_values is not None and seen_lengths is not None
+            scores = self._without_seen(scores, seen_values, seen_lengths)
+        top = scores.topk(self.k, dim=1)  # [B, K]
+        if self.keys is not None:
             return self.keys[top.indices], top.values
-        items = self.model.item_vectors()[self.first_item :]  # [N', D]
-        top = (queries @ items.t()).topk(self.k, dim=1)  # [B, K]
         return top.indices + self.first_item, top.values
+
+    def _without_seen(
+        self, scores: torch.Tensor, seen: torch.Tensor, seen_lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """``scores`` [B, N] with each row's seen items at -inf (ids outside the corpus
+        ignored: they land in a spare column, so no data-dependent shape)."""
+        batch, corpus = scores.shape
+        rows = torch.repeat_interleave(
+            torch.arange(batch, device=scores.device), seen_lengths, output_size=seen.shape[0]
+        )
+        if self.keys is not None:
+            at = torch.searchsorted(self.keys, seen).clamp(max=corpus - 1)
+            columns = torch.where(self.keys[at] == seen, at, corpus)
+        else:
+            columns = seen - self.first_item
+            columns = torch.where((columns >= 0) & (columns < corpus), columns, corpus)
+        spare = torch.cat([scores, scores.new_zeros(batch, 1)], dim=1)  # [B, N + 1]
+        spare = spare.index_put((rows, columns), spare.new_tensor(float("-inf")))
+        return spare[:, :corpus]
 
 
 def export_retrieval(checkpoint: Path, output: Path, top_k: int | None = None) -> Path:
@@ -136,15 +178,21 @@ def export_retrieval(checkpoint: Path, output: Path, top_k: int | None = None) -
         raise ValueError(f"'{checkpoint}': its item table holds no item to rank")
     k = check_top_k(top_k, corpus, "the items the model ranks") if top_k is not None else None
     k = k or min(DEFAULT_TOP_K, corpus)
-    module = TopKModule(model, k, first_item, keys)
+    exclude = config.train.next_item.exclude_history
+    module = TopKModule(model, k, first_item, keys, exclude_history=exclude)
     example = (torch.arange(first_item, first_item + 3), torch.tensor([2, 1]))
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
     shapes = {"values": {0: ids}, "lengths": {0: batch}}
     if model.uses_times:  # the events' times, aligned with values
         example += (torch.tensor([0.0, 60.0, 30.0], dtype=torch.float64),)
         shapes["times"] = {0: ids}
+    seen = {}
+    if exclude:  # every item of each whole history, by keyword
+        seen = {"seen_values": torch.arange(first_item, first_item + 4)}
+        seen["seen_lengths"] = torch.tensor([3, 1])
+        shapes.update(seen_values={0: torch.export.Dim("seen", min=0)}, seen_lengths={0: batch})
     with torch.no_grad():
-        program = torch.export.export(module, example, dynamic_shapes=shapes)
+        program = torch.export.export(module, example, seen, dynamic_shapes=shapes)
     info = {
         "top_k": k,
         "first_item": first_item,
@@ -153,6 +201,7 @@ def export_retrieval(checkpoint: Path, output: Path, top_k: int | None = None) -
         "corpus": corpus,
         "dynamic": keys is not None,
         "times": model.uses_times,
+        "exclude_history": exclude,
     }
     extra = {
         RETRIEVAL_FILE: json.dumps(info, indent=1) + "\n",
@@ -262,6 +311,7 @@ def predict_top_k(
     """
     model, info = load_retrieval(model_path)
     max_len, num_items, timed = info["max_len"], info["num_items"], info.get("times", False)
+    exclude = info.get("exclude_history", False)
     exported = info["top_k"]
     corpus = info.get("corpus", num_items - info["first_item"])
     k = exported if top_k is None else top_k
@@ -293,7 +343,7 @@ def predict_top_k(
             for start in range(0, table.num_rows, batch_size):
                 piece = table.slice(start, batch_size)
                 top_ids, top_scores = _top_k(
-                    model, piece, max_len, check_ids, file, encoding, timed
+                    model, piece, max_len, check_ids, file, encoding, timed, exclude
                 )
                 top_ids, top_scores = top_ids[:, :k], top_scores[:, :k]
                 columns = {n: piece.column(n) for n in PASSED_THROUGH if n in piece.column_names}
@@ -321,6 +371,7 @@ def _top_k(
     file: Path,
     encoding: ItemEncoding | None,
     timed: bool = False,
+    exclude: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     items = piece.column("items").combine_chunks()
     offsets = items.offsets.to_numpy().astype(np.int64)
@@ -341,7 +392,10 @@ def _top_k(
     inputs = [torch.from_numpy(kept), torch.from_numpy(lengths)]
     if timed:
         inputs.append(torch.from_numpy(_times(piece, offsets, file)[rows]))
-    return model(*inputs)
+    if not exclude:
+        return model(*inputs)
+    seen = torch.from_numpy(values), torch.from_numpy(np.diff(offsets))  # the whole history
+    return model(*inputs, seen_values=seen[0], seen_lengths=seen[1])
 
 
 def latest_rows(offsets: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:

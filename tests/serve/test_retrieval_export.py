@@ -7,11 +7,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from recsys.checkpoint.io import latest_checkpoint, load_model
 from recsys.config import load_config
 from recsys.data.keys import value_keys
 from recsys.distributed.parallel import DistributedInfo
+from recsys.models.next_item import corpus_keys
 from recsys.serve.export import export_model, load_exported, predict
-from recsys.serve.retrieval_export import load_item_encoding, load_retrieval
+from recsys.serve.retrieval_export import TopKModule, load_item_encoding, load_retrieval
 from recsys.serve.triton_export import export_triton
 from recsys.train.retrieval import NextItemTask
 from recsys.train.trainer import train
@@ -258,3 +260,44 @@ def test_a_triton_repository_of_a_sequence_model_returns_the_programs_top_items(
     want, got = program(values, lengths), package(values, lengths)
     assert torch.equal(want[0], got[0])
     torch.testing.assert_close(want[1], got[1])
+
+
+@pytest.mark.parametrize("encoding", ["index", "raw"])
+def test_an_export_of_a_run_that_excludes_the_history_never_returns_it(encoding, tmp_path):
+    """exclude_history: the program takes each whole history as ``seen`` and returns the top
+    items of the rest: the model's whole ranking (an unmasked program of every item) with the
+    history's items taken out."""
+    run_dir = tmp_path / "run"
+    options = [
+        *TINY,
+        "--train.next_item.exclude_history=true",
+        f"--data.synthetic_sequences.id_encoding={encoding}",
+        f"--run.dir={run_dir}",
+    ]
+    train(load_config(None, options))
+    model_path = export_model(run_dir, tmp_path / "model.pt2", top_k=20)
+    info = load_retrieval(model_path)[1]
+    assert info["exclude_history"] and info["top_k"] == 20
+    config = load_config(run_dir / "config.toml")
+    task = NextItemTask(config, torch.device("cpu"), DistributedInfo(), print)
+    test = task.data.splits["test"]
+    ends = zip(test.offsets[:-1], test.offsets[1:], strict=True)
+    rows = [test.values[a:b].tolist() for a, b in ends]
+    assert max(map(len, rows)) > 10  # longer than what the model reads
+    predict(model_path, _histories(tmp_path, rows), tmp_path / "top.parquet")
+    top = pq.read_table(tmp_path / "top.parquet").to_pydict()
+    model = load_model(latest_checkpoint(run_dir / "checkpoints"), device="cpu").eval()
+    keys = model.item_keys()
+    keys = None if keys is None else corpus_keys(keys, task.data.first_item)
+    everything = TopKModule(model, info["corpus"], task.data.first_item, keys)
+    with torch.no_grad():
+        for row, items, scores in zip(rows, top["top_items"], top["top_scores"], strict=True):
+            assert not set(items) & set(row)
+            read = torch.tensor(row[-10:])
+            ranked, all_scores = everything(read, torch.tensor([len(read)]))
+            kept = [
+                (i, x)
+                for i, x in zip(ranked[0].tolist(), all_scores[0].tolist(), strict=True)
+                if i not in row
+            ]
+            np.testing.assert_allclose(scores, [x for _, x in kept[:20]], rtol=1e-5, atol=1e-6)
