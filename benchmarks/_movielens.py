@@ -1,5 +1,5 @@
 """The data of ``benchmarks.sasrec_movielens``: a real public interaction log that a pip package
-ships, and the export of a recsys leave-one-out split to the peer's input format.
+ships, read as it ships (the peer's input) and written as a CSV (recsys preprocess' input).
 
 The log: MovieLens 100K (GroupLens; 100,000 ratings of 1,682 movies by 943 users, 1997-98, with
 Unix timestamps) as RecBole 1.2.1's wheel ships it for its quick start:
@@ -19,9 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
-__all__ = ["ML_100K", "LogSource", "export_recbole", "find_log", "write_interactions_csv"]
+__all__ = ["ML_100K", "LogSource", "find_log", "write_interactions_csv"]
 
 PEER_PIN = "recbole==1.2.1"
 
@@ -105,49 +103,3 @@ def write_interactions_csv(data: bytes, path: Path) -> int:
                 writer.writerow([fields[i] for i in index])
                 rows += 1
     return rows
-
-
-def _read_split(split_dir: Path, split: str):
-    return pq.read_table(split_dir / split).to_pydict()
-
-
-def export_recbole(split_dir: Path, out_dir: Path, name: str, num_items: int) -> dict[str, int]:
-    """Write the split that ``recsys preprocess --format interactions`` wrote to ``split_dir``
-    as RecBole atomic files, pre-split and pre-augmented (``benchmark_filename`` mode):
-    ``<out_dir>/<name>/<name>.{train,valid,test}.inter`` with the columns ``user_id:token``,
-    ``item_id_list:token_seq`` (the history, oldest first) and ``item_id:token`` (the target),
-    and ``<name>.item`` listing every recsys id from 3 (the candidates: ids 0-2 are reserved) so
-    RecBole's corpus holds the same items. Item tokens are recsys' ids.
-
-    Train: each train row e_1 .. e_m gives the m - 1 examples (e_1 .. e_t -> e_(t+1)), exactly
-    the (history prefix, next item) pairs recsys' causal model learns from that row. Valid /
-    test: one example per row, its history and target as recsys ranks them.
-
-    Returns the examples written per split.
-    """
-    folder = out_dir / name
-    folder.mkdir(parents=True, exist_ok=True)
-    header = "user_id:token\titem_id_list:token_seq\titem_id:token\n"
-    counts = {}
-    train = _read_split(split_dir, "train")
-    with open(folder / f"{name}.train.inter", "w") as f:
-        f.write(header)
-        written = 0
-        for user, items in zip(train["user"], train["items"], strict=True):
-            for t in range(1, len(items)):
-                f.write(f"{user}\t{' '.join(map(str, items[:t]))}\t{items[t]}\n")
-                written += 1
-        counts["train"] = written
-    for split in ("valid", "test"):
-        rows = _read_split(split_dir, split)
-        with open(folder / f"{name}.{split}.inter", "w") as f:
-            f.write(header)
-            for user, items, target in zip(
-                rows["user"], rows["items"], rows["target"], strict=True
-            ):
-                f.write(f"{user}\t{' '.join(map(str, items))}\t{target}\n")
-        counts[split] = len(rows["user"])
-    with open(folder / f"{name}.item", "w") as f:
-        f.write("item_id:token\n")
-        f.writelines(f"{i}\n" for i in range(3, num_items))
-    return counts

@@ -1,62 +1,68 @@
-"""SASRec on a real log: recsys against RecBole's SASRec on the same MovieLens leave-one-out
-split, same metrics; and the training step of both at max_len 50 and 200.
+"""SASRec on a real log, on the peer's protocol: recsys against RecBole's SASRec, each run as
+its users run it on MovieLens 100K, same metrics; and the training step of both at max_len 50
+and 200.
 
-Data (``benchmarks/_movielens.py``): MovieLens 100K as the ``recbole==1.2.1`` wheel ships it,
-read from the installed package or the wheel (``--wheel``); nothing is downloaded. ``recsys
-preprocess --format interactions --max-len L`` makes the split (per user in time order: test
-predicts the last event, valid the one before, train holds the rest, its last L + 1 events).
+Data (``benchmarks/_movielens.py``): ``ml-100k.inter`` as the ``recbole==1.2.1`` wheel ships it,
+read from the installed package or the wheel (``--wheel``); nothing is downloaded.
 
-Peer: RecBole 1.2.1's ``SASRec`` (RUCAIBox/RecBole, MIT), trained by RecBole's ``Trainer`` in its
-own environment (``requirements/peer-sasrec.txt``; ``--peer-python`` or ``$RECSYS_PEER_PYTHON``
-names that environment's python; without it the peer rows are skipped with a note). It reads the
-recsys split exported as pre-split atomic files: each recsys train row e_1 .. e_m becomes the
-m - 1 examples (e_1 .. e_t -> e_(t+1)) that recsys' causal model learns from it, valid and test
-rows one example each, item tokens = recsys ids, and RecBole's corpus = recsys' (ids >= 3).
+The protocol (RecBole's, and the sequential-recommendation literature's): leave-one-out by
+time (per user, test predicts the last event, valid the one before, train holds the rest; ties
+in timestamp kept in file order), full ranking over every item of the log, the model with the
+best valid NDCG@10 tested, early stopping after ``--patience`` evaluations without a better
+one (RecBole's ``stopping_step``, 10), at most ``--epochs`` epochs and, for the peer, a wall
+budget (``--budget-s``).
 
-Same model size and training on both sides: dim, FFN width, blocks, heads, dropout (RecBole's
-hidden and attention dropout), max_len, epochs, Adam lr, seed; the loss is full softmax on both
-(RecBole ``loss_type = CE``; recsys ``train.next_item.loss = "full"``, ``--loss sampled`` for
-its default sampled softmax). The recsys side is ``recsys train`` (the trainer in this process,
-``model.name = "sasrec"`` over ``data.path`` = the split, no valid evaluation, the test ranking
-at the end). A recsys batch is ``--batch-size`` train rows, each with up to
-max_len next-item targets; a RecBole batch is ``--peer-batch-size`` examples of one target each
-(its unit). By default the peer's batch is sized so that both take the same number of steps per
-epoch, so at equal epochs both see every target as often, in as many Adam steps, with about as
-many targets per step (``--peer-batch-size 2048``: RecBole's own default). Fixed epochs, no early
-stopping (valid is exported but neither side selects on it), the final model is tested.
+- **RecBole** (``_sasrec_recbole.py fit_log``, in its own environment: ``--peer-python``): reads
+  ``ml-100k.inter`` itself (its own split, its own augmentation: a training example per
+  target with the up to max_len items before it, 97,171 per epoch), trains with its
+  ``Trainer`` (valid every epoch), and the best valid model is tested.
+- **recsys**: ``recsys preprocess --format interactions --preprocess.item_universe=log`` of the
+  same log as a CSV (every item of the log a candidate, as RecBole ranks; whole histories), then
+  ``python -m recsys train`` (a subprocess: the command line users run) with
+  ``train.next_item.train_rows`` (default ``windows``: every train event a target once per
+  epoch, in windows of max_len + 1), valid every epoch, ``checkpoint.keep_best =
+  valid_ndcg@10`` and early stopping, then ``recsys eval`` of the best checkpoint
+  (:func:`recsys.train.evaluate.evaluate_checkpoint`) on test.
 
-Metrics: HR@10 and NDCG@10 of full-corpus ranking by the definition of
-``recsys.train.ranking_metrics`` for both (every item id >= 3 a candidate, ties against the
-target, the user's history not excluded, as RecBole does for sequential models; a test target
-unseen in training is a miss). The peer's scores are ranked by the same definition in
-``_sasrec_recbole.py``; RecBole's own evaluator's Hit@10 / NDCG@10 (its corpus also holds the
-unseen targets) go to ``notes``.
+Same model and training on both sides where recsys has the option: dim, FFN width, blocks,
+heads, dropout (RecBole's hidden and attention dropout), max_len, Adam lr, batch size (RecBole:
+examples, recsys: rows), full softmax (RecBole ``loss_type = CE``, recsys
+``train.next_item.loss = "full"``), seed.
+
+Metrics: HR@10 and NDCG@10 of the test target ranked against every item of the log by the
+definition of ``recsys.train.ranking_metrics`` (ties count against the target), both with the
+user's history in the ranking (``train_eval``: RecBole's own evaluator's setting for
+sequential models) and with every item the user interacted with before the target masked
+(``train_eval_masked``: recsys ``train.next_item.exclude_history``; the peer's scores masked the
+same way in ``_sasrec_recbole.py``). Both rows of a run come from the same model. RecBole's own
+evaluator's Hit@10 / NDCG@10 go to the peer's ``notes``.
 
 Rows (``op``):
 
-- ``train_eval``: per provider, ``hr_at_10``, ``ndcg_at_10`` and ``wall_s`` (recsys:
-  preprocess + training + test; peer: export + the RecBole process, its data loading included);
-  train / eval seconds and steps in ``notes``;
+- ``train_eval`` / ``train_eval_masked``: per provider and seed, ``hr_at_10``, ``ndcg_at_10``
+  and ``wall_s`` (recsys: preprocess + training + its evaluations; peer: the RecBole process,
+  data loading included); epochs, the best epoch, why it stopped, rows or examples per epoch,
+  threads and the load in ``notes``;
 - ``train_step``: one training step (forward, full-softmax loss, backward, Adam) on a fixed batch
   of ``--step-batch`` random histories of max_len items over ml-100k's item count, p20 / p50 /
   p80 ms. recsys learns max_len targets per history, RecBole one (``notes``). The two run in
   separate processes (different environments), one after the other, not interleaved; the load
   average is in ``notes``.
 
-Run: ``python -m benchmarks.sasrec_movielens [--mode accuracy|step|both] [--epochs N]
-[--peer-python /path/to/peer-venv/bin/python]``; rows go to
+Run: ``python -m benchmarks.sasrec_movielens [--mode accuracy|step|both] [--seeds 0 1 2]
+[--providers recsys recbole] [--peer-python /path/to/peer-venv/bin/python]``; rows go to
 ``benchmarks/results/sasrec_movielens.csv`` (``--out-dir`` elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import math
 import os
+import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -73,30 +79,23 @@ from benchmarks._harness import (
     append_csv,
     environment,
     format_table,
-    is_quick,
     load_note,
     resolve_device,
     summarize,
     time_fns,
 )
-from benchmarks._movielens import (
-    ML_100K,
-    PEER_PIN,
-    export_recbole,
-    find_log,
-    write_interactions_csv,
-)
+from benchmarks._movielens import ML_100K, PEER_PIN, find_log, write_interactions_csv
 from recsys import EmbeddingCollection, EmbeddingConfig
-from recsys.config import PreprocessConfig, load_config
-from recsys.data.sequence_batches import SequenceBatch
+from recsys.config import PreprocessConfig
+from recsys.data.sequence_batches import SequenceBatch, SequenceLoader
 from recsys.data.sequences import FIRST_ID, preprocess_interactions
 from recsys.embedding.optim import Adam
 from recsys.models.next_item import next_item_loss
 from recsys.models.sasrec import CANDIDATES, HISTORY, SASRec
-from recsys.train.trainer import train
+from recsys.train.evaluate import evaluate_checkpoint
+from recsys.train.metrics import read_metrics
 
 TOPIC = "sasrec_movielens"
-QUICK_EPOCHS, FULL_EPOCHS = 5, 50
 PEER = "recbole_sasrec"
 PEER_SCRIPT = REPO_ROOT / "benchmarks" / "_sasrec_recbole.py"
 PEER_REQUIREMENTS = REPO_ROOT / "requirements" / "peer-sasrec.txt"
@@ -118,24 +117,30 @@ COLUMNS = (
     "timestamp",
     "notes",
 )
+PROTOCOL = (
+    "leave-one-out by time (file-order ties), full ranking over every item of the log, best "
+    "valid NDCG@10 tested"
+)
 
 
 @dataclass(frozen=True)
 class SASRecRun:
-    """The model and training both sides share (see the module docstring)."""
+    """The model and training both sides share (see the module docstring); defaults: RecBole's
+    SASRec settings (``properties/model/SASRec.yaml``) with batch 128."""
 
     max_len: int = 50
     dim: int = 64
     ffn_dim: int = 256
     blocks: int = 2
     heads: int = 2
-    dropout: float = 0.2
-    epochs: int = 5
+    dropout: float = 0.5
+    epochs: int = 300
+    patience: int = 10
     lr: float = 1e-3
     batch_size: int = 128
     loss: str = "full"  # recsys: full or sampled softmax; RecBole: always full (CE)
+    train_rows: str = "windows"  # recsys' train.next_item.train_rows
     seed: int = 0
-    peer_batch_size: int = 0  # RecBole examples per batch; 0: as many steps per epoch as recsys
 
     def describe_model(self) -> str:
         return (
@@ -144,10 +149,9 @@ class SASRecRun:
         )
 
     def describe(self) -> str:
-        peer = f" peer batch {self.peer_batch_size}" if self.peer_batch_size else ""
         return (
-            f"{self.describe_model()} epochs {self.epochs} adam lr {self.lr} batch "
-            f"{self.batch_size}{peer} seed {self.seed}"
+            f"{self.describe_model()} adam lr {self.lr} batch {self.batch_size} up to "
+            f"{self.epochs} epochs, patience {self.patience} seed {self.seed}"
         )
 
 
@@ -188,16 +192,15 @@ RECSYS_MODELS = {
 }
 
 
-def train_recsys(
-    split_dir: Path, run: SASRecRun, device: torch.device, model: str = "sasrec"
-) -> dict[str, float]:
-    """``recsys train`` of ``model`` (a key of :data:`RECSYS_MODELS`; SASRec by default) on the
-    histories in ``split_dir`` for ``run.epochs`` epochs (the run's config below, the FFN width
-    for SASRec only; no valid evaluation, no checkpoint), ranking every item for each test user
-    at the end; HR@10, NDCG@10, MRR, steps and seconds."""
+def recsys_overrides(
+    split_dir: Path, run: SASRecRun, device: torch.device, model: str, steps_per_epoch: int
+) -> list[str]:
+    """``recsys train``'s command-line overrides for ``model`` (a key of
+    :data:`RECSYS_MODELS`) on the split: ``run``'s model and training, valid every epoch,
+    the best valid NDCG@10 kept, early stopping after ``run.patience`` evaluations."""
     name, extra = RECSYS_MODELS[model]
     ffn = [f"--model.sequence.ffn_dim={run.ffn_dim}"] if name == "sasrec" else []
-    overrides = [
+    return [
         f"--model.name={name}",
         *extra,
         *ffn,
@@ -214,33 +217,72 @@ def train_recsys(
         "--train.embedding_optimizer=adam",
         f"--train.embedding_lr={run.lr}",
         f"--train.next_item.loss={run.loss}",
-        "--train.eval_every_steps=0",
+        f"--train.next_item.train_rows={run.train_rows}",
+        f"--train.eval_every_steps={steps_per_epoch}",
+        f"--train.log_every_steps={steps_per_epoch}",
+        f"--train.early_stopping_patience={run.patience}",
+        "--train.early_stopping_metric=valid_ndcg@10",
+        "--checkpoint.keep_best=valid_ndcg@10",
+        "--checkpoint.keep=1",
         "--train.eval_batch_size=512",
         "--train.progress_bar=false",
-        "--checkpoint.save_final=false",
         "--run.tensorboard=false",
         f"--run.seed={run.seed}",
         f"--run.device={device}",
     ]
-    with tempfile.TemporaryDirectory(prefix="sasrec-run-") as run_dir:
-        config = load_config(None, [*overrides, f"--run.dir={run_dir}"])
-        started = time.perf_counter()
-        with contextlib.redirect_stdout(io.StringIO()):
-            result = train(config)
-        seconds = time.perf_counter() - started
-    test = result.test
-    return {
-        "hr@10": test["hr@10"],
-        "ndcg@10": test["ndcg@10"],
-        "mrr": test["mrr"],
-        "steps": result.steps,
-        "train_s": seconds,  # the whole run: training and the test ranking
-        "eval_s": 0.0,
+
+
+def train_recsys(
+    split_dir: Path, run: SASRecRun, device: torch.device, model: str, work: Path, threads: int
+) -> dict:
+    """``python -m recsys train`` of ``model`` on the split (see :func:`recsys_overrides`) in
+    a subprocess with ``threads`` torch threads, then the best checkpoint's test ranking with
+    the history in it and masked; metrics, epochs and seconds."""
+    loader = SequenceLoader(
+        split_dir / "train" if False else split_dir,
+        "train",
+        run.batch_size,
+        max_len=run.max_len,
+        train_rows=run.train_rows,
+    )
+    steps_per_epoch = len(loader)
+    run_dir = work / f"run_{model}_{run.seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    command = [sys.executable, "-m", "recsys", "train"]
+    command += recsys_overrides(split_dir, run, device, model, steps_per_epoch)
+    command.append(f"--run.dir={run_dir}")
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    started = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
+    train_s = time.perf_counter() - started
+    if done.returncode:
+        raise RuntimeError(f"recsys train failed ({' '.join(command)}):\n{done.stderr[-3000:]}")
+    events = read_metrics(run_dir / "metrics.jsonl")
+    valid = [e for e in events if e["split"] == "valid"]
+    best = max(valid, key=lambda e: e["ndcg@10"])  # the first of equals: keep_best's choice
+    steps = max(e["step"] for e in events if "step" in e)
+    result = {
+        "steps": steps,
+        "steps_per_epoch": steps_per_epoch,
+        "rows_per_epoch": loader.rows,
+        "epochs": math.ceil(steps / steps_per_epoch),
+        "best_epoch": best["step"] // steps_per_epoch,
+        "stopped_by": "epochs" if steps == run.epochs * steps_per_epoch else "early_stopping",
+        "train_s": train_s,
     }
+    for kind, masked in (("unmasked", "false"), ("masked", "true")):
+        overrides = [f"--train.next_item.exclude_history={masked}", f"--run.device={device}"]
+        test = evaluate_checkpoint(run_dir / "checkpoints" / "best", overrides).metrics
+        result.update({f"{kind}_{k}": test[k] for k in ("hr@10", "ndcg@10", "mrr")})
+    result["wall_s"] = time.perf_counter() - started
+    return result
 
 
-def preprocess(csv_path: Path, split_dir: Path, max_len: int) -> dict:
-    """``recsys preprocess --format interactions`` of the log; its metadata.json."""
+def preprocess(csv_path: Path, split_dir: Path) -> dict:
+    """``recsys preprocess --format interactions`` of the log (whole histories, every item of
+    the log in the vocabulary, as RecBole ranks); its metadata.json."""
     config = PreprocessConfig(
         format="interactions",
         input=str(csv_path),
@@ -248,7 +290,7 @@ def preprocess(csv_path: Path, split_dir: Path, max_len: int) -> dict:
         user="user",
         item="item",
         time="time",
-        max_len=max_len,
+        item_universe="log",
         overwrite=True,
     )
     return preprocess_interactions(config).metadata
@@ -290,90 +332,89 @@ def run_peer(python: Path, mode: str, options: dict, work: Path) -> dict:
 
 
 def peer_options(run: SASRecRun, threads: int, device: torch.device) -> dict:
-    """``_sasrec_recbole.py``'s options for ``run``: the same model and training, with the
-    peer's batch size."""
+    """``_sasrec_recbole.py``'s options for ``run``: the same model and training."""
     options = asdict(run)
-    options.pop("loss")
-    options["batch_size"] = options.pop("peer_batch_size") or run.batch_size
+    for name in ("loss", "train_rows", "patience"):
+        options.pop(name)
+    options["stopping_step"] = run.patience
     options["threads"] = threads
     options["device"] = device.type
     return options
 
 
 def accuracy_rows(
-    args: argparse.Namespace, run: SASRecRun, work: Path, env: dict, peer: Path | None
+    args: argparse.Namespace, base: SASRecRun, work: Path, env: dict, peer: Path | None
 ) -> list[list]:
     log = find_log(ML_100K, args.wheel, peer)
-    csv_path = work / "ml-100k.csv"
-    events = write_interactions_csv(log, csv_path)
-    print(f"{ML_100K.name}: {events:,} interactions from {ML_100K.package}:{ML_100K.member}")
-    load = load_note()
-    started = time.perf_counter()
-    split_dir = work / "split"
-    metadata = preprocess(csv_path, split_dir, run.max_len)
-    prep_s = time.perf_counter() - started
-    num_items = metadata["sequence"]["num_items"]
-    dataset = (
-        f"{ML_100K.name} ({ML_100K.package}) leave-one-out: {metadata['input']['users']} users, "
-        f"{num_items - FIRST_ID} train items, {metadata['input']['interactions']} events"
-    )
     lines = []
-    for model in args.recsys_models:
-        ours = train_recsys(split_dir, run, args.device, model)
-        ours_wall = time.perf_counter() - started
-        lines.append(
-            _accuracy_line(
-                "recsys" if model == "sasrec" else f"recsys_{model}",
-                dataset,
-                run.describe() if model == "sasrec" else f"{model}: {run.describe()}",
-                ours,
-                ours_wall,
-                env,
-                f"preprocess_s={prep_s:.1f} train_s={ours['train_s']:.1f} eval_s="
-                f"{ours['eval_s']:.1f} steps={ours['steps']} mrr={ours['mrr']:.4f}; {load}",
+    dataset = f"{ML_100K.name}.inter ({ML_100K.package}): {PROTOCOL}"
+    threads = f"threads={args.threads or torch.get_num_threads()}"
+    for seed in args.seeds:
+        run = replace(base, seed=seed)
+        if "recsys" in args.providers:
+            csv_path = work / "ml-100k.csv"
+            events = write_interactions_csv(log, csv_path)
+            for model in args.recsys_models:
+                load, started = load_note(), time.perf_counter()
+                metadata = preprocess(csv_path, work / "split")
+                prep_s = time.perf_counter() - started
+                ours = train_recsys(work / "split", run, args.device, model, work, args.threads)
+                items = metadata["sequence"]["num_items"] - FIRST_ID
+                notes = (
+                    f"{events} events, {items} items; train_rows={run.train_rows}: "
+                    f"{ours['rows_per_epoch']} rows ({ours['steps_per_epoch']} steps) per epoch; "
+                    f"epochs={ours['epochs']} best_epoch={ours['best_epoch']} stopped_by="
+                    f"{ours['stopped_by']} preprocess_s={prep_s:.1f} train_s={ours['train_s']:.1f}"
+                    f"; {threads}; {load}"
+                )
+                provider = "recsys" if model == "sasrec" else f"recsys_{model}"
+                config = run.describe() if model == "sasrec" else f"{model}: {run.describe()}"
+                wall = prep_s + ours["wall_s"]
+                lines += _accuracy_lines(provider, dataset, config, ours, wall, env, notes)
+        if "recbole" in args.providers and peer is not None:
+            data_dir = work / "atomic"
+            (data_dir / ML_100K.name).mkdir(parents=True, exist_ok=True)
+            (data_dir / ML_100K.name / f"{ML_100K.name}.inter").write_bytes(log)
+            options = peer_options(run, args.threads, args.device)
+            options.update(data_dir=data_dir, name=ML_100K.name, budget_s=args.budget_s)
+            load = load_note()
+            theirs = run_peer(peer, "fit_log", options, work)
+            notes = (
+                f"{theirs['items']} items; {theirs['train_examples']} examples per epoch; "
+                f"epochs={theirs['epochs']} best_epoch={theirs['best_epoch']} stopped_by="
+                f"{theirs['stopped_by']} budget_s={args.budget_s:g} train_s="
+                f"{theirs['train_s']:.1f} recbole_evaluator_hit@10={theirs['recbole_hit@10']:.4f}"
+                f" recbole_evaluator_ndcg@10={theirs['recbole_ndcg@10']:.4f} {theirs['versions']}"
+                f"; {threads}; {load}"
             )
-        )
-        load, started = load_note(), time.perf_counter() - prep_s
-    if peer is not None:
-        load = load_note()
-        started = time.perf_counter()
-        exported = export_recbole(split_dir, work / "atomic", "recsys_split", num_items)
-        if not run.peer_batch_size:  # as many steps per epoch as recsys takes
-            steps = max(1, metadata["splits"]["train"]["rows"] // run.batch_size)
-            run = replace(run, peer_batch_size=math.ceil(exported["train"] / steps))
-        config = run.describe()
-        options = peer_options(run, args.threads, args.device)
-        options.update(data_dir=work / "atomic", name="recsys_split", num_items=num_items)
-        theirs = run_peer(peer, "fit", options, work)
-        peer_wall = time.perf_counter() - started
-        notes = (
-            f"train_s={theirs['train_s']:.1f} eval_s={theirs['eval_s']:.1f} steps="
-            f"{theirs['steps']} train_examples={exported['train']} mrr={theirs['mrr']:.4f} "
-            f"recbole_evaluator_hit@10={theirs['recbole_hit@10']:.4f} recbole_evaluator_ndcg@10="
-            f"{theirs['recbole_ndcg@10']:.4f} {theirs['versions']}; {load}"
-        )
-        lines.append(_accuracy_line(PEER, dataset, config, theirs, peer_wall, env, notes))
+            lines += _accuracy_lines(
+                PEER, dataset, run.describe(), theirs, theirs["wall_s"], env, notes
+            )
     return lines
 
 
-def _accuracy_line(provider, dataset, config, result, wall_s, env, notes) -> list:
+def _accuracy_lines(provider, dataset, config, result, wall_s, env, notes) -> list[list]:
+    """The ``train_eval`` (history in the ranking) and ``train_eval_masked`` rows of a run."""
     return [
-        "train_eval",
-        provider,
-        dataset,
-        config,
-        f"{result['hr@10']:.4f}",
-        f"{result['ndcg@10']:.4f}",
-        f"{wall_s:.1f}",
-        "",
-        "",
-        "",
-        "",
-        env["device"],
-        env["versions"],
-        env["commit"],
-        env["timestamp"],
-        notes,
+        [
+            op,
+            provider,
+            dataset,
+            config,
+            f"{result[f'{kind}_hr@10']:.4f}",
+            f"{result[f'{kind}_ndcg@10']:.4f}",
+            f"{wall_s:.1f}",
+            "",
+            "",
+            "",
+            "",
+            env["device"],
+            env["versions"],
+            env["commit"],
+            env["timestamp"],
+            f"{notes}; mrr={result[f'{kind}_mrr']:.4f}",
+        ]
+        for op, kind in (("train_eval", "unmasked"), ("train_eval_masked", "masked"))
     ]
 
 
@@ -420,7 +461,7 @@ def step_rows(
     num_items = args.step_items
     lines = []
     for max_len in args.step_lens:
-        run = replace(base, max_len=max_len, batch_size=args.step_batch, peer_batch_size=0)
+        run = replace(base, max_len=max_len, batch_size=args.step_batch)
         one_step = recsys_step(run, num_items, args.device)
         load = load_note()
         timing = time_fns(
@@ -470,27 +511,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=["accuracy", "step", "both"], default="both")
     parser.add_argument("--peer-python", default=None, help="python of the RecBole environment")
     parser.add_argument("--wheel", type=Path, default=None, help=f"a {PEER_PIN} wheel (the log)")
+    parser.add_argument(
+        "--providers",
+        nargs="+",
+        choices=["recsys", "recbole"],
+        default=["recsys", "recbole"],
+        help="accuracy: who trains (recbole needs --peer-python)",
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[defaults.seed])
     parser.add_argument("--max-len", type=int, default=defaults.max_len)
     parser.add_argument("--dim", type=int, default=defaults.dim)
     parser.add_argument("--ffn-dim", type=int, default=defaults.ffn_dim)
     parser.add_argument("--blocks", type=int, default=defaults.blocks)
     parser.add_argument("--heads", type=int, default=defaults.heads)
     parser.add_argument("--dropout", type=float, default=defaults.dropout)
+    parser.add_argument("--epochs", type=int, default=defaults.epochs, help="at most")
     parser.add_argument(
-        "--epochs",
-        type=int,
-        default=None,
-        help=f"default {QUICK_EPOCHS} (--quick, the default on cpu), {FULL_EPOCHS} (--full)",
+        "--patience", type=int, default=defaults.patience, help="evaluations without a better"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=1440, help="RecBole's wall budget (0: none)"
     )
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument(
-        "--peer-batch-size",
-        type=int,
-        default=0,
-        help="RecBole examples per batch (default: as many steps per epoch as recsys)",
-    )
     parser.add_argument("--loss", choices=["full", "sampled"], default=defaults.loss)
+    parser.add_argument(
+        "--train-rows",
+        choices=["windows", "prefixes", "last"],
+        default=defaults.train_rows,
+        help="recsys' train.next_item.train_rows",
+    )
     parser.add_argument(
         "--recsys-models",
         nargs="+",
@@ -499,7 +549,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="recsys models trained on the split (hstu: HSTU, the FFN width unused; hstu_rab: "
         "with the relative position bias; hstu_rab_time: with the position + time bias)",
     )
-    parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     parser.add_argument("--step-lens", type=int, nargs="+", default=[50, 200])
     parser.add_argument("--step-batch", type=int, default=128)
@@ -507,8 +556,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary one")
     add_common_args(parser)
     args = parser.parse_args(argv)
-    if args.epochs is None:
-        args.epochs = QUICK_EPOCHS if is_quick(args) else FULL_EPOCHS
     args.warmup = 2 if args.warmup is None else args.warmup
     args.repeats = 10 if args.repeats is None else args.repeats
     for name in ("max_len", "dim", "blocks", "heads", "epochs", "batch_size", "step_batch"):
@@ -530,11 +577,11 @@ def main(argv: list[str] | None = None) -> None:
         heads=args.heads,
         dropout=args.dropout,
         epochs=args.epochs,
+        patience=args.patience,
         lr=args.lr,
         batch_size=args.batch_size,
         loss=args.loss,
-        seed=args.seed,
-        peer_batch_size=args.peer_batch_size,
+        train_rows=args.train_rows,
     )
     peer = peer_python(args.peer_python)
     env = environment(args.device)
