@@ -129,6 +129,11 @@ class NextItemConfig:
     last position only: the same targets, each with the longest context, at up to max_len
     times the cost of ``windows``. ``last``: only the last max_len + 1 events of each user
     (older events are never targets; a row per user)."""
+    window_stride: Annotated[int, AtLeast0] = 0
+    """``windows``: events between the ends of a user's consecutive rows (0: max_len, rows that
+    share one event). Each row counts only its last window_stride targets, so every target is
+    still counted once per epoch, with at least max_len - window_stride events before it (when
+    the history has them), at about max_len / window_stride times the cost; at most max_len."""
     exclude_history: bool = False
     """Ranking: leave every item of a user's history before the target (the whole history the
     data holds, not only the max_len events the model reads; for test, the train events and

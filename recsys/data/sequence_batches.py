@@ -7,18 +7,22 @@ A :class:`SequenceBatch` holds B users' histories as a ``KeyedJaggedTensor`` wit
 - **train** (``next_item``): a row is a stretch e_s .. e_t of a user's history; the model reads
   e_s .. e_(t-1) and predicts the next item at every position, so ``items`` holds the row
   without its last event and ``targets`` [sum L] the row shifted by one (e_(s+1) .. e_t),
-  aligned with ``items.values()``; rows that count only their last position (``prefixes``)
-  carry ``target_positions`` [B], and ``targets`` [B] is then one item per row;
+  aligned with ``items.values()``; rows that count only their last positions (``prefixes``, or
+  windows with a stride) carry ``target_positions`` [T], and ``targets`` [T] is then one item
+  per counted position;
 - **valid / test**: ``items`` is the history (its last ``max_len`` events), ``targets`` [B] the
   one item to rank, and ``seen_items`` / ``seen_offsets`` every item of the user's history
   before the target (what ``exclude_history`` leaves out of the ranking).
 
 How a train history becomes rows (``train_rows``), for a user with train events e_1 .. e_n and
-L = ``max_len``: ``windows`` cuts it from its end into rows of L + 1 events that share one
-event with the next (ends n, n - L, n - 2L, ...), so e_2 .. e_n are each a target once per
-epoch; ``prefixes`` makes a row per target e_t (t >= 2) of the L events before it, counting
-only the last position (RecBole's augmentation: every target with its longest context, about L
-times the attention cost); ``last`` keeps one row per user, its last L + 1 events.
+L = ``max_len``: ``windows`` cuts it from its end into rows of up to L + 1 events ending every
+S = ``window_stride`` events (ends n, n - S, n - 2S, ...; S = L by default, rows that share one
+event), each counting its last S targets (the first row of a user all of its own), so e_2 ..
+e_n are each a target once per epoch, with at least L - S events of context when the history
+has them, at about L / S times the cost of S = L; ``prefixes`` are windows with S = 1, a row per
+target e_t (t >= 2) of the L events before it (RecBole's augmentation: every target with its
+longest context, about L times the attention cost of S = L); ``last`` keeps one row per user,
+its last L + 1 events.
 
 Everything the host knows travels with the batch (lengths per key, offsets, the longest
 history), so a model pads or splits without reading the device. :class:`SequenceLoader` reads a
@@ -65,8 +69,9 @@ class SequenceBatch:
             valid / test: [B] target items.
         max_length: the longest history in the batch (host-known).
         next_item: whether this is a train batch (next-item targets) or one to rank.
-        target_positions: train rows that count only their last position: [B] int64, the
-            position (index into ``items.values()``) of each target; None: every position.
+        target_positions: train rows that count only their last positions (the earlier ones
+            are another row's targets): [T] int64, the position (index into
+            ``items.values()``) of each target, and ``targets`` [T]; None: every position.
         seen_items / seen_offsets: valid / test: [S] every item of each user's history before
             its target (not only the ``max_len`` the model reads), [B + 1] int64 offsets.
     """
@@ -163,12 +168,18 @@ TRAIN_ROWS = ("windows", "prefixes", "last")
 
 
 def cut_train_rows(
-    offsets: np.ndarray, max_len: int | None, mode: str
-) -> tuple[np.ndarray, np.ndarray, bool]:
+    offsets: np.ndarray, max_len: int | None, mode: str, stride: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The rows ``mode`` cuts from histories at ``offsets`` [U + 1] (see the module docstring):
-    each row's first and end event index [R] (users in order, each user's rows oldest first),
-    and whether a row counts only its last position. Histories of fewer than 2 events give no
-    row; ``max_len`` None keeps each history whole, one row."""
+    each row's first and end event index [R] (users in order, each user's rows oldest first)
+    and how many of its last targets it counts [R] (the others are counted by the row after
+    it). ``windows`` rows end every ``stride`` events from each history's end (0: max_len);
+    ``prefixes`` are windows with stride 1. Histories of fewer than 2 events give no row;
+    ``max_len`` None keeps each history whole, one row.
+
+    Raises:
+        ValueError: an unknown mode, or a stride outside [0, max_len].
+    """
     if mode not in TRAIN_ROWS:
         raise ValueError(f"train_rows = {mode!r}; expected one of {', '.join(TRAIN_ROWS)}")
     starts, ends = offsets[:-1], offsets[1:]
@@ -176,15 +187,19 @@ def cut_train_rows(
     starts, ends = starts[users], ends[users]
     if max_len is None or mode == "last":
         keep = ends - starts if max_len is None else np.minimum(ends - starts, max_len + 1)
-        return ends - keep, ends, False
+        return ends - keep, ends, keep - 1
+    if not 0 <= stride <= max_len:
+        raise ValueError(f"window stride {stride}; expected 0 (max_len) to max_len = {max_len}")
+    step = 1 if mode == "prefixes" else stride or max_len
     targets = ends - starts - 1  # e_2 .. e_n
-    step = 1 if mode == "prefixes" else max_len
     per_user = -(-targets // step)  # rows: ceil(targets / step)
     row_of = np.arange(per_user.sum()) - np.repeat(np.cumsum(per_user) - per_user, per_user)
     row_ends = np.repeat(ends, per_user) - step * row_of  # each user's last row first
-    row_starts = np.maximum(np.repeat(starts, per_user), row_ends - max_len - 1)
+    user_starts = np.repeat(starts, per_user)
+    row_starts = np.maximum(user_starts, row_ends - max_len - 1)
+    counted = np.minimum(step, row_ends - user_starts - 1)
     order = np.lexsort((row_ends, np.repeat(np.arange(len(users)), per_user)))
-    return row_starts[order], row_ends[order], mode == "prefixes"
+    return row_starts[order], row_ends[order], counted[order]
 
 
 class SequenceLoader:
@@ -202,6 +217,9 @@ class SequenceLoader:
             keeps ``max_len`` inputs and their targets.
         train_rows: how train histories become rows (``windows``, ``prefixes``, ``last``; see
             the module docstring).
+        window_stride: ``windows``: events between the ends of a user's consecutive rows (0:
+            ``max_len``, rows that share one event; smaller: more context per target, each
+            still counted once, at about max_len / stride times the cost).
     """
 
     def __init__(
@@ -215,6 +233,7 @@ class SequenceLoader:
         seed: int = 0,
         max_len: int | None = None,
         train_rows: str = "windows",
+        window_stride: int = 0,
     ) -> None:
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
@@ -229,8 +248,8 @@ class SequenceLoader:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.num_items = self.histories.num_items
         if split == "train":
-            self.row_starts, self.row_ends, self.last_only = cut_train_rows(
-                self.histories.offsets, max_len, train_rows
+            self.row_starts, self.row_ends, self.row_targets = cut_train_rows(
+                self.histories.offsets, max_len, train_rows, window_stride
             )
 
     @property
@@ -267,9 +286,11 @@ class SequenceLoader:
             index, offsets = segment_index(starts, ends - 1)
             lengths = ends - 1 - starts
             targets = torch.from_numpy(h.values[index + 1])
+            counted = self.row_targets[rows]
             positions = None
-            if self.last_only:  # each row's last position
-                positions = torch.from_numpy(offsets[1:].astype(np.int64) - 1)
+            if (counted < lengths).any():  # rows that count their last positions only
+                row_ends = offsets[1:].astype(np.int64)
+                positions = torch.from_numpy(segment_index(row_ends - counted, row_ends)[0])
                 targets = targets[positions]
             return self._batch(index, lengths, targets, target_positions=positions)
         seen_starts, ends = h.offsets[rows], h.offsets[rows + 1]

@@ -77,6 +77,7 @@ class SequenceDataset:
         rank: int = 0,
         world_size: int = 1,
         train_rows: str = "windows",
+        window_stride: int = 0,
     ) -> SequenceLoader:
         """Batches of ``split`` for rank ``rank`` of ``world_size`` (see
         :class:`SequenceLoader`)."""
@@ -89,6 +90,7 @@ class SequenceDataset:
             rank=rank,
             world_size=world_size,
             train_rows=train_rows,
+            window_stride=window_stride,
         )
 
     @property

@@ -119,6 +119,12 @@ class NextItemTask:
                 "train.next_item.loss = 'sampled' with train.next_item.in_batch_negatives = 0 and "
                 "uniform_negatives = 0: no negatives to sample (set one >= 1, or loss = 'full')"
             )
+        stride, max_len = options.window_stride, config.model.sequence.max_len
+        if stride > max_len:
+            raise ValueError(
+                f"train.next_item.window_stride = {stride}; expected 0 (model.sequence.max_len) "
+                f"to model.sequence.max_len = {max_len}"
+            )
         source = resolve_source(config.data, sequences=True)
         if source not in ("sequences", "synthetic_sequences"):
             where = f"data.path '{config.data.path}'" if config.data.path else "no data.path"
@@ -186,6 +192,7 @@ class NextItemTask:
             rank=self.info.rank,
             world_size=self.info.world_size,
             train_rows=self.config.train.next_item.train_rows,
+            window_stride=self.config.train.next_item.window_stride,
         )
         prefetch = self.config.data.prefetch_batches  # -1 (auto): 4 on CUDA, none on CPU
         prefetch = prefetch if prefetch >= 0 else (4 if self.device.type == "cuda" else 0)

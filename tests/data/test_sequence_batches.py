@@ -133,38 +133,52 @@ def _rows(loader: SequenceLoader, epoch: int = 0) -> list[tuple[list[int], list[
     for batch in loader.epoch(epoch):
         values, lengths = batch.items.values().tolist(), batch.items.lengths().tolist()
         targets = batch.targets.tolist()
+        if batch.target_positions is not None:
+            positions = batch.target_positions.tolist()
+            assert len(positions) == len(targets)
         start = 0
-        for b, n in enumerate(lengths):
+        for n in lengths:
             inputs = values[start : start + n]
             if batch.target_positions is None:
                 rows.append((inputs, targets[start : start + n], 0))
-            else:
-                assert batch.target_positions[b] == start + n - 1  # the row's last position
-                rows.append((inputs, [targets[b]], n - 1))
+            else:  # the row's last positions
+                mine = [
+                    (p, t)
+                    for p, t in zip(positions, targets, strict=True)
+                    if start <= p < start + n
+                ]
+                assert [p for p, _ in mine] == list(range(start + n - len(mine), start + n))
+                rows.append((inputs, [t for _, t in mine], n - len(mine)))
             start += n
     return rows
 
 
-@pytest.mark.parametrize("max_len", [1, 2, 3, 5])
-def test_windows_make_every_event_a_target_once(dataset: Path, max_len: int):
+@pytest.mark.parametrize(("max_len", "stride"), [(1, 0), (2, 0), (3, 0), (5, 0), (5, 2), (4, 1)])
+def test_windows_make_every_event_a_target_once(dataset: Path, max_len: int, stride: int):
     h = read_histories(dataset, "train")
-    loader = SequenceLoader(h, "train", batch_size=1, seed=2, max_len=max_len)
-    starts, ends = loader.row_starts, loader.row_ends
+    loader = SequenceLoader(h, "train", batch_size=1, seed=2, max_len=max_len, window_stride=stride)
+    starts, ends, counts = loader.row_starts, loader.row_ends, loader.row_targets
     assert (ends - starts >= 2).all() and (ends - starts <= max_len + 1).all()
-    # the rows' targets (events start + 1 .. end - 1) are e_2 .. e_n of every user, once
-    counted = np.concatenate([np.arange(s + 1, e) for s, e in zip(starts, ends, strict=True)])
+    # the rows' counted targets (their last ones) are e_2 .. e_n of every user, once
+    counted = np.concatenate([np.arange(e - c, e) for c, e in zip(counts, ends, strict=True)])
     expected = np.concatenate(
         [np.arange(s + 1, e) for s, e in zip(h.offsets[:-1], h.offsets[1:], strict=True)]
     )
     assert np.array_equal(np.sort(counted), expected)
     user_of = np.searchsorted(h.offsets, starts, side="right") - 1
     assert (ends <= h.offsets[user_of + 1]).all()  # a row never spans two users
+    # a row reads max_len events when the user has them: the counted targets' context
+    assert (ends - starts == np.minimum(max_len + 1, ends - h.offsets[user_of])).all()
     order = np.random.default_rng([2, 0]).permutation(loader.rows)
     rows = _rows(loader)
     assert len(rows) == loader.rows
     for r, (inputs, targets, first) in zip(order, rows, strict=True):
         events = h.values[starts[r] : ends[r]].tolist()
-        assert (inputs, targets, first) == (events[:-1], events[1:], 0)
+        assert (inputs, targets, first) == (
+            events[:-1],
+            events[-counts[r] :],
+            len(events) - 1 - counts[r],
+        )
 
 
 def test_prefixes_give_each_target_its_longest_context(dataset: Path):

@@ -133,6 +133,7 @@ def test_recipe_trains_as_it_is(recipe, tmp_path):
         ),
         (["--data.synthetic_sequences.num_topics=100"], "num_items >= num_topics"),
         (["--train.batch_size=500"], "larger than the 227 train rows"),
+        (["--train.next_item.window_stride=11"], "window_stride = 11; expected 0"),
         (
             [
                 "--data.synthetic_sequences.id_encoding=raw",
