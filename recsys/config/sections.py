@@ -213,12 +213,18 @@ class PreprocessConfig:
     item kept before a target, so a cap below the longest history drops targets and leaves
     older items unmasked; it only bounds the stored size (train rows keep max_len + 1 events,
     so that max_len next-item targets remain)."""
-    item_universe: Literal["train", "log"] = "train"
-    """interactions, categorify: the events the item vocabulary is fitted on, and so the items
-    ranked: ``train``, the train events only (an item that occurs only as a valid or test
-    target gets the rare id and is never a candidate: a forced miss, the cold-item protocol);
-    ``log``, every event of the log (every item of the log is a candidate, as RecBole and most
-    papers rank; such an item's row is never trained)."""
+    item_universe: Literal["train", "log", "catalog"] = "train"
+    """interactions, categorify: the items that get ids, and so the items ranked: ``train``,
+    the items of the train events (an item that occurs only as a valid or test target gets the
+    rare id and is never a candidate: a forced miss, the cold-item protocol); ``log``, every
+    item of the log (as RecBole and most papers rank; an item seen only as a target has a row
+    that is never trained); ``catalog``, the items of ``item_catalog`` (every one of them, even
+    one the log never names; a logged item outside it is rare). Ids go by train count either
+    way (``log``: by count in the log)."""
+    item_catalog: str = ""
+    """interactions, ``item_universe = "catalog"``: a parquet or CSV file (by suffix) whose column
+    named like ``item`` lists the catalog's items (duplicates allowed); freq_threshold does not
+    apply to them."""
     freq_threshold: Annotated[int, AtLeast0] = 1
     """categorify: values seen fewer times than this in train share the rare id."""
     hash_buckets: Annotated[int, AtLeast1] = 1_000_000

@@ -124,6 +124,8 @@ def preprocess_interactions(config: PreprocessConfig) -> SequenceReport:
         counts = None
         if config.encoding == "categorify":
             counts = _item_counts(buckets, whole_log=config.item_universe == "log")
+            if config.item_universe == "catalog":
+                counts = _catalog_counts(counts, _catalog(config))
         encoder = _Encoder(config, counts)
         rows, written, stats = _write_splits(buckets, work, encoder, config)
         shutil.rmtree(work / "buckets")
@@ -172,6 +174,14 @@ def _check_options(config: PreprocessConfig) -> None:
             f"preprocess.item_universe = {config.item_universe!r} chooses the items categorify "
             f"fits; encoding = {config.encoding!r} fits no vocabulary (use 'train', the default)"
         )
+    if (config.item_universe == "catalog") != bool(config.item_catalog):
+        raise ValueError(
+            f"preprocess.item_universe = {config.item_universe!r} with item_catalog = "
+            f"{config.item_catalog!r}: a catalog file goes with item_universe = 'catalog', and "
+            "only with it"
+        )
+    if config.item_catalog:
+        _catalog_column(config)  # exists, readable, has the item column: before any work
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,11 +400,14 @@ def segment_index(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.
 
 @dataclass
 class _Counts:
-    """The train events' distinct raw item keys (sorted), their counts and their texts."""
+    """Distinct raw item keys (sorted), their counts and their texts; ``min_count`` (None:
+    freq_threshold) the count an item needs to get an id."""
 
     keys: np.ndarray
     counts: np.ndarray
     texts: pa.Array
+    min_count: int | None = None
+    total: int | None = None  # the events counted, when more than ``counts`` sums
 
 
 def _item_counts(buckets: list[Path], whole_log: bool) -> _Counts:
@@ -414,6 +427,49 @@ def _item_counts(buckets: list[Path], whole_log: bool) -> _Counts:
     return _Counts(merged, totals, text)
 
 
+def _catalog_column(config: PreprocessConfig) -> pa.ChunkedArray:
+    """The item column of ``config.item_catalog`` (parquet or CSV by suffix).
+
+    Raises:
+        FileNotFoundError / ValueError: no such file, unreadable, or no such column."""
+    path = Path(config.item_catalog)
+    if not path.is_file():
+        raise FileNotFoundError(f"preprocess.item_catalog not found: '{path}'")
+    try:
+        if _is_parquet(path):
+            names = pq.ParquetFile(path).schema_arrow.names
+            table = pq.read_table(path, columns=[config.item]) if config.item in names else None
+        else:
+            options = pcsv.ConvertOptions(column_types={config.item: pa.string()})
+            table = pcsv.read_csv(path, convert_options=options)
+            names = table.column_names
+    except (pa.ArrowInvalid, OSError) as error:
+        raise ValueError(f"'{path}' could not be read: {' '.join(str(error).split())}") from None
+    if table is None or config.item not in names:
+        raise ValueError(
+            f"preprocess.item_catalog '{path}' has no column {config.item!r} (the item column); "
+            f"its columns: {names}"
+        )
+    return table.column(config.item).drop_null()
+
+
+def _catalog(config: PreprocessConfig) -> _Counts:
+    """The catalog's distinct item keys (sorted) and texts, with zero counts."""
+    items = _catalog_column(config).combine_chunks()
+    keys, first = np.unique(value_keys(items), return_index=True)
+    return _Counts(keys, np.zeros(len(keys), np.int64), items.cast(pa.string()).take(first))
+
+
+def _catalog_counts(counts: _Counts, catalog: _Counts) -> _Counts:
+    """The catalog's items with their train counts (0 for those never trained), every one kept
+    whatever the count (``min_count`` 0)."""
+    at = np.searchsorted(counts.keys, catalog.keys).clip(max=max(len(counts.keys) - 1, 0))
+    found = counts.keys[at] == catalog.keys if len(counts.keys) else np.zeros(0, bool)
+    trained = np.where(found, counts.counts[at] if len(counts.keys) else 0, 0)
+    total = int(counts.counts.sum())
+    return _Counts(catalog.keys, trained.astype(np.int64), catalog.texts, 0, total)
+
+
 class _Encoder:
     """Raw item keys -> the ids ``config.encoding`` gives (see the module docstring)."""
 
@@ -421,13 +477,15 @@ class _Encoder:
         self.encoding = config.encoding
         self.hash_buckets = config.hash_buckets
         if counts is not None:  # categorify: by count, most frequent first, ties by key
-            kept = np.flatnonzero(counts.counts >= max(config.freq_threshold, 1))
+            least = max(config.freq_threshold, 1) if counts.min_count is None else 0
+            kept = np.flatnonzero(counts.counts >= least)
             kept = kept[np.lexsort((counts.keys[kept], -counts.counts[kept]))]
             self.keys, self.counts = counts.keys[kept], counts.counts[kept]
             self.texts = counts.texts.take(pa.array(kept))
             order = np.argsort(self.keys, kind="stable")
             self.sorted_keys, self.sorted_ids = self.keys[order], FIRST_ID + order
-            self.rare = int(counts.counts.sum() - self.counts.sum())
+            total = counts.counts.sum() if counts.total is None else counts.total
+            self.rare = int(total - self.counts.sum())
 
     @property
     def cardinality(self) -> int:
@@ -529,6 +587,8 @@ def _options(config: PreprocessConfig) -> dict[str, Any]:
     options = {name: getattr(config, name) for name in names}
     if config.item_universe != "train":  # absent: the fingerprints of older outputs hold
         options["item_universe"] = config.item_universe
+    if config.item_catalog:
+        options["item_catalog"] = config.item_catalog
     return options
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
@@ -114,6 +115,40 @@ def test_whole_histories_and_the_item_universe_of_the_log(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="item_universe = 'log'.*encoding = 'hash'"):
         preprocess_interactions(
             _config(tmp_path, source, item_universe="log", encoding="hash", overwrite=True)
+        )
+
+
+@pytest.mark.parametrize("suffix", ["csv", "parquet"])
+def test_an_item_catalog_is_the_item_universe(tmp_path: Path, suffix: str) -> None:
+    source = tmp_path / "log.csv"
+    source.write_text(LOG)
+    catalog = tmp_path / f"catalog.{suffix}"
+    items = pa.table({"item": ["c", "z", "a", "d", "c"]})  # z: never logged; b: not listed
+    if suffix == "csv":
+        pcsv.write_csv(items, catalog)
+    else:
+        pq.write_table(items, catalog)
+    options = dict(item_universe="catalog", item_catalog=str(catalog))
+    out = preprocess_interactions(_config(tmp_path, source, **options)).output
+    # Train counts of the catalog's items: a 2, c 1, d 0, z 0 (ties by raw key); b is rare.
+    categories = pq.read_table(out / "categories" / "items.parquet").to_pylist()
+    assert [(r["item"], r["count"]) for r in categories][:2] == [("a", 2), ("c", 1)]
+    assert sorted(r["item"] for r in categories[2:]) == ["d", "z"]
+    d = 3 + [r["item"] for r in categories].index("d")
+    metadata = read_metadata(out)
+    assert metadata["sequence"]["num_items"] == 7
+    assert metadata["input"]["rare_train_events"] == 3  # b's 3 train events
+    test = {r["user"]: r for r in _rows(out, "test")}
+    assert test["u1"]["target"] == d and test["u1"]["items"] == [2, 4, 3]  # b is rare
+    bad = dict(overwrite=True, item_universe="catalog")
+    with pytest.raises(ValueError, match="a catalog file goes with item_universe = 'catalog'"):
+        preprocess_interactions(_config(tmp_path, source, **bad))
+    with pytest.raises(FileNotFoundError, match="item_catalog not found: '.*nowhere.csv'"):
+        preprocess_interactions(_config(tmp_path, source, **bad, item_catalog="nowhere.csv"))
+    pq.write_table(pa.table({"movie": ["a"]}), tmp_path / "other.parquet")
+    with pytest.raises(ValueError, match="has no column 'item'.*\\['movie'\\]"):
+        preprocess_interactions(
+            _config(tmp_path, source, **bad, item_catalog=str(tmp_path / "other.parquet"))
         )
 
 
