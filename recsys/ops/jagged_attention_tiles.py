@@ -1,8 +1,8 @@
 """Tile helpers shared by the HSTU jagged attention kernels
-(``recsys.ops.jagged_attention_triton``; the math: ``recsys.ops.jagged_attention``): the mask,
-the relative bias's table rows and values, and the score gradient of one [queries, keys] tile
-(each on query rows ``rows`` and key columns ``cols`` of one sequence); and on the host, the
-bias arguments every kernel takes.
+(``recsys.ops.jagged_attention_triton``; the math: ``recsys.ops.jagged_attention``): the loads
+of a tile's rows, the mask, the relative bias's table rows and values, the scores and the score
+gradient of one [queries, keys] tile (each on query rows ``rows`` and key columns ``cols`` of
+one sequence); and on the host, the bias arguments every kernel takes.
 """
 
 from __future__ import annotations
@@ -18,10 +18,36 @@ __all__ = [
     "bias_arguments",
     "bias_rows",
     "grad_scores",
+    "load_rows",
     "load_times",
     "relative_bias_tile",
+    "score_tile",
+    "sequence_rows",
     "visible_tile",
 ]
+
+
+@triton.jit
+def sequence_rows(offsets_ptr, targets_ptr, heads, HAS_TARGETS: tl.constexpr):
+    """(head, first row, rows n, history rows) of the sequence x head of axis 1 of the grid."""
+    seq = tl.program_id(1) // heads
+    start = tl.load(offsets_ptr + seq).to(tl.int64)
+    n = (tl.load(offsets_ptr + seq + 1) - start).to(tl.int32)
+    history = n
+    if HAS_TARGETS:
+        history = n - tl.load(targets_ptr + seq).to(tl.int32)
+    return tl.program_id(1) % heads, start, n, history
+
+
+@triton.jit
+def load_rows(ptr, start, rows, n, stride_t, head_offset, dims, width):
+    """[rows, dims] of one head of a jagged [T, H, D] tensor: rows ``start + rows`` (those
+    below ``n``), columns ``dims`` below ``width``; zeros elsewhere."""
+    return tl.load(
+        ptr + (start + rows)[:, None] * stride_t + head_offset + dims[None, :],
+        mask=(rows < n)[:, None] & (dims < width)[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -86,6 +112,58 @@ def load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS: tl.constexpr):
     if HAS_TIME_BIAS:
         times = tl.load(ts_ptr + start + rows, mask=rows < n, other=0.0)
     return times
+
+
+@triton.jit
+def score_tile(
+    q,
+    k,
+    rows,
+    cols,
+    n,
+    history,
+    t_rows,
+    t_cols,
+    position_w_ptr,
+    time_w_ptr,
+    alpha,
+    contextual_len,
+    max_attn_len,
+    num_positions,
+    num_time_buckets,
+    time_bucket_incr,
+    time_bucket_div,
+    HAS_WINDOW: tl.constexpr,
+    HAS_POSITION_BIAS: tl.constexpr,
+    HAS_TIME_BIAS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """(s, mask, position table rows, time table rows) of one [queries, keys] tile: s =
+    alpha q . k + rab, before the mask."""
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
+    position = 0
+    bucket = 0
+    if HAS_POSITION_BIAS or HAS_TIME_BIAS:
+        position, bucket = bias_rows(
+            rows,
+            cols,
+            history,
+            t_rows,
+            t_cols,
+            num_positions,
+            num_time_buckets,
+            time_bucket_incr,
+            time_bucket_div,
+            HAS_POSITION_BIAS,
+            HAS_TIME_BIAS,
+        )
+        s = s + relative_bias_tile(
+            position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
+        )
+    mask = visible_tile(
+        rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
+    )
+    return s, mask, position, bucket
 
 
 @triton.jit

@@ -21,11 +21,11 @@ from recsys.ops._triton import dot_in_fp32, dot_input_precision
 from recsys.ops.jagged_attention_tiles import (
     RelativeBiasTables,
     bias_arguments,
-    bias_rows,
     grad_scores,
+    load_rows,
     load_times,
-    relative_bias_tile,
-    visible_tile,
+    score_tile,
+    sequence_rows,
 )
 
 __all__ = ["BLOCK_M", "BLOCK_N", "KV_BLOCK_M", "JaggedAttentionFunction"]
@@ -78,65 +78,48 @@ def _forward_kernel(
 ):
     # One program per (query tile, sequence x head); keys loop up to the causal bound.
     m0 = tl.program_id(0) * BLOCK_M
-    seq = tl.program_id(1) // heads
-    head = tl.program_id(1) % heads
-    start = tl.load(offsets_ptr + seq).to(tl.int64)
-    n = (tl.load(offsets_ptr + seq + 1) - start).to(tl.int32)
+    head, start, n, history = sequence_rows(offsets_ptr, targets_ptr, heads, HAS_TARGETS)
     if m0 >= n:
         return
-    history = n
-    if HAS_TARGETS:
-        history = n - tl.load(targets_ptr + seq).to(tl.int32)
     rows = m0 + tl.arange(0, BLOCK_M)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
     t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
-    q = tl.load(
-        q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dqk[None, :],
-        mask=(rows < n)[:, None] & (dqk < D_QK)[None, :],
-        other=0.0,
-    )
+    q = load_rows(q_ptr, start, rows, n, stride_qt, head * stride_qh, dqk, D_QK)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     end = tl.minimum(n, tl.maximum(m0 + BLOCK_M, contextual_len))
     for n0 in range(0, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        key_mask = cols < n
-        k = tl.load(
-            k_ptr + (start + cols)[:, None] * stride_kt + head * stride_kh + dqk[None, :],
-            mask=key_mask[:, None] & (dqk < D_QK)[None, :],
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + (start + cols)[:, None] * stride_vt + head * stride_vh + dv[None, :],
-            mask=key_mask[:, None] & (dv < D_V)[None, :],
-            other=0.0,
-        )
+        k = load_rows(k_ptr, start, cols, n, stride_kt, head * stride_kh, dqk, D_QK)
+        v = load_rows(v_ptr, start, cols, n, stride_vt, head * stride_vh, dv, D_V)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
         t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
-        if HAS_POSITION_BIAS or HAS_TIME_BIAS:
-            position, bucket = bias_rows(
-                rows,
-                cols,
-                history,
-                t_rows,
-                t_cols,
-                num_positions,
-                num_time_buckets,
-                time_bucket_incr,
-                time_bucket_div,
-                HAS_POSITION_BIAS,
-                HAS_TIME_BIAS,
-            )
-            s = s + relative_bias_tile(
-                position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
-            )
-        mask = visible_tile(
-            rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
+        s, mask, _, _ = score_tile(
+            q,
+            k,
+            rows,
+            cols,
+            n,
+            history,
+            t_rows,
+            t_cols,
+            position_w_ptr,
+            time_w_ptr,
+            alpha,
+            contextual_len,
+            max_attn_len,
+            num_positions,
+            num_time_buckets,
+            time_bucket_incr,
+            time_bucket_div,
+            HAS_WINDOW,
+            HAS_POSITION_BIAS,
+            HAS_TIME_BIAS,
+            INPUT_PRECISION,
         )
         weights = tl.where(mask, s * tl.sigmoid(s), 0.0)
         acc = tl.dot(weights.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
@@ -193,29 +176,15 @@ def _grad_kv_kernel(
     # One program per (key tile, sequence x head): dk, dv summed over the query tiles that
     # can see the keys (from the tile's first key on, from 0 for contextual keys).
     n0 = tl.program_id(0) * BLOCK_N
-    seq = tl.program_id(1) // heads
-    head = tl.program_id(1) % heads
-    start = tl.load(offsets_ptr + seq).to(tl.int64)
-    n = (tl.load(offsets_ptr + seq + 1) - start).to(tl.int32)
+    head, start, n, history = sequence_rows(offsets_ptr, targets_ptr, heads, HAS_TARGETS)
     if n0 >= n:
         return
-    history = n
-    if HAS_TARGETS:
-        history = n - tl.load(targets_ptr + seq).to(tl.int32)
     cols = n0 + tl.arange(0, BLOCK_N)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
     key_mask = cols < n
-    k = tl.load(
-        k_ptr + (start + cols)[:, None] * stride_kt + head * stride_kh + dqk[None, :],
-        mask=key_mask[:, None] & (dqk < D_QK)[None, :],
-        other=0.0,
-    )
-    v = tl.load(
-        v_ptr + (start + cols)[:, None] * stride_vt + head * stride_vh + dv[None, :],
-        mask=key_mask[:, None] & (dv < D_V)[None, :],
-        other=0.0,
-    )
+    k = load_rows(k_ptr, start, cols, n, stride_kt, head * stride_kh, dqk, D_QK)
+    v = load_rows(v_ptr, start, cols, n, stride_vt, head * stride_vh, dv, D_V)
     if DOT_IN_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -227,41 +196,34 @@ def _grad_kv_kernel(
         first = 0
     for m0 in range(first, n, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < n
-        q = tl.load(
-            q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dqk[None, :],
-            mask=row_mask[:, None] & (dqk < D_QK)[None, :],
-            other=0.0,
-        )
-        g = tl.load(
-            g_ptr + (start + rows)[:, None] * stride_gt + head * stride_gh + dv[None, :],
-            mask=row_mask[:, None] & (dv < D_V)[None, :],
-            other=0.0,
-        )
+        q = load_rows(q_ptr, start, rows, n, stride_qt, head * stride_qh, dqk, D_QK)
+        g = load_rows(g_ptr, start, rows, n, stride_gt, head * stride_gh, dv, D_V)
         if DOT_IN_FP32:
             q = q.to(tl.float32)
             g = g.to(tl.float32)
         t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
-        if HAS_POSITION_BIAS or HAS_TIME_BIAS:
-            position, bucket = bias_rows(
-                rows,
-                cols,
-                history,
-                t_rows,
-                t_cols,
-                num_positions,
-                num_time_buckets,
-                time_bucket_incr,
-                time_bucket_div,
-                HAS_POSITION_BIAS,
-                HAS_TIME_BIAS,
-            )
-            s = s + relative_bias_tile(
-                position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
-            )
-        mask = visible_tile(
-            rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
+        s, mask, _, _ = score_tile(
+            q,
+            k,
+            rows,
+            cols,
+            n,
+            history,
+            t_rows,
+            t_cols,
+            position_w_ptr,
+            time_w_ptr,
+            alpha,
+            contextual_len,
+            max_attn_len,
+            num_positions,
+            num_time_buckets,
+            time_bucket_incr,
+            time_bucket_div,
+            HAS_WINDOW,
+            HAS_POSITION_BIAS,
+            HAS_TIME_BIAS,
+            INPUT_PRECISION,
         )
         weights, ds = grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION)
         dvv = tl.dot(tl.trans(weights.to(g.dtype)), g, dvv, input_precision=INPUT_PRECISION)
@@ -324,29 +286,14 @@ def _grad_q_kernel(
 ):
     # One program per (query tile, sequence x head): dq summed over the visible key tiles.
     m0 = tl.program_id(0) * BLOCK_M
-    seq = tl.program_id(1) // heads
-    head = tl.program_id(1) % heads
-    start = tl.load(offsets_ptr + seq).to(tl.int64)
-    n = (tl.load(offsets_ptr + seq + 1) - start).to(tl.int32)
+    head, start, n, history = sequence_rows(offsets_ptr, targets_ptr, heads, HAS_TARGETS)
     if m0 >= n:
         return
-    history = n
-    if HAS_TARGETS:
-        history = n - tl.load(targets_ptr + seq).to(tl.int32)
     rows = m0 + tl.arange(0, BLOCK_M)
-    row_mask = rows < n
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dqk[None, :],
-        mask=row_mask[:, None] & (dqk < D_QK)[None, :],
-        other=0.0,
-    )
-    g = tl.load(
-        g_ptr + (start + rows)[:, None] * stride_gt + head * stride_gh + dv[None, :],
-        mask=row_mask[:, None] & (dv < D_V)[None, :],
-        other=0.0,
-    )
+    q = load_rows(q_ptr, start, rows, n, stride_qt, head * stride_qh, dqk, D_QK)
+    g = load_rows(g_ptr, start, rows, n, stride_gt, head * stride_gh, dv, D_V)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
         g = g.to(tl.float32)
@@ -355,41 +302,34 @@ def _grad_q_kernel(
     end = tl.minimum(n, tl.maximum(m0 + BLOCK_M, contextual_len))
     for n0 in range(0, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        key_mask = cols < n
-        k = tl.load(
-            k_ptr + (start + cols)[:, None] * stride_kt + head * stride_kh + dqk[None, :],
-            mask=key_mask[:, None] & (dqk < D_QK)[None, :],
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + (start + cols)[:, None] * stride_vt + head * stride_vh + dv[None, :],
-            mask=key_mask[:, None] & (dv < D_V)[None, :],
-            other=0.0,
-        )
+        k = load_rows(k_ptr, start, cols, n, stride_kt, head * stride_kh, dqk, D_QK)
+        v = load_rows(v_ptr, start, cols, n, stride_vt, head * stride_vh, dv, D_V)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
         t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
-        if HAS_POSITION_BIAS or HAS_TIME_BIAS:
-            position, bucket = bias_rows(
-                rows,
-                cols,
-                history,
-                t_rows,
-                t_cols,
-                num_positions,
-                num_time_buckets,
-                time_bucket_incr,
-                time_bucket_div,
-                HAS_POSITION_BIAS,
-                HAS_TIME_BIAS,
-            )
-            s = s + relative_bias_tile(
-                position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
-            )
-        mask = visible_tile(
-            rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
+        s, mask, position, bucket = score_tile(
+            q,
+            k,
+            rows,
+            cols,
+            n,
+            history,
+            t_rows,
+            t_cols,
+            position_w_ptr,
+            time_w_ptr,
+            alpha,
+            contextual_len,
+            max_attn_len,
+            num_positions,
+            num_time_buckets,
+            time_bucket_incr,
+            time_bucket_div,
+            HAS_WINDOW,
+            HAS_POSITION_BIAS,
+            HAS_TIME_BIAS,
+            INPUT_PRECISION,
         )
         _, ds = grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION)
         if HAS_POSITION_BIAS:
@@ -400,7 +340,7 @@ def _grad_q_kernel(
     tl.store(
         dq_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dqk[None, :],
         (dq * alpha).to(dq_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & (dqk < D_QK)[None, :],
+        mask=(rows < n)[:, None] & (dqk < D_QK)[None, :],
     )
 
 
