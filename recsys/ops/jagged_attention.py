@@ -9,13 +9,35 @@ sequence and head, for positions i, j < n:
     y_i  = (1 / N) * sum_j  mask(i, j) * silu(s_ij) * v_j                  silu(x) = x sigmoid(x)
 
 with N = ``max_seq_len`` (one normalizer for the batch, as Meta's generative-recommenders
-does). ``mask(i, j)`` says which keys a query sees; with h = n - t_b the history length
-(``num_targets`` t_b, default 0), c = ``contextual_len`` and w = ``max_attn_len`` (0: none):
+does). ``mask(i, j)`` says which keys a query sees. With h = n - t_b the history length
+(``num_targets`` t_b, default 0), c = ``contextual_len`` (0 <= c <= h), w = ``max_attn_len``
+(0: no window) and m = ``min_full_attn_seq_len``, row p of a sequence sits at position
 
-- keys of the contextual prefix (j < c) are seen by every query;
-- otherwise a history query (i < h) sees j <= i (causal), and a target query (i >= h) sees the
-  history (j < h) and itself (j = i), not the other targets;
-- with w > 0, additionally i - j < w (the prefix is exempt).
+    u_p = min(max(p, c - 1), h)
+
+(the contextual prefix collapses to one position, c - 1, and every target sits at h, just after
+the history), and for i, j < n
+
+    mask(i, j) = [i = j  or  u_i > u_j]
+                 and [w = 0  or  u_i - u_j <= w  or  (m > 0 and u_i >= h - m)]
+                 or  [i < c  and  j < h]
+
+In words: causal over the history; a target sees the history and itself, not the other
+targets; a window keeps the keys at most w positions back (w = 1: the previous key and the
+diagonal), measured from u, so a non-prefix query sees the prefix's keys while u_i - (c - 1) <= w
+and a target's window ends at the history's end (its output does not depend on its slot among
+the targets); with a window, the rows at u_i >= h - m (the last m history rows and every
+target) ignore it; the prefix's rows see the whole history (not the targets), window or not.
+
+This is Meta's definition: ``_get_valid_attn_mask`` in
+generative-recommenders' ``generative_recommenders/ops/pytorch/pt_hstu_attention.py`` (their
+ids are u - max(c - 1, 0): ``ids - contextual_seq_len + 1`` clamped at 0, targets clamped to
+``max_ids``; ``eye | row_col_dist > 0``, ``row_col_dist <= max_attn_len`` or
+``row_ids >= max_ids - min_full_attn_seq_len``, and ``row_ids == 0 and col_ids < max_ids``),
+which their Triton kernel (``ops/triton/triton_hstu_attention.py``,
+``_hstu_attn_fwd_one_block``) computes the same way. Where recsys offers more: the Triton
+path here also takes ``min_full_attn_seq_len`` (Meta's Triton kernel asserts it is 0) and
+computes the backward.
 
 Relative attention bias (optional; Meta's ``RelativeBucketedTimeAndPositionBasedBias``, fused
 into the kernel like their ragged HSTU attention): s_ij = alpha q_i . k_j + rab_ij, one bias
@@ -68,6 +90,12 @@ __all__ = ["jagged_attention", "jagged_attention_reference", "relative_bias", "v
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def sequence_position(p: torch.Tensor, history: torch.Tensor, contextual_len: int) -> torch.Tensor:
+    """u_p of the module docstring: row ``p``'s position, the contextual prefix collapsed to
+    c - 1 and the targets pinned at the history's end (elementwise, broadcasting)."""
+    return torch.minimum(p.clamp(min=contextual_len - 1), history)
+
+
 def visible(
     i: torch.Tensor,
     j: torch.Tensor,
@@ -75,14 +103,21 @@ def visible(
     history: torch.Tensor,
     contextual_len: int,
     max_attn_len: int,
+    min_full_attn_seq_len: int = 0,
 ) -> torch.Tensor:
     """``mask(i, j)`` of the module docstring, elementwise (broadcasting), for sequences of
     ``n`` rows whose first ``history`` rows are history."""
-    inside = (i < n) & (j < n)
-    causal = torch.where(i < history, j <= i, (j < history) | (j == i))
+    u_i = sequence_position(i, history, contextual_len)
+    u_j = sequence_position(j, history, contextual_len)
+    seen = (i == j) | (u_i > u_j)
     if max_attn_len > 0:
-        causal = causal & (i - j < max_attn_len)
-    return inside & ((j < contextual_len) | causal)
+        near = u_i - u_j <= max_attn_len
+        if min_full_attn_seq_len > 0:
+            near = near | (u_i >= history - min_full_attn_seq_len)
+        seen = seen & near
+    if contextual_len > 0:
+        seen = seen | ((i < contextual_len) & (j < history))
+    return (i < n) & (j < n) & seen
 
 
 def _float32(value: float) -> float:
@@ -125,6 +160,7 @@ def _check(
     num_targets: torch.Tensor | None,
     contextual_len: int,
     max_attn_len: int,
+    min_full_attn_seq_len: int,
 ) -> None:
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
         raise ValueError(
@@ -135,11 +171,15 @@ def _check(
         raise ValueError(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} must agree")
     if offsets.dim() != 1 or offsets.numel() < 1 or offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offsets {tuple(offsets.shape)} {offsets.dtype}: expected int [B + 1]")
-    if max_seq_len < 0 or contextual_len < 0 or max_attn_len < 0:
-        raise ValueError(
-            f"max_seq_len={max_seq_len}, contextual_len={contextual_len}, max_attn_len="
-            f"{max_attn_len}: expected >= 0"
-        )
+    sizes = dict(
+        max_seq_len=max_seq_len,
+        contextual_len=contextual_len,
+        max_attn_len=max_attn_len,
+        min_full_attn_seq_len=min_full_attn_seq_len,
+    )
+    if min(sizes.values()) < 0:
+        named = ", ".join(f"{name}={value}" for name, value in sizes.items())
+        raise ValueError(f"{named}: expected >= 0")
     batch = offsets.numel() - 1
     if num_targets is not None and (num_targets.dim() != 1 or num_targets.numel() != batch):
         raise ValueError(f"num_targets {tuple(num_targets.shape)}: expected one per sequence")
@@ -175,7 +215,9 @@ def _check_bias(
         )
 
 
-def _check_lengths(offsets: torch.Tensor, max_seq_len: int, num_targets) -> None:
+def _check_lengths(
+    offsets: torch.Tensor, max_seq_len: int, num_targets, contextual_len: int
+) -> None:
     lengths = offsets.diff()
     if offsets.numel() and int(offsets[0]) != 0:
         raise ValueError(f"offsets[0] = {int(offsets[0])}; expected 0")
@@ -193,6 +235,17 @@ def _check_lengths(offsets: torch.Tensor, max_seq_len: int, num_targets) -> None
             raise ValueError(
                 f"num_targets[{b}] = {int(num_targets[b])}; sequence {b} has {int(lengths[b])} rows"
             )
+    if contextual_len > 0 and lengths.numel():
+        # an empty sequence has no rows to mask; any other holds the prefix in its history
+        history = lengths if num_targets is None else lengths - num_targets
+        bad = (lengths > 0) & (history < contextual_len)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"contextual_len = {contextual_len}; sequence {b} has {int(lengths[b])} rows, "
+                f"{int(history[b])} of them history: the contextual prefix must fit in the "
+                "history"
+            )
 
 
 def jagged_attention_reference(
@@ -206,6 +259,7 @@ def jagged_attention_reference(
     num_targets: torch.Tensor | None = None,
     contextual_len: int = 0,
     max_attn_len: int = 0,
+    min_full_attn_seq_len: int = 0,
     timestamps: torch.Tensor | None = None,
     position_weights: torch.Tensor | None = None,
     time_weights: torch.Tensor | None = None,
@@ -214,7 +268,8 @@ def jagged_attention_reference(
 ) -> torch.Tensor:
     """The module docstring's y, one sequence at a time in float64 (returned as float64;
     differentiable in q, k, v and the bias tables)."""
-    _check(q, k, v, offsets, max_seq_len, num_targets, contextual_len, max_attn_len)
+    masking = (contextual_len, max_attn_len, min_full_attn_seq_len)
+    _check(q, k, v, offsets, max_seq_len, num_targets, *masking)
     bucketing = (time_bucket_incr, time_bucket_div)
     _check_bias(q, timestamps, position_weights, time_weights, *bucketing)
     tables = [w.double() if w is not None else None for w in (position_weights, time_weights)]
@@ -232,7 +287,7 @@ def jagged_attention_reference(
         t_i, t_j = (times[:, None], times[None, :]) if times is not None else (None, None)
         bias = relative_bias(i, j, history, t_i, t_j, *tables, *bucketing)  # [n, n]
         s = alpha * qb @ kb.transpose(1, 2) + bias  # [H, n, n]
-        mask = visible(i, j, torch.tensor(n), history, contextual_len, max_attn_len)
+        mask = visible(i, j, torch.tensor(n), history, *masking)
         weights = torch.where(mask, torch.nn.functional.silu(s), 0.0) / max(max_seq_len, 1)
         out[start:end] = (weights @ vb).transpose(0, 1)
     return out
@@ -248,6 +303,7 @@ def _padded(
     num_targets: torch.Tensor | None,
     contextual_len: int,
     max_attn_len: int,
+    min_full_attn_seq_len: int,
     timestamps: torch.Tensor | None,
     position_weights: torch.Tensor | None,
     time_weights: torch.Tensor | None,
@@ -296,6 +352,7 @@ def _padded(
         (lengths - targets)[:, None, None],
         contextual_len,
         max_attn_len,
+        min_full_attn_seq_len,
     )  # [B, N, N]
     weights = torch.where(mask[:, None], torch.nn.functional.silu(s), 0.0) / length
     return (weights @ vp).transpose(1, 2)[row, col]  # [T, H, Dv]
@@ -312,6 +369,7 @@ def jagged_attention(
     num_targets: torch.Tensor | None = None,
     contextual_len: int = 0,
     max_attn_len: int = 0,
+    min_full_attn_seq_len: int = 0,
     timestamps: torch.Tensor | None = None,
     position_weights: torch.Tensor | None = None,
     time_weights: torch.Tensor | None = None,
@@ -328,29 +386,34 @@ def jagged_attention(
         max_seq_len: N, the normalizer and the longest sequence (host-known).
         alpha: the scale of q . k.
         num_targets: int [B], targets at the end of each sequence (None: none).
-        contextual_len: rows of each sequence's contextual prefix.
-        max_attn_len: the local window (0: none).
+        contextual_len: rows of each sequence's contextual prefix (at most its history).
+        max_attn_len: the local window, keys at most this many positions back (0: none).
+        min_full_attn_seq_len: with a window, the last rows of the history (and the targets)
+            that attend without it (0: none; Meta's option of that name).
         timestamps: [T] event times (any real dtype, used as float64), needed by the time bias.
         position_weights: [2P - 1] the position bias table (None: no position bias).
         time_weights: [num_time_buckets + 1] the time bias table (None: no time bias).
         time_bucket_incr / time_bucket_div: the time bucketing (module docstring).
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see ``recsys.ops._triton``).
-        validate: check on the host that no sequence is longer than ``max_seq_len`` and that
-            targets and prefix fit in their sequences (a read of the device). A caller that
-            knows it (a batch carrying its longest sequence) passes False; a longer sequence
-            is then not attended past ``max_seq_len``.
+        validate: check on the host that no sequence is longer than ``max_seq_len``, that
+            the targets fit in their sequences and the contextual prefix in the history of
+            every non-empty sequence (a read of the device). A caller that knows it (a batch
+            carrying its longest sequence) passes False; a longer sequence is then not
+            attended past ``max_seq_len``, and a prefix longer than a history gets an
+            unspecified mask.
 
     Raises:
         ValueError: shapes, dtypes or settings that do not fit (named), or a backend that
             cannot run here.
     """
-    _check(q, k, v, offsets, max_seq_len, num_targets, contextual_len, max_attn_len)
+    masking = (contextual_len, max_attn_len, min_full_attn_seq_len)
+    _check(q, k, v, offsets, max_seq_len, num_targets, *masking)
     bucketing = (_float32(time_bucket_incr), _float32(time_bucket_div))
     _check_bias(q, timestamps, position_weights, time_weights, *bucketing)
     if time_weights is None:
         timestamps = None
     if validate:
-        _check_lengths(offsets, max_seq_len, num_targets)
+        _check_lengths(offsets, max_seq_len, num_targets, contextual_len)
     unsupported = "" if q.dtype in TRITON_DTYPES else f"dtype {q.dtype}"
     chosen = resolve_backend(
         backend, q.device, op="jagged_attention", has_triton=True, triton_unsupported=unsupported
@@ -358,7 +421,7 @@ def jagged_attention(
     if chosen == "triton" and unsupported:
         raise ValueError(f"jagged_attention's Triton kernels take {TRITON_DTYPES}, not {q.dtype}")
     bias = (timestamps, position_weights, time_weights, *bucketing)
-    settings = (max_seq_len, alpha, num_targets, contextual_len, max_attn_len, *bias)
+    settings = (max_seq_len, alpha, num_targets, *masking, *bias)
     if chosen == "torch":
         return _padded(q, k, v, offsets, *settings)
     q, k, v = autocast_inputs(q, k, v)

@@ -51,12 +51,32 @@ def load_rows(ptr, start, rows, n, stride_t, head_offset, dims, width):
 
 
 @triton.jit
-def visible_tile(i, j, n, history, contextual_len, max_attn_len, HAS_WINDOW: tl.constexpr):
-    inside = (i < n) & (j < n)
-    causal = tl.where(i < history, j <= i, (j < history) | (j == i))
+def sequence_position(p, history, contextual_len):
+    """u_p of ``recsys.ops.jagged_attention``: the prefix at c - 1, the targets at h."""
+    return tl.minimum(tl.maximum(p, contextual_len - 1), history)
+
+
+@triton.jit
+def visible_tile(
+    rows,
+    cols,
+    n,
+    history,
+    contextual_len,
+    max_attn_len,
+    min_full_attn_seq_len,
+    HAS_WINDOW: tl.constexpr,
+):
+    """mask(i, j) of ``recsys.ops.jagged_attention`` on the [rows, cols] tile."""
+    u_i = sequence_position(rows, history, contextual_len)[:, None]
+    u_j = sequence_position(cols, history, contextual_len)[None, :]
+    seen = (rows[:, None] == cols[None, :]) | (u_i > u_j)
     if HAS_WINDOW:
-        causal = causal & (i - j < max_attn_len)
-    return inside & ((j < contextual_len) | causal)
+        # the rows from full_from on ignore the window (none with m = 0: u_i <= h <= n)
+        full_from = tl.where(min_full_attn_seq_len > 0, history - min_full_attn_seq_len, n + 1)
+        seen = seen & ((u_i - u_j <= max_attn_len) | (u_i >= full_from))
+    seen = seen | ((rows < contextual_len)[:, None] & (cols < history)[None, :])
+    return (rows < n)[:, None] & (cols < n)[None, :] & seen
 
 
 @triton.jit
@@ -129,6 +149,7 @@ def score_tile(
     alpha,
     contextual_len,
     max_attn_len,
+    min_full_attn_seq_len,
     num_positions,
     num_time_buckets,
     time_bucket_incr,
@@ -161,7 +182,7 @@ def score_tile(
             position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
         )
     mask = visible_tile(
-        rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
+        rows, cols, n, history, contextual_len, max_attn_len, min_full_attn_seq_len, HAS_WINDOW
     )
     return s, mask, position, bucket
 

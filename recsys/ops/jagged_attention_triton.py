@@ -2,9 +2,10 @@
 
 Forward: one program per (query tile of ``BLOCK_M`` rows, sequence x head) loads its queries
 once and loops over key tiles of ``BLOCK_N`` rows up to the causal bound (the tile's last
-query, or the contextual prefix's end if later), accumulating ``silu(s) v`` in fp32 registers.
-Backward: ``_grad_kv_kernel`` (one program per key tile) loops over the query tiles that can
-see its keys and accumulates dk and dv; ``_grad_q_kernel`` (one program per query tile) loops
+query, or the history's end for a tile holding contextual prefix rows), accumulating
+``silu(s) v`` in fp32 registers. Backward: ``_grad_kv_kernel`` (one program per key tile)
+loops over the query tiles that can see its keys (from its own on, and those of the prefix's
+rows) and accumulates dk and dv; ``_grad_q_kernel`` (one program per query tile) loops
 over key tiles for dq. Both recompute s, the mask and the relative bias; nothing of size
 [N, N] reaches memory. dq, dk, dv use no atomics and are deterministic; the gradients of the
 bias tables are summed with ``tl.atomic_add`` from the query-side kernel (every visible
@@ -59,6 +60,7 @@ def _forward_kernel(
     inv_n,
     contextual_len,
     max_attn_len,
+    min_full_attn_seq_len,
     num_positions,
     num_time_buckets,
     time_bucket_incr,
@@ -89,7 +91,9 @@ def _forward_kernel(
     if DOT_IN_FP32:
         q = q.to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    end = tl.minimum(n, tl.maximum(m0 + BLOCK_M, contextual_len))
+    end = tl.minimum(n, m0 + BLOCK_M)
+    if m0 < contextual_len:
+        end = tl.maximum(end, history)  # the prefix's rows see the whole history
     for n0 in range(0, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         k = load_rows(k_ptr, start, cols, n, stride_kt, head * stride_kh, dqk, D_QK)
@@ -112,6 +116,7 @@ def _forward_kernel(
             alpha,
             contextual_len,
             max_attn_len,
+            min_full_attn_seq_len,
             num_positions,
             num_time_buckets,
             time_bucket_incr,
@@ -156,6 +161,7 @@ def _grad_kv_kernel(
     inv_n,
     contextual_len,
     max_attn_len,
+    min_full_attn_seq_len,
     num_positions,
     num_time_buckets,
     time_bucket_incr,
@@ -174,7 +180,8 @@ def _grad_kv_kernel(
     BLOCK_DV: tl.constexpr,
 ):
     # One program per (key tile, sequence x head): dk, dv summed over the query tiles that
-    # can see the keys (from the tile's first key on, from 0 for contextual keys).
+    # can see the keys: from the tile's first key on, and the prefix's rows (which see every
+    # history key).
     n0 = tl.program_id(0) * BLOCK_N
     head, start, n, history = sequence_rows(offsets_ptr, targets_ptr, heads, HAS_TARGETS)
     if n0 >= n:
@@ -192,42 +199,43 @@ def _grad_kv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dvv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     first = (n0 // BLOCK_M) * BLOCK_M
-    if n0 < contextual_len:
-        first = 0
-    for m0 in range(first, n, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        q = load_rows(q_ptr, start, rows, n, stride_qt, head * stride_qh, dqk, D_QK)
-        g = load_rows(g_ptr, start, rows, n, stride_gt, head * stride_gh, dv, D_V)
-        if DOT_IN_FP32:
-            q = q.to(tl.float32)
-            g = g.to(tl.float32)
-        t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
-        s, mask, _, _ = score_tile(
-            q,
-            k,
-            rows,
-            cols,
-            n,
-            history,
-            t_rows,
-            t_cols,
-            position_w_ptr,
-            time_w_ptr,
-            alpha,
-            contextual_len,
-            max_attn_len,
-            num_positions,
-            num_time_buckets,
-            time_bucket_incr,
-            time_bucket_div,
-            HAS_WINDOW,
-            HAS_POSITION_BIAS,
-            HAS_TIME_BIAS,
-            INPUT_PRECISION,
-        )
-        weights, ds = grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION)
-        dvv = tl.dot(tl.trans(weights.to(g.dtype)), g, dvv, input_precision=INPUT_PRECISION)
-        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=INPUT_PRECISION)
+    prefix_rows = tl.where(n0 < history, contextual_len, 0)
+    for m0 in range(tl.where(prefix_rows > 0, 0, first), n, BLOCK_M):
+        if (m0 >= first) | (m0 < prefix_rows):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            q = load_rows(q_ptr, start, rows, n, stride_qt, head * stride_qh, dqk, D_QK)
+            g = load_rows(g_ptr, start, rows, n, stride_gt, head * stride_gh, dv, D_V)
+            if DOT_IN_FP32:
+                q = q.to(tl.float32)
+                g = g.to(tl.float32)
+            t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
+            s, mask, _, _ = score_tile(
+                q,
+                k,
+                rows,
+                cols,
+                n,
+                history,
+                t_rows,
+                t_cols,
+                position_w_ptr,
+                time_w_ptr,
+                alpha,
+                contextual_len,
+                max_attn_len,
+                min_full_attn_seq_len,
+                num_positions,
+                num_time_buckets,
+                time_bucket_incr,
+                time_bucket_div,
+                HAS_WINDOW,
+                HAS_POSITION_BIAS,
+                HAS_TIME_BIAS,
+                INPUT_PRECISION,
+            )
+            weights, ds = grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION)
+            dvv = tl.dot(tl.trans(weights.to(g.dtype)), g, dvv, input_precision=INPUT_PRECISION)
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=INPUT_PRECISION)
     tl.store(
         dk_ptr + (start + cols)[:, None] * stride_kt + head * stride_kh + dqk[None, :],
         (dk * alpha).to(dk_ptr.dtype.element_ty),
@@ -267,6 +275,7 @@ def _grad_q_kernel(
     inv_n,
     contextual_len,
     max_attn_len,
+    min_full_attn_seq_len,
     num_positions,
     num_time_buckets,
     time_bucket_incr,
@@ -299,7 +308,9 @@ def _grad_q_kernel(
         g = g.to(tl.float32)
     t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
-    end = tl.minimum(n, tl.maximum(m0 + BLOCK_M, contextual_len))
+    end = tl.minimum(n, m0 + BLOCK_M)
+    if m0 < contextual_len:
+        end = tl.maximum(end, history)  # the prefix's rows see the whole history
     for n0 in range(0, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         k = load_rows(k_ptr, start, cols, n, stride_kt, head * stride_kh, dqk, D_QK)
@@ -322,6 +333,7 @@ def _grad_q_kernel(
             alpha,
             contextual_len,
             max_attn_len,
+            min_full_attn_seq_len,
             num_positions,
             num_time_buckets,
             time_bucket_incr,
@@ -378,8 +390,9 @@ def _launch_options(
 
 class JaggedAttentionFunction(torch.autograd.Function):
     """``apply(q, k, v, offsets, max_seq_len, alpha, num_targets, contextual_len,
-    max_attn_len, timestamps, position_weights, time_weights, time_bucket_incr,
-    time_bucket_div)``: the Triton forward and backward of ``recsys.ops.jagged_attention``.
+    max_attn_len, min_full_attn_seq_len, timestamps, position_weights, time_weights,
+    time_bucket_incr, time_bucket_div)``: the Triton forward and backward of
+    ``recsys.ops.jagged_attention``.
     The bias tables are read as float32 and their gradients returned in their dtype."""
 
     @staticmethod
@@ -394,6 +407,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
         num_targets,
         contextual_len,
         max_attn_len,
+        min_full_attn_seq_len,
         timestamps,
         position_weights,
         time_weights,
@@ -440,6 +454,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
                 inv_n,
                 contextual_len,
                 max_attn_len,
+                min_full_attn_seq_len,
                 *bias_scalars,
                 **options,
             )
@@ -448,13 +463,15 @@ class JaggedAttentionFunction(torch.autograd.Function):
         ctx.table_dtypes = tuple(
             w.dtype if w is not None else None for w in (position_weights, time_weights)
         )
-        ctx.settings = (max_seq_len, alpha, contextual_len, max_attn_len, inv_n)
+        masking = (contextual_len, max_attn_len, min_full_attn_seq_len)
+        ctx.settings = (max_seq_len, alpha, masking, inv_n)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, offsets, num_targets, *bias_pointers = ctx.saved_tensors
-        max_seq_len, alpha, contextual_len, max_attn_len, inv_n = ctx.settings
+        max_seq_len, alpha, masking, inv_n = ctx.settings
+        contextual_len, max_attn_len, _ = masking
         bias = RelativeBiasTables.from_saved(bias_pointers, ctx.bias_settings)
         grad = grad.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -489,7 +506,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
             grad.stride(0),
             grad.stride(1),
         )
-        settings = (alpha, inv_n, contextual_len, max_attn_len, *bias_scalars)
+        settings = (alpha, inv_n, *masking, *bias_scalars)
         if q.shape[0]:
             _grad_kv_kernel[key_grid](
                 q,
@@ -531,7 +548,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
             dq,
             dk,
             dv,
-            *([None] * 7),
+            *([None] * 8),
             d_position_weights,
             d_time_weights,
             None,

@@ -1,0 +1,223 @@
+"""HSTU jagged attention's masks against Meta's definition: a dense HSTU written from
+generative-recommenders' ``pytorch_hstu_mha`` / ``_get_valid_attn_mask``
+(``generative_recommenders/ops/pytorch/pt_hstu_attention.py``), transcribed line by line below
+and independent of the op's code, compared with the float64 reference, the padded torch path
+and the Triton kernels (interpreted), forward and backward, for every mask option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recsys.ops.jagged_attention import jagged_attention, jagged_attention_reference, visible
+
+
+def meta_valid_attn_mask(
+    N: int,
+    seq_lengths: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    max_attn_len: int,
+    contextual_seq_len: int,
+    min_full_attn_seq_len: int,
+) -> torch.Tensor:
+    """Meta's ``_get_valid_attn_mask(device, causal=True, N, seq_lengths, num_targets,
+    max_attn_len, contextual_seq_len, min_full_attn_seq_len)``: [B or 1, N, N] bool."""
+    ids = torch.arange(0, N).view(1, N)
+    max_ids = seq_lengths.view(-1, 1, 1)
+    if contextual_seq_len > 0:
+        ids = ids - contextual_seq_len + 1
+        ids = torch.clamp(ids, min=0)
+        max_ids = max_ids - contextual_seq_len + 1
+    if num_targets is not None:
+        max_ids = max_ids - num_targets.view(-1, 1, 1)
+        ids = torch.clamp(ids, max=max_ids)
+        row_ids = ids.view(-1, N, 1).expand(-1, N, N)
+        col_ids = ids.view(-1, 1, N).expand(-1, N, N)
+    else:
+        row_ids = ids.view(N, 1).expand(N, N)
+        col_ids = row_ids.t()
+        row_ids = row_ids.view(1, N, N)
+        col_ids = col_ids.view(1, N, N)
+    row_col_dist = row_ids - col_ids
+    valid_attn_mask = torch.eye(N, dtype=torch.bool).view(1, N, N)
+    valid_attn_mask = torch.logical_or(valid_attn_mask, row_col_dist > 0)
+    if max_attn_len > 0:
+        if min_full_attn_seq_len > 0:
+            valid_attn_mask = torch.logical_and(
+                valid_attn_mask,
+                torch.logical_or(
+                    row_col_dist <= max_attn_len,
+                    row_ids >= max_ids - min_full_attn_seq_len,
+                ),
+            )
+        else:
+            valid_attn_mask = torch.logical_and(valid_attn_mask, row_col_dist <= max_attn_len)
+    if contextual_seq_len > 0:
+        valid_attn_mask = torch.logical_or(
+            valid_attn_mask, torch.logical_and(row_ids == 0, col_ids < max_ids)
+        )
+    return valid_attn_mask
+
+
+def meta_hstu_mha(q, k, v, offsets, max_seq_len, alpha, num_targets, masking):
+    """Meta's ``pytorch_hstu_mha`` (causal, no dropout, no attn_scale) in float64: pad to
+    [B, H, N, D], ``silu(alpha q k^T) / N`` times the mask, times v, back to jagged rows."""
+    lengths = offsets.diff()
+    batch, heads, N = lengths.numel(), q.shape[1], max_seq_len
+
+    def pad(x):
+        out = x.new_zeros(batch, N, heads, x.shape[2], dtype=torch.float64)
+        for b in range(batch):
+            out[b, : lengths[b]] = x[offsets[b] : offsets[b + 1]].double()
+        return out.transpose(1, 2)  # [B, H, N, D]
+
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    qk_attn = torch.einsum("bhxa,bhya->bhxy", qp, kp) * alpha
+    qk_attn = torch.nn.functional.silu(qk_attn) / N
+    valid_attn_mask = meta_valid_attn_mask(N, lengths, num_targets, **masking)
+    qk_attn = qk_attn * valid_attn_mask.unsqueeze(1)
+    dense = torch.einsum("bhxd,bhdv->bhxv", qk_attn, vp).transpose(1, 2)  # [B, N, H, V]
+    return torch.cat([dense[b, : lengths[b]] for b in range(batch)])
+
+
+def _meta_masking(max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0):
+    return dict(
+        max_attn_len=max_attn_len,
+        contextual_seq_len=contextual_seq_len,
+        min_full_attn_seq_len=min_full_attn_seq_len,
+    )
+
+
+def _ours(masking: dict) -> dict:
+    return dict(
+        max_attn_len=masking["max_attn_len"],
+        contextual_len=masking["contextual_seq_len"],
+        min_full_attn_seq_len=masking["min_full_attn_seq_len"],
+    )
+
+
+# (name, with targets, Meta's mask options)
+CASES = [
+    ("causal", False, _meta_masking()),
+    ("targets", True, _meta_masking()),
+    ("window 1", False, _meta_masking(max_attn_len=1)),
+    ("window 3", False, _meta_masking(max_attn_len=3)),
+    ("window 1 + targets", True, _meta_masking(max_attn_len=1)),
+    ("window 4 + targets", True, _meta_masking(max_attn_len=4)),
+    ("prefix 1", False, _meta_masking(contextual_seq_len=1)),
+    ("prefix 3", False, _meta_masking(contextual_seq_len=3)),
+    ("prefix 3 + targets", True, _meta_masking(contextual_seq_len=3)),
+    ("prefix 2 + window 2", False, _meta_masking(max_attn_len=2, contextual_seq_len=2)),
+    ("prefix 3 + window 1", False, _meta_masking(max_attn_len=1, contextual_seq_len=3)),
+    ("all", True, _meta_masking(max_attn_len=3, contextual_seq_len=2)),
+    ("full 2 + window 2", False, _meta_masking(max_attn_len=2, min_full_attn_seq_len=2)),
+    ("full 3 + all", True, _meta_masking(3, contextual_seq_len=2, min_full_attn_seq_len=3)),
+]
+IDS = [name for name, _, _ in CASES]
+
+
+def _case(lengths, targets, heads=2, d_qk=4, d_v=3, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k = (torch.randn(total, heads, d_qk, generator=g) for _ in range(2))
+    v = torch.randn(total, heads, d_v, generator=g)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    num_targets = None
+    if targets:
+        num_targets = torch.tensor(
+            [min(n - 3, b % 4) if n > 3 else 0 for b, n in enumerate(lengths)]
+        )
+    return [x.to(dtype).requires_grad_() for x in (q, k, v)], offsets, num_targets
+
+
+def _grads(out, inputs, upstream):
+    return torch.autograd.grad((out.double() * upstream).sum(), inputs)
+
+
+@pytest.mark.parametrize(("name", "targets", "masking"), CASES, ids=IDS)
+def test_reference_and_torch_path_are_metas_mask(name, targets, masking):
+    shortest = max(1, masking["contextual_seq_len"])  # a prefix fits in every history
+    lengths = [0, shortest, 3, 7, 11, 6]
+    (q, k, v), offsets, num_targets = _case(lengths, targets)
+    want = meta_hstu_mha(q, k, v, offsets, 12, 0.7, num_targets, masking)
+    options = dict(alpha=0.7, num_targets=num_targets, **_ours(masking))
+    upstream = torch.randn(want.shape, dtype=torch.float64)
+    wants = _grads(want, [q, k, v], upstream)
+    for got in (
+        jagged_attention_reference(q, k, v, offsets, 12, **options),
+        jagged_attention(q, k, v, offsets, 12, backend="torch", **options),
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        for a, b in zip(_grads(got, [q, k, v], upstream), wants, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("name", "targets", "masking"), CASES, ids=IDS)
+def test_triton_is_metas_mask(name, targets, masking):
+    # long enough for several tiles: prefix rows, windows and targets across tile edges
+    lengths = [0, max(1, masking["contextual_seq_len"]), 33, 70, 5]
+    (q, k, v), offsets, num_targets = _case(lengths, targets, d_qk=8, d_v=6, dtype=torch.float32)
+    options = dict(alpha=0.7, num_targets=num_targets, **_ours(masking))
+    got = jagged_attention(q, k, v, offsets, 72, backend="triton", **options)
+    want = meta_hstu_mha(q, k, v, offsets, 72, 0.7, num_targets, masking)
+    scale = want.abs().max()
+    assert (got.double() - want).abs().max() <= 1e-5 * scale
+    upstream = torch.randn(want.shape, dtype=torch.float64)
+    wants = _grads(want, [q, k, v], upstream)
+    gots = _grads(got, [q, k, v], upstream)
+    for name_, a, b in zip("qkv", gots, wants, strict=True):
+        assert (a.double() - b).abs().max() <= 4e-5 * b.abs().max(), name_
+
+
+def test_a_window_of_one_keeps_the_previous_key_and_the_diagonal():
+    want = torch.eye(5, dtype=torch.bool) | torch.diag(torch.ones(4, dtype=torch.bool), -1)
+    assert torch.equal(meta_valid_attn_mask(5, torch.tensor([5]), None, 1, 0, 0)[0], want)
+    i, j, n = torch.arange(5)[:, None], torch.arange(5)[None, :], torch.tensor(5)
+    assert torch.equal(visible(i, j, n, n, contextual_len=0, max_attn_len=1), want)
+
+
+def _reversed_targets(offsets, num_targets) -> torch.Tensor:
+    """Row order with each sequence's targets reversed (the history in place)."""
+    order = []
+    for b in range(offsets.numel() - 1):
+        start, end = int(offsets[b]), int(offsets[b + 1])
+        history = end - int(num_targets[b])
+        order += [*range(start, history), *range(end - 1, history - 1, -1)]
+    return torch.tensor(order)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_reversing_the_targets_permutes_their_outputs(backend):
+    # a window shorter than the targets: before, far targets lost the history to it
+    lengths = [9, 40, 37, 4]
+    num_targets = torch.tensor([5, 8, 3, 1])
+    (q, k, v), offsets, _ = _case(lengths, False, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    times = torch.cumsum(torch.rand(sum(lengths), generator=g, dtype=torch.float64) * 1e5, 0)
+    options = dict(
+        alpha=0.7,
+        num_targets=num_targets,
+        max_attn_len=3,
+        contextual_len=2,
+        timestamps=times,
+        position_weights=torch.randn(9, generator=g),
+        time_weights=torch.randn(30, generator=g),
+        backend=backend,
+    )
+    order = _reversed_targets(offsets, num_targets)
+    out = jagged_attention(q, k, v, offsets, 40, **options)
+    flipped = jagged_attention(
+        q[order], k[order], v[order], offsets, 40, **options | {"timestamps": times[order]}
+    )
+    assert torch.equal(flipped, out[order])
+
+
+def test_a_contextual_prefix_longer_than_a_history_is_refused():
+    (q, k, v), offsets, _ = _case([0, 4, 3], False)
+    jagged_attention(q, k, v, offsets, 4, contextual_len=3)  # the empty sequence: no rows
+    with pytest.raises(ValueError, match="contextual_len = 4; sequence 2 has 3 rows, 3 of them"):
+        jagged_attention(q, k, v, offsets, 4, contextual_len=4)
+    with pytest.raises(ValueError, match="contextual_len = 3; sequence 1 has 4 rows, 2 of them"):
+        jagged_attention(q, k, v, offsets, 4, contextual_len=3, num_targets=torch.tensor([0, 2, 0]))
+    with pytest.raises(ValueError, match="min_full_attn_seq_len=-1: expected >= 0"):
+        jagged_attention(q, k, v, offsets, 4, min_full_attn_seq_len=-1)
