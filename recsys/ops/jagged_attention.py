@@ -43,9 +43,13 @@ Relative attention bias (optional; Meta's ``RelativeBucketedTimeAndPositionBased
 into the kernel like their ragged HSTU attention): s_ij = alpha q_i . k_j + rab_ij, one bias
 for all heads, the sum of any of
 
-- position: ``position_weights[clamp(p_j - p_i + P - 1, 0, 2P - 2)]`` with the table of
-  2P - 1 entries and p_i = min(i, h) (every target sits at the position after the history,
-  as Meta's multi-target kernels place them): differences beyond P - 1 share the end rows;
+- position: ``position_weights[clamp(u_j - u_i + P - 1, 0, 2P - 2)]`` with the table of
+  2P - 1 entries and u the positions of the mask (every target at h, the prefix at c - 1):
+  differences beyond P - 1 share the end rows. This is Meta's fused relative-bias kernel
+  (``generative_recommenders/ops/triton/triton_ragged_hstu_attention.py`` of
+  generative-recommenders until 2025, ``offs_pos_w`` from ``offs_n_minus_m`` of the clamped
+  ids, with ``max_pos_ind`` = P); their research model's ``RelativePositionalBias`` is the
+  case without targets and prefix;
 - time: ``time_weights[clamp(floor(log(max(|t_i - t_j|, 1e-6) / incr) / div), 0, K)]``
   with ``timestamps`` t [T] (float64 in every path), K + 1 table entries, ``incr`` =
   ``time_bucket_incr`` and ``div`` = ``time_bucket_div`` (taken as float32 values). The
@@ -128,6 +132,7 @@ def relative_bias(
     i: torch.Tensor,
     j: torch.Tensor,
     history: torch.Tensor,
+    contextual_len: int,
     t_i: torch.Tensor | None,
     t_j: torch.Tensor | None,
     position_weights: torch.Tensor | None,
@@ -135,13 +140,15 @@ def relative_bias(
     time_bucket_incr: float = 1.0,
     time_bucket_div: float = 0.301,
 ) -> torch.Tensor | float:
-    """``rab(i, j)`` of the module docstring, elementwise (broadcasting): positions ``i``,
-    ``j``, history length ``history``, float64 times ``t_i``, ``t_j`` (used only with
-    ``time_weights``). 0.0 without tables."""
+    """``rab(i, j)`` of the module docstring, elementwise (broadcasting): rows ``i``, ``j``,
+    history length ``history``, the prefix's ``contextual_len``, float64 times ``t_i``,
+    ``t_j`` (used only with ``time_weights``). 0.0 without tables."""
     bias: torch.Tensor | float = 0.0
     if position_weights is not None:
         reach = (position_weights.numel() + 1) // 2  # P
-        gap = torch.minimum(j, history) - torch.minimum(i, history)
+        gap = sequence_position(j, history, contextual_len) - sequence_position(
+            i, history, contextual_len
+        )
         bias = position_weights[(gap + reach - 1).clamp(0, 2 * reach - 2)]
     if time_weights is not None:
         gap = (t_i - t_j).abs().clamp(min=1e-6)
@@ -285,7 +292,7 @@ def jagged_attention_reference(
         history = torch.tensor(n - targets[b])
         times = timestamps[start:end].double() if timestamps is not None else None
         t_i, t_j = (times[:, None], times[None, :]) if times is not None else (None, None)
-        bias = relative_bias(i, j, history, t_i, t_j, *tables, *bucketing)  # [n, n]
+        bias = relative_bias(i, j, history, contextual_len, t_i, t_j, *tables, *bucketing)
         s = alpha * qb @ kb.transpose(1, 2) + bias  # [H, n, n]
         mask = visible(i, j, torch.tensor(n), history, *masking)
         weights = torch.where(mask, torch.nn.functional.silu(s), 0.0) / max(max_seq_len, 1)
@@ -337,6 +344,7 @@ def _padded(
             steps[None, :, None],
             steps[None, None, :],
             (lengths - targets)[:, None, None],
+            contextual_len,
             times[:, :, None] if times is not None else None,
             times[:, None, :] if times is not None else None,
             position_weights,

@@ -60,6 +60,8 @@ def sequence_position(p, history, contextual_len):
 def visible_tile(
     rows,
     cols,
+    u_rows,
+    u_cols,
     n,
     history,
     contextual_len,
@@ -67,9 +69,10 @@ def visible_tile(
     min_full_attn_seq_len,
     HAS_WINDOW: tl.constexpr,
 ):
-    """mask(i, j) of ``recsys.ops.jagged_attention`` on the [rows, cols] tile."""
-    u_i = sequence_position(rows, history, contextual_len)[:, None]
-    u_j = sequence_position(cols, history, contextual_len)[None, :]
+    """mask(i, j) of ``recsys.ops.jagged_attention`` on the [rows, cols] tile, whose rows and
+    columns sit at positions ``u_rows``, ``u_cols``."""
+    u_i = u_rows[:, None]
+    u_j = u_cols[None, :]
     seen = (rows[:, None] == cols[None, :]) | (u_i > u_j)
     if HAS_WINDOW:
         # the rows from full_from on ignore the window (none with m = 0: u_i <= h <= n)
@@ -81,9 +84,8 @@ def visible_tile(
 
 @triton.jit
 def bias_rows(
-    rows,
-    cols,
-    history,
+    u_rows,
+    u_cols,
     t_rows,
     t_cols,
     num_positions,
@@ -93,13 +95,12 @@ def bias_rows(
     HAS_POSITION_BIAS: tl.constexpr,
     HAS_TIME_BIAS: tl.constexpr,
 ):
-    """The [queries, keys] rows of the position table and of the time table (0 where unused)."""
+    """The [queries, keys] rows of the position table (by the rows' and columns' positions
+    u) and of the time table (0 where unused)."""
     position = 0
     bucket = 0
     if HAS_POSITION_BIAS:
-        # targets all sit at the position after the history
-        position = tl.minimum(cols, history)[None, :] - tl.minimum(rows, history)[:, None]
-        position = position + num_positions - 1
+        position = u_cols[None, :] - u_rows[:, None] + num_positions - 1
         position = tl.minimum(tl.maximum(position, 0), 2 * num_positions - 2)
     if HAS_TIME_BIAS:
         gap = tl.abs(t_rows[:, None] - t_cols[None, :])  # float64
@@ -162,13 +163,14 @@ def score_tile(
     """(s, mask, position table rows, time table rows) of one [queries, keys] tile: s =
     alpha q . k + rab, before the mask."""
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
+    u_rows = sequence_position(rows, history, contextual_len)
+    u_cols = sequence_position(cols, history, contextual_len)
     position = 0
     bucket = 0
     if HAS_POSITION_BIAS or HAS_TIME_BIAS:
         position, bucket = bias_rows(
-            rows,
-            cols,
-            history,
+            u_rows,
+            u_cols,
             t_rows,
             t_cols,
             num_positions,
@@ -182,7 +184,16 @@ def score_tile(
             position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
         )
     mask = visible_tile(
-        rows, cols, n, history, contextual_len, max_attn_len, min_full_attn_seq_len, HAS_WINDOW
+        rows,
+        cols,
+        u_rows,
+        u_cols,
+        n,
+        history,
+        contextual_len,
+        max_attn_len,
+        min_full_attn_seq_len,
+        HAS_WINDOW,
     )
     return s, mask, position, bucket
 

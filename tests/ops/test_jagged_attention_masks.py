@@ -59,9 +59,35 @@ def meta_valid_attn_mask(
     return valid_attn_mask
 
 
-def meta_hstu_mha(q, k, v, offsets, max_seq_len, alpha, num_targets, masking):
+def meta_fused_position_rows(seq_len, n_targets, contextual_seq_len, max_pos_ind):
+    """[n, n] rows of the position table that Meta's fused relative-bias kernel reads for one
+    sequence (``_ragged_hstu_attn_fwd_one_block`` of
+    ``generative_recommenders/ops/triton/triton_ragged_hstu_attention.py``, as of 2024-12:
+    ``offs_pos_w`` from ``offs_n_minus_m`` of the clamped ids, ``HAS_MAX_POS_IND``)."""
+    offs_m = offs_n = torch.arange(seq_len)
+    max_ids = seq_len
+    if contextual_seq_len > 0:
+        offs_m = offs_m - contextual_seq_len + 1
+        offs_m = torch.where(offs_m > 0, offs_m, 0)
+        offs_n = offs_n - contextual_seq_len + 1
+        offs_n = torch.where(offs_n > 0, offs_n, 0)
+        max_ids = max_ids - contextual_seq_len + 1
+    if n_targets is not None:
+        max_ids = max_ids - n_targets
+        offs_m = torch.where(offs_m < max_ids, offs_m, max_ids)
+        offs_n = torch.where(offs_n < max_ids, offs_n, max_ids)
+    offs_n_minus_m = offs_n[None, :] - offs_m[:, None]
+    offs_pos_w = offs_n_minus_m + max_pos_ind - 1
+    offs_pos_w = torch.where(offs_pos_w > 0, offs_pos_w, 0)
+    return torch.where(offs_pos_w < 2 * max_pos_ind - 2, offs_pos_w, 2 * max_pos_ind - 2)
+
+
+def meta_hstu_mha(
+    q, k, v, offsets, max_seq_len, alpha, num_targets, masking, position_weights=None
+):
     """Meta's ``pytorch_hstu_mha`` (causal, no dropout, no attn_scale) in float64: pad to
-    [B, H, N, D], ``silu(alpha q k^T) / N`` times the mask, times v, back to jagged rows."""
+    [B, H, N, D], ``silu(alpha q k^T + rab) / N`` times the mask, times v, back to jagged
+    rows; rab from ``position_weights`` as their fused relative-bias kernel reads it."""
     lengths = offsets.diff()
     batch, heads, N = lengths.numel(), q.shape[1], max_seq_len
 
@@ -73,6 +99,14 @@ def meta_hstu_mha(q, k, v, offsets, max_seq_len, alpha, num_targets, masking):
 
     qp, kp, vp = pad(q), pad(k), pad(v)
     qk_attn = torch.einsum("bhxa,bhya->bhxy", qp, kp) * alpha
+    if position_weights is not None:
+        rab = torch.zeros(batch, N, N, dtype=torch.float64)
+        for b, n in enumerate(lengths.tolist()):
+            targets = None if num_targets is None else int(num_targets[b])
+            reach = (position_weights.numel() + 1) // 2
+            rows = meta_fused_position_rows(n, targets, masking["contextual_seq_len"], reach)
+            rab[b, :n, :n] = position_weights.double()[rows]
+        qk_attn = qk_attn + rab.unsqueeze(1)
     qk_attn = torch.nn.functional.silu(qk_attn) / N
     valid_attn_mask = meta_valid_attn_mask(N, lengths, num_targets, **masking)
     qk_attn = qk_attn * valid_attn_mask.unsqueeze(1)
@@ -134,38 +168,48 @@ def _grads(out, inputs, upstream):
     return torch.autograd.grad((out.double() * upstream).sum(), inputs)
 
 
+@pytest.mark.parametrize("position_bias", [False, True])
 @pytest.mark.parametrize(("name", "targets", "masking"), CASES, ids=IDS)
-def test_reference_and_torch_path_are_metas_mask(name, targets, masking):
+def test_reference_and_torch_path_are_metas(name, targets, masking, position_bias):
     shortest = max(1, masking["contextual_seq_len"])  # a prefix fits in every history
     lengths = [0, shortest, 3, 7, 11, 6]
     (q, k, v), offsets, num_targets = _case(lengths, targets)
-    want = meta_hstu_mha(q, k, v, offsets, 12, 0.7, num_targets, masking)
+    inputs = [q, k, v]
     options = dict(alpha=0.7, num_targets=num_targets, **_ours(masking))
+    if position_bias:  # 2P - 1 = 7 rows: shorter than the sequences, the end rows shared
+        options["position_weights"] = torch.randn(7, dtype=torch.float64, requires_grad=True)
+        inputs.append(options["position_weights"])
+    position_weights = options.get("position_weights")
+    want = meta_hstu_mha(q, k, v, offsets, 12, 0.7, num_targets, masking, position_weights)
     upstream = torch.randn(want.shape, dtype=torch.float64)
-    wants = _grads(want, [q, k, v], upstream)
+    wants = _grads(want, inputs, upstream)
     for got in (
         jagged_attention_reference(q, k, v, offsets, 12, **options),
         jagged_attention(q, k, v, offsets, 12, backend="torch", **options),
     ):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-        for a, b in zip(_grads(got, [q, k, v], upstream), wants, strict=True):
+        for a, b in zip(_grads(got, inputs, upstream), wants, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(("name", "targets", "masking"), CASES, ids=IDS)
-def test_triton_is_metas_mask(name, targets, masking):
+def test_triton_is_metas(name, targets, masking):
     # long enough for several tiles: prefix rows, windows and targets across tile edges
     lengths = [0, max(1, masking["contextual_seq_len"]), 33, 70, 5]
     (q, k, v), offsets, num_targets = _case(lengths, targets, d_qk=8, d_v=6, dtype=torch.float32)
+    position_weights = torch.randn(41, requires_grad=True)  # P = 21 < the longest sequence
+    inputs = [q, k, v, position_weights]
     options = dict(alpha=0.7, num_targets=num_targets, **_ours(masking))
-    got = jagged_attention(q, k, v, offsets, 72, backend="triton", **options)
-    want = meta_hstu_mha(q, k, v, offsets, 72, 0.7, num_targets, masking)
+    got = jagged_attention(
+        q, k, v, offsets, 72, backend="triton", position_weights=position_weights, **options
+    )
+    want = meta_hstu_mha(q, k, v, offsets, 72, 0.7, num_targets, masking, position_weights)
     scale = want.abs().max()
     assert (got.double() - want).abs().max() <= 1e-5 * scale
     upstream = torch.randn(want.shape, dtype=torch.float64)
-    wants = _grads(want, [q, k, v], upstream)
-    gots = _grads(got, [q, k, v], upstream)
-    for name_, a, b in zip("qkv", gots, wants, strict=True):
+    wants = _grads(want, inputs, upstream)
+    gots = _grads(got, inputs, upstream)
+    for name_, a, b in zip([*"qkv", "position_weights"], gots, wants, strict=True):
         assert (a.double() - b).abs().max() <= 4e-5 * b.abs().max(), name_
 
 
