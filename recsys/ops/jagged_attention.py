@@ -40,23 +40,41 @@ path here also takes ``min_full_attn_seq_len`` (Meta's Triton kernel asserts it 
 computes the backward.
 
 Relative attention bias (optional; Meta's ``RelativeBucketedTimeAndPositionBasedBias``, fused
-into the kernel like their ragged HSTU attention): s_ij = alpha q_i . k_j + rab_ij, one bias
-for all heads, the sum of any of
+into the kernel like their ragged HSTU attention was): s_ij = alpha q_i . k_j + rab_ij, one
+bias for all heads, the sum of any of
 
 - position: ``position_weights[clamp(u_j - u_i + P - 1, 0, 2P - 2)]`` with the table of
   2P - 1 entries and u the positions of the mask (every target at h, the prefix at c - 1):
   differences beyond P - 1 share the end rows. This is Meta's fused relative-bias kernel
-  (``generative_recommenders/ops/triton/triton_ragged_hstu_attention.py`` of
-  generative-recommenders until 2025, ``offs_pos_w`` from ``offs_n_minus_m`` of the clamped
-  ids, with ``max_pos_ind`` = P); their research model's ``RelativePositionalBias`` is the
-  case without targets and prefix;
-- time: ``time_weights[clamp(floor(log(max(|t_i - t_j|, 1e-6) / incr) / div), 0, K)]``
+  (generative-recommenders' ``generative_recommenders/ops/triton/
+  triton_ragged_hstu_attention.py``, ``offs_pos_w`` from ``offs_n_minus_m`` of the clamped
+  ids, ``max_pos_ind`` = P; their commit 472bc98 of December 2024 replaced it with
+  ``triton_hstu_attention.py``, which has no bias); their research model's
+  ``RelativePositionalBias`` is the case without targets and prefix;
+- time: ``time_weights[clamp(floor(log(max(|tau_i - t_j|, 1e-6) / incr) / div), 0, K)]``
   with ``timestamps`` t [T] (float64 in every path), K + 1 table entries, ``incr`` =
   ``time_bucket_incr`` and ``div`` = ``time_bucket_div`` (taken as float32 values). The
-  defaults (1 s, 0.301) are the research HSTU's ``log(|dt|) / 0.301``, 128 buckets in its
-  recipes. Unlike Meta's causal kernel, which compares the key's time with the time of the
-  query's *next* event, t_i is the query's own time (so a history's last position needs no
-  future timestamp at serving time); shift ``timestamps`` to get their convention.
+  defaults (1 s, 0.301) are the research HSTU's ``log(max(|dt|, 1)) / 0.301`` (the same
+  buckets), 128 buckets in its recipes. The query's time tau_i is, by ``time_convention``:
+
+  - ``"own"`` (the default): tau_i = t_i, the query's own event (recsys's convention: a
+    sequence's last row needs no later time, which serving does not have);
+  - ``"next"``: tau_i = t_(i+1), the next row's time (the event row i predicts), and
+    tau_(n-1) = t_(n-1) for a sequence's last row: Meta's causal
+    ``RelativeBucketedTimeAndPositionBasedBias`` (``generative_recommenders/research/
+    modeling/sequential/hstu.py``: ``ext_timestamps = torch.cat([all_timestamps,
+    all_timestamps[:, N - 1 : N]], dim=1)``, buckets of ``ext_timestamps[:, 1:].unsqueeze(2)
+    - ext_timestamps[:, :-1].unsqueeze(1)``) and their fused kernel (``ts_0`` loaded at
+    ``offs_m + 1`` when ``CAUSAL``). For a last row Meta reads slot n of its padded
+    timestamps: a copy of the row's own time when the sequence fills the buffer (what recsys
+    uses for every sequence), the held-out target's time in their research data, which
+    writes it there; a jagged batch has no slot n. Meta reads t_(i+1) for targets too, and so
+    does recsys: the history's last row takes the first target's time and a target the next
+    one's, so targets of different times make the outputs depend on their order (give a
+    request's targets one time, or use ``"own"``).
+
+  Shifting ``timestamps`` does not turn one convention into the other: the keys' times move
+  with the queries'.
 
 The tables' gradients: dz_ij below, summed over heads and over the (i, j) sharing a row.
 
@@ -89,9 +107,18 @@ import torch
 from recsys.ops._triton import autocast_inputs, resolve_backend
 from recsys.ops.jagged_attention_triton import JaggedAttentionFunction
 
-__all__ = ["jagged_attention", "jagged_attention_reference", "relative_bias", "visible"]
+__all__ = [
+    "TIME_CONVENTIONS",
+    "jagged_attention",
+    "jagged_attention_reference",
+    "query_times",
+    "relative_bias",
+    "visible",
+]
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TIME_CONVENTIONS = ("own", "next")
+"""``time_convention`` values: the query's own time, or the next row's (module docstring)."""
 
 
 def sequence_position(p: torch.Tensor, history: torch.Tensor, contextual_len: int) -> torch.Tensor:
@@ -122,6 +149,16 @@ def visible(
     if contextual_len > 0:
         seen = seen | ((i < contextual_len) & (j < history))
     return (i < n) & (j < n) & seen
+
+
+def query_times(times: torch.Tensor, lengths: torch.Tensor, time_convention: str) -> torch.Tensor:
+    """tau of the module docstring for the rows' times ``times`` [..., N] of sequences of
+    ``lengths`` [...] rows (rows past a sequence's end get its last row's time)."""
+    if time_convention == "own":
+        return times
+    steps = torch.arange(times.shape[-1], device=times.device)
+    following = torch.minimum(steps + 1, (lengths - 1).clamp(min=0)[..., None])
+    return times.gather(-1, following.expand(times.shape))
 
 
 def _float32(value: float) -> float:
@@ -199,7 +236,10 @@ def _check_bias(
     time_weights: torch.Tensor | None,
     time_bucket_incr: float,
     time_bucket_div: float,
+    time_convention: str,
 ) -> None:
+    if time_convention not in TIME_CONVENTIONS:
+        raise ValueError(f"time_convention={time_convention!r}: expected one of {TIME_CONVENTIONS}")
     if position_weights is not None and (
         position_weights.dim() != 1 or position_weights.numel() % 2 == 0
     ):
@@ -272,13 +312,14 @@ def jagged_attention_reference(
     time_weights: torch.Tensor | None = None,
     time_bucket_incr: float = 1.0,
     time_bucket_div: float = 0.301,
+    time_convention: str = "own",
 ) -> torch.Tensor:
     """The module docstring's y, one sequence at a time in float64 (returned as float64;
     differentiable in q, k, v and the bias tables)."""
     masking = (contextual_len, max_attn_len, min_full_attn_seq_len)
     _check(q, k, v, offsets, max_seq_len, num_targets, *masking)
     bucketing = (time_bucket_incr, time_bucket_div)
-    _check_bias(q, timestamps, position_weights, time_weights, *bucketing)
+    _check_bias(q, timestamps, position_weights, time_weights, *bucketing, time_convention)
     tables = [w.double() if w is not None else None for w in (position_weights, time_weights)]
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64, device=q.device)
     bounds = offsets.tolist()
@@ -291,7 +332,10 @@ def jagged_attention_reference(
         j = torch.arange(n, device=q.device)[None, :]
         history = torch.tensor(n - targets[b])
         times = timestamps[start:end].double() if timestamps is not None else None
-        t_i, t_j = (times[:, None], times[None, :]) if times is not None else (None, None)
+        t_i, t_j = None, None
+        if times is not None:
+            t_i = query_times(times, torch.tensor(n), time_convention)[:, None]
+            t_j = times[None, :]
         bias = relative_bias(i, j, history, contextual_len, t_i, t_j, *tables, *bucketing)
         s = alpha * qb @ kb.transpose(1, 2) + bias  # [H, n, n]
         mask = visible(i, j, torch.tensor(n), history, *masking)
@@ -316,6 +360,7 @@ def _padded(
     time_weights: torch.Tensor | None,
     time_bucket_incr: float,
     time_bucket_div: float,
+    time_convention: str,
 ) -> torch.Tensor:
     """The torch path: the batch padded to [B, N], weights [B, H, N, N]."""
     total, heads = q.shape[:2]
@@ -333,19 +378,20 @@ def _padded(
     steps = torch.arange(length, device=q.device)
     targets = torch.zeros_like(lengths) if num_targets is None else num_targets.long()
     if position_weights is not None or time_weights is not None:
-        times = None
+        times = t_i = None
         if time_weights is not None:
             times = (
                 timestamps.double()
                 .new_zeros(batch, length)
                 .index_put((row, col), timestamps.double())
             )  # [B, N]
+            t_i = query_times(times, lengths, time_convention)[:, :, None]
         bias = relative_bias(
             steps[None, :, None],
             steps[None, None, :],
             (lengths - targets)[:, None, None],
             contextual_len,
-            times[:, :, None] if times is not None else None,
+            t_i,
             times[:, None, :] if times is not None else None,
             position_weights,
             time_weights,
@@ -383,6 +429,7 @@ def jagged_attention(
     time_weights: torch.Tensor | None = None,
     time_bucket_incr: float = 1.0,
     time_bucket_div: float = 0.301,
+    time_convention: str = "own",
     backend: str = "auto",
     validate: bool = True,
 ) -> torch.Tensor:
@@ -402,6 +449,8 @@ def jagged_attention(
         position_weights: [2P - 1] the position bias table (None: no position bias).
         time_weights: [num_time_buckets + 1] the time bias table (None: no time bias).
         time_bucket_incr / time_bucket_div: the time bucketing (module docstring).
+        time_convention: the query's time in the time bias: ``"own"`` (its own event's) or
+            ``"next"`` (the next row's, Meta's; module docstring).
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see ``recsys.ops._triton``).
         validate: check on the host that no sequence is longer than ``max_seq_len``, that
             the targets fit in their sequences and the contextual prefix in the history of
@@ -417,7 +466,7 @@ def jagged_attention(
     masking = (contextual_len, max_attn_len, min_full_attn_seq_len)
     _check(q, k, v, offsets, max_seq_len, num_targets, *masking)
     bucketing = (_float32(time_bucket_incr), _float32(time_bucket_div))
-    _check_bias(q, timestamps, position_weights, time_weights, *bucketing)
+    _check_bias(q, timestamps, position_weights, time_weights, *bucketing, time_convention)
     if time_weights is None:
         timestamps = None
     if validate:
@@ -428,7 +477,7 @@ def jagged_attention(
     )
     if chosen == "triton" and unsupported:
         raise ValueError(f"jagged_attention's Triton kernels take {TRITON_DTYPES}, not {q.dtype}")
-    bias = (timestamps, position_weights, time_weights, *bucketing)
+    bias = (timestamps, position_weights, time_weights, *bucketing, time_convention)
     settings = (max_seq_len, alpha, num_targets, *masking, *bias)
     if chosen == "torch":
         return _padded(q, k, v, offsets, *settings)

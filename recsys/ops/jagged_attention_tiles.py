@@ -20,6 +20,7 @@ __all__ = [
     "grad_scores",
     "load_rows",
     "load_times",
+    "query_times",
     "relative_bias_tile",
     "score_tile",
     "sequence_rows",
@@ -199,6 +200,19 @@ def score_tile(
 
 
 @triton.jit
+def query_times(ts_ptr, start, rows, n, HAS_TIME_BIAS: tl.constexpr, TIME_FROM_NEXT: tl.constexpr):
+    """tau of the rows (``time_convention``): their own times, or the next rows' (a
+    sequence's last row: its own)."""
+    times = 0.0
+    if HAS_TIME_BIAS:
+        following = rows
+        if TIME_FROM_NEXT:
+            following = tl.minimum(rows + 1, n - 1)
+        times = tl.load(ts_ptr + start + following, mask=rows < n, other=0.0)
+    return times
+
+
+@triton.jit
 def grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION: tl.constexpr):
     """(weights / N, dL/ds) of one [queries, keys] tile of scores s, masked (without alpha)."""
     sig = tl.sigmoid(s)
@@ -212,27 +226,31 @@ def grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION: tl.constexpr):
 class RelativeBiasTables:
     """The relative attention bias a launch adds to s (see ``recsys.ops.jagged_attention``):
     ``timestamps`` float64 [T] (None without the time bias), ``position_weights`` [2P - 1]
-    and ``time_weights`` [num_time_buckets + 1] (either may be None), and the bucketing's
-    ``time_bucket_incr`` / ``time_bucket_div`` (float32 values)."""
+    and ``time_weights`` [num_time_buckets + 1] (either may be None), the bucketing's
+    ``time_bucket_incr`` / ``time_bucket_div`` (float32 values) and whether a query's time is
+    the next row's (``time_convention="next"``)."""
 
     timestamps: torch.Tensor | None
     position_weights: torch.Tensor | None
     time_weights: torch.Tensor | None
     time_bucket_incr: float
     time_bucket_div: float
+    time_from_next: bool = False
 
     def settings(self) -> tuple:
         """What :meth:`from_saved` needs besides the tensors (which tables are present, the
-        bucketing): an autograd Function keeps tensors only through save_for_backward."""
+        bucketing, the query's time): an autograd Function keeps tensors only through
+        save_for_backward."""
         present = (self.timestamps, self.position_weights, self.time_weights)
-        return (*(t is not None for t in present), self.time_bucket_incr, self.time_bucket_div)
+        scalars = (self.time_bucket_incr, self.time_bucket_div, self.time_from_next)
+        return (*(t is not None for t in present), *scalars)
 
     @classmethod
     def from_saved(cls, pointers: list[torch.Tensor], settings: tuple) -> RelativeBiasTables:
         """The tables back from :func:`bias_arguments`' pointer tensors and :meth:`settings`."""
-        *present, incr, div = settings
+        *present, incr, div, time_from_next = settings
         tensors = [t if kept else None for t, kept in zip(pointers, present, strict=True)]
-        return cls(*tensors, incr, div)
+        return cls(*tensors, incr, div, time_from_next)
 
 
 def bias_arguments(bias: RelativeBiasTables, fallback: torch.Tensor) -> tuple[list, list]:

@@ -25,6 +25,7 @@ from recsys.ops.jagged_attention_tiles import (
     grad_scores,
     load_rows,
     load_times,
+    query_times,
     score_tile,
     sequence_rows,
 )
@@ -71,6 +72,7 @@ def _forward_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_POSITION_BIAS: tl.constexpr,
     HAS_TIME_BIAS: tl.constexpr,
+    TIME_FROM_NEXT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -86,7 +88,7 @@ def _forward_kernel(
     rows = m0 + tl.arange(0, BLOCK_M)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
-    t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
+    t_rows = query_times(ts_ptr, start, rows, n, HAS_TIME_BIAS, TIME_FROM_NEXT)
     q = load_rows(q_ptr, start, rows, n, stride_qt, head * stride_qh, dqk, D_QK)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
@@ -172,6 +174,7 @@ def _grad_kv_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_POSITION_BIAS: tl.constexpr,
     HAS_TIME_BIAS: tl.constexpr,
+    TIME_FROM_NEXT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -208,7 +211,7 @@ def _grad_kv_kernel(
             if DOT_IN_FP32:
                 q = q.to(tl.float32)
                 g = g.to(tl.float32)
-            t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
+            t_rows = query_times(ts_ptr, start, rows, n, HAS_TIME_BIAS, TIME_FROM_NEXT)
             s, mask, _, _ = score_tile(
                 q,
                 k,
@@ -286,6 +289,7 @@ def _grad_q_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_POSITION_BIAS: tl.constexpr,
     HAS_TIME_BIAS: tl.constexpr,
+    TIME_FROM_NEXT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -306,7 +310,7 @@ def _grad_q_kernel(
     if DOT_IN_FP32:
         q = q.to(tl.float32)
         g = g.to(tl.float32)
-    t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
+    t_rows = query_times(ts_ptr, start, rows, n, HAS_TIME_BIAS, TIME_FROM_NEXT)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     end = tl.minimum(n, m0 + BLOCK_M)
     if m0 < contextual_len:
@@ -379,6 +383,7 @@ def _launch_options(
         HAS_WINDOW=max_attn_len > 0,
         HAS_POSITION_BIAS=bias.position_weights is not None,
         HAS_TIME_BIAS=bias.time_weights is not None,
+        TIME_FROM_NEXT=bias.time_weights is not None and bias.time_from_next,
         INPUT_PRECISION=dot_input_precision(q.dtype),
         DOT_IN_FP32=dot_in_fp32(q.dtype, widened=(torch.bfloat16, torch.float16)),
         BLOCK_M=BLOCK_M,
@@ -391,7 +396,7 @@ def _launch_options(
 class JaggedAttentionFunction(torch.autograd.Function):
     """``apply(q, k, v, offsets, max_seq_len, alpha, num_targets, contextual_len,
     max_attn_len, min_full_attn_seq_len, timestamps, position_weights, time_weights,
-    time_bucket_incr, time_bucket_div)``: the Triton forward and backward of
+    time_bucket_incr, time_bucket_div, time_convention)``: the Triton forward and backward of
     ``recsys.ops.jagged_attention``.
     The bias tables are read as float32 and their gradients returned in their dtype."""
 
@@ -413,6 +418,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
         time_weights,
         time_bucket_incr,
         time_bucket_div,
+        time_convention,
     ):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         bias = RelativeBiasTables(
@@ -423,6 +429,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
             time_weights.detach().float().contiguous() if time_weights is not None else None,
             time_bucket_incr,
             time_bucket_div,
+            time_convention == "next",
         )
         out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
         options = _launch_options(
@@ -551,6 +558,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
             *([None] * 8),
             d_position_weights,
             d_time_weights,
+            None,
             None,
             None,
         )

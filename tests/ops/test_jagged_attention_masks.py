@@ -1,8 +1,11 @@
-"""HSTU jagged attention's masks against Meta's definition: a dense HSTU written from
+"""HSTU jagged attention against Meta's definition: a dense HSTU written from
 generative-recommenders' ``pytorch_hstu_mha`` / ``_get_valid_attn_mask``
-(``generative_recommenders/ops/pytorch/pt_hstu_attention.py``), transcribed line by line below
-and independent of the op's code, compared with the float64 reference, the padded torch path
-and the Triton kernels (interpreted), forward and backward, for every mask option."""
+(``generative_recommenders/ops/pytorch/pt_hstu_attention.py``), the position rows of their
+fused relative-bias kernel and the time half of their research
+``RelativeBucketedTimeAndPositionBasedBias`` (``time_convention="next"``), transcribed line by
+line below and independent of the op's code, compared with the float64 reference, the padded
+torch path and the Triton kernels (interpreted), forward and backward, for every mask
+option."""
 
 from __future__ import annotations
 
@@ -82,12 +85,48 @@ def meta_fused_position_rows(seq_len, n_targets, contextual_seq_len, max_pos_ind
     return torch.where(offs_pos_w < 2 * max_pos_ind - 2, offs_pos_w, 2 * max_pos_ind - 2)
 
 
+# the research HSTU's bucketization_fn, with 0.301 as the float32 value the op documents
+DIV = float(torch.tensor(0.301, dtype=torch.float32))
+
+
+def bucketization_fn(x):
+    return (torch.log(torch.abs(x).clamp(min=1)) / DIV).long()
+
+
+def meta_relative_time_bias(all_timestamps, ts_w, num_buckets):
+    """The time half of ``RelativeBucketedTimeAndPositionBasedBias.forward``
+    (``generative_recommenders/research/modeling/sequential/hstu.py``): [B, N, N]."""
+    B = all_timestamps.size(0)
+    N = all_timestamps.size(1)
+    # [B, N + 1] to simplify tensor manipulations.
+    ext_timestamps = torch.cat([all_timestamps, all_timestamps[:, N - 1 : N]], dim=1)
+    # causal masking. Otherwise [:, :-1] - [:, 1:] works
+    bucketed_timestamps = torch.clamp(
+        bucketization_fn(ext_timestamps[:, 1:].unsqueeze(2) - ext_timestamps[:, :-1].unsqueeze(1)),
+        min=0,
+        max=num_buckets,
+    ).detach()
+    return torch.index_select(ts_w, dim=0, index=bucketed_timestamps.view(-1)).view(B, N, N)
+
+
 def meta_hstu_mha(
-    q, k, v, offsets, max_seq_len, alpha, num_targets, masking, position_weights=None
+    q,
+    k,
+    v,
+    offsets,
+    max_seq_len,
+    alpha,
+    num_targets,
+    masking,
+    position_weights=None,
+    timestamps=None,
+    time_weights=None,
 ):
     """Meta's ``pytorch_hstu_mha`` (causal, no dropout, no attn_scale) in float64: pad to
     [B, H, N, D], ``silu(alpha q k^T + rab) / N`` times the mask, times v, back to jagged
-    rows; rab from ``position_weights`` as their fused relative-bias kernel reads it."""
+    rows; rab from ``position_weights`` as their fused relative-bias kernel reads it, plus
+    the research module's time bias from ``timestamps`` padded with each sequence's last time
+    (so a last row's next time, Meta's slot n, is its own: the op's documented rule)."""
     lengths = offsets.diff()
     batch, heads, N = lengths.numel(), q.shape[1], max_seq_len
 
@@ -106,6 +145,16 @@ def meta_hstu_mha(
             reach = (position_weights.numel() + 1) // 2
             rows = meta_fused_position_rows(n, targets, masking["contextual_seq_len"], reach)
             rab[b, :n, :n] = position_weights.double()[rows]
+        qk_attn = qk_attn + rab.unsqueeze(1)
+    if time_weights is not None:
+        all_timestamps = torch.zeros(batch, N, dtype=torch.float64)
+        for b, n in enumerate(lengths.tolist()):
+            if n:
+                all_timestamps[b] = timestamps[offsets[b] : offsets[b + 1]][-1]
+                all_timestamps[b, :n] = timestamps[offsets[b] : offsets[b + 1]]
+        rab = meta_relative_time_bias(
+            all_timestamps, time_weights.double(), time_weights.numel() - 1
+        )
         qk_attn = qk_attn + rab.unsqueeze(1)
     qk_attn = torch.nn.functional.silu(qk_attn) / N
     valid_attn_mask = meta_valid_attn_mask(N, lengths, num_targets, **masking)
@@ -164,23 +213,53 @@ def _case(lengths, targets, heads=2, d_qk=4, d_v=3, seed=0, dtype=torch.float64)
     return [x.to(dtype).requires_grad_() for x in (q, k, v)], offsets, num_targets
 
 
+def _times(lengths, seed=4, same_targets=None):
+    """Increasing epoch seconds per sequence: gaps from under a second to days, some ties;
+    with ``same_targets`` [B], each sequence's targets share one time (a request's)."""
+    g = torch.Generator().manual_seed(seed)
+    gaps = torch.exp(torch.rand(sum(lengths), generator=g, dtype=torch.float64) * 14 - 2)
+    gaps[::5] = 0.0
+    times, start = [], 0
+    for b, n in enumerate(lengths):
+        sequence = 1.7e9 + gaps[start : start + n].cumsum(0)
+        if same_targets is not None and int(same_targets[b]):
+            sequence[n - int(same_targets[b]) :] = sequence[-1]
+        times.append(sequence)
+        start += n
+    return torch.cat(times)
+
+
 def _grads(out, inputs, upstream):
     return torch.autograd.grad((out.double() * upstream).sum(), inputs)
 
 
-@pytest.mark.parametrize("position_bias", [False, True])
+@pytest.mark.parametrize("bias", [None, "position", "position + time"])
 @pytest.mark.parametrize(("name", "targets", "masking"), CASES, ids=IDS)
-def test_reference_and_torch_path_are_metas(name, targets, masking, position_bias):
+def test_reference_and_torch_path_are_metas(name, targets, masking, bias):
     shortest = max(1, masking["contextual_seq_len"])  # a prefix fits in every history
     lengths = [0, shortest, 3, 7, 11, 6]
     (q, k, v), offsets, num_targets = _case(lengths, targets)
-    inputs = [q, k, v]
     options = dict(alpha=0.7, num_targets=num_targets, **_ours(masking))
-    if position_bias:  # 2P - 1 = 7 rows: shorter than the sequences, the end rows shared
-        options["position_weights"] = torch.randn(7, dtype=torch.float64, requires_grad=True)
-        inputs.append(options["position_weights"])
-    position_weights = options.get("position_weights")
-    want = meta_hstu_mha(q, k, v, offsets, 12, 0.7, num_targets, masking, position_weights)
+    tables = {}
+    if bias:  # 2P - 1 = 7 rows: shorter than the sequences, the end rows shared
+        tables["position_weights"] = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    if bias == "position + time":  # 20 buckets: the longest gaps share the last
+        tables["time_weights"] = torch.randn(21, dtype=torch.float64, requires_grad=True)
+        options |= {"timestamps": _times(lengths), "time_convention": "next"}
+    inputs = [q, k, v, *tables.values()]
+    want = meta_hstu_mha(
+        q,
+        k,
+        v,
+        offsets,
+        12,
+        0.7,
+        num_targets,
+        masking,
+        **tables,
+        timestamps=options.get("timestamps"),
+    )
+    options |= tables
     upstream = torch.randn(want.shape, dtype=torch.float64)
     wants = _grads(want, inputs, upstream)
     for got in (
@@ -197,19 +276,33 @@ def test_triton_is_metas(name, targets, masking):
     # long enough for several tiles: prefix rows, windows and targets across tile edges
     lengths = [0, max(1, masking["contextual_seq_len"]), 33, 70, 5]
     (q, k, v), offsets, num_targets = _case(lengths, targets, d_qk=8, d_v=6, dtype=torch.float32)
-    position_weights = torch.randn(41, requires_grad=True)  # P = 21 < the longest sequence
-    inputs = [q, k, v, position_weights]
-    options = dict(alpha=0.7, num_targets=num_targets, **_ours(masking))
+    tables = {
+        "position_weights": torch.randn(41, requires_grad=True),  # P = 21 < the longest
+        "time_weights": torch.randn(25, requires_grad=True),
+    }
+    timestamps = _times(lengths)
+    inputs = [q, k, v, *tables.values()]
+    options = dict(alpha=0.7, num_targets=num_targets, **_ours(masking), **tables)
     got = jagged_attention(
-        q, k, v, offsets, 72, backend="triton", position_weights=position_weights, **options
+        q,
+        k,
+        v,
+        offsets,
+        72,
+        backend="triton",
+        timestamps=timestamps,
+        time_convention="next",
+        **options,
     )
-    want = meta_hstu_mha(q, k, v, offsets, 72, 0.7, num_targets, masking, position_weights)
+    want = meta_hstu_mha(
+        q, k, v, offsets, 72, 0.7, num_targets, masking, **tables, timestamps=timestamps
+    )
     scale = want.abs().max()
     assert (got.double() - want).abs().max() <= 1e-5 * scale
     upstream = torch.randn(want.shape, dtype=torch.float64)
     wants = _grads(want, inputs, upstream)
     gots = _grads(got, inputs, upstream)
-    for name_, a, b in zip([*"qkv", "position_weights"], gots, wants, strict=True):
+    for name_, a, b in zip([*"qkv", *tables], gots, wants, strict=True):
         assert (a.double() - b).abs().max() <= 4e-5 * b.abs().max(), name_
 
 
@@ -230,15 +323,18 @@ def _reversed_targets(offsets, num_targets) -> torch.Tensor:
     return torch.tensor(order)
 
 
+@pytest.mark.parametrize("time_convention", ["own", "next"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_reversing_the_targets_permutes_their_outputs(backend):
-    # a window shorter than the targets: before, far targets lost the history to it
+def test_reversing_the_targets_permutes_their_outputs(backend, time_convention):
+    # a window shorter than the targets: before, far targets lost the history to it. With
+    # "next" a row's time is the next row's, so the targets share their request's time.
     lengths = [9, 40, 37, 4]
     num_targets = torch.tensor([5, 8, 3, 1])
     (q, k, v), offsets, _ = _case(lengths, False, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
-    times = torch.cumsum(torch.rand(sum(lengths), generator=g, dtype=torch.float64) * 1e5, 0)
+    times = _times(lengths, same_targets=num_targets if time_convention == "next" else None)
     options = dict(
+        time_convention=time_convention,
         alpha=0.7,
         num_targets=num_targets,
         max_attn_len=3,
@@ -256,7 +352,7 @@ def test_reversing_the_targets_permutes_their_outputs(backend):
     assert torch.equal(flipped, out[order])
 
 
-def test_a_contextual_prefix_longer_than_a_history_is_refused():
+def test_bad_mask_and_time_settings_are_named():
     (q, k, v), offsets, _ = _case([0, 4, 3], False)
     jagged_attention(q, k, v, offsets, 4, contextual_len=3)  # the empty sequence: no rows
     with pytest.raises(ValueError, match="contextual_len = 4; sequence 2 has 3 rows, 3 of them"):
@@ -265,3 +361,5 @@ def test_a_contextual_prefix_longer_than_a_history_is_refused():
         jagged_attention(q, k, v, offsets, 4, contextual_len=3, num_targets=torch.tensor([0, 2, 0]))
     with pytest.raises(ValueError, match="min_full_attn_seq_len=-1: expected >= 0"):
         jagged_attention(q, k, v, offsets, 4, min_full_attn_seq_len=-1)
+    with pytest.raises(ValueError, match=r"time_convention='previous': expected one of"):
+        jagged_attention(q, k, v, offsets, 4, time_convention="previous")
