@@ -18,9 +18,9 @@ does). ``mask(i, j)`` says which keys a query sees. With h = n - t_b the history
 (the contextual prefix collapses to one position, c - 1, and every target sits at h, just after
 the history), and for i, j < n
 
-    mask(i, j) = [i = j  or  u_i > u_j]
-                 and [w = 0  or  u_i - u_j <= w  or  (m > 0 and u_i >= h - m)]
-                 or  [i < c  and  j < h]
+    mask(i, j) = (causal(i, j) and near(i, j))  or  (i < c and j < h)
+    causal(i, j) = i = j  or  u_i > u_j
+    near(i, j)   = w = 0  or  u_i - u_j <= w  or  (m > 0 and u_i >= h - m)
 
 In words: causal over the history; a target sees the history and itself, not the other
 targets; a window keeps the keys at most w positions back (w = 1: the previous key and the
@@ -35,9 +35,11 @@ ids are u - max(c - 1, 0): ``ids - contextual_seq_len + 1`` clamped at 0, target
 ``max_ids``; ``eye | row_col_dist > 0``, ``row_col_dist <= max_attn_len`` or
 ``row_ids >= max_ids - min_full_attn_seq_len``, and ``row_ids == 0 and col_ids < max_ids``),
 which their Triton kernel (``ops/triton/triton_hstu_attention.py``,
-``_hstu_attn_fwd_one_block``) computes the same way. Where recsys offers more: the Triton
-path here also takes ``min_full_attn_seq_len`` (Meta's Triton kernel asserts it is 0) and
-computes the backward.
+``_hstu_attn_fwd_one_block``) computes the same way. Where recsys offers more: its Triton
+path takes ``min_full_attn_seq_len`` (Meta's Triton kernel asserts it is 0), the relative bias
+below is fused into its forward and backward (Meta's current kernels take none), and the time
+bias has the ``"own"`` convention besides Meta's. Meta has, and recsys does not: non-causal
+attention, attention dropout, ``attn_scale`` and cached (delta) queries.
 
 Relative attention bias (optional; Meta's ``RelativeBucketedTimeAndPositionBasedBias``, fused
 into the kernel like their ragged HSTU attention was): s_ij = alpha q_i . k_j + rab_ij, one
