@@ -61,8 +61,6 @@ def sequence_position(p, history, contextual_len):
 def visible_tile(
     rows,
     cols,
-    u_rows,
-    u_cols,
     n,
     history,
     contextual_len,
@@ -70,17 +68,22 @@ def visible_tile(
     min_full_attn_seq_len,
     HAS_WINDOW: tl.constexpr,
 ):
-    """mask(i, j) of ``recsys.ops.jagged_attention`` on the [rows, cols] tile, whose rows and
-    columns sit at positions ``u_rows``, ``u_cols``."""
-    u_i = u_rows[:, None]
-    u_j = u_cols[None, :]
-    seen = (rows[:, None] == cols[None, :]) | (u_i > u_j)
+    """mask(i, j) of ``recsys.ops.jagged_attention`` on the [rows, cols] tile, written with
+    per-row bounds (fewer registers than the [rows, cols] positions u; equal for c <= h): a
+    prefix row sees the history; another row sees j <= i (history) or the history and itself
+    (target), and with a window the keys j >= u_i - w, or all of them once the prefix's
+    position c - 1 is within the window or the row is one of the last min_full_attn_seq_len."""
+    i = rows[:, None]
+    j = cols[None, :]
+    seen = tl.where(i < history, j <= i, (j < history) | (j == i))
     if HAS_WINDOW:
-        # the rows from full_from on ignore the window (none with m = 0: u_i <= h <= n)
+        position = tl.minimum(rows, history)  # u_i outside the prefix
+        lowest = position - max_attn_len
         full_from = tl.where(min_full_attn_seq_len > 0, history - min_full_attn_seq_len, n + 1)
-        seen = seen & ((u_i - u_j <= max_attn_len) | (u_i >= full_from))
-    seen = seen | ((rows < contextual_len)[:, None] & (cols < history)[None, :])
-    return (rows < n)[:, None] & (cols < n)[None, :] & seen
+        lowest = tl.where((lowest < contextual_len) | (position >= full_from), 0, lowest)
+        seen = seen & (j >= lowest[:, None])
+    seen = seen | ((i < contextual_len) & (j < history))  # causal rows of the prefix: j <= i
+    return (i < n) & (j < n) & seen
 
 
 @triton.jit
@@ -142,6 +145,8 @@ def score_tile(
     k,
     rows,
     cols,
+    u_rows,
+    u_cols,
     n,
     history,
     t_rows,
@@ -161,11 +166,10 @@ def score_tile(
     HAS_TIME_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    """(s, mask, position table rows, time table rows) of one [queries, keys] tile: s =
-    alpha q . k + rab, before the mask."""
+    """(s, mask, position table rows, time table rows) of one [queries, keys] tile whose
+    rows and columns sit at positions ``u_rows``, ``u_cols`` (:func:`sequence_position`):
+    s = alpha q . k + rab, before the mask."""
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
-    u_rows = sequence_position(rows, history, contextual_len)
-    u_cols = sequence_position(cols, history, contextual_len)
     position = 0
     bucket = 0
     if HAS_POSITION_BIAS or HAS_TIME_BIAS:
@@ -187,8 +191,6 @@ def score_tile(
     mask = visible_tile(
         rows,
         cols,
-        u_rows,
-        u_cols,
         n,
         history,
         contextual_len,

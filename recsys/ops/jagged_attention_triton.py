@@ -27,6 +27,7 @@ from recsys.ops.jagged_attention_tiles import (
     load_times,
     query_times,
     score_tile,
+    sequence_position,
     sequence_rows,
 )
 
@@ -89,6 +90,7 @@ def _forward_kernel(
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
     t_rows = query_times(ts_ptr, start, rows, n, HAS_TIME_BIAS, TIME_FROM_NEXT)
+    u_rows = sequence_position(rows, history, contextual_len)
     q = load_rows(q_ptr, start, rows, n, stride_qt, head * stride_qh, dqk, D_QK)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
@@ -104,11 +106,14 @@ def _forward_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
+        u_cols = sequence_position(cols, history, contextual_len)
         s, mask, _, _ = score_tile(
             q,
             k,
             rows,
             cols,
+            u_rows,
+            u_cols,
             n,
             history,
             t_rows,
@@ -183,8 +188,7 @@ def _grad_kv_kernel(
     BLOCK_DV: tl.constexpr,
 ):
     # One program per (key tile, sequence x head): dk, dv summed over the query tiles that
-    # can see the keys: from the tile's first key on, and the prefix's rows (which see every
-    # history key).
+    # can see the keys.
     n0 = tl.program_id(0) * BLOCK_N
     head, start, n, history = sequence_rows(offsets_ptr, targets_ptr, heads, HAS_TARGETS)
     if n0 >= n:
@@ -199,46 +203,53 @@ def _grad_kv_kernel(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
+    u_cols = sequence_position(cols, history, contextual_len)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dvv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # the query tiles from this one's on, after those of the prefix's rows before it (which
+    # see every history key): one loop over both ranges, no branch in it
     first = (n0 // BLOCK_M) * BLOCK_M
-    prefix_rows = tl.where(n0 < history, contextual_len, 0)
-    for m0 in range(tl.where(prefix_rows > 0, 0, first), n, BLOCK_M):
-        if (m0 >= first) | (m0 < prefix_rows):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            q = load_rows(q_ptr, start, rows, n, stride_qt, head * stride_qh, dqk, D_QK)
-            g = load_rows(g_ptr, start, rows, n, stride_gt, head * stride_gh, dv, D_V)
-            if DOT_IN_FP32:
-                q = q.to(tl.float32)
-                g = g.to(tl.float32)
-            t_rows = query_times(ts_ptr, start, rows, n, HAS_TIME_BIAS, TIME_FROM_NEXT)
-            s, mask, _, _ = score_tile(
-                q,
-                k,
-                rows,
-                cols,
-                n,
-                history,
-                t_rows,
-                t_cols,
-                position_w_ptr,
-                time_w_ptr,
-                alpha,
-                contextual_len,
-                max_attn_len,
-                min_full_attn_seq_len,
-                num_positions,
-                num_time_buckets,
-                time_bucket_incr,
-                time_bucket_div,
-                HAS_WINDOW,
-                HAS_POSITION_BIAS,
-                HAS_TIME_BIAS,
-                INPUT_PRECISION,
-            )
-            weights, ds = grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION)
-            dvv = tl.dot(tl.trans(weights.to(g.dtype)), g, dvv, input_precision=INPUT_PRECISION)
-            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=INPUT_PRECISION)
+    prefix_end = tl.where(n0 < history, tl.cdiv(contextual_len, BLOCK_M) * BLOCK_M, 0)
+    prefix_end = tl.minimum(prefix_end, first)
+    for step in range(0, prefix_end + n - first, BLOCK_M):
+        m0 = tl.where(step < prefix_end, step, step - prefix_end + first)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        q = load_rows(q_ptr, start, rows, n, stride_qt, head * stride_qh, dqk, D_QK)
+        g = load_rows(g_ptr, start, rows, n, stride_gt, head * stride_gh, dv, D_V)
+        if DOT_IN_FP32:
+            q = q.to(tl.float32)
+            g = g.to(tl.float32)
+        t_rows = query_times(ts_ptr, start, rows, n, HAS_TIME_BIAS, TIME_FROM_NEXT)
+        u_rows = sequence_position(rows, history, contextual_len)
+        s, mask, _, _ = score_tile(
+            q,
+            k,
+            rows,
+            cols,
+            u_rows,
+            u_cols,
+            n,
+            history,
+            t_rows,
+            t_cols,
+            position_w_ptr,
+            time_w_ptr,
+            alpha,
+            contextual_len,
+            max_attn_len,
+            min_full_attn_seq_len,
+            num_positions,
+            num_time_buckets,
+            time_bucket_incr,
+            time_bucket_div,
+            HAS_WINDOW,
+            HAS_POSITION_BIAS,
+            HAS_TIME_BIAS,
+            INPUT_PRECISION,
+        )
+        weights, ds = grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION)
+        dvv = tl.dot(tl.trans(weights.to(g.dtype)), g, dvv, input_precision=INPUT_PRECISION)
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=INPUT_PRECISION)
     tl.store(
         dk_ptr + (start + cols)[:, None] * stride_kt + head * stride_kh + dqk[None, :],
         (dk * alpha).to(dk_ptr.dtype.element_ty),
@@ -311,6 +322,7 @@ def _grad_q_kernel(
         q = q.to(tl.float32)
         g = g.to(tl.float32)
     t_rows = query_times(ts_ptr, start, rows, n, HAS_TIME_BIAS, TIME_FROM_NEXT)
+    u_rows = sequence_position(rows, history, contextual_len)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     end = tl.minimum(n, m0 + BLOCK_M)
     if m0 < contextual_len:
@@ -323,11 +335,14 @@ def _grad_q_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
+        u_cols = sequence_position(cols, history, contextual_len)
         s, mask, position, bucket = score_tile(
             q,
             k,
             rows,
             cols,
+            u_rows,
+            u_cols,
             n,
             history,
             t_rows,
