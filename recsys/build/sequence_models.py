@@ -102,6 +102,12 @@ def build_sequence_model(
             "bias is the second half of hstu's relative bias (model.name = 'hstu', "
             "relative_bias = true: position bias; time_bias = true as well: position + time)"
         )
+    if sequence.time_convention != "own" and not sequence.time_bias:
+        raise ValueError(
+            f"model.sequence.time_convention = {sequence.time_convention!r} with "
+            "model.sequence.time_bias = false: the convention is the time bias's query time "
+            "(set time_bias = true, or leave time_convention = 'own')"
+        )
     if config.name == "sasrec":
         if dim % sequence.num_heads:
             raise ValueError(
@@ -127,6 +133,7 @@ def build_sequence_model(
             dropout=sequence.dropout,
             relative_bias=sequence.relative_bias,
             time_bias=sequence.time_bias,
+            time_convention=sequence.time_convention,
         )
     elif config.name == "hstu_ranking":
         model = HSTURanking(

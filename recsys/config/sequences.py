@@ -66,6 +66,11 @@ class SequenceModelConfig:
     by the log-bucketed time between two events (``relative_bias = true`` alone: position
     bias; both: position + time). The model then reads each event's time: the histories'
     ``times`` in training and evaluation, and a ``times`` input of its export."""
+    time_convention: Literal["own", "next"] = "own"
+    """hstu with time_bias: the query's time in the time bias. ``own``: the query's event's;
+    ``next``: the next event's (the one the query predicts), as Meta's research HSTU
+    (``RelativeBucketedTimeAndPositionBasedBias``); a history's last event then uses its own
+    time, having no next one (``recsys.ops.jagged_attention``'s ``time_convention``)."""
 
 
 @dataclass

@@ -15,7 +15,9 @@ attention bias of the paper (rab, shared by the heads, computed inside the kerne
 halves, each a table learned per block: with ``relative_bias`` the position half
 (2 ``max_len`` - 1 entries, one per position difference) and with ``time_bias`` the time half
 (:data:`TIME_BUCKETS` + 1 entries, one per bucket ``floor(log(|t_i - t_j|) / 0.301)`` of the
-time between the query's event and the key's, in seconds: the research HSTU's bucketing).
+time between the query's event and the key's, in seconds: the research HSTU's bucketing; with
+``time_convention="next"`` the query's time is that of the event after it, the one it
+predicts, as in Meta's research HSTU: see ``recsys.ops.jagged_attention``).
 A model with the time half needs each event's time: ``forward(history, max_length,
 candidates, times)`` with ``times`` [sum L] aligned with the history's ids (a
 :class:`~recsys.data.sequence_batches.SequenceBatch` carries them as ``times``), and its
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recsys.models.sequence import CANDIDATES, HISTORY, Events, SequenceEncoder
-from recsys.ops.jagged_attention import jagged_attention
+from recsys.ops.jagged_attention import TIME_CONVENTIONS, jagged_attention
 
 __all__ = ["CANDIDATES", "HISTORY", "HSTU", "TIME_BUCKETS", "HSTUBlock"]
 
@@ -48,7 +50,8 @@ class HSTUBlock(nn.Module):
     ``num_targets`` [B] the last rows of each sequence are targets (see
     ``recsys.ops.jagged_attention``). ``position_bias_len``: 0 or the 2N - 1 rows of the
     relative position bias for sequences of up to N rows; ``time_bias_len``: 0 or the rows of
-    the time bias (:data:`TIME_BUCKETS` + 1), which needs ``timestamps`` [T] in forward."""
+    the time bias (:data:`TIME_BUCKETS` + 1), which needs ``timestamps`` [T] in forward;
+    ``time_convention``: its query's time (``jagged_attention``'s)."""
 
     def __init__(
         self,
@@ -60,9 +63,11 @@ class HSTUBlock(nn.Module):
         backend: str,
         position_bias_len: int,
         time_bias_len: int = 0,
+        time_convention: str = "own",
     ) -> None:
         super().__init__()
         self.heads, self.qk_dim, self.v_dim, self.backend = heads, qk_dim, v_dim, backend
+        self.time_convention = time_convention
         self.position_bias = self.time_bias = None
         if position_bias_len:
             # rab by position difference j - i + max_len - 1 (Meta's init)
@@ -98,6 +103,7 @@ class HSTUBlock(nn.Module):
             timestamps=timestamps if self.time_bias is not None else None,
             position_weights=self.position_bias,
             time_weights=self.time_bias,
+            time_convention=self.time_convention,
             backend=self.backend,
             validate=False,  # the model checked the longest history against max_len
         )
@@ -116,6 +122,8 @@ class HSTU(SequenceEncoder):
         relative_bias: each block learns a relative position bias (module docstring).
         time_bias: each block learns a relative time bias (module docstring): ``forward``
             then needs the events' ``times``.
+        time_convention: the time bias's query time: ``"own"`` (the query's event) or
+            ``"next"`` (the event after it, Meta's research HSTU's); only with ``time_bias``.
         backend: ``jagged_attention``'s backend ("auto", "triton", "torch").
 
     Example:
@@ -137,10 +145,17 @@ class HSTU(SequenceEncoder):
         dropout: float = 0.2,
         relative_bias: bool = False,
         time_bias: bool = False,
+        time_convention: str = "own",
         backend: str = "auto",
     ) -> None:
         super().__init__(embeddings, max_len=max_len)
         self.uses_times = time_bias
+        if time_convention not in TIME_CONVENTIONS or (time_convention != "own" and not time_bias):
+            raise ValueError(
+                f"time_convention={time_convention!r} with time_bias={time_bias}: expected one "
+                f"of {TIME_CONVENTIONS}, and 'own' without the time bias (the convention is "
+                "its query's time)"
+            )
         if num_blocks < 1 or num_heads < 1 or self.dim < num_heads:
             raise ValueError(
                 f"num_blocks={num_blocks} and num_heads={num_heads} must be >= 1 and num_heads "
@@ -152,7 +167,17 @@ class HSTU(SequenceEncoder):
         bias_len = 2 * max_len - 1 if relative_bias else 0
         time_len = TIME_BUCKETS + 1 if time_bias else 0
         self.blocks = nn.ModuleList(
-            HSTUBlock(self.dim, num_heads, qk_dim, v_dim, dropout, backend, bias_len, time_len)
+            HSTUBlock(
+                self.dim,
+                num_heads,
+                qk_dim,
+                v_dim,
+                dropout,
+                backend,
+                bias_len,
+                time_len,
+                time_convention,
+            )
             for _ in range(num_blocks)
         )
         self.norm = nn.LayerNorm(self.dim)

@@ -2,9 +2,10 @@
 
 Forward: one program per (query tile of ``BLOCK_M`` rows, sequence x head) loads its queries
 once and loops over key tiles of ``BLOCK_N`` rows up to the causal bound (the tile's last
-query, or the contextual prefix's end if later), accumulating ``silu(s) v`` in fp32 registers.
-Backward: ``_grad_kv_kernel`` (one program per key tile) loops over the query tiles that can
-see its keys and accumulates dk and dv; ``_grad_q_kernel`` (one program per query tile) loops
+query, or the history's end for a tile holding contextual prefix rows), accumulating
+``silu(s) v`` in fp32 registers. Backward: ``_grad_kv_kernel`` (one program per key tile)
+loops over the query tiles that can see its keys (from its own on, and those of the prefix's
+rows) and accumulates dk and dv; ``_grad_q_kernel`` (one program per query tile) loops
 over key tiles for dq. Both recompute s, the mask and the relative bias; nothing of size
 [N, N] reaches memory. dq, dk, dv use no atomics and are deterministic; the gradients of the
 bias tables are summed with ``tl.atomic_add`` from the query-side kernel (every visible
@@ -21,11 +22,13 @@ from recsys.ops._triton import dot_in_fp32, dot_input_precision
 from recsys.ops.jagged_attention_tiles import (
     RelativeBiasTables,
     bias_arguments,
-    bias_rows,
     grad_scores,
+    load_rows,
     load_times,
-    relative_bias_tile,
-    visible_tile,
+    query_times,
+    score_tile,
+    sequence_position,
+    sequence_rows,
 )
 
 __all__ = ["BLOCK_M", "BLOCK_N", "KV_BLOCK_M", "JaggedAttentionFunction"]
@@ -59,6 +62,7 @@ def _forward_kernel(
     inv_n,
     contextual_len,
     max_attn_len,
+    min_full_attn_seq_len,
     num_positions,
     num_time_buckets,
     time_bucket_incr,
@@ -69,6 +73,7 @@ def _forward_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_POSITION_BIAS: tl.constexpr,
     HAS_TIME_BIAS: tl.constexpr,
+    TIME_FROM_NEXT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -78,65 +83,55 @@ def _forward_kernel(
 ):
     # One program per (query tile, sequence x head); keys loop up to the causal bound.
     m0 = tl.program_id(0) * BLOCK_M
-    seq = tl.program_id(1) // heads
-    head = tl.program_id(1) % heads
-    start = tl.load(offsets_ptr + seq).to(tl.int64)
-    n = (tl.load(offsets_ptr + seq + 1) - start).to(tl.int32)
+    head, start, n, history = sequence_rows(offsets_ptr, targets_ptr, heads, HAS_TARGETS)
     if m0 >= n:
         return
-    history = n
-    if HAS_TARGETS:
-        history = n - tl.load(targets_ptr + seq).to(tl.int32)
     rows = m0 + tl.arange(0, BLOCK_M)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
-    t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
-    q = tl.load(
-        q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dqk[None, :],
-        mask=(rows < n)[:, None] & (dqk < D_QK)[None, :],
-        other=0.0,
-    )
+    t_rows = query_times(ts_ptr, start, rows, n, HAS_TIME_BIAS, TIME_FROM_NEXT)
+    u_rows = sequence_position(rows, history, contextual_len)
+    q = load_rows(q_ptr, start, rows, n, stride_qt, head * stride_qh, dqk, D_QK)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    end = tl.minimum(n, tl.maximum(m0 + BLOCK_M, contextual_len))
+    end = tl.minimum(n, m0 + BLOCK_M)
+    if m0 < contextual_len:
+        end = tl.maximum(end, history)  # the prefix's rows see the whole history
     for n0 in range(0, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        key_mask = cols < n
-        k = tl.load(
-            k_ptr + (start + cols)[:, None] * stride_kt + head * stride_kh + dqk[None, :],
-            mask=key_mask[:, None] & (dqk < D_QK)[None, :],
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + (start + cols)[:, None] * stride_vt + head * stride_vh + dv[None, :],
-            mask=key_mask[:, None] & (dv < D_V)[None, :],
-            other=0.0,
-        )
+        k = load_rows(k_ptr, start, cols, n, stride_kt, head * stride_kh, dqk, D_QK)
+        v = load_rows(v_ptr, start, cols, n, stride_vt, head * stride_vh, dv, D_V)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
         t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
-        if HAS_POSITION_BIAS or HAS_TIME_BIAS:
-            position, bucket = bias_rows(
-                rows,
-                cols,
-                history,
-                t_rows,
-                t_cols,
-                num_positions,
-                num_time_buckets,
-                time_bucket_incr,
-                time_bucket_div,
-                HAS_POSITION_BIAS,
-                HAS_TIME_BIAS,
-            )
-            s = s + relative_bias_tile(
-                position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
-            )
-        mask = visible_tile(
-            rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
+        u_cols = sequence_position(cols, history, contextual_len)
+        s, mask, _, _ = score_tile(
+            q,
+            k,
+            rows,
+            cols,
+            u_rows,
+            u_cols,
+            n,
+            history,
+            t_rows,
+            t_cols,
+            position_w_ptr,
+            time_w_ptr,
+            alpha,
+            contextual_len,
+            max_attn_len,
+            min_full_attn_seq_len,
+            num_positions,
+            num_time_buckets,
+            time_bucket_incr,
+            time_bucket_div,
+            HAS_WINDOW,
+            HAS_POSITION_BIAS,
+            HAS_TIME_BIAS,
+            INPUT_PRECISION,
         )
         weights = tl.where(mask, s * tl.sigmoid(s), 0.0)
         acc = tl.dot(weights.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
@@ -173,6 +168,7 @@ def _grad_kv_kernel(
     inv_n,
     contextual_len,
     max_attn_len,
+    min_full_attn_seq_len,
     num_positions,
     num_time_buckets,
     time_bucket_incr,
@@ -183,6 +179,7 @@ def _grad_kv_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_POSITION_BIAS: tl.constexpr,
     HAS_TIME_BIAS: tl.constexpr,
+    TIME_FROM_NEXT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -191,77 +188,64 @@ def _grad_kv_kernel(
     BLOCK_DV: tl.constexpr,
 ):
     # One program per (key tile, sequence x head): dk, dv summed over the query tiles that
-    # can see the keys (from the tile's first key on, from 0 for contextual keys).
+    # can see the keys.
     n0 = tl.program_id(0) * BLOCK_N
-    seq = tl.program_id(1) // heads
-    head = tl.program_id(1) % heads
-    start = tl.load(offsets_ptr + seq).to(tl.int64)
-    n = (tl.load(offsets_ptr + seq + 1) - start).to(tl.int32)
+    head, start, n, history = sequence_rows(offsets_ptr, targets_ptr, heads, HAS_TARGETS)
     if n0 >= n:
         return
-    history = n
-    if HAS_TARGETS:
-        history = n - tl.load(targets_ptr + seq).to(tl.int32)
     cols = n0 + tl.arange(0, BLOCK_N)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
     key_mask = cols < n
-    k = tl.load(
-        k_ptr + (start + cols)[:, None] * stride_kt + head * stride_kh + dqk[None, :],
-        mask=key_mask[:, None] & (dqk < D_QK)[None, :],
-        other=0.0,
-    )
-    v = tl.load(
-        v_ptr + (start + cols)[:, None] * stride_vt + head * stride_vh + dv[None, :],
-        mask=key_mask[:, None] & (dv < D_V)[None, :],
-        other=0.0,
-    )
+    k = load_rows(k_ptr, start, cols, n, stride_kt, head * stride_kh, dqk, D_QK)
+    v = load_rows(v_ptr, start, cols, n, stride_vt, head * stride_vh, dv, D_V)
     if DOT_IN_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
+    u_cols = sequence_position(cols, history, contextual_len)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dvv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # the query tiles from this one's on, after those of the prefix's rows before it (which
+    # see every history key): one loop over both ranges, no branch in it
     first = (n0 // BLOCK_M) * BLOCK_M
-    if n0 < contextual_len:
-        first = 0
-    for m0 in range(first, n, BLOCK_M):
+    prefix_end = tl.where(n0 < history, tl.cdiv(contextual_len, BLOCK_M) * BLOCK_M, 0)
+    prefix_end = tl.minimum(prefix_end, first)
+    for step in range(0, prefix_end + n - first, BLOCK_M):
+        m0 = tl.where(step < prefix_end, step, step - prefix_end + first)
         rows = m0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < n
-        q = tl.load(
-            q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dqk[None, :],
-            mask=row_mask[:, None] & (dqk < D_QK)[None, :],
-            other=0.0,
-        )
-        g = tl.load(
-            g_ptr + (start + rows)[:, None] * stride_gt + head * stride_gh + dv[None, :],
-            mask=row_mask[:, None] & (dv < D_V)[None, :],
-            other=0.0,
-        )
+        q = load_rows(q_ptr, start, rows, n, stride_qt, head * stride_qh, dqk, D_QK)
+        g = load_rows(g_ptr, start, rows, n, stride_gt, head * stride_gh, dv, D_V)
         if DOT_IN_FP32:
             q = q.to(tl.float32)
             g = g.to(tl.float32)
-        t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
-        if HAS_POSITION_BIAS or HAS_TIME_BIAS:
-            position, bucket = bias_rows(
-                rows,
-                cols,
-                history,
-                t_rows,
-                t_cols,
-                num_positions,
-                num_time_buckets,
-                time_bucket_incr,
-                time_bucket_div,
-                HAS_POSITION_BIAS,
-                HAS_TIME_BIAS,
-            )
-            s = s + relative_bias_tile(
-                position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
-            )
-        mask = visible_tile(
-            rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
+        t_rows = query_times(ts_ptr, start, rows, n, HAS_TIME_BIAS, TIME_FROM_NEXT)
+        u_rows = sequence_position(rows, history, contextual_len)
+        s, mask, _, _ = score_tile(
+            q,
+            k,
+            rows,
+            cols,
+            u_rows,
+            u_cols,
+            n,
+            history,
+            t_rows,
+            t_cols,
+            position_w_ptr,
+            time_w_ptr,
+            alpha,
+            contextual_len,
+            max_attn_len,
+            min_full_attn_seq_len,
+            num_positions,
+            num_time_buckets,
+            time_bucket_incr,
+            time_bucket_div,
+            HAS_WINDOW,
+            HAS_POSITION_BIAS,
+            HAS_TIME_BIAS,
+            INPUT_PRECISION,
         )
         weights, ds = grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION)
         dvv = tl.dot(tl.trans(weights.to(g.dtype)), g, dvv, input_precision=INPUT_PRECISION)
@@ -305,6 +289,7 @@ def _grad_q_kernel(
     inv_n,
     contextual_len,
     max_attn_len,
+    min_full_attn_seq_len,
     num_positions,
     num_time_buckets,
     time_bucket_incr,
@@ -315,6 +300,7 @@ def _grad_q_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_POSITION_BIAS: tl.constexpr,
     HAS_TIME_BIAS: tl.constexpr,
+    TIME_FROM_NEXT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -324,72 +310,57 @@ def _grad_q_kernel(
 ):
     # One program per (query tile, sequence x head): dq summed over the visible key tiles.
     m0 = tl.program_id(0) * BLOCK_M
-    seq = tl.program_id(1) // heads
-    head = tl.program_id(1) % heads
-    start = tl.load(offsets_ptr + seq).to(tl.int64)
-    n = (tl.load(offsets_ptr + seq + 1) - start).to(tl.int32)
+    head, start, n, history = sequence_rows(offsets_ptr, targets_ptr, heads, HAS_TARGETS)
     if m0 >= n:
         return
-    history = n
-    if HAS_TARGETS:
-        history = n - tl.load(targets_ptr + seq).to(tl.int32)
     rows = m0 + tl.arange(0, BLOCK_M)
-    row_mask = rows < n
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dqk[None, :],
-        mask=row_mask[:, None] & (dqk < D_QK)[None, :],
-        other=0.0,
-    )
-    g = tl.load(
-        g_ptr + (start + rows)[:, None] * stride_gt + head * stride_gh + dv[None, :],
-        mask=row_mask[:, None] & (dv < D_V)[None, :],
-        other=0.0,
-    )
+    q = load_rows(q_ptr, start, rows, n, stride_qt, head * stride_qh, dqk, D_QK)
+    g = load_rows(g_ptr, start, rows, n, stride_gt, head * stride_gh, dv, D_V)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
         g = g.to(tl.float32)
-    t_rows = load_times(ts_ptr, start, rows, n, HAS_TIME_BIAS)
+    t_rows = query_times(ts_ptr, start, rows, n, HAS_TIME_BIAS, TIME_FROM_NEXT)
+    u_rows = sequence_position(rows, history, contextual_len)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
-    end = tl.minimum(n, tl.maximum(m0 + BLOCK_M, contextual_len))
+    end = tl.minimum(n, m0 + BLOCK_M)
+    if m0 < contextual_len:
+        end = tl.maximum(end, history)  # the prefix's rows see the whole history
     for n0 in range(0, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        key_mask = cols < n
-        k = tl.load(
-            k_ptr + (start + cols)[:, None] * stride_kt + head * stride_kh + dqk[None, :],
-            mask=key_mask[:, None] & (dqk < D_QK)[None, :],
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + (start + cols)[:, None] * stride_vt + head * stride_vh + dv[None, :],
-            mask=key_mask[:, None] & (dv < D_V)[None, :],
-            other=0.0,
-        )
+        k = load_rows(k_ptr, start, cols, n, stride_kt, head * stride_kh, dqk, D_QK)
+        v = load_rows(v_ptr, start, cols, n, stride_vt, head * stride_vh, dv, D_V)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * alpha
         t_cols = load_times(ts_ptr, start, cols, n, HAS_TIME_BIAS)
-        if HAS_POSITION_BIAS or HAS_TIME_BIAS:
-            position, bucket = bias_rows(
-                rows,
-                cols,
-                history,
-                t_rows,
-                t_cols,
-                num_positions,
-                num_time_buckets,
-                time_bucket_incr,
-                time_bucket_div,
-                HAS_POSITION_BIAS,
-                HAS_TIME_BIAS,
-            )
-            s = s + relative_bias_tile(
-                position_w_ptr, time_w_ptr, position, bucket, HAS_POSITION_BIAS, HAS_TIME_BIAS
-            )
-        mask = visible_tile(
-            rows[:, None], cols[None, :], n, history, contextual_len, max_attn_len, HAS_WINDOW
+        u_cols = sequence_position(cols, history, contextual_len)
+        s, mask, position, bucket = score_tile(
+            q,
+            k,
+            rows,
+            cols,
+            u_rows,
+            u_cols,
+            n,
+            history,
+            t_rows,
+            t_cols,
+            position_w_ptr,
+            time_w_ptr,
+            alpha,
+            contextual_len,
+            max_attn_len,
+            min_full_attn_seq_len,
+            num_positions,
+            num_time_buckets,
+            time_bucket_incr,
+            time_bucket_div,
+            HAS_WINDOW,
+            HAS_POSITION_BIAS,
+            HAS_TIME_BIAS,
+            INPUT_PRECISION,
         )
         _, ds = grad_scores(s, mask, v, g, inv_n, INPUT_PRECISION)
         if HAS_POSITION_BIAS:
@@ -400,7 +371,7 @@ def _grad_q_kernel(
     tl.store(
         dq_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dqk[None, :],
         (dq * alpha).to(dq_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & (dqk < D_QK)[None, :],
+        mask=(rows < n)[:, None] & (dqk < D_QK)[None, :],
     )
 
 
@@ -427,6 +398,7 @@ def _launch_options(
         HAS_WINDOW=max_attn_len > 0,
         HAS_POSITION_BIAS=bias.position_weights is not None,
         HAS_TIME_BIAS=bias.time_weights is not None,
+        TIME_FROM_NEXT=bias.time_weights is not None and bias.time_from_next,
         INPUT_PRECISION=dot_input_precision(q.dtype),
         DOT_IN_FP32=dot_in_fp32(q.dtype, widened=(torch.bfloat16, torch.float16)),
         BLOCK_M=BLOCK_M,
@@ -438,8 +410,9 @@ def _launch_options(
 
 class JaggedAttentionFunction(torch.autograd.Function):
     """``apply(q, k, v, offsets, max_seq_len, alpha, num_targets, contextual_len,
-    max_attn_len, timestamps, position_weights, time_weights, time_bucket_incr,
-    time_bucket_div)``: the Triton forward and backward of ``recsys.ops.jagged_attention``.
+    max_attn_len, min_full_attn_seq_len, timestamps, position_weights, time_weights,
+    time_bucket_incr, time_bucket_div, time_convention)``: the Triton forward and backward of
+    ``recsys.ops.jagged_attention``.
     The bias tables are read as float32 and their gradients returned in their dtype."""
 
     @staticmethod
@@ -454,11 +427,13 @@ class JaggedAttentionFunction(torch.autograd.Function):
         num_targets,
         contextual_len,
         max_attn_len,
+        min_full_attn_seq_len,
         timestamps,
         position_weights,
         time_weights,
         time_bucket_incr,
         time_bucket_div,
+        time_convention,
     ):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         bias = RelativeBiasTables(
@@ -469,6 +444,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
             time_weights.detach().float().contiguous() if time_weights is not None else None,
             time_bucket_incr,
             time_bucket_div,
+            time_convention == "next",
         )
         out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
         options = _launch_options(
@@ -500,6 +476,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
                 inv_n,
                 contextual_len,
                 max_attn_len,
+                min_full_attn_seq_len,
                 *bias_scalars,
                 **options,
             )
@@ -508,13 +485,15 @@ class JaggedAttentionFunction(torch.autograd.Function):
         ctx.table_dtypes = tuple(
             w.dtype if w is not None else None for w in (position_weights, time_weights)
         )
-        ctx.settings = (max_seq_len, alpha, contextual_len, max_attn_len, inv_n)
+        masking = (contextual_len, max_attn_len, min_full_attn_seq_len)
+        ctx.settings = (max_seq_len, alpha, masking, inv_n)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, offsets, num_targets, *bias_pointers = ctx.saved_tensors
-        max_seq_len, alpha, contextual_len, max_attn_len, inv_n = ctx.settings
+        max_seq_len, alpha, masking, inv_n = ctx.settings
+        contextual_len, max_attn_len, _ = masking
         bias = RelativeBiasTables.from_saved(bias_pointers, ctx.bias_settings)
         grad = grad.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -549,7 +528,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
             grad.stride(0),
             grad.stride(1),
         )
-        settings = (alpha, inv_n, contextual_len, max_attn_len, *bias_scalars)
+        settings = (alpha, inv_n, *masking, *bias_scalars)
         if q.shape[0]:
             _grad_kv_kernel[key_grid](
                 q,
@@ -591,9 +570,10 @@ class JaggedAttentionFunction(torch.autograd.Function):
             dq,
             dk,
             dv,
-            *([None] * 7),
+            *([None] * 8),
             d_position_weights,
             d_time_weights,
+            None,
             None,
             None,
         )

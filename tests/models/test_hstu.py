@@ -25,6 +25,7 @@ def _model(
     dropout=0.1,
     relative_bias=False,
     time_bias=False,
+    time_convention="own",
 ) -> HSTU:
     torch.manual_seed(seed)
     features = [HISTORY, CANDIDATES]
@@ -38,6 +39,7 @@ def _model(
         dropout=dropout,
         relative_bias=relative_bias,
         time_bias=time_bias,
+        time_convention=time_convention,
         backend=backend,
     )
 
@@ -132,8 +134,9 @@ def _times(histories, seed=0):
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
-def test_the_time_bias_block_attends_as_the_reference(monkeypatch):
-    model = _model(relative_bias=True, time_bias=True).eval()
+@pytest.mark.parametrize("time_convention", ["own", "next"])
+def test_the_time_bias_block_attends_as_the_reference(monkeypatch, time_convention):
+    model = _model(relative_bias=True, time_bias=True, time_convention=time_convention).eval()
     block = model.blocks[0]
     assert block.time_bias.shape == (TIME_BUCKETS + 1,) and model.uses_times
     with torch.no_grad():
@@ -154,6 +157,7 @@ def test_the_time_bias_block_attends_as_the_reference(monkeypatch):
         model(kjt, longest, times=times)
     options = dict(captured["options"])
     assert options["timestamps"] is times and options["time_weights"] is not None
+    assert options["time_convention"] == time_convention
     for name in ("backend", "validate"):
         options.pop(name)
     want = jagged_attention_reference(
@@ -185,13 +189,16 @@ def test_the_time_bias_reads_the_times_and_needs_them():
         model(kjt, longest, times=times[:5])
 
 
-def test_the_time_bias_kernels_give_the_torch_paths_model():
+@pytest.mark.parametrize("time_convention", ["own", "next"])
+def test_the_time_bias_kernels_give_the_torch_paths_model(time_convention):
     histories = [[1, 2, 3], [4], list(range(5, 40)), [7, 8]]
     kjt, longest = _kjt(histories)
     times = _times(histories, seed=1)
     outs, grads = [], []
     for backend in ("torch", "triton"):
-        model = _model(backend=backend, relative_bias=True, time_bias=True).eval()
+        model = _model(
+            backend=backend, relative_bias=True, time_bias=True, time_convention=time_convention
+        ).eval()
         with torch.no_grad():
             for block in model.blocks:
                 block.time_bias.normal_(std=1.0, generator=torch.Generator().manual_seed(3))
@@ -202,6 +209,24 @@ def test_the_time_bias_kernels_give_the_torch_paths_model():
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
     assert grads[0].abs().max() > 0
     assert (grads[0] - grads[1]).abs().max() <= 1e-2 * grads[0].abs().max()
+
+
+def test_the_time_convention_changes_the_attention_and_needs_the_time_bias():
+    histories = [[1, 2, 3, 4], [5, 6, 7]]
+    kjt, longest = _kjt(histories)
+    times = _times(histories)
+    outs = []
+    for time_convention in ("own", "next"):
+        model = _model(relative_bias=True, time_bias=True, time_convention=time_convention)
+        with torch.no_grad():
+            for block in model.blocks:
+                block.time_bias.normal_(std=1.0, generator=torch.Generator().manual_seed(2))
+            outs.append(model.eval()(kjt, longest, times=times)[0])
+    assert not torch.allclose(outs[0], outs[1])
+    with pytest.raises(ValueError, match="time_convention='next' with time_bias=False"):
+        _model(relative_bias=True, time_convention="next")
+    with pytest.raises(ValueError, match="time_convention='later' with time_bias=True"):
+        _model(relative_bias=True, time_bias=True, time_convention="later")
 
 
 def test_with_the_time_bias_the_next_item_loss_falls():

@@ -21,7 +21,14 @@ MASKS = {
 }
 
 
-def _case(lengths, heads=2, d_qk=8, d_v=12, seed=0, dtype=torch.float32, targets=False):
+def _fit(lengths, mask):
+    """``lengths`` with every non-empty sequence at least as long as ``mask``'s contextual
+    prefix (``jagged_attention`` refuses a prefix longer than a history)."""
+    prefix = MASKS[mask].get("contextual_len", 0)
+    return [max(n, prefix) if n else 0 for n in lengths]
+
+
+def _case(lengths, heads=2, d_qk=8, d_v=12, seed=0, dtype=torch.float32, targets=False, prefix=0):
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     q, k = (torch.randn(total, heads, d_qk, generator=g) for _ in range(2))
@@ -29,7 +36,9 @@ def _case(lengths, heads=2, d_qk=8, d_v=12, seed=0, dtype=torch.float32, targets
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
     num_targets = None
     if targets:
-        num_targets = torch.tensor([min(n, (3 * i) % 4) for i, n in enumerate(lengths)])
+        # the targets leave the contextual prefix in the history
+        room = [max(n - prefix, 0) for n in lengths]
+        num_targets = torch.tensor([min(r, (3 * i) % 4) for i, r in enumerate(room)])
     return [x.to(dtype).requires_grad_() for x in (q, k, v)], offsets, num_targets
 
 
@@ -79,9 +88,10 @@ def _grads(out, inputs, upstream):
 @pytest.mark.parametrize("bias", [None, "both"])
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_the_padded_torch_path_is_the_reference(mask, bias):
-    lengths = [0, 1, 5, 9, 4]
+    lengths = _fit([0, 1, 5, 9, 4], mask)
+    prefix = MASKS[mask].get("contextual_len", 0)
     (q, k, v), offsets, num_targets = _case(
-        lengths, dtype=torch.float64, targets="targets" in MASKS[mask]
+        lengths, dtype=torch.float64, targets="targets" in MASKS[mask], prefix=prefix
     )
     options = _options(mask, num_targets, _bias(lengths, bias, dtype=torch.float64, reach=4))
     tables = _tables(options)
@@ -184,8 +194,12 @@ TRITON_CASES += [("all", "both", torch.bfloat16), ("causal", "position", torch.b
 
 @pytest.mark.parametrize(("mask", "bias", "dtype"), TRITON_CASES)
 def test_triton_matches_the_reference(mask, bias, dtype):
-    lengths = [0, 1, 31, 32, 33, 7]  # empty, one row, a tile - 1, a tile, a tile + 1
-    (q, k, v), offsets, num_targets = _case(lengths, dtype=dtype, targets="targets" in MASKS[mask])
+    # empty, one row (or the prefix), a tile - 1, a tile, a tile + 1
+    lengths = _fit([0, 1, 31, 32, 33, 7], mask)
+    prefix = MASKS[mask].get("contextual_len", 0)
+    (q, k, v), offsets, num_targets = _case(
+        lengths, dtype=dtype, targets="targets" in MASKS[mask], prefix=prefix
+    )
     options = _options(mask, num_targets, _bias(lengths, bias))
     tables = _tables(options)
     got = jagged_attention(q, k, v, offsets, 40, backend="triton", **options | tables)
@@ -209,10 +223,11 @@ def test_zipf_lengths_up_to_a_few_tiles():
     g = torch.Generator().manual_seed(3)
     lengths = torch.clamp(torch.distributions.Pareto(1.0, 1.2).sample((12,)).long(), max=150)
     lengths[0] = 150
+    lengths = _fit(lengths.tolist(), "all")
     (q, k, v), offsets, num_targets = _case(
-        lengths.tolist(), heads=1, d_qk=16, d_v=16, targets=True
+        lengths, heads=1, d_qk=16, d_v=16, targets=True, prefix=MASKS["all"]["contextual_len"]
     )
-    options = _options("all", num_targets, _bias(lengths.tolist(), "both", reach=64))
+    options = _options("all", num_targets, _bias(lengths, "both", reach=64))
     got = jagged_attention(q, k, v, offsets, 150, backend="triton", **options)
     want = jagged_attention_reference(q, k, v, offsets, 150, **options)
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()

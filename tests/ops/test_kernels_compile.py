@@ -33,6 +33,7 @@ OP_TESTS = [
     "tests/ops/test_input_checks.py",
     "tests/ops/test_slot_map.py",
     "tests/ops/test_jagged_attention.py",
+    "tests/ops/test_jagged_attention_masks.py",
     "tests/ops/test_jagged_concat.py",
     "tests/ops/test_jagged_dense_add.py",
 ]

@@ -131,6 +131,10 @@ def test_recipe_trains_as_it_is(recipe, tmp_path):
             ["--model.name=hstu", "--model.sequence.time_bias=true"],
             "relative_bias = false: the time bias",
         ),
+        (
+            ["--model.name=hstu", "--model.sequence.time_convention=next"],
+            "time_convention = 'next' with model.sequence.time_bias = false",
+        ),
         (["--data.synthetic_sequences.num_topics=100"], "num_items >= num_topics"),
         (["--train.batch_size=500"], "larger than the 227 train rows"),
         (["--train.next_item.window_stride=11"], "window_stride = 11; expected 0"),
