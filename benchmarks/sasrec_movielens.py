@@ -140,6 +140,7 @@ class SASRecRun:
     batch_size: int = 128
     loss: str = "full"  # recsys: full or sampled softmax; RecBole: always full (CE)
     train_rows: str = "windows"  # recsys' train.next_item.train_rows
+    window_stride: int = 0  # recsys' train.next_item.window_stride (0: max_len)
     seed: int = 0
 
     def describe_model(self) -> str:
@@ -218,6 +219,7 @@ def recsys_overrides(
         f"--train.embedding_lr={run.lr}",
         f"--train.next_item.loss={run.loss}",
         f"--train.next_item.train_rows={run.train_rows}",
+        f"--train.next_item.window_stride={run.window_stride}",
         f"--train.eval_every_steps={steps_per_epoch}",
         f"--train.log_every_steps={steps_per_epoch}",
         f"--train.early_stopping_patience={run.patience}",
@@ -239,11 +241,12 @@ def train_recsys(
     a subprocess with ``threads`` torch threads, then the best checkpoint's test ranking with
     the history in it and masked; metrics, epochs and seconds."""
     loader = SequenceLoader(
-        split_dir / "train" if False else split_dir,
+        split_dir,
         "train",
         run.batch_size,
         max_len=run.max_len,
         train_rows=run.train_rows,
+        window_stride=run.window_stride,
     )
     steps_per_epoch = len(loader)
     run_dir = work / f"run_{model}_{run.seed}"
@@ -334,7 +337,7 @@ def run_peer(python: Path, mode: str, options: dict, work: Path) -> dict:
 def peer_options(run: SASRecRun, threads: int, device: torch.device) -> dict:
     """``_sasrec_recbole.py``'s options for ``run``: the same model and training."""
     options = asdict(run)
-    for name in ("loss", "train_rows", "patience"):
+    for name in ("loss", "train_rows", "window_stride", "patience"):
         options.pop(name)
     options["stopping_step"] = run.patience
     options["threads"] = threads
@@ -361,7 +364,8 @@ def accuracy_rows(
                 ours = train_recsys(work / "split", run, args.device, model, work, args.threads)
                 items = metadata["sequence"]["num_items"] - FIRST_ID
                 notes = (
-                    f"{events} events, {items} items; train_rows={run.train_rows}: "
+                    f"{events} events, {items} items; train_rows={run.train_rows} window_stride="
+                    f"{run.window_stride or run.max_len}: "
                     f"{ours['rows_per_epoch']} rows ({ours['steps_per_epoch']} steps) per epoch; "
                     f"epochs={ours['epochs']} best_epoch={ours['best_epoch']} stopped_by="
                     f"{ours['stopped_by']} preprocess_s={prep_s:.1f} train_s={ours['train_s']:.1f}"
@@ -542,6 +546,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="recsys' train.next_item.train_rows",
     )
     parser.add_argument(
+        "--window-stride",
+        type=int,
+        default=defaults.window_stride,
+        help="recsys' train.next_item.window_stride (0: max_len)",
+    )
+    parser.add_argument(
         "--recsys-models",
         nargs="+",
         choices=list(RECSYS_MODELS),
@@ -582,6 +592,7 @@ def main(argv: list[str] | None = None) -> None:
         batch_size=args.batch_size,
         loss=args.loss,
         train_rows=args.train_rows,
+        window_stride=args.window_stride,
     )
     peer = peer_python(args.peer_python)
     env = environment(args.device)
