@@ -190,6 +190,14 @@ RECSYS_MODELS = {
         "hstu",
         ["--model.sequence.relative_bias=true", "--model.sequence.time_bias=true"],
     ),
+    "hstu_rab_time_next": (
+        "hstu",
+        [
+            "--model.sequence.relative_bias=true",
+            "--model.sequence.time_bias=true",
+            "--model.sequence.time_convention=next",
+        ],
+    ),
 }
 
 
@@ -557,7 +565,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=list(RECSYS_MODELS),
         default=["sasrec"],
         help="recsys models trained on the split (hstu: HSTU, the FFN width unused; hstu_rab: "
-        "with the relative position bias; hstu_rab_time: with the position + time bias)",
+        "with the relative position bias; hstu_rab_time: with the position + time bias, the "
+        "query's own time; hstu_rab_time_next: the next event's time, as Meta's HSTU)",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     parser.add_argument("--step-lens", type=int, nargs="+", default=[50, 200])
