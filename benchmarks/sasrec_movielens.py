@@ -87,8 +87,9 @@ from benchmarks._harness import (
 from benchmarks._movielens import ML_100K, PEER_PIN, find_log, write_interactions_csv
 from recsys import EmbeddingCollection, EmbeddingConfig
 from recsys.config import PreprocessConfig
+from recsys.data.item_vocabulary import FIRST_ID
 from recsys.data.sequence_batches import SequenceBatch, SequenceLoader
-from recsys.data.sequences import FIRST_ID, preprocess_interactions
+from recsys.data.sequences import preprocess_interactions
 from recsys.embedding.optim import Adam
 from recsys.models.next_item import next_item_loss
 from recsys.models.sasrec import CANDIDATES, HISTORY, SASRec

@@ -43,7 +43,6 @@ Nothing is lost: the output is built beside the target and renamed in, as for CT
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -61,6 +60,15 @@ import pyarrow.parquet as pq
 
 from recsys._files import write_failure, write_text_atomic
 from recsys.config import PreprocessConfig
+from recsys.data.item_vocabulary import (
+    RARE_ID,
+    ItemCounts,
+    ItemEncoder,
+    catalog_column,
+    catalog_counts,
+    is_parquet,
+    read_catalog,
+)
 from recsys.data.keys import value_keys
 from recsys.data.prepared import (
     FINGERPRINT_KEY,
@@ -77,8 +85,7 @@ from recsys.data.readers import MalformedLines
 __all__ = ["SEQUENCE_KIND", "SequenceReport", "preprocess_interactions", "segment_index"]
 
 SEQUENCE_KIND = "sequences"  # metadata.json "kind"
-PADDING_ID, MISSING_ID, RARE_ID, FIRST_ID = 0, 1, 2, 3
-_PARQUET_SUFFIXES = (".parquet", ".pq")
+PADDING_ID, MISSING_ID = 0, 1  # RARE_ID, FIRST_ID: recsys.data.item_vocabulary
 _PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}
 _EVENT_SCHEMA = pa.schema(
     [("user_key", pa.int64()), ("user", pa.string()), ("item_key", pa.int64()),
@@ -125,8 +132,8 @@ def preprocess_interactions(config: PreprocessConfig) -> SequenceReport:
         if config.encoding == "categorify":
             counts = _item_counts(buckets, whole_log=config.item_universe == "log")
             if config.item_universe == "catalog":
-                counts = _catalog_counts(counts, _catalog(config))
-        encoder = _Encoder(config, counts)
+                counts = catalog_counts(counts, read_catalog(config))
+        encoder = ItemEncoder(config, counts)
         rows, written, stats = _write_splits(buckets, work, encoder, config)
         shutil.rmtree(work / "buckets")
         encoder.write_categories(work)
@@ -181,7 +188,7 @@ def _check_options(config: PreprocessConfig) -> None:
             "only with it"
         )
     if config.item_catalog:
-        _catalog_column(config)  # exists, readable, has the item column: before any work
+        catalog_column(config)  # exists, readable, has the item column: before any work
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +213,7 @@ def _partition(
             read[str(path)] = 0
             for piece, first_row in _pieces(path, config, chunk_bytes, malformed):
                 read[str(path)] += piece.num_rows
-                where = _Where(path, first_row, "row" if _is_parquet(path) else "line")
+                where = _Where(path, first_row, "row" if is_parquet(path) else "line")
                 events = _clean(piece, where, position, config, malformed)
                 position += piece.num_rows
                 bucket = events.column("user_key").to_numpy() % buckets
@@ -229,7 +236,7 @@ def _pieces(
     file (from 1)."""
     columns = [config.user, config.item, config.time]
     try:
-        if _is_parquet(path):
+        if is_parquet(path):
             file = pq.ParquetFile(path)
             absent = [c for c in columns if c not in file.schema_arrow.names]
             if absent:
@@ -278,10 +285,6 @@ def _csv_pieces(
     for batch in reader:
         yield pa.Table.from_batches([batch]), first
         first += batch.num_rows
-
-
-def _is_parquet(path: Path) -> bool:
-    return path.name.endswith(_PARQUET_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -398,19 +401,7 @@ def segment_index(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.
     return index, offsets
 
 
-@dataclass
-class _Counts:
-    """Distinct raw item keys (sorted), their counts and their texts; ``min_count`` (None:
-    freq_threshold) the count an item needs to get an id."""
-
-    keys: np.ndarray
-    counts: np.ndarray
-    texts: pa.Array
-    min_count: int | None = None
-    total: int | None = None  # the events counted, when more than ``counts`` sums
-
-
-def _item_counts(buckets: list[Path], whole_log: bool) -> _Counts:
+def _item_counts(buckets: list[Path], whole_log: bool) -> ItemCounts:
     """How many train events (``whole_log``: events) hold each item, over every bucket."""
     keys, counts, texts = [], [], []
     for path in buckets:
@@ -424,102 +415,7 @@ def _item_counts(buckets: list[Path], whole_log: bool) -> _Counts:
     merged, first, inverse = np.unique(all_keys, return_index=True, return_inverse=True)
     totals = np.bincount(inverse, weights=all_counts).astype(np.int64)
     text = pa.concat_arrays(texts).take(pa.array(first))
-    return _Counts(merged, totals, text)
-
-
-def _catalog_column(config: PreprocessConfig) -> pa.ChunkedArray:
-    """The item column of ``config.item_catalog`` (parquet or CSV by suffix).
-
-    Raises:
-        FileNotFoundError / ValueError: no such file, unreadable, or no such column."""
-    path = Path(config.item_catalog)
-    if not path.is_file():
-        raise FileNotFoundError(f"preprocess.item_catalog not found: '{path}'")
-    try:
-        if _is_parquet(path):
-            names = pq.ParquetFile(path).schema_arrow.names
-            table = pq.read_table(path, columns=[config.item]) if config.item in names else None
-        else:
-            options = pcsv.ConvertOptions(column_types={config.item: pa.string()})
-            table = pcsv.read_csv(path, convert_options=options)
-            names = table.column_names
-    except (pa.ArrowInvalid, OSError) as error:
-        raise ValueError(f"'{path}' could not be read: {' '.join(str(error).split())}") from None
-    if table is None or config.item not in names:
-        raise ValueError(
-            f"preprocess.item_catalog '{path}' has no column {config.item!r} (the item column); "
-            f"its columns: {names}"
-        )
-    return table.column(config.item).drop_null()
-
-
-def _catalog(config: PreprocessConfig) -> _Counts:
-    """The catalog's distinct item keys (sorted) and texts, with zero counts."""
-    items = _catalog_column(config).combine_chunks()
-    keys, first = np.unique(value_keys(items), return_index=True)
-    return _Counts(keys, np.zeros(len(keys), np.int64), items.cast(pa.string()).take(first))
-
-
-def _catalog_counts(counts: _Counts, catalog: _Counts) -> _Counts:
-    """The catalog's items with their train counts (0 for those never trained), every one kept
-    whatever the count (``min_count`` 0)."""
-    at = np.searchsorted(counts.keys, catalog.keys).clip(max=max(len(counts.keys) - 1, 0))
-    found = counts.keys[at] == catalog.keys if len(counts.keys) else np.zeros(0, bool)
-    trained = np.where(found, counts.counts[at] if len(counts.keys) else 0, 0)
-    total = int(counts.counts.sum())
-    return _Counts(catalog.keys, trained.astype(np.int64), catalog.texts, 0, total)
-
-
-class _Encoder:
-    """Raw item keys -> the ids ``config.encoding`` gives (see the module docstring)."""
-
-    def __init__(self, config: PreprocessConfig, counts: _Counts | None) -> None:
-        self.encoding = config.encoding
-        self.hash_buckets = config.hash_buckets
-        if counts is not None:  # categorify: by count, most frequent first, ties by key
-            least = max(config.freq_threshold, 1) if counts.min_count is None else 0
-            kept = np.flatnonzero(counts.counts >= least)
-            kept = kept[np.lexsort((counts.keys[kept], -counts.counts[kept]))]
-            self.keys, self.counts = counts.keys[kept], counts.counts[kept]
-            self.texts = counts.texts.take(pa.array(kept))
-            order = np.argsort(self.keys, kind="stable")
-            self.sorted_keys, self.sorted_ids = self.keys[order], FIRST_ID + order
-            total = counts.counts.sum() if counts.total is None else counts.total
-            self.rare = int(total - self.counts.sum())
-
-    @property
-    def cardinality(self) -> int:
-        """Rows an item table needs (0: raw keys, a dynamic table)."""
-        if self.encoding == "categorify":
-            return FIRST_ID + len(self.keys)
-        return self.hash_buckets if self.encoding == "hash" else 0
-
-    def __call__(self, keys: np.ndarray) -> np.ndarray:
-        if self.encoding == "raw":
-            return keys
-        if self.encoding == "hash":
-            return keys % self.hash_buckets
-        at = np.searchsorted(self.sorted_keys, keys).clip(max=max(len(self.sorted_keys) - 1, 0))
-        if not len(self.sorted_keys):
-            return np.full_like(keys, RARE_ID)
-        return np.where(self.sorted_keys[at] == keys, self.sorted_ids[at], RARE_ID)
-
-    def fingerprint(self, options: dict[str, Any]) -> str:
-        digest = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
-        if self.encoding == "categorify":
-            digest.update(self.keys.tobytes())
-            digest.update(self.counts.tobytes())
-        return digest.hexdigest()[:16]
-
-    def write_categories(self, work: Path) -> None:
-        """categorify: ``categories/items.parquet`` (id, the item's text, raw key, train
-        count), in id order."""
-        if self.encoding != "categorify":
-            return
-        (work / "categories").mkdir()
-        ids = np.arange(FIRST_ID, FIRST_ID + len(self.keys), dtype=np.int64)
-        table = pa.table({"id": ids, "item": self.texts, "key": self.keys, "count": self.counts})
-        pq.write_table(table, work / "categories" / "items.parquet")
+    return ItemCounts(merged, totals, text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,7 +423,7 @@ class _Encoder:
 
 
 def _write_splits(
-    buckets: list[Path], work: Path, encoder: _Encoder, config: PreprocessConfig
+    buckets: list[Path], work: Path, encoder: ItemEncoder, config: PreprocessConfig
 ) -> tuple[dict[str, int], dict[str, list[str]], dict[str, int]]:
     """Each bucket's rows of each split in ``<work>/<split>/part_<bucket>.parquet``; the rows and
     files per split, and the counts of users and events."""
@@ -552,7 +448,7 @@ def _write_splits(
 
 
 def _split_tables(
-    h: _Histories, encoder: _Encoder, max_len: int, stats: dict[str, int]
+    h: _Histories, encoder: ItemEncoder, max_len: int, stats: dict[str, int]
 ) -> dict[str, pa.Table]:
     n, train_ends = h.ends - h.starts, h.train_ends
     trainable = train_ends - h.starts >= 2
@@ -600,7 +496,7 @@ def _metadata(
     stats: dict[str, int],
     read: dict[str, int],
     malformed: MalformedLines,
-    encoder: _Encoder,
+    encoder: ItemEncoder,
 ) -> dict[str, Any]:
     columns = {"user": "string", "items": "list<int64>", "times": "list<double>"}
     evaluated = {**columns, "target": "int64", "target_time": "double"}
