@@ -54,8 +54,6 @@ class SequenceDataset:
             which a checkpoint's ``spec.json`` records.
         oracle: the synthetic log's expected test metrics of its oracle (``hr@10``,
             ``ndcg@10``, ...); None for other data.
-        max_len: the longest history the data kept (its ``preprocess.max_len``; 0: every
-            event).
         item_encoding: how its items were encoded (raw item values -> ids and back).
     """
 
@@ -64,7 +62,6 @@ class SequenceDataset:
     first_item: int
     spec: DatasetSpec
     oracle: dict[str, float] | None
-    max_len: int
     item_encoding: ItemEncoding
 
     def loader(
@@ -163,7 +160,6 @@ def _read(path: Path, oracle: dict[str, float] | None) -> SequenceDataset:
         first_item,
         spec,
         oracle,
-        int(sequence["max_len"]),
         ItemEncoding.read(path),
     )
 
