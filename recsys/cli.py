@@ -4,6 +4,7 @@
     recsys train --config configs/dlrm_synthetic.toml [--section.key=value ...]
     recsys config --config configs/dlrm_synthetic.toml [--section.key=value ...]   # resolved TOML
     recsys config --reference                                                   # all keys
+    recsys config --models                 # model.name: built-ins, installed entry points
     recsys preprocess --format criteo --input train.txt.gz --output data/criteo     # ETL
     recsys export --checkpoint runs/dlrm --output model.pt2              # torch.export program
     recsys predict --model model.pt2 --input test.parquet --output scores.parquet
@@ -25,7 +26,8 @@ import time
 from collections.abc import Sequence
 
 from recsys._files import describe_os_error
-from recsys.config import PreprocessConfig, config_reference, load_config, to_toml
+from recsys.cli_preprocess import PREPROCESS_FLAGS, run_preprocess
+from recsys.config import config_reference, load_config, to_toml
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,6 +118,11 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
     )
     show.add_argument("--config", help="TOML recipe")
     show.add_argument("--reference", action="store_true", help="print every key with its doc")
+    show.add_argument(
+        "--models",
+        action="store_true",
+        help="list the model.name values: built-in models and installed entry points",
+    )
 
 
 def _add_preprocess(commands: argparse._SubParsersAction) -> None:
@@ -133,7 +140,7 @@ def _add_preprocess(commands: argparse._SubParsersAction) -> None:
         ),
     )
     prep.add_argument("--config", help="TOML file with a [preprocess] section")
-    for flag, help_text in _PREPROCESS_FLAGS.items():
+    for flag, help_text in PREPROCESS_FLAGS.items():
         prep.add_argument(f"--{flag}", help=help_text)
 
 
@@ -332,80 +339,6 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
     )
 
 
-_PREPROCESS_FLAGS = {
-    "format": "criteo | parquet | csv | interactions",
-    "input": "training data: file, directory or glob",
-    "valid": "validation data (default: carved out of --input)",
-    "test": "test data (default: carved out of --input)",
-    "output": "directory to write",
-    "categorical": "parquet/csv: comma-separated one-id categorical columns",
-    "multi-hot": "parquet/csv: comma-separated list columns (CSV bags are a|b|c)",
-    "dense": "parquet/csv: comma-separated numeric columns",
-    "label": "parquet/csv: comma-separated 0/1 label column(s)",
-    "apply": "DATA_DIR written by preprocess: transform the input with its fitted workflow "
-    "(same ids, table sizes and fingerprint; roles come from there)",
-    "user": "interactions: the user column",
-    "item": "interactions: the item column",
-    "time": "interactions: the time column (a user's events are ordered by it)",
-    "max-len": "interactions: the most recent events kept of a history (default 0: all)",
-}
-
-
-def _preprocess(args: argparse.Namespace, overrides: list[str]) -> None:
-    from recsys.data.etl import preprocess
-
-    flags = [
-        f"--preprocess.{flag.replace('-', '_')}={value}"
-        for flag in _PREPROCESS_FLAGS
-        if (value := getattr(args, flag.replace("-", "_"))) is not None
-    ]
-    config = load_config(args.config, [*flags, *overrides]).preprocess
-    if config.format == "interactions":
-        _preprocess_interactions(config)
-        return
-    report = preprocess(config)
-    rows = ", ".join(f"{split} {n:,}" for split, n in report.rows.items())
-    tables = ", ".join(f"{c['name']}={c['cardinality']:,}" for c in report.metadata["categorical"])
-    print(f"recsys: preprocessed into {report.output} in {report.seconds:.1f} s: rows {rows}")
-    if report.metadata.get("id_encoding") == "raw":  # no tables: count distinct train keys
-        tables = ", ".join(
-            f"{c['name']}~{c['distinct_estimate']:,}"
-            for c in report.metadata["categorical"]
-            if "distinct_estimate" in c
-        )
-        print(f"ids: raw 64-bit keys, no vocabulary; distinct train values (estimated): {tables}")
-    else:
-        print(f"tables: {tables}")
-    print(report.malformed.summary())
-    for example in report.malformed.examples[1:]:
-        print(f"  {example}")
-    for note in report.notes():
-        print(note)
-    if report.rows["valid"]:  # an --apply output for scoring has train/ only
-        recipe = "configs/dlrm_synthetic.toml"
-        print(f"train on it: recsys train --config {recipe} --data.path={report.output}")
-
-
-def _preprocess_interactions(config: PreprocessConfig) -> None:
-    from recsys.data.sequences import preprocess_interactions
-
-    report = preprocess_interactions(config)
-    rows = ", ".join(f"{split} {n:,}" for split, n in report.rows.items())
-    read = report.metadata["input"]
-    sequence = report.metadata["sequence"]
-    items = f"{sequence['num_items']:,} item ids" if sequence["num_items"] else "raw item keys"
-    print(
-        f"recsys: {read['interactions']:,} interactions of {read['users']:,} users -> histories "
-        f"in {report.output} in {report.seconds:.1f} s: users {rows}; {items} "
-        f"({report.metadata['encoding']}), max_len {sequence['max_len']}"
-    )
-    print(report.malformed.summary())
-    for example in report.malformed.examples[1:]:
-        print(f"  {example}")
-    for note in report.notes():
-        print(note)
-
-
 def _export(args: argparse.Namespace) -> None:
     from recsys.checkpoint.io import resolve_checkpoint
     from recsys.serve.export import export_model
@@ -569,8 +502,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "config" and args.reference:
             print(config_reference(), end="")
             return 0
+        if args.command == "config" and args.models:
+            from recsys.build.registry import models_table
+
+            print(models_table(), end="")
+            return 0
         if args.command == "preprocess":
-            _preprocess(args, overrides)
+            run_preprocess(args, overrides)
             return 0
         config = load_config(args.config, overrides)
         if args.command == "config":

@@ -1,10 +1,15 @@
-"""The model registry: ``model.name`` -> an architecture of :mod:`recsys.models`, built from the
-``[model]`` section and the dataset's :class:`~recsys.data.batch.DatasetSpec`.
+"""The built-in models and the one way every model is built: ``model.name`` (a built-in of
+:data:`MODELS`, an installed entry point, or ``"module:Class"``: :mod:`recsys.build.registry`)
+-> a module, from the ``[model]`` section and the dataset's
+:class:`~recsys.data.batch.DatasetSpec`.
 
-Every model is built the same way (see :func:`build_model`): the shared keys are checked, then
-the model's own section is read, then its tables are made (one per categorical feature, sized by
-the data; plus their dimension-1 twins for a first-order term), then the module. :data:`MODELS`
-says, per model, which of the shared pieces it takes and how its own options are read.
+Every click model, built-in or not, is built the same way (see :func:`build_model`): its
+constructor's signature says which of the trainer's arguments it takes
+(:data:`~recsys.build.registry.TRAINER_ARGUMENTS`); those keys are checked, its own options are
+read (a built-in's section, else ``[model.args]``), then its tables are made if it takes them
+(one per categorical feature, sized by the data; then their dimension-1 twins for a first-order
+term), then the module. Sequence models (sasrec, hstu, hstu_ranking) take their item table
+from :mod:`recsys.build.sequence_models`.
 
 Example::
 
@@ -14,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,12 +31,18 @@ from torch import nn
 from torchrec import EmbeddingBagConfig
 
 from recsys.build.dynamic_tables import dynamic_features, dynamic_options
+from recsys.build.registry import (
+    check_constructor,
+    check_forward,
+    resolve_model,
+)
 from recsys.build.sequence_models import build_sequence_model
 from recsys.build.tiered_tables import storage_options
-from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS, ModelConfig, TrainConfig
+from recsys.config import ModelConfig, TrainConfig
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.interface import embedding_collections
 from recsys.embedding.optim import OPTIMIZERS as FUSED_OPTIMIZERS
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tiered import TieredEmbeddingBagCollection
@@ -38,9 +50,12 @@ from recsys.models import (
     DCN,
     DLRM,
     DLRM_DCN,
+    HSTU,
     PNN,
     DeepFM,
+    HSTURanking,
     MMoE,
+    SASRec,
     WideDeep,
     XDeepFM,
     linear_table_configs,
@@ -56,26 +71,24 @@ def _no_options(config: ModelConfig, spec: DatasetSpec) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """How :func:`build_model` makes one model of the zoo.
-
-    Every model takes an :class:`EmbeddingBagCollection` (one table per categorical feature),
-    ``dense_in_features``, ``activation`` and ``dropout``; the flags add the shared pieces it
-    also takes, and ``options`` reads its own section.
-    """
+    """A built-in model: its class and how its own options are read. What else it takes (the
+    tables, ``dense_arch_layer_sizes``, a first-order term, ...) its constructor's signature
+    says, as for any model class (:func:`~recsys.build.registry.check_constructor`)."""
 
     module: type[nn.Module]
     """The architecture (a class of :mod:`recsys.models`)."""
     options: Callable[[ModelConfig, DatasetSpec], dict[str, Any]] = _no_options
     """The model's own constructor arguments, from its section of ``[model]`` (and the data);
-    raises ``ValueError`` for values it cannot use. Called after the shared keys are checked,
-    before any table is made."""
-    dense_arch: bool = True
-    """Takes ``model.dense_arch_layer_sizes`` (a bottom MLP that ends with
-    ``model.embedding_dim``)."""
-    over_arch: bool = True
-    """Takes ``model.over_arch_layer_sizes`` (a top MLP that ends with the number of tasks)."""
-    linear: bool = False
-    """Takes a second collection of dimension-1 tables, a first-order term."""
+    raises ``ValueError`` for values it cannot use. Called before any table is made."""
+    family: str = "click"
+    """``"click"``: ``forward(dense, sparse) -> logits [B, T]``, built by :func:`build_model`;
+    ``"next_item"`` / ``"target_ranking"``: a sequence model, built by
+    :func:`~recsys.build.sequence_models.build_sequence_model`."""
+
+    @property
+    def linear(self) -> bool:
+        """Takes a second collection of dimension-1 tables, a first-order term."""
+        return "linear_embedding_bag_collection" in inspect.signature(self.module).parameters
 
 
 def build_model(
@@ -111,7 +124,14 @@ def build_model(
         ValueError: an unknown ``model.name``, or sizes that do not fit the data (naming the
             key).
     """
-    if config.name in (*SEQUENCE_MODELS, *TARGET_RANKING_MODELS):  # user histories in
+    resolved = resolve_model(config.name)
+    entry = MODELS[config.name] if resolved.builtin else None
+    if entry is not None and entry.family != "click":  # user histories in
+        if config.args:
+            raise ValueError(
+                f"[model.args] is for model classes of your own; {config.name}'s options are "
+                "in [model.sequence]"
+            )
         # Under torchrun too a fixed or dynamic item table is built whole on ``device``:
         # parallelize copies its rows into the shards, so every world size starts from one
         # process's rows (a tiered one goes to ``table_device``: its rows start lazily).
@@ -124,23 +144,65 @@ def build_model(
             run_dir=run_dir,
             table_device=table_device,
         )
-    if config.name not in MODELS:
-        raise ValueError(
-            f"unknown model.name {config.name!r}; available: "
-            f"{', '.join([*MODELS, *SEQUENCE_MODELS, *TARGET_RANKING_MODELS])}"
-        )
-    entry = MODELS[config.name]
-    shared: dict[str, Any] = {}
-    if entry.dense_arch:
+    check_forward(resolved)
+    own = entry.options(config, spec) if entry is not None else {}
+    takes = check_constructor(resolved, own, config.args)
+    if "dense_arch_layer_sizes" in takes:
         _check_bottom_mlp(config, spec)
-        shared["dense_arch_layer_sizes"] = config.dense_arch_layer_sizes
-    if entry.over_arch:
+    if "over_arch_layer_sizes" in takes:
         _check_num_tasks(config.over_arch_layer_sizes, spec, "model.over_arch_layer_sizes")
-        shared["over_arch_layer_sizes"] = config.over_arch_layer_sizes
-    options = entry.options(config, spec)
-    # Tables before the module, the main tables before their twins: the order in which
-    # parameters are made (and so the initial weights under a seed) is part of the model.
-    # A dynamic table starts with model.dynamic.initial_capacity rows, whatever the data.
+    arguments = {
+        "dense_in_features": spec.num_dense,
+        "embedding_dim": config.embedding_dim,
+        "num_tasks": spec.num_tasks,
+        "dense_arch_layer_sizes": config.dense_arch_layer_sizes,
+        "over_arch_layer_sizes": config.over_arch_layer_sizes,
+        "activation": config.activation,
+        "dropout": config.dropout,
+        "dense_device": device,
+    }
+    arguments |= _tables(
+        takes,
+        config,
+        spec,
+        device if table_device is None else table_device,
+        seed,
+        embedding_optimizer,
+        run_dir,
+    )
+    model = resolved.cls(
+        **{name: value for name, value in arguments.items() if name in takes},
+        **own,
+        **config.args,
+    )
+    if not resolved.builtin and not embedding_collections(model):
+        warnings.warn(
+            f"model.name {config.name!r} holds no embedding collection: it trains, but no "
+            "table is sharded or updated by the fused optimizer (take embedding_bag_collection "
+            "in its constructor)",
+            stacklevel=2,
+        )
+    if table_device is None:
+        return model.to(device)
+    # Everything but the tables left on the meta device (parallelize materializes those).
+    return model._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def _tables(
+    takes: set[str],
+    config: ModelConfig,
+    spec: DatasetSpec,
+    device: torch.device,
+    seed: int,
+    optimizer: FusedOptimizer | None,
+    run_dir: str | Path,
+) -> dict[str, Any]:
+    """The trainer's table arguments a model takes (``tables``, ``embedding_bag_collection``,
+    ``linear_embedding_bag_collection``), made in that order: the order in which parameters
+    are made (and so the initial weights under a seed) is part of the model. A dynamic table
+    starts with model.dynamic.initial_capacity rows, whatever the data."""
+    if not takes & {"tables", "embedding_bag_collection", "linear_embedding_bag_collection"}:
+        return {}
     dynamic = dynamic_features(config.dynamic, spec)
     tables = table_configs(
         spec.sparse_names,
@@ -153,28 +215,14 @@ def build_model(
         config.embedding_dtype,
     )
     build = dict(
-        config=config,
-        spec=spec,
-        device=device if table_device is None else table_device,
-        seed=seed,
-        optimizer=embedding_optimizer,
-        run_dir=run_dir,
+        config=config, spec=spec, device=device, seed=seed, optimizer=optimizer, run_dir=run_dir
     )
-    collections = [_collection(tables, **build)]
-    if entry.linear:
-        collections.append(_collection(linear_table_configs(tables), **build))
-    model = entry.module(
-        *collections,
-        dense_in_features=spec.num_dense,
-        activation=config.activation,
-        dropout=config.dropout,
-        **shared,
-        **options,
-    )
-    if table_device is None:
-        return model.to(device)
-    # Everything but the tables left on the meta device (parallelize materializes those).
-    return model._apply(lambda t: t if t.is_meta else t.to(device))
+    made: dict[str, Any] = {"tables": tables}
+    if "embedding_bag_collection" in takes:
+        made["embedding_bag_collection"] = _collection(tables, **build)
+    if "linear_embedding_bag_collection" in takes:
+        made["linear_embedding_bag_collection"] = _collection(linear_table_configs(tables), **build)
+    return made
 
 
 def _collection(
@@ -263,7 +311,6 @@ def _mmoe_options(config: ModelConfig, spec: DatasetSpec) -> dict[str, Any]:
     return {
         "expert_layer_sizes": config.mmoe.expert_layer_sizes,
         "tower_layer_sizes": config.mmoe.tower_layer_sizes,
-        "num_tasks": spec.num_tasks,
         "num_experts": config.mmoe.num_experts,
     }
 
@@ -272,19 +319,21 @@ MODELS: dict[str, ModelEntry] = {
     "dlrm": ModelEntry(DLRM),
     "dlrm_dcn": ModelEntry(DLRM_DCN, _dlrm_dcn_options),
     # DCN feeds the dense features to the cross network as they are: no bottom MLP.
-    "dcn": ModelEntry(DCN, _dcn_options, dense_arch=False),
+    "dcn": ModelEntry(DCN, _dcn_options),
     "pnn": ModelEntry(PNN, lambda config, spec: {"product": config.pnn.product}),
-    "mmoe": ModelEntry(MMoE, _mmoe_options, dense_arch=False, over_arch=False),
-    "deepfm": ModelEntry(DeepFM, linear=True),
+    "mmoe": ModelEntry(MMoE, _mmoe_options),
+    "deepfm": ModelEntry(DeepFM),
     # Wide&Deep's deep MLP takes the dense features as they are, beside the embeddings.
-    "wide_deep": ModelEntry(WideDeep, dense_arch=False, linear=True),
+    "wide_deep": ModelEntry(WideDeep),
     "xdeepfm": ModelEntry(
-        XDeepFM,
-        lambda config, spec: {"cin_layer_sizes": config.xdeepfm.cin_layer_sizes},
-        linear=True,
+        XDeepFM, lambda config, spec: {"cin_layer_sizes": config.xdeepfm.cin_layer_sizes}
     ),
+    "sasrec": ModelEntry(SASRec, family="next_item"),
+    "hstu": ModelEntry(HSTU, family="next_item"),
+    "hstu_ranking": ModelEntry(HSTURanking, family="target_ranking"),
 }
-"""Every model ``model.name`` may name, and how :func:`build_model` makes it."""
+"""The built-in models: the short names ``model.name`` may take besides installed entry points
+(:mod:`recsys.build.registry`), and how :func:`build_model` makes each."""
 
 
 def fused_embedding_optimizer(config: TrainConfig) -> FusedOptimizer | None:

@@ -18,23 +18,25 @@ from recsys.config.loading import (
     load_config,
     to_toml,
 )
-from recsys.config.sections import (
-    CheckpointConfig,
-    Config,
-    CriteoConfig,
+from recsys.config.models import (
     CrossConfig,
-    DataConfig,
-    DistributedConfig,
     DynamicConfig,
     MMoEConfig,
     ModelConfig,
     PNNConfig,
+    StorageConfig,
+    XDeepFMConfig,
+)
+from recsys.config.sections import (
+    CheckpointConfig,
+    Config,
+    CriteoConfig,
+    DataConfig,
+    DistributedConfig,
     PreprocessConfig,
     RunConfig,
-    StorageConfig,
     SyntheticConfig,
     TrainConfig,
-    XDeepFMConfig,
 )
 from recsys.config.sequences import (
     RANKING_METRICS,

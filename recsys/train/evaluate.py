@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from recsys.build.models import build_model, fused_embedding_optimizer
+from recsys.build.registry import check_logits
 from recsys.build.sharding import parallelize_from_config
 from recsys.build.tiered_tables import private_storage, tiered_collections
 from recsys.checkpoint.io import (
@@ -108,6 +109,7 @@ def evaluate_split(
     batch = None
     for batch in loader:
         logits = model(batch.dense, batch.sparse)  # [B, T]
+        check_logits(model, logits, batch.labels)
         metrics.update(logits, batch.labels, oracle(batch) if oracle is not None else None)
         num_samples += batch.batch_size
     if extra:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recsys.build.registry import check_logits
 from recsys.data.batch import Batch
 from recsys.train.precision import DeferredEmbeddingGrads, LossScaler, agree_overflow, autocast
 from recsys.train.progress import StepTimer
@@ -113,6 +114,7 @@ class TrainStep:
         return [p for o in self.optimizers.values() for g in o.param_groups for p in g["params"]]
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        check_logits(self.model, logits, labels)  # a model class of the user's: at the first batch
         logits = logits.float()  # the loss in fp32 whatever the precision
         if self.task_weights is None:
             return F.binary_cross_entropy_with_logits(logits, labels)

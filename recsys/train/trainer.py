@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from recsys.build.dynamic_tables import dropped_note, dynamic_stat_fields, key_balance
+from recsys.build.registry import check_model_class
 from recsys.build.tiered_tables import (
     TieredLog,
     check_cache_sizes,
@@ -156,6 +157,7 @@ class _Run:
             )
         )
         resume = find_resume(config, self.run_dir, self._print) if ckpt.resume else None
+        check_model_class(config.model.name, config.model.args)  # before the data is read
         seed_everything(config.run.seed)
         self.task = build_task(config, device, info, self._print)  # data, loss, evaluation
         self._loader = self.task.loader
