@@ -5,6 +5,7 @@ of ``docs/config.md``."""
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import functools
@@ -142,9 +143,13 @@ def _set_key(root: Any, key: str, value: Any, source: str, prefix: str = "") -> 
     walked = prefix
     for index, part in enumerate(parents):
         if _is_table_field(obj, part):  # --model.args.gate_hidden=32: one key of the table
-            inner = ".".join([*parents[index + 1 :], name])
-            table = dict(getattr(obj, part))
-            table[inner] = value
+            table = copy.deepcopy(getattr(obj, part))
+            inner = table
+            for level in parents[index + 1 :]:
+                inner = inner.setdefault(level, {})
+                if not isinstance(inner, dict):
+                    raise ValueError(f"{source}: '{walked}{part}.{level}' is a value, not a table")
+            inner[name] = value
             setattr(obj, part, _coerce(table, dict, f"{walked}{part}", source))
             return
         obj = _resolve(obj, part, f"{walked}{part}", source)

@@ -277,9 +277,10 @@ def test_config_round_trips_model_args_and_names_the_class(tmp_path):
             f"--model.name={HERE}:NeedsWidth",
             "--model.args.width=8",
             '--model.args.names=["a", "b"]',
+            "--model.args.inner.depth=2",
         ],
     )
-    assert config.model.args == {"width": 8, "names": ["a", "b"]}
+    assert config.model.args == {"width": 8, "names": ["a", "b"], "inner": {"depth": 2}}
     (tmp_path / "c.toml").write_text("[model]\nname = 'dlrm'\n[model.args]\nfoo = {bar = 1}\n")
     assert load_config(tmp_path / "c.toml").model.args == {"foo": {"bar": 1}}
     from recsys.config import to_toml
