@@ -185,6 +185,7 @@ def make_model(
 # the recsys models a run can train on the split (--recsys-models): model.name and overrides
 RECSYS_MODELS = {
     "sasrec": ("sasrec", []),
+    "sasrec_post": ("sasrec", ["--model.sequence.layer_norm=post"]),  # RecBole's layout
     "hstu": ("hstu", []),
     "hstu_rab": ("hstu", ["--model.sequence.relative_bias=true"]),
     "hstu_rab_time": (
@@ -565,7 +566,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         choices=list(RECSYS_MODELS),
         default=["sasrec"],
-        help="recsys models trained on the split (hstu: HSTU, the FFN width unused; hstu_rab: "
+        help="recsys models trained on the split (sasrec_post: SASRec with RecBole's layout, "
+        "model.sequence.layer_norm = post; hstu: HSTU, the FFN width unused; hstu_rab: "
         "with the relative position bias; hstu_rab_time: with the position + time bias, the "
         "query's own time; hstu_rab_time_next: the next event's time, as Meta's HSTU)",
     )

@@ -121,6 +121,7 @@ def build_sequence_model(
             num_heads=sequence.num_heads,
             dropout=sequence.dropout,
             ffn_dim=sequence.ffn_dim or None,
+            layer_norm=sequence.layer_norm,
         )
     elif config.name == "hstu":
         model = HSTU(

@@ -51,6 +51,11 @@ class SequenceModelConfig:
     """Dropout on the inputs and in each block, in training only."""
     ffn_dim: Annotated[int, AtLeast0] = 0
     """sasrec: hidden width of each block's feed-forward network (0: model.embedding_dim)."""
+    layer_norm: Literal["pre", "post"] = "pre"
+    """sasrec: where the LayerNorms sit. ``pre``: a LayerNorm before each sublayer, inputs
+    sqrt(D) e + p, a final LayerNorm; ``post``: BERT's layout, as RecBole's SASRec (the input
+    LayerNorm(e + p), each sublayer LayerNorm(h + Dropout(f(h))), linear weights from
+    N(0, 0.02))."""
     qk_dim: Annotated[int, AtLeast0] = 0
     """hstu: per-head width of q and k (0: model.embedding_dim // num_heads)."""
     v_dim: Annotated[int, AtLeast0] = 0

@@ -27,7 +27,7 @@ HISTORY, CANDIDATES = "history", "candidates"
 @dataclass
 class Events:
     """The events of a batch of histories, jagged: ``x`` [sum L, D] the model's inputs
-    (``sqrt(D) e(item) + p(position)``), ``user`` and ``column`` [sum L] each event's
+    (``input_scale * e(item) + p(position)``), ``user`` and ``column`` [sum L] each event's
     history and place in it, ``lengths`` [B] and ``offsets`` [B + 1] the histories,
     ``max_length`` the longest (host-known), and ``times`` [sum L] the events' times (None
     when the caller passed none)."""
@@ -69,6 +69,8 @@ class SequenceEncoder(nn.Module):
         self.num_items = configs[0].num_embeddings
         self.positions = nn.Embedding(max_len, self.dim)
         nn.init.normal_(self.positions.weight, std=0.02)
+        self.input_scale = math.sqrt(self.dim)
+        """The item vectors' scale in the input ``input_scale * e(item) + p(position)``."""
 
     def encode(self, events: Events) -> torch.Tensor:
         """Hidden states [sum L, D], aligned with ``events.x``."""
@@ -128,12 +130,12 @@ class SequenceEncoder(nn.Module):
         ends = torch.cumsum(lengths, 0)
         offsets = torch.cat([ends.new_zeros(1), ends])
         column = torch.arange(total, device=ids.device) - offsets[user]
-        # sqrt(D) e(item) + p(position), positions counted back from the most recent event
+        # s e(item) + p(position) (s = input_scale), positions counted back from the last event
         x = jagged_dense_add(
             items,
             offsets,
             self.positions.weight,
-            scale=math.sqrt(self.dim),
+            scale=self.input_scale,
             from_end=True,
             validate=False,  # offsets built here; max_length checked against max_len above
         )

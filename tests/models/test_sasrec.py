@@ -21,7 +21,9 @@ from tests.models.sequence_training import train_and_rank
 FEATURES = [HISTORY, CANDIDATES]
 
 
-def _model(num_items: int = 40, dim: int = 8, max_len: int = 12, seed: int = 0) -> SASRec:
+def _model(
+    num_items: int = 40, dim: int = 8, max_len: int = 12, seed: int = 0, layer_norm: str = "pre"
+) -> SASRec:
     torch.manual_seed(seed)
     table = EmbeddingConfig(
         name="item",
@@ -29,7 +31,8 @@ def _model(num_items: int = 40, dim: int = 8, max_len: int = 12, seed: int = 0) 
         embedding_dim=dim,
         feature_names=[HISTORY, CANDIDATES],
     )
-    return SASRec(EmbeddingCollection(tables=[table]), max_len=max_len, num_heads=2, dropout=0.1)
+    collection = EmbeddingCollection(tables=[table])
+    return SASRec(collection, max_len=max_len, num_heads=2, dropout=0.1, layer_norm=layer_norm)
 
 
 def _kjt(histories: list[list[int]]) -> tuple[KeyedJaggedTensor, int]:
@@ -52,6 +55,56 @@ def test_a_position_sees_only_the_past_and_batches_do_not_leak():
         assert not torch.allclose(alone[3], changed[3])
         batched, _ = model(*_kjt([[1, 2], [5, 6, 7, 8], [9], [3, 4, 5, 6, 7, 8, 9]]))
     assert torch.allclose(batched[2:6], alone, atol=1e-5)  # padding to 7 changes nothing
+
+
+def _reference(model: SASRec, items: list[int]) -> torch.Tensor:
+    """One history's hidden states in float64, written from the module docstring's formulas
+    (a loop over positions, no padding, no SDPA)."""
+    d, heads, post = model.dim, model.blocks[0].heads, model.layer_norm == "post"
+    weights = {k: v.double() for k, v in model.state_dict().items()}
+    e = weights["embeddings.embeddings.item.weight"][torch.tensor(items)]
+    p = weights["positions.weight"][torch.arange(len(items) - 1, -1, -1)]
+
+    def norm(x, name):
+        eps = 1e-12 if post else 1e-5
+        return F.layer_norm(x, (d,), weights[f"{name}.weight"], weights[f"{name}.bias"], eps)
+
+    def linear(x, name):
+        return x @ weights[f"{name}.weight"].T + weights[f"{name}.bias"]
+
+    def attend(x, b):
+        q, k, v = linear(x, f"blocks.{b}.qkv").view(len(items), 3, heads, -1).unbind(1)
+        scores = torch.einsum("ihd,jhd->hij", q, k) / (d // heads) ** 0.5
+        causal = torch.ones(len(items), len(items), dtype=torch.bool).tril()
+        attention = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        mixed = torch.einsum("hij,jhd->ihd", attention, v).reshape(len(items), d)
+        return linear(mixed, f"blocks.{b}.out")
+
+    def ffn(x, b):
+        return linear(F.gelu(linear(x, f"blocks.{b}.ffn.0")), f"blocks.{b}.ffn.3")
+
+    h = norm(e + p, "norm") if post else d**0.5 * e + p
+    for b in range(len(model.blocks)):
+        if post:
+            h = norm(h + attend(h, b), f"blocks.{b}.norm1")
+            h = norm(h + ffn(h, b), f"blocks.{b}.norm2")
+        else:
+            h = h + attend(norm(h, f"blocks.{b}.norm1"), b)
+            h = h + ffn(norm(h, f"blocks.{b}.norm2"), b)
+    return h if post else norm(h, "norm")
+
+
+@pytest.mark.parametrize("layer_norm", ["post", "pre"])
+def test_each_layer_norm_layout_is_its_formula(layer_norm):
+    model = _model(layer_norm=layer_norm).eval()
+    histories = [[5, 6, 7, 8], [1], [3, 9, 2, 11, 30, 4, 4]]
+    with torch.no_grad():
+        hidden, _ = model(*_kjt(histories))
+    expected = torch.cat([_reference(model, h) for h in histories])
+    torch.testing.assert_close(hidden.double(), expected, rtol=1e-5, atol=1e-5)
+    if layer_norm == "post":  # BERT's initialization of the blocks' linear layers
+        weight = model.blocks[0].qkv.weight
+        assert abs(weight.std().item() - 0.02) < 0.005 and not model.blocks[0].qkv.bias.any()
 
 
 def test_user_vectors_are_the_last_state_and_empty_histories_are_zero():
