@@ -40,6 +40,7 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 __all__ = [
+    "BUILTIN_MODELS",
     "ENTRY_POINT_GROUP",
     "TRAINER_ARGUMENTS",
     "ClickModel",
@@ -110,10 +111,25 @@ class ResolvedModel:
     builtin: bool
 
 
-def _builtin_classes() -> dict[str, type[nn.Module]]:
-    from recsys.build.models import MODELS
+BUILTIN_MODELS: dict[str, str] = {
+    "dlrm": "recsys.models.dlrm:DLRM",
+    "dlrm_dcn": "recsys.models.dlrm:DLRM_DCN",
+    "dcn": "recsys.models.dcn:DCN",
+    "pnn": "recsys.models.pnn:PNN",
+    "mmoe": "recsys.models.mmoe:MMoE",
+    "deepfm": "recsys.models.deepfm:DeepFM",
+    "wide_deep": "recsys.models.wide_deep:WideDeep",
+    "xdeepfm": "recsys.models.xdeepfm:XDeepFM",
+    "sasrec": "recsys.models.sasrec:SASRec",
+    "hstu": "recsys.models.hstu:HSTU",
+    "hstu_ranking": "recsys.models.hstu_ranking:HSTURanking",
+}
+"""The built-in models' short names -> their classes, registered like an entry point (how each
+is built, its own options: :data:`recsys.build.models.MODELS`)."""
 
-    return {name: entry.module for name, entry in MODELS.items()}
+
+def _builtin_classes() -> dict[str, type[nn.Module]]:
+    return {name: _import_class(target, name) for name, target in BUILTIN_MODELS.items()}
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:

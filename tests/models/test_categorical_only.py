@@ -11,6 +11,8 @@ from recsys.data.batch import DatasetSpec
 from recsys.ops.dot_interaction import dot_interaction_reference
 from tests.models.test_dlrm import make_inputs, make_tables
 
+CLICK_MODELS = [name for name, entry in MODELS.items() if entry.family == "click"]
+
 
 def build(name, num_dense, num_tasks=1, num_features=5):
     spec = DatasetSpec(
@@ -35,7 +37,7 @@ def build(name, num_dense, num_tasks=1, num_features=5):
 
 
 @pytest.mark.parametrize(("num_features", "num_tasks"), [(5, 1), (5, 2), (1, 1)])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", CLICK_MODELS)
 def test_every_model_trains_without_dense_features(name, num_features, num_tasks):
     model = build(name, num_dense=0, num_tasks=num_tasks, num_features=num_features)
     assert not [n for n, _ in model.named_parameters() if "dense_arch" in n]
@@ -61,7 +63,7 @@ DENSE_PARAMETERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", CLICK_MODELS)
 def test_with_dense_features_the_parameters_stay(name):
     shapes = {n: tuple(p.shape) for n, p in build(name, num_dense=13).named_parameters()}
     assert {n: shapes.get(n) for n in DENSE_PARAMETERS[name]} == DENSE_PARAMETERS[name]

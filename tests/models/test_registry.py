@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from recsys.build.models import MODELS, build_model
+from recsys.build.registry import BUILTIN_MODELS, resolve_model
 from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS, ModelConfig, load_config
 from recsys.data.batch import DatasetSpec
 
@@ -16,8 +17,10 @@ SPEC = DatasetSpec(("d0", "d1"), ("a", "b", "c"), (5, 7, 3), ("click",))
 def test_every_built_in_name_is_a_model_of_its_family():
     histories = set(SEQUENCE_MODELS) | set(TARGET_RANKING_MODELS)
     assert {n for n, e in MODELS.items() if e.family != "click"} == histories
+    assert list(MODELS) == list(BUILTIN_MODELS)  # the names model.name resolves, in order
     for name, entry in MODELS.items():
         assert entry.module.__module__.startswith("recsys.models."), name
+        assert resolve_model(name).cls is entry.module and resolve_model(name).builtin
         assert load_config(overrides=[f"--model.name={name}"]).model.name == name
 
 
