@@ -1,0 +1,229 @@
+"""`recsys serve` for any KServe v2 client: the official Triton client with its default settings
+(HTTP with the binary tensor data extension, and gRPC), in a process of its own that imports no
+recsys, and plain JSON, score as `recsys predict` bitwise; bad inputs are refused over both
+transports with a message naming the input while serving goes on; start-up clashes are one
+line before anything loads."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from recsys.cli import main
+from recsys.serve.export import predict
+from tests.serve import test_server
+from tests.serve.test_server import Server, _free_ports, _samples, _write_rows, run  # noqa: F401
+
+CLIENT = r"""
+import json, sys
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+http_port, grpc_port, arrays, out = sys.argv[1:5]
+given = np.load(arrays)
+datatypes = {"dense": "FP32", "lengths": "INT64", "values": "INT64"}
+results, errors = {}, {}
+for name, client_module, port in (("http", httpclient, http_port), ("grpc", grpcclient, grpc_port)):
+    client = client_module.InferenceServerClient(f"127.0.0.1:{port}")
+    assert client.is_server_ready() and client.is_model_ready("recsys")
+    inputs = []
+    for key, datatype in datatypes.items():
+        tensor = client_module.InferInput(key, list(given[key].shape), datatype)
+        tensor.set_data_from_numpy(given[key])  # the default: binary data over HTTP
+        inputs.append(tensor)
+    results[name] = client.infer("recsys", inputs).as_numpy("scores")
+    bad = client_module.InferInput("values", [len(given["values"])], "FP32")
+    bad.set_data_from_numpy(given["values"].astype(np.float32))
+    try:
+        client.infer("recsys", inputs[:2] + [bad])
+    except InferenceServerException as error:
+        errors[name] = [error.status(), error.message()]
+np.savez(out, **results)
+print(json.dumps(errors))
+"""
+
+
+@pytest.fixture(scope="module")
+def served(run, tmp_path_factory):  # noqa: F811
+    """(server of the run's base export, the 256 rows as arrays, recsys predict's scores)."""
+    _, base, _ = run
+    tmp = tmp_path_factory.mktemp("clients")
+    rows, test_server.NUM_ROWS = tmp / "rows.parquet", 256
+    try:
+        _write_rows(base, rows)
+    finally:
+        test_server.NUM_ROWS = 200
+    samples = _samples(rows)
+    dense = np.asarray([list(s["dense"].values()) for s in samples], np.float32)
+    bags = [[b if isinstance(b, list) else [b] for b in s["sparse"].values()] for s in samples]
+    lengths = np.asarray([[len(b) for b in row] for row in bags], np.int64)
+    values = np.asarray([i for row in bags for b in row for i in b], np.int64)
+    assert (lengths == 0).any()  # empty bags among them
+    arrays = tmp / "rows.npz"
+    np.savez(arrays, dense=dense, lengths=lengths, values=values)
+    predict(base, rows, tmp / "scores.parquet", overwrite=True)
+    expected = pq.read_table(tmp / "scores.parquet").column("score_click").to_numpy()
+    server = Server(tmp, "--model", str(base), "--max-batch-size", "1")
+    yield server, (dense, lengths, values), expected, arrays
+    if server.process.poll() is None:
+        server.process.kill()
+
+
+def test_tritonclient_defaults_and_json_score_as_predict(served, tmp_path):
+    server, (dense, lengths, values), expected, arrays = served
+    grpc_port = server.grpc_port
+    out = tmp_path / "client.npz"
+    done = subprocess.run(
+        [sys.executable, "-c", CLIENT, str(server.port), str(grpc_port), str(arrays), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    scores = np.load(out)
+    for transport in ("http", "grpc"):
+        assert scores[transport].shape == (256, 1)
+        assert np.array_equal(scores[transport][:, 0], expected), transport  # bitwise
+    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    assert errors["http"][0] == "400" and "input 'values' has datatype FP32" in errors["http"][1]
+    assert errors["grpc"][0] == "StatusCode.INVALID_ARGUMENT"
+    assert "input 'values' has datatype FP32" in errors["grpc"][1]
+
+    given = {"dense": ("FP32", dense), "lengths": ("INT64", lengths), "values": ("INT64", values)}
+    body = {
+        "inputs": [
+            {"name": k, "datatype": t, "shape": list(a.shape), "data": a.ravel().tolist()}
+            for k, (t, a) in given.items()
+        ]
+    }
+    status, answer = server.post("/v2/models/recsys/infer", body)
+    assert status == 200, answer
+    assert np.array_equal(np.asarray(answer["outputs"][0]["data"], np.float32), expected)
+    status, metadata = server.get("/v2")
+    assert status == 200 and "binary_tensor_data" in json.loads(metadata)["extensions"]
+
+
+def _binary_request(server: Server, inputs, header_extra=None, tail: bytes = b""):
+    """POST a binary-extension request: ``inputs`` of (name, datatype, shape, array)."""
+    parts, described = [], []
+    for name, datatype, shape, array in inputs:
+        raw = array.tobytes()
+        parts.append(raw)
+        described.append(
+            {"name": name, "datatype": datatype, "shape": shape,
+             "parameters": {"binary_data_size": len(raw)}}
+        )  # fmt: skip
+    head = json.dumps({"inputs": described, **(header_extra or {})}).encode()
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        connection.request(
+            "POST",
+            "/v2/models/recsys/infer",
+            head + b"".join(parts) + tail,
+            {"Inference-Header-Content-Length": str(len(head))},
+        )
+        response = connection.getresponse()
+        headers = {k.lower(): v for k, v in response.getheaders()}
+        return response.status, headers, response.read()
+    finally:
+        connection.close()
+
+
+def test_binary_outputs_on_request_and_bad_inputs_over_http(served):
+    server, (dense, lengths, values), expected, _ = served
+    good = [
+        ("dense", "FP32", list(dense[:4].shape), dense[:4]),
+        ("lengths", "INT64", list(lengths[:4].shape), lengths[:4]),
+        ("values", "INT64", [int(lengths[:4].sum())], values[: int(lengths[:4].sum())]),
+    ]
+    status, headers, body = _binary_request(
+        server, good, {"parameters": {"binary_data_output": True}}
+    )
+    assert status == 200, body
+    head = int(headers["inference-header-content-length"])
+    answer = json.loads(body[:head])
+    assert answer["outputs"][0]["parameters"]["binary_data_size"] == 16
+    assert np.array_equal(np.frombuffer(body[head:], "<f4"), expected[:4])
+
+    def refused(body_inputs, status=400):
+        got, answer = server.post("/v2/models/recsys/infer", {"inputs": body_inputs})
+        assert got == status, answer
+        return answer["error"]
+
+    sample = [
+        {"name": "dense", "datatype": "FP32", "shape": [1, 3], "data": dense[0].tolist()},
+        {"name": "lengths", "datatype": "INT64", "shape": [1, 3], "data": [1, 1, 1]},
+        {"name": "values", "datatype": "INT64", "shape": [3], "data": values[:3].tolist()},
+    ]
+
+    def changed(index, **fields):
+        return [dict(x, **fields) if i == index else x for i, x in enumerate(sample)]
+
+    for bad, shown in ((1.5, "1.5"), (True, "true"), ("7", '"7"'), (7.0, "7.0")):
+        message = refused(changed(2, data=[bad, *values[1:3].tolist()]))
+        assert f"input 'values' element 0 is {shown}; datatype INT64 holds integers" in message
+    assert "outside INT64's range" in refused(changed(2, data=[2**64, 1, 2]))
+    nan = dense[:1].copy()  # JSON has no NaN: the binary extension carries one
+    nan[0, 1] = np.nan
+    status, _, body = _binary_request(server, [("dense", "FP32", [1, 3], nan), *good[1:2]])
+    assert status == 400
+    assert "input 'values' is missing" in json.loads(body)["error"]
+    status, _, body = _binary_request(
+        server,
+        [("dense", "FP32", [1, 3], nan),
+         ("lengths", "INT64", [1, 3], np.ones((1, 3), np.int64)),
+         ("values", "INT64", [3], values[:3])],
+    )  # fmt: skip
+    assert status == 400 and "input 'dense' row 0, feature 'int_1' is nan" in body.decode()
+    assert "given twice" in refused([*sample, sample[2]])
+    assert "has shape [5]" in refused(changed(2, shape=[5]))
+    assert "input 'lengths' adds up to 4" in refused(changed(1, data=[1, 2, 1]))
+    assert "has 0 rows" in refused(
+        [dict(sample[0], shape=[0, 3], data=[]), dict(sample[1], shape=[0, 3], data=[]),
+         dict(sample[2], shape=[0], data=[])]
+    )  # fmt: skip
+    huge = changed(0, shape=[10**12, 3])
+    assert "input 'dense' has shape [1000000000000, 3]" in refused(huge)
+    assert "is 300 (more than 256)" in refused(changed(1, data=[1, 1, 300]))
+    assert "is not valid JSON" in server.request("POST", "/v2/models/recsys/infer", "{")[1]
+    status, text = server.request("POST", "/v2/models/other/infer", {"inputs": sample})
+    assert status == 404 and "model 'other' is not served here" in text
+    status, _, body = _binary_request(server, good, tail=b"\0" * 8)
+    assert status == 400 and "8 bytes after the inputs' binary data" in body.decode()
+    big = b'{"inputs": [' + b" " * (17 * 2**20) + b"]}"
+    status, text = server.request("POST", "/v2/models/recsys/infer", big.decode())
+    assert status == 413 and "at most 16.0 MiB" in text
+    # serving goes on; every refusal was one WARNING line, no traceback
+    assert server.post("/v2/models/recsys/infer", {"inputs": sample})[0] == 200
+    log = server.log.read_text()
+    assert "Traceback" not in log and log.count("refused a v2 request") >= 15
+
+
+def test_a_port_in_use_is_one_line_before_anything_loads(run, served, capsys):  # noqa: F811
+    server, _, _, _ = served
+    _, base, _ = run
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag in ("--port", "--grpc-port", "--metrics-port"):
+            free = _free_ports(3)
+            ports = dict(zip(("--port", "--grpc-port", "--metrics-port"), free, strict=True))
+            ports[flag] = port
+            args = ["serve", "--model", str(base), "--host", "127.0.0.1"]
+            for option, value in ports.items():
+                args += [option, str(value)]
+            assert main(args) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err == [f"recsys: error: port {port} ({flag}) is in use on 127.0.0.1: stop "
+                           "what listens there or pick another port"]  # fmt: skip
+    assert server.get("/v2/health/ready")[0] == 200  # the running server is unaffected
