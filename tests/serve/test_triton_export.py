@@ -77,7 +77,7 @@ def test_bad_options_are_refused(run, tmp_path):  # noqa: F811
 
 
 def test_a_cuda_export_is_refused_without_a_gpu_and_reaches_the_device_with_one(
-    run,
+    run,  # noqa: F811
     tmp_path,
     monkeypatch,
 ):
