@@ -61,9 +61,9 @@ def test_bad_tensors_are_named():
 
 
 def test_a_typo_is_pointed_to_the_name_it_should_be():
-    typo = {"dense": {"d0": 0.5, "dX": -1}, "sparse": {"a": 1, "b": 2}}
+    typo = {"dense": {"d0": 0.5, "d_1": -1}, "sparse": {"a": 1, "b": 2}}
     with pytest.raises(
-        RequestError, match=r"'dense' has unknown dense feature 'dX' \(did you mean 'd1'\?\)"
+        RequestError, match=r"'dense' has unknown dense feature 'd_1' \(did you mean 'd1'\?\)"
     ):
         rows_from_json(typo, INDEX, 8)
     tensors = _tensors([[0, 0]], [[1, 0]], [1])
