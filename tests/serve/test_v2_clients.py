@@ -11,6 +11,8 @@ import json
 import socket
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -227,3 +229,33 @@ def test_a_port_in_use_is_one_line_before_anything_loads(run, served, capsys):  
             assert err == [f"recsys: error: port {port} ({flag}) is in use on 127.0.0.1: stop "
                            "what listens there or pick another port"]  # fmt: skip
     assert server.get("/v2/health/ready")[0] == 200  # the running server is unaffected
+
+
+def test_bad_exports_are_one_line_before_the_engine_starts(run, tmp_path, capsys):  # noqa: F811
+    run_dir, base, _ = run
+    cut = tmp_path / "cut.pt2"
+    cut.write_bytes(base.read_bytes()[: base.stat().st_size // 2])
+    text = tmp_path / "notes.pt2"
+    text.write_text("not a model")
+
+    def archive(name: str, members: list[str]) -> Path:
+        path = tmp_path / name
+        with zipfile.ZipFile(path, "w") as out:
+            for member in members:
+                out.writestr(f"model/extra/{member}", "{}")
+        return path
+
+    sequence = archive("sequence.pt2", ["spec.json", "retrieval.json"])
+    fixed = archive("fixed.pt2", ["spec.json"])
+    cases = [
+        ([str(cut)], f"'{cut}' is cut short: a zip archive without its end"),
+        ([str(text)], f"'{text}' was not written by recsys export (it is not a .pt2 archive)"),
+        ([str(sequence)], f"'{sequence}' is a sequence model's export (retrieval.json inside)"),
+        ([str(fixed), "--deltas", str(run_dir)], f"'{fixed}' has no dynamic tables for --deltas"),
+    ]
+    for model, message in cases:
+        ports = [str(p) for p in _free_ports(3)]
+        args = ["serve", "--model", *model, "--host", "127.0.0.1", "--port", ports[0]]
+        assert main([*args, "--grpc-port", ports[1], "--metrics-port", ports[2]]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"recsys: error: {message}"), err

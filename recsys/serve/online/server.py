@@ -76,6 +76,10 @@ class ServeOptions:
             raise ValueError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
         if not self.poll_seconds > 0:
             raise ValueError(f"--poll-seconds must be > 0, got {self.poll_seconds}")
+        if Path(self.model).is_file():
+            from recsys.serve.program_file import check_served_export
+
+            check_served_export(Path(self.model), deltas=self.deltas is not None)
         if self.deltas is not None:
             deltas_directory(self.deltas)  # before the server starts: a one-line error
         if self.data is not None and not self.transform:
