@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -21,7 +24,17 @@ import pytest
 from recsys.cli import main
 from recsys.serve.export import predict
 from tests.serve import test_server
-from tests.serve.test_server import Server, _free_ports, _samples, _write_rows, run  # noqa: F401
+from tests.serve.test_server import (  # noqa: F401
+    Server,
+    _copy_delta,
+    _free_ports,
+    _json_scores,
+    _offline,
+    _samples,
+    _wait_for_step,
+    _write_rows,
+    run,
+)
 
 CLIENT = r"""
 import json, sys
@@ -259,3 +272,42 @@ def test_bad_exports_are_one_line_before_the_engine_starts(run, tmp_path, capsys
         assert main([*args, "--grpc-port", ports[1], "--metrics-port", ports[2]]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"recsys: error: {message}"), err
+
+
+def test_kill_9_restarts_on_the_last_good_version_and_faults_leave_serving_on(run, tmp_path):  # noqa: F811
+    """A server killed with kill -9 after applying deltas keeps nothing half-applied: restarted,
+    it serves base + the committed deltas, as predict --deltas scores them; a delta being
+    written (no manifest yet, or a .tmp- directory) is never read; a deltas directory that
+    disappears is logged once while serving goes on."""
+    run_dir, base, rows = run
+    watched = tmp_path / "deltas"
+    watched.mkdir()
+    for step in (2, 4, 6):
+        _copy_delta(run_dir, step, watched)
+    first = Server(tmp_path, "--model", str(base), "--deltas", str(watched))
+    samples = _samples(rows)[:8]
+    _wait_for_step(first, samples, 6)
+    shutil.copytree(run_dir / "deltas" / "step_00000008", watched / ".tmp-step_00000008")
+    partial = shutil.copytree(run_dir / "deltas" / "step_00000010", watched / "step_00000010")
+    (partial / "delta.json").unlink()  # the manifest, written last: still being written
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait(timeout=30)
+    second = Server(tmp_path, "--model", str(base), "--deltas", str(watched))
+    try:
+        scores, step = _json_scores(second, samples)
+        assert step == 6
+        upto6 = tmp_path / "upto6"
+        upto6.mkdir()
+        for delta in (2, 4, 6):
+            _copy_delta(run_dir, delta, upto6)
+        expected = _offline(base, rows, upto6, tmp_path / "at6.parquet")
+        np.testing.assert_allclose(scores, expected[: len(samples)], rtol=0, atol=1e-6)
+        shutil.rmtree(watched)
+        deadline = time.monotonic() + 30
+        while "deltas directory not found" not in second.log.read_text():
+            assert time.monotonic() < deadline, second.log.read_text()
+            time.sleep(0.2)
+        assert _json_scores(second, samples)[1] == 6  # still serving
+        assert second.log.read_text().count("deltas directory not found") == 1
+    finally:
+        assert second.stop() == 0
