@@ -44,8 +44,23 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 http_port, grpc_port, arrays, out = sys.argv[1:5]
-given = np.load(arrays)
+given = dict(np.load(arrays))
 datatypes = {"dense": "FP32", "lengths": "INT64", "values": "INT64"}
+nan = given["dense"][:1].copy()
+nan[0, 1] = np.nan
+D, L, V = given["dense"][:1], np.ones((1, 3), np.int64), given["values"][:3]
+bad_cases = {  # name -> (model, [(input, array), ...]); the datatype follows the array's
+    "datatype": ("recsys", [("dense", D), ("lengths", L), ("values", V.astype(np.float32))]),
+    "missing": ("recsys", [("dense", D), ("values", V)]),
+    "twice": ("recsys", [("dense", D), ("lengths", L), ("values", V), ("values", V)]),
+    "shape": ("recsys", [("dense", D[:, :2]), ("lengths", L), ("values", V)]),
+    "nan": ("recsys", [("dense", nan), ("lengths", L), ("values", V)]),
+    "sum": ("recsys", [("dense", D), ("lengths", L), ("values", V[:2])]),
+    "zero_rows": ("recsys", [("dense", D[:0]), ("lengths", L[:0]), ("values", V[:0])]),
+    "max_ids": ("recsys", [("dense", D), ("lengths", np.array([[1, 1, 300]])),
+                           ("values", np.ones(302, np.int64))]),
+    "model": ("other", [("dense", D), ("lengths", L), ("values", V)]),
+}
 results, errors = {}, {}
 for name, client_module, port in (("http", httpclient, http_port), ("grpc", grpcclient, grpc_port)):
     client = client_module.InferenceServerClient(f"127.0.0.1:{port}")
@@ -56,12 +71,19 @@ for name, client_module, port in (("http", httpclient, http_port), ("grpc", grpc
         tensor.set_data_from_numpy(given[key])  # the default: binary data over HTTP
         inputs.append(tensor)
     results[name] = client.infer("recsys", inputs).as_numpy("scores")
-    bad = client_module.InferInput("values", [len(given["values"])], "FP32")
-    bad.set_data_from_numpy(given["values"].astype(np.float32))
-    try:
-        client.infer("recsys", inputs[:2] + [bad])
-    except InferenceServerException as error:
-        errors[name] = [error.status(), error.message()]
+    for case, (model, tensors) in bad_cases.items():
+        sent = []
+        for key, array in tensors:
+            datatype = "FP32" if array.dtype.kind == "f" else "INT64"
+            tensor = client_module.InferInput(key, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            sent.append(tensor)
+        try:
+            client.infer(model, sent)
+            errors[f"{name} {case}"] = ["no error", ""]
+        except InferenceServerException as error:
+            errors[f"{name} {case}"] = [str(error.status()), error.message()]
+    results[f"{name}_after"] = client.infer("recsys", inputs).as_numpy("scores")
 np.savez(out, **results)
 print(json.dumps(errors))
 """
@@ -109,9 +131,29 @@ def test_tritonclient_defaults_and_json_score_as_predict(served, tmp_path):
         assert scores[transport].shape == (256, 1)
         assert np.array_equal(scores[transport][:, 0], expected), transport  # bitwise
     errors = json.loads(done.stdout.strip().splitlines()[-1])
-    assert errors["http"][0] == "400" and "input 'values' has datatype FP32" in errors["http"][1]
-    assert errors["grpc"][0] == "StatusCode.INVALID_ARGUMENT"
-    assert "input 'values' has datatype FP32" in errors["grpc"][1]
+    messages = {
+        "datatype": "input 'values' has datatype FP32; expected INT64",
+        "missing": "input 'lengths' is missing",
+        "twice": "input 'values' is given twice",
+        "shape": "input 'dense' has shape [1, 2]",
+        "nan": "input 'dense' row 0, feature 'int_1' is nan",
+        "sum": "input 'values' holds 2 ids; input 'lengths' adds up to 3",
+        "zero_rows": "input 'dense' has 0 rows",
+        "max_ids": "is 300 (more than 256)",
+        "model": "other",
+    }
+    for case, message in messages.items():  # the same refusal over both transports
+        http_status, http_message = errors[f"http {case}"]
+        grpc_status, grpc_message = errors[f"grpc {case}"]
+        codes = (
+            ("404", "StatusCode.NOT_FOUND")
+            if case == "model"
+            else ("400", "StatusCode.INVALID_ARGUMENT")
+        )
+        assert (http_status, grpc_status) == codes, (case, errors)
+        assert message in http_message and message in grpc_message, (case, errors)
+    for transport in ("http", "grpc"):  # serving went on
+        assert np.array_equal(scores[f"{transport}_after"][:, 0], expected)
 
     given = {"dense": ("FP32", dense), "lengths": ("INT64", lengths), "values": ("INT64", values)}
     body = {
@@ -286,12 +328,14 @@ def test_kill_9_restarts_on_the_last_good_version_and_faults_leave_serving_on(ru
         _copy_delta(run_dir, step, watched)
     first = Server(tmp_path, "--model", str(base), "--deltas", str(watched))
     samples = _samples(rows)[:8]
-    _wait_for_step(first, samples, 6)
-    shutil.copytree(run_dir / "deltas" / "step_00000008", watched / ".tmp-step_00000008")
-    partial = shutil.copytree(run_dir / "deltas" / "step_00000010", watched / "step_00000010")
-    (partial / "delta.json").unlink()  # the manifest, written last: still being written
-    first.process.send_signal(signal.SIGKILL)
-    first.process.wait(timeout=30)
+    try:
+        _wait_for_step(first, samples, 6)
+        shutil.copytree(run_dir / "deltas" / "step_00000008", watched / ".tmp-step_00000008")
+        partial = shutil.copytree(run_dir / "deltas" / "step_00000010", watched / "step_00000010")
+        (partial / "delta.json").unlink()  # the manifest, written last: still being written
+    finally:
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(timeout=30)
     second = Server(tmp_path, "--model", str(base), "--deltas", str(watched))
     try:
         scores, step = _json_scores(second, samples)
