@@ -6,15 +6,25 @@ not its quality), exports it, and measures on the same test rows:
 - ``predict``: ``recsys.serve.export.predict`` over a parquet file of the rows (one call, batch
   8192): rows/s, the offline rate a served model is compared with;
 - ``serve_v2`` at concurrency 1, 8 and 64: closed-loop clients (threads, one keep-alive HTTP
-  connection each) sending one-row Open Inference Protocol requests to ``recsys serve`` (a
-  subprocess, default batching: 64 requests, 2 ms) for ``--seconds``: p50 / p99 latency,
-  requests/s, and the mean rows per scored batch from the server's metrics.
+  connection each) sending one-row Open Inference Protocol requests in JSON to ``recsys serve``
+  (a subprocess, default batching: 64 requests, 2 ms) for ``--seconds``: p50 / p99 latency,
+  requests/s, and the mean rows per scored batch from the server's metrics;
+- ``serve_v2_binary`` (the same requests in the binary tensor data extension, binary outputs,
+  as tritonclient sends them) and ``serve_grpc`` (the protocol's gRPC service) at 1, 8 and 64;
+- ``serve_v2_64rows``: 64-row JSON requests at concurrency 8 (rows/s against
+  ``predict_forward``'s);
+- with ``--baseline DIR`` (a checkout of an earlier recsys, e.g. a ``git worktree`` of the
+  commit before a change), the same JSON cases against that checkout's ``recsys serve``, in
+  the same run with the same load generator (provider ``... (baseline <commit>)``).
+
+Each served row's notes carry the server's mean time per request phase (decode, validate,
+queue, score, encode; ``recsys_serve_request_phase_seconds``) where the server reports it.
 
 The clients run on the same machine as the server and take CPU from it: on a 2-core machine the
 numbers are a floor. Appends to ``benchmarks/results/serving.csv``.
 
-Run: ``python -m benchmarks.serving [--seconds 10] [--steps 20] [--quick] [--export PT2]``
-(``--export``: an export of the recipe's model, instead of training one).
+Run: ``python -m benchmarks.serving [--seconds 10] [--steps 20] [--quick] [--export PT2]
+[--baseline DIR]`` (``--export``: an export of the recipe's model, instead of training one).
 """
 
 from __future__ import annotations
@@ -72,6 +82,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--export", type=Path, default=None, help="an export of the recipe (skips training)"
     )
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="a checkout whose recsys serve runs beside"
+    )
     parser.add_argument("--out-dir", type=Path, default=None)
     return parser.parse_args()
 
@@ -101,6 +114,8 @@ def main() -> None:
         case = f"dlrm_synthetic ({trained}), {len(samples)} test rows"
         lines = _offline(model, rows, batch, work, case, env)
         lines += _online(model, samples, seconds, case, env)
+        if args.baseline is not None:
+            lines += _online(model, samples, seconds, case, env, args.baseline)
     path = append_csv(TOPIC, COLUMNS, lines, args.out_dir)
     for line in lines:
         print(dict(zip(COLUMNS[:8], line[:8], strict=True)))
@@ -190,57 +205,162 @@ def _offline(model: Path, rows: Path, batch, work: Path, case: str, env: dict) -
     ]
 
 
-def _online(model: Path, samples: list[dict], seconds: float, case: str, env: dict) -> list:
+def _online(
+    model: Path, samples: list[dict], seconds: float, case: str, env: dict, tree: Path | None = None
+) -> list:
+    """The served cases (see the module docstring) against ``recsys serve`` of this checkout,
+    or of ``tree`` (JSON cases only)."""
     ports = _free_ports(3)
-    command = [
-        sys.executable,
-        "-m",
-        "recsys",
-        "serve",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(ports[0]),
-        "--grpc-port",
-        str(ports[1]),
-        "--metrics-port",
-        str(ports[2]),
-    ]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    command = [sys.executable, "-m", "recsys", "serve", "--model", str(model)]
+    command += ["--host", "127.0.0.1", "--port", str(ports[0]), "--grpc-port", str(ports[1])]
+    command += ["--metrics-port", str(ports[2])]
+    environ, suffix = dict(os.environ), ""
+    if tree is not None:
+        environ["PYTHONPATH"] = str(tree)
+        head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+        suffix = f" (baseline {head})"
+    server = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=environ, cwd=tree
+    )
+    json_bodies = [(json.dumps(s).encode(), {"Content-Type": "application/json"}) for s in samples]
+    cases = [("serve_v2", json_bodies, (1, 8, 64), 1)]
+    if tree is None:
+        cases.append(("serve_v2_binary", [_binary(s) for s in samples], (1, 8, 64), 1))
+        cases.append(("serve_grpc", [_grpc_request(s) for s in samples], (1, 8, 64), 1))
+    cases.append(("serve_v2_64rows", _merged(samples, 64), (8,), 64))
     lines = []
     try:
         _wait_ready(ports[0], server)
-        bodies = [json.dumps(s) for s in samples]
-        _load(ports[0], bodies, 1, 1.0)  # warm up
-        for concurrency in (1, 8, 64):
-            batches_before = _metrics(ports[2])
-            latencies, wall = _load(ports[0], bodies, concurrency, seconds)
-            batches_after = _metrics(ports[2])
-            num = len(latencies)
-            scored = batches_after[1] - batches_before[1]
-            per_batch = scored / max(batches_after[0] - batches_before[0], 1)
-            latencies.sort()
-            lines.append(
-                [
-                    case,
-                    "serve_v2",
-                    concurrency,
-                    f"{1000 * latencies[num // 2]:.2f}",
-                    f"{1000 * latencies[int(num * 0.99)]:.2f}",
-                    f"{num / wall:.1f}",
-                    f"{num / wall:.1f}",
-                    f"{per_batch:.2f}",
-                    *_env(env),
-                    "one-row requests, max batch 64 / 2 ms, clients on the same CPU; "
-                    + load_note(),
-                ]
-            )
+        _load(ports[0], json_bodies, 1, 1.0)  # warm up
+        for provider, bodies, levels, rows in cases:
+            for concurrency in levels:
+                before = _metrics(ports[2])
+                if provider == "serve_grpc":
+                    latencies, wall = _grpc_load(ports[1], bodies, concurrency, seconds)
+                else:
+                    latencies, wall = _load(ports[0], bodies, concurrency, seconds)
+                after = _metrics(ports[2])
+                lines.append(_served_line(case, provider + suffix, concurrency, latencies, wall,
+                                          rows, before, after, env))  # fmt: skip
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
     return lines
+
+
+def _served_line(case, provider, concurrency, latencies, wall, rows, before, after, env) -> list:
+    num = len(latencies)
+    per_batch = (after["rows"] - before["rows"]) / max(after["batches"] - before["batches"], 1)
+    latencies = sorted(latencies)
+    phases = [
+        f"{phase} {1e6 * (after[f'{phase}_s'] - before[f'{phase}_s']) / count:.0f}"
+        for phase in PHASES
+        if (count := after[f"{phase}_n"] - before[f"{phase}_n"]) > 0
+    ]
+    split = f"server us/request: {', '.join(phases)}; " if phases else ""
+    return [
+        case,
+        provider,
+        concurrency,
+        f"{1000 * latencies[num // 2]:.2f}",
+        f"{1000 * latencies[int(num * 0.99)]:.2f}",
+        f"{num / wall:.1f}",
+        f"{rows * num / wall:.1f}",
+        f"{per_batch:.2f}",
+        *_env(env),
+        f"{rows}-row requests, max batch 64 requests / 2 ms, clients on the same CPU; {split}"
+        + load_note(),
+    ]
+
+
+PHASES = ("decode", "validate", "queue", "score", "encode")
+
+
+def _binary(request: dict) -> tuple[bytes, dict]:
+    """A JSON v2 request as the binary tensor data extension (binary outputs asked for)."""
+    kinds = {"FP32": "<f4", "INT64": "<i8"}
+    described, raw = [], []
+    for given in request["inputs"]:
+        data = np.asarray(given["data"], kinds[given["datatype"]]).tobytes()
+        raw.append(data)
+        fields = {k: given[k] for k in ("name", "datatype", "shape")}
+        described.append(fields | {"parameters": {"binary_data_size": len(data)}})
+    head = json.dumps({"inputs": described, "parameters": {"binary_data_output": True}}).encode()
+    headers = {
+        "Content-Type": "application/octet-stream",
+        "Inference-Header-Content-Length": str(len(head)),
+    }
+    return head + b"".join(raw), headers
+
+
+def _merged(samples: list[dict], size: int) -> list[tuple[bytes, dict]]:
+    """Requests of ``size`` rows each, from the one-row requests."""
+    bodies = []
+    for start in range(0, len(samples) - size + 1, size):
+        group = [s["inputs"] for s in samples[start : start + size]]
+        merged = []
+        for i, name in enumerate(("dense", "lengths", "values")):
+            data = [x for inputs in group for x in inputs[i]["data"]]
+            shape = [len(data)] if name == "values" else [size, group[0][i]["shape"][1]]
+            merged.append(_tensor(name, group[0][i]["datatype"], shape, data))
+        bodies.append(
+            (json.dumps({"inputs": merged}).encode(), {"Content-Type": "application/json"})
+        )
+    return bodies
+
+
+def _grpc_request(request: dict):
+    from mlserver.grpc import dataplane_pb2 as pb
+
+    tensors = []
+    for given in request["inputs"]:
+        contents = (
+            pb.InferTensorContents(fp32_contents=given["data"])
+            if given["datatype"] == "FP32"
+            else pb.InferTensorContents(int64_contents=given["data"])
+        )
+        tensors.append(
+            pb.ModelInferRequest.InferInputTensor(
+                name=given["name"], datatype=given["datatype"], shape=given["shape"],
+                contents=contents,
+            )
+        )  # fmt: skip
+    return pb.ModelInferRequest(model_name="recsys", inputs=tensors)
+
+
+def _grpc_load(port: int, requests: list, concurrency: int, seconds: float):
+    """``_load`` over the protocol's gRPC service: one channel per client."""
+    import grpc
+    from mlserver.grpc import dataplane_pb2_grpc
+
+    latencies: list[float] = []
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def client(offset: int) -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = dataplane_pb2_grpc.GRPCInferenceServiceStub(channel)
+            mine, i = [], offset
+            while time.monotonic() < stop:
+                start = time.perf_counter()
+                stub.ModelInfer(requests[i % len(requests)], timeout=60)
+                mine.append(time.perf_counter() - start)
+                i += concurrency
+        with lock:
+            latencies.extend(mine)
+
+    return _run_clients(client, concurrency, latencies)
+
+
+def _run_clients(client, concurrency: int, latencies: list[float]):
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return latencies, time.perf_counter() - start
 
 
 def _env(env: dict) -> list:
@@ -273,7 +393,7 @@ def _wait_ready(port: int, server: subprocess.Popen) -> None:
     raise RuntimeError("recsys serve did not turn ready in 300 s")
 
 
-def _load(port: int, bodies: list[str], concurrency: int, seconds: float):
+def _load(port: int, bodies: list[tuple[bytes, dict]], concurrency: int, seconds: float):
     """Closed-loop load: ``concurrency`` clients until ``seconds`` pass; (latencies, wall)."""
     latencies: list[float] = []
     lock = threading.Lock()
@@ -282,10 +402,10 @@ def _load(port: int, bodies: list[str], concurrency: int, seconds: float):
     def client(offset: int) -> None:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         mine, i = [], offset
-        headers = {"Content-Type": "application/json"}
         while time.monotonic() < stop:
+            body, headers = bodies[i % len(bodies)]
             start = time.perf_counter()
-            connection.request("POST", "/v2/models/recsys/infer", bodies[i % len(bodies)], headers)
+            connection.request("POST", "/v2/models/recsys/infer", body, headers)
             response = connection.getresponse()
             response.read()
             if response.status != 200:
@@ -295,27 +415,28 @@ def _load(port: int, bodies: list[str], concurrency: int, seconds: float):
         with lock:
             latencies.extend(mine)
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return latencies, time.perf_counter() - start
+    return _run_clients(client, concurrency, latencies)
 
 
-def _metrics(port: int) -> tuple[float, float]:
-    """(scored batches, rows scored) so far, from the server's metrics."""
+def _metrics(port: int) -> dict[str, float]:
+    """Scored batches and rows so far, and per request phase its seconds and count, from the
+    server's metrics (phases absent from a server that does not report them)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     connection.request("GET", "/metrics")
     text = connection.getresponse().read().decode()
     values = {}
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
+        name, _, value = line.rpartition(" ")
         values[name] = value
-    return float(values["recsys_serve_batch_rows_count"]), float(
-        values["recsys_serve_batch_rows_sum"]
-    )
+    out = {
+        "batches": float(values["recsys_serve_batch_rows_count"]),
+        "rows": float(values["recsys_serve_batch_rows_sum"]),
+    }
+    for phase in PHASES:
+        key = f'recsys_serve_request_phase_seconds_{{}}{{{{phase="{phase}"}}}}'
+        out[f"{phase}_s"] = float(values.get(key.format("sum"), 0))
+        out[f"{phase}_n"] = float(values.get(key.format("count"), 0))
+    return out
 
 
 if __name__ == "__main__":

@@ -279,7 +279,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "each new delta while serving; one that does not continue the served step is refused",
     )
     serve.add_argument("--name", default="recsys", help="model name in /v2/models/NAME")
-    serve.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    serve.add_argument(
+        "--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every interface)"
+    )
     serve.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
     serve.add_argument("--grpc-port", type=int, help="gRPC port (default --port + 1)")
     serve.add_argument("--metrics-port", type=int, help="metrics port (default --port + 2)")
@@ -290,6 +292,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--max-wait-ms", type=float, default=2.0, help="longest wait to merge (default 2)"
     )
     serve.add_argument("--max-ids", type=int, default=256, help="most ids per bag (default 256)")
+    serve.add_argument(
+        "--max-body-mb", type=float, default=16.0, help="largest request body (default 16 MiB)"
+    )
     serve.add_argument(
         "--poll-seconds",
         type=float,
@@ -395,26 +400,12 @@ def _predict(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    import dataclasses
+
     from recsys.serve.online.server import ServeOptions, serve
 
-    serve(
-        ServeOptions(
-            model=args.model,
-            deltas=args.deltas,
-            name=args.name,
-            host=args.host,
-            port=args.port,
-            grpc_port=args.grpc_port,
-            metrics_port=args.metrics_port,
-            max_batch_size=args.max_batch_size,
-            max_wait_ms=args.max_wait_ms,
-            max_ids=args.max_ids,
-            poll_seconds=args.poll_seconds,
-            transform=args.transform,
-            data=args.data,
-            cache_rows=args.cache_rows,
-        )
-    )
+    fields = {f.name for f in dataclasses.fields(ServeOptions)}
+    serve(ServeOptions(**{k: v for k, v in vars(args).items() if k in fields}))
 
 
 def _report(args: argparse.Namespace) -> None:

@@ -128,7 +128,8 @@ class CachedTables:
         cache_rows: rows of each table's cache (None: the training run's cache size).
 
     Raises:
-        FileNotFoundError: the export's checkpoint (which holds the rows) is gone.
+        FileNotFoundError: the directory of the rows (beside the export; an older export's
+            checkpoint) is gone.
         ValueError: ``cache_rows`` < 1.
     """
 
@@ -140,9 +141,9 @@ class CachedTables:
         checkpoint = Path(info["checkpoint"])
         if not checkpoint.is_dir():
             raise FileNotFoundError(
-                f"the export's tiered tables are read from its checkpoint '{checkpoint}', which "
-                "is gone; keep the checkpoint an export with tiered tables was made from (or "
-                "export a checkpoint that exists)"
+                f"the export's tiered tables are read from '{checkpoint}', which is gone; keep "
+                "the '<export>.tables' directory `recsys export` writes beside the export (an "
+                "older export: its checkpoint), or export again"
             )
         self.info = info
         self.features = list(feature_names)

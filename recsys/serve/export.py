@@ -34,10 +34,9 @@ the exported map: export a later checkpoint), or naming the export and the delta
 does not continue the export's checkpoint. Dense layers and fixed tables stay the export's.
 
 Tables in the host or disk tier (``[model.storage]``) are not inside the program: it takes their
-pooled vectors as a fourth input, and :func:`load_program` looks their rows up in row stores
-loaded from the checkpoint, through a bounded cache (:mod:`recsys.serve.tiered_export`,
-:mod:`recsys.serve.cached_tables`); the loaded module takes the three inputs above.
-"""
+pooled vectors as a fourth input; their rows go beside it (``<output>.tables/``), read through
+a bounded cache by :func:`load_program` (:mod:`recsys.serve.tiered_export`,
+:mod:`recsys.serve.cached_tables`); the loaded module takes the three inputs above."""
 
 from __future__ import annotations
 
@@ -89,7 +88,7 @@ from recsys.serve.retrieval_export import (
     export_retrieval,
     predict_top_k,
 )
-from recsys.serve.tiered_export import TIERED_FILE, tiered_export
+from recsys.serve.tiered_export import TIERED_FILE, keep_tiered_rows, rows_beside, tiered_export
 
 __all__ = [
     "InferenceModule",
@@ -178,6 +177,7 @@ def export_model(
         program, module, checkpoint_step(checkpoint), read_lineage(checkpoint)
     )
     extra[DYNAMIC_FILE] = json.dumps(dynamic, indent=1) + "\n"
+    keep_tiered_rows(extra, checkpoint, output)  # beside the export: no rotation takes them
     return write_program(program, checkpoint, output, extra)
 
 
@@ -255,7 +255,7 @@ def load_program(
     module = program.module()
     if TIERED_FILE in extra_files:
         tiered = json.loads(extra_files[TIERED_FILE])
-        attach_cached_tables(module, tiered, list(spec.sparse_names), cache_rows)
+        attach_cached_tables(module, rows_beside(tiered, path), list(spec.sparse_names), cache_rows)
     return module, spec, dynamic
 
 

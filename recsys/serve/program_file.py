@@ -5,6 +5,7 @@ and reading its members."""
 from __future__ import annotations
 
 import io
+import json
 import warnings
 import zipfile
 from pathlib import Path
@@ -56,3 +57,38 @@ def archive_has(path: Path, member: str) -> bool:
         return False
     with zipfile.ZipFile(path) as archive:
         return any(name.endswith(f"/{member}") for name in archive.namelist())
+
+
+def check_served_export(path: Path, deltas: bool) -> None:
+    """What ``recsys serve`` checks of an export file before its engine starts, each a one-line
+    ``ValueError``: a file cut short (a zip without its end), a file ``recsys export`` did not
+    write, a sequence model's export (scored by ``recsys predict``), ``--deltas`` for an export
+    without dynamic tables."""
+    if not zipfile.is_zipfile(path):
+        with path.open("rb") as file:
+            zip_start = file.read(4) == b"PK\x03\x04"
+        if zip_start:
+            raise ValueError(
+                f"'{path}' is cut short: a zip archive without its end (a copy or download "
+                "stopped early?); copy it again or export it again"
+            )
+        raise ValueError(f"'{path}' was not written by recsys export (it is not a .pt2 archive)")
+    with zipfile.ZipFile(path) as archive:
+        members = {name.rsplit("/", 1)[-1] for name in archive.namelist()}
+    if SPEC_FILE not in members:
+        raise ValueError(
+            f"'{path}' was not written by recsys export (a .pt2 archive without {SPEC_FILE})"
+        )
+    for name in ("retrieval.json", "ranking.json"):
+        if name in members:
+            raise ValueError(
+                f"'{path}' is a sequence model's export ({name} inside): `recsys predict` scores "
+                "it; `recsys serve` serves click models"
+            )
+    if deltas:
+        tables = json.loads(archive_text(path, "dynamic.json")) if "dynamic.json" in members else {}
+        if not tables.get("tables"):
+            raise ValueError(
+                f"'{path}' has no dynamic tables for --deltas to update: serve it without "
+                "--deltas (deltas carry the rows of dynamic tables)"
+            )

@@ -378,6 +378,12 @@ def _top_k(
     raw_values = items.values.slice(offsets[0], offsets[-1] - offsets[0])
     if encoding is not None:
         values = encoding.encode(raw_values)
+    elif not (pa.types.is_integer(raw_values.type) or pa.types.is_null(raw_values.type)):
+        raise ValueError(
+            f"'{file}': its 'items' hold {raw_values.type} values, not the item ids the model was "
+            "trained on: raw item values (as in the interaction log) need --transform, which "
+            "encodes them as the training histories were"
+        )
     else:
         values = raw_values.to_numpy(zero_copy_only=False).astype(np.int64)
     offsets = offsets - offsets[0]

@@ -11,19 +11,24 @@ checkpoint therefore writes a program with a fourth input::
                                 side by side in the order of ``tiered.json``'s ``columns``
     ->       f32[B, T]
 
-and an extra file ``tiered.json`` naming, per tiered table, its checkpoint (whose
-``tiered.<table>.*`` files hold its rows: keep that checkpoint), dim, pooling, features, and
-what an absent row is (a fixed table's lazy initial row: seed and bound; a dynamic table's: the
-zero row). :func:`recsys.serve.export.load_program` puts :class:`~recsys.serve.cached_tables.
-CachedTables` in front of such a program, so ``recsys predict`` and ``recsys serve`` call it
-with the usual three inputs and the tiered rows are looked up through a bounded cache outside
-the program.
+and an extra file ``tiered.json`` naming, per tiered table, where its rows are (``rows``: the
+directory ``<export>.tables/`` beside the export, holding hard links to, or copies of, the
+checkpoint's ``tiered.<table>.*`` files, so that ``checkpoint.keep`` rotating the checkpoint
+away leaves the export whole; exports before this kept only ``checkpoint``), dim, pooling,
+features, and what an absent row is (a fixed table's lazy initial row: seed and bound; a
+dynamic table's: the zero row). :func:`recsys.serve.export.load_program` puts
+:class:`~recsys.serve.cached_tables.CachedTables` in front of such a program, so ``recsys
+predict`` and ``recsys serve`` call it with the usual three inputs and the tiered rows are
+looked up through a bounded cache outside the program.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +45,9 @@ __all__ = [
     "TIERED_FILE",
     "OutsideTables",
     "TieredInference",
+    "keep_tiered_rows",
     "outside_tables",
+    "rows_beside",
     "tiered_export",
     "tiered_info",
 ]
@@ -225,3 +232,38 @@ def tiered_export(
         collection.close()  # its rows are read from the checkpoint when the export loads
     extra = {TIERED_FILE: json.dumps(info, indent=1) + "\n"}
     return TieredInference(module, holder), inputs, shapes, extra
+
+
+def keep_tiered_rows(extra: dict[str, str], checkpoint: Path, output: Path) -> None:
+    """When ``extra`` (an export's extra files) holds ``tiered.json``: link the checkpoint's
+    files of those tables into ``<output>.tables/`` beside the export (hard links, copies
+    across filesystems; the directory appears whole, replacing one there), and point
+    ``tiered.json``'s ``rows`` at it."""
+    if TIERED_FILE not in extra:
+        return
+    info = json.loads(extra[TIERED_FILE])
+    target = output.parent / f"{output.name}.tables"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=output.parent))
+    try:
+        for name in info["tables"]:
+            for file in Path(checkpoint).glob(f"tiered.{name}.*"):
+                try:
+                    os.link(file, work / file.name)
+                except OSError:  # another filesystem (or no hard links): a copy
+                    shutil.copy2(file, work / file.name)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(work, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    info["rows"] = target.name
+    extra[TIERED_FILE] = json.dumps(info, indent=1) + "\n"
+
+
+def rows_beside(info: dict[str, Any], export: str | Path) -> dict[str, Any]:
+    """``tiered.json`` of the export at ``export`` with ``checkpoint`` pointing where its rows
+    are: the directory beside the export (``rows``), else (older exports) the checkpoint."""
+    if "rows" not in info:
+        return info
+    return {**info, "checkpoint": str(Path(export).resolve().parent / info["rows"])}

@@ -29,6 +29,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+from torch.export.passes import move_to_device_pass  # a submodule torch.export does not import
 
 from recsys.checkpoint.io import read_spec, resolve_checkpoint
 from recsys.serve.export import export_model
@@ -82,16 +83,23 @@ def export_triton(
         raise ValueError(f"--name {name!r}: expected a model name (no '/', not starting '.')")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device {device!r}: expected 'cpu' or 'cuda'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "--device cuda compiles the package for this machine's GPU, and torch sees none "
+            f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built'}): export on a "
+            "machine with a GPU, or --device cpu"
+        )
     checkpoint = resolve_checkpoint(checkpoint)
     target = Path(directory) / name
     if target.exists() and not overwrite:
         raise ValueError(f"'{target}' exists; pass --overwrite to replace it")
+    created = not target.parent.exists()
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=target.parent))
     try:
         program = _program(checkpoint, work / "export.pt2")
         if device == "cuda":
-            program = torch.export.passes.move_to_device_pass(program, "cuda")
+            program = move_to_device_pass(program, "cuda")
         (work / "model" / "1").mkdir(parents=True)
         config = triton_config(program, name, device)
         spec = read_spec(checkpoint)
@@ -116,6 +124,8 @@ def export_triton(
         os.replace(work / "model", target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if created and not any(target.parent.iterdir()):  # a failed export leaves no folder
+            target.parent.rmdir()
     return target
 
 

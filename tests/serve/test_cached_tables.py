@@ -297,3 +297,22 @@ def test_a_triton_export_is_refused(tiered_run, tmp_path):
     with pytest.raises(ValueError, match="Triton cannot serve them"):
         export_triton(run_dir, tmp_path / "models")
     assert not (tmp_path / "models" / "recsys").exists()
+
+
+def test_the_export_keeps_its_rows_when_the_checkpoint_is_rotated_away(tiered_run, tmp_path):
+    """The export links its tiered tables' rows beside it (``<export>.tables/``): the
+    checkpoint deleted, as ``checkpoint.keep`` rotation deletes it, the export still loads and
+    scores as before; without that directory the error names it."""
+    run_dir, base, rows = tiered_run
+    checkpoint = shutil.copytree(run_dir / "checkpoints" / "step_00000012", tmp_path / "step_12")
+    export = export_model(checkpoint, tmp_path / "out" / "model.pt2")
+    beside = tmp_path / "out" / "model.pt2.tables"
+    assert sorted(p.name for p in beside.iterdir()) == sorted(
+        p.name for p in checkpoint.glob("tiered.*")
+    )
+    shutil.rmtree(checkpoint)  # rotated away
+    expected = _offline(base, rows, tmp_path / "expected.parquet")
+    assert np.array_equal(_offline(export, rows, tmp_path / "kept.parquet"), expected)
+    shutil.rmtree(beside)
+    with pytest.raises(FileNotFoundError, match="keep the '<export>.tables' directory"):
+        load_program(export)

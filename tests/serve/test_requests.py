@@ -58,3 +58,15 @@ def test_bad_tensors_are_named():
     extra = _tensors([[0, 0]], [[1, 0]], [1]) | {"weights": ("FP32", [1], np.ones(1))}
     with pytest.raises(RequestError, match="unknown input 'weights'"):
         rows_from_tensors(extra, INDEX, 8)
+
+
+def test_a_typo_is_pointed_to_the_name_it_should_be():
+    typo = {"dense": {"d0": 0.5, "d_1": -1}, "sparse": {"a": 1, "b": 2}}
+    with pytest.raises(
+        RequestError, match=r"'dense' has unknown dense feature 'd_1' \(did you mean 'd1'\?\)"
+    ):
+        rows_from_json(typo, INDEX, 8)
+    tensors = _tensors([[0, 0]], [[1, 0]], [1])
+    tensors["dens"] = tensors.pop("dense")
+    with pytest.raises(RequestError, match=r"unknown input 'dens' \(did you mean 'dense'\?\)"):
+        rows_from_tensors(tensors, INDEX, 8)

@@ -77,6 +77,10 @@ def test_predict_refuses_raw_input_and_missing_histories(exported, tmp_path):
         predict(model_path, tmp_path / "no_items.parquet", tmp_path / "out.parquet")
     with pytest.raises(ValueError, match="item ids span \\[3, 99\\]"):
         predict(model_path, _histories(tmp_path, [[3, 99]]), tmp_path / "out.parquet")
+    raw = pa.table({"user": ["a"], "items": pa.array([["item-188", "item-7"]])})
+    pq.write_table(raw, tmp_path / "raw.parquet")
+    with pytest.raises(ValueError, match="hold string values, not the item ids .* --transform"):
+        predict(model_path, tmp_path / "raw.parquet", tmp_path / "out.parquet")
     assert not (tmp_path / "out.parquet").exists()
 
 

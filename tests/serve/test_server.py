@@ -133,7 +133,7 @@ class Server:
 
     def __init__(self, tmp: Path, *args: str) -> None:
         self.port, grpc, metrics = _free_ports(3)
-        self.metrics_port = metrics
+        self.grpc_port, self.metrics_port = grpc, metrics
         self.log = tmp / f"serve-{self.port}.log"
         command = [sys.executable, "-m", "recsys", "serve", *args, "--host", "127.0.0.1"]
         command += ["--port", str(self.port), "--grpc-port", str(grpc)]

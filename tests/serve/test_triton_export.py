@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from recsys.cli import main
+from recsys.serve import triton_export
 from recsys.serve.export import export_model, load_program
 from recsys.serve.exported_deltas import exported_tables
 from recsys.serve.triton_export import export_triton, triton_config
@@ -73,6 +74,32 @@ def test_bad_options_are_refused(run, tmp_path):  # noqa: F811
     command = ["export", "--checkpoint", str(run_dir), "--output", str(tmp_path / "m.pt2")]
     assert main([*command, "--device", "cuda"]) == 2  # a Triton option without --format triton
     assert not (tmp_path / "m.pt2").exists()
+
+
+def test_a_cuda_export_is_refused_without_a_gpu_and_reaches_the_device_with_one(
+    run,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    run_dir, _, _ = run
+    out = tmp_path / "repository"
+    if not torch.cuda.is_available():
+        message = "--device cuda compiles the package for this machine's GPU, and torch sees none"
+        with pytest.raises(ValueError, match=message):
+            export_triton(run_dir, out, device="cuda")
+        assert not out.exists()
+    moved = []
+
+    def move(program, device):  # torch's pass, up to the device this machine lacks
+        assert isinstance(program, torch.export.ExportedProgram)
+        moved.append(device)
+        raise RuntimeError("stopped at the device")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton_export, "move_to_device_pass", move)
+    with pytest.raises(RuntimeError, match="stopped at the device"):
+        export_triton(run_dir, out, device="cuda")
+    assert moved == ["cuda"] and not out.exists()  # no empty folder left behind
 
 
 @pytest.mark.slow

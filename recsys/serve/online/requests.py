@@ -234,17 +234,20 @@ def rows_from_tensors(
 
 
 def _check_keys(given: dict, names: Sequence[str], kind: str, at: str, what: str) -> None:
+    """Every one of ``names`` in ``given`` and nothing else. An unknown key is named first,
+    with the closest of the missing names (a typo points to what it should be, never the
+    other way round)."""
     missing = [name for name in names if name not in given]
     unknown = [name for name in given if name not in names]
-    if missing:
-        raise RequestError(
-            f"{at}{kind}{quoted_with_hints(missing, list(given), taken=list(names))} "
-            f"{'is' if len(missing) == 1 else 'are'} missing from {what}; expected "
-            f"{', '.join(repr(n) for n in names)}"
-        )
     if unknown:
         raise RequestError(
-            f"{at}{what} has unknown {kind}{quoted_with_hints(unknown, list(names))}; expected "
+            f"{at}{what} has unknown {kind}{quoted_with_hints(unknown, missing or list(names))}; "
+            f"expected {', '.join(repr(n) for n in names)}"
+        )
+    if missing:
+        raise RequestError(
+            f"{at}{kind}{', '.join(repr(n) for n in missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing from {what}; expected "
             f"{', '.join(repr(n) for n in names)}"
         )
 

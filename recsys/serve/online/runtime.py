@@ -3,17 +3,23 @@ Protocol (``/v2/models/<name>/infer``) and a plain JSON route (``POST /predict``
 ``transform`` option it takes raw values, transformed by the training data's fitted workflow).
 
 Each request is checked on its own first (:mod:`recsys.serve.online.requests`: a bad one is a
-400 naming the field, and never joins a batch), then handed to MLServer's adaptive batcher,
-which merges concurrent requests up to ``max_batch_size`` requests or ``max_batch_time``
-seconds and splits the scores back. A merged batch is scored by one version of the model
-(:meth:`ServedModel.score`), in a worker thread so the event loop keeps taking requests; every
-response carries the step it was served at (``parameters.step``; ``"step"`` on the JSON route).
+400 naming the field, and never joins a batch), then handed to the runtime's batcher
+(:class:`~recsys.serve.online.batcher.RowBatcher`), which merges concurrent requests up to
+``max_batch_size`` requests or ``max_wait_ms`` and splits the scores back. A merged batch is
+scored by one version of the model (:meth:`ServedModel.score`), in a worker thread so the event
+loop keeps taking requests; every response carries the step it was served at
+(``parameters.step``; ``"step"`` on the JSON route). The HTTP v2 infer route (JSON and binary
+tensors) is taken in front of the engine by :mod:`recsys.serve.online.http_infer`; gRPC comes
+through the engine to :meth:`RecsysRuntime.predict`. Where a request's time goes (decode,
+validate, queue, score, encode) is on the metrics endpoint
+(``recsys_serve_request_phase_seconds``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import time
 from typing import Any
@@ -21,9 +27,7 @@ from typing import Any
 import numpy as np
 from fastapi import Request, Response
 from mlserver import MLModel
-from mlserver.batching.adaptive import AdaptiveBatcher
 from mlserver.codecs import NumpyCodec
-from mlserver.context import model_context
 from mlserver.errors import MLServerError
 from mlserver.handlers import custom_handler
 from mlserver.settings import ModelSettings
@@ -33,12 +37,12 @@ from mlserver.types import (
     MetadataModelResponse,
     MetadataTensor,
     Parameters,
-    RequestInput,
 )
 from prometheus_client import Counter, Gauge, Histogram
 
 from recsys.data.etl_online import RowTransform
 from recsys.serve.export import training_data
+from recsys.serve.online.batcher import BatchTiming, RowBatcher
 from recsys.serve.online.requests import (
     RequestError,
     Rows,
@@ -47,16 +51,41 @@ from recsys.serve.online.requests import (
     rows_from_tensors,
 )
 from recsys.serve.online.served import ServedModel
+from recsys.serve.online.tensors import typed_array
 
-__all__ = ["JSON_ROUTE", "RecsysRuntime", "close_served", "load_errors", "served_model_settings"]
+__all__ = [
+    "JSON_ROUTE",
+    "RUNTIMES",
+    "RecsysRuntime",
+    "close_served",
+    "load_errors",
+    "served_model_settings",
+]
 
 JSON_ROUTE = "/predict"
 """The plain JSON route (named features)."""
 
 _METRICS: dict[str, Any] = {}
 _SERVED: list[ServedModel] = []
+RUNTIMES: dict[str, RecsysRuntime] = {}
+"""Model name -> its loaded runtime (what the HTTP infer route scores with)."""
+logger = logging.getLogger("recsys.serve")
 load_errors: dict[str, Exception] = {}
 """Model name -> the error its load failed with (MLServer logs it and stops the server)."""
+
+
+class ClientError(MLServerError):
+    """A request the model cannot score (400 / gRPC ``INVALID_ARGUMENT``): the runtime logs it
+    as one WARNING line, and :class:`QuietClientErrors` keeps the engine from logging it again
+    with a traceback."""
+
+
+class QuietClientErrors(logging.Filter):
+    """Drops the engine's log records of a :class:`ClientError` (its gRPC handler logs every
+    error with ``logger.exception``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], ClientError))
 
 
 def close_served() -> None:
@@ -81,6 +110,13 @@ def _metrics() -> dict[str, Any]:
                 "Time from a request's arrival at the runtime to its scores",
                 ["route"],
                 buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+            ),
+            phases=Histogram(
+                "recsys_serve_request_phase_seconds",
+                "Time of a request in each phase: decode (body to arrays), validate (the rows' "
+                "checks), queue (waiting for its batch), score (its batch's scoring), encode",
+                ["phase"],
+                buckets=(5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 1),
             ),
             batch_rows=Histogram(
                 "recsys_serve_batch_rows", "Samples in one scored batch", buckets=rows
@@ -175,26 +211,6 @@ def served_model_settings(
     )
 
 
-class _MergedScorer(MLModel):
-    """What the batcher calls with merged requests: ``predict`` scores a batch of checked rows
-    (inputs ``values``, ``lengths``, ``dense``, in that order) with one version."""
-
-    def __init__(self, settings: ModelSettings, served: ServedModel) -> None:
-        super().__init__(settings)
-        self.served = served
-
-    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
-        arrays = {i.name: NumpyCodec.decode_input(i) for i in payload.inputs}
-        scores, step = await asyncio.to_thread(
-            self.served.score, arrays["dense"], arrays["lengths"], arrays["values"].reshape(-1)
-        )
-        _metrics()["batch_rows"].observe(len(scores))
-        output = NumpyCodec.encode_output("scores", scores.astype(np.float32))
-        return InferenceResponse(
-            model_name=self.name, outputs=[output], parameters=Parameters(step=step)
-        )
-
-
 class RecsysRuntime(MLModel):
     """MLServer runtime serving a recsys export (see the module docstring)."""
 
@@ -222,13 +238,11 @@ class RecsysRuntime(MLModel):
         self.served = served
         _SERVED.append(served)
         self.max_ids = int(extra.get("max_ids", 256))
-        batching = self.settings.model_copy(
-            update={
-                "max_batch_size": int(extra.get("max_batch_size", 64)),
-                "max_batch_time": float(extra.get("max_wait_ms", 2.0)) / 1000,
-            }
+        self._batcher = RowBatcher(
+            served.score,
+            max_requests=int(extra.get("max_batch_size", 64)),
+            max_wait_s=float(extra.get("max_wait_ms", 2.0)) / 1000,
         )
-        self._batcher = AdaptiveBatcher(_MergedScorer(batching, served))
         spec = served.spec
         self.inputs = [
             MetadataTensor(name="dense", datatype="FP32", shape=[-1, spec.num_dense]),
@@ -244,6 +258,7 @@ class RecsysRuntime(MLModel):
         metrics["bases"].set_function(lambda: served.num_bases)
         _watch_cache(metrics, served)
         served.watch(float(extra.get("poll_seconds", 1.0)))
+        RUNTIMES[self.name] = self
         return True
 
     async def metadata(self) -> MetadataModelResponse:
@@ -262,6 +277,8 @@ class RecsysRuntime(MLModel):
 
     async def unload(self) -> bool:
         served = getattr(self, "served", None)  # None: the load failed
+        if RUNTIMES.get(self.name) is self:
+            del RUNTIMES[self.name]
         if served is not None:
             await asyncio.to_thread(served.close)
             if served in _SERVED:
@@ -269,16 +286,22 @@ class RecsysRuntime(MLModel):
         return True
 
     async def predict(self, payload: InferenceRequest) -> InferenceResponse:
-        """The v2 route: check the tensors, then score them in a merged batch."""
+        """The v2 route through the engine (gRPC): check the tensors, then score them in a
+        merged batch."""
         start = time.perf_counter()
         try:
-            tensors = {i.name: _tensor(i) for i in payload.inputs}
+            tensors = {}
+            for given in payload.inputs:
+                if given.name in tensors:
+                    raise RequestError(f"input '{given.name}' is given twice; give each input once")
+                tensors[given.name] = _tensor(given)
             rows = rows_from_tensors(tensors, self.served.spec, self.max_ids)
         except RequestError as error:
-            _metrics()["rejected"].labels("v2").inc()
-            raise MLServerError(str(error)) from None
-        scores, step = await self._score(rows)
-        _observe("v2", start)
+            self.reject("v2")
+            logger.warning("refused a v2 request (gRPC): %s", error)
+            raise ClientError(str(error)) from None
+        scores, step, timing = await self.score(rows)
+        self.observe("v2", start, queue=timing.queue_s, score=timing.score_s)
         output = NumpyCodec.encode_output("scores", scores)
         return InferenceResponse(
             model_name=self.name,
@@ -304,30 +327,31 @@ class RecsysRuntime(MLModel):
                     raw_rows_from_json, body, self.served.spec, self.transform, self.max_ids
                 )
         except RequestError as error:
-            _metrics()["rejected"].labels("json").inc()
+            self.reject("json")
+            logger.warning("refused a request to %s: %s", JSON_ROUTE, error)
             return Response(json.dumps({"error": str(error)}), 400, media_type="application/json")
-        scores, step = await self._score(rows)
-        _observe("json", start)
+        scores, step, timing = await self.score(rows)
+        self.observe("json", start, queue=timing.queue_s, score=timing.score_s)
         labels = self.served.spec.label_names
         out = {"scores": {name: scores[:, t].tolist() for t, name in enumerate(labels)}}
         return Response(json.dumps(out | {"step": step}), media_type="application/json")
 
-    async def _score(self, rows: Rows) -> tuple[np.ndarray, int]:
-        """Scores of checked rows, through the batcher: ``values`` first so that the batcher
-        splits the merged scores by the rows of ``dense`` (it takes each request's size from
-        its last input)."""
-        request = InferenceRequest(
-            inputs=[
-                _input("values", rows.values),
-                _input("lengths", rows.lengths),
-                _input("dense", rows.dense),
-            ],
-        )
-        with model_context(self.settings):  # the JSON route runs outside the engine's context
-            response = await self._batcher.predict(request)
-        output = response.outputs[0]
-        scores = NumpyCodec.decode_output(output).astype(np.float32)
-        return scores.reshape(len(rows), -1), int(response.parameters.step)
+    async def score(self, rows: Rows) -> tuple[np.ndarray, int, BatchTiming]:
+        """Scores of checked rows [len(rows), T] through the batcher, the step, the timing."""
+        scores, step, timing = await self._batcher.score(rows)
+        return scores.astype(np.float32, copy=False), step, timing
+
+    def reject(self, route: str) -> None:
+        """Count a request refused on ``route``."""
+        _metrics()["rejected"].labels(route).inc()
+
+    def observe(self, route: str, start: float, **phases: float) -> None:
+        """Count a request scored on ``route`` (arrived at ``start``) and its phases' times."""
+        metrics = _metrics()
+        metrics["requests"].labels(route).inc()
+        metrics["latency"].labels(route).observe(time.perf_counter() - start)
+        for phase, seconds in phases.items():
+            metrics["phases"].labels(phase).observe(seconds)
 
 
 def _row_transform(served: ServedModel, data: str | None) -> RowTransform:
@@ -342,34 +366,15 @@ def _row_transform(served: ServedModel, data: str | None) -> RowTransform:
     return RowTransform(directory)
 
 
-def _input(name: str, array: np.ndarray) -> RequestInput:
-    return NumpyCodec.encode_input(name, array)
-
-
-def _tensor(payload: RequestInput) -> tuple[str, list[int], np.ndarray]:
-    """(datatype, shape, flat data) of a v2 input, its data read as the datatype says."""
+def _tensor(payload: Any) -> tuple[str, list[int], np.ndarray]:
+    """(datatype, shape, flat data) of a v2 input the engine decoded, typed strictly
+    (:func:`~recsys.serve.online.tensors.typed_array`)."""
     data = getattr(payload.data, "root", payload.data)
-    try:
-        flat = np.asarray(_flatten(data), dtype=_DTYPES.get(payload.datatype, object))
-    except (TypeError, ValueError, OverflowError):
-        raise RequestError(
-            f"input '{payload.name}' holds values that are not {payload.datatype}"
-        ) from None
-    if flat.dtype.kind == "f" and payload.datatype.startswith("INT"):
-        raise RequestError(f"input '{payload.name}' holds non-integers; datatype INT64")
-    return payload.datatype, list(payload.shape), flat
-
-
-_DTYPES = {"FP32": np.float32, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32}
-
-
-def _flatten(data: Any) -> list:
-    if isinstance(data, list) and data and isinstance(data[0], list):
-        return [x for row in data for x in _flatten(row)]
-    return data
-
-
-def _observe(route: str, start: float) -> None:
-    metrics = _metrics()
-    metrics["requests"].labels(route).inc()
-    metrics["latency"].labels(route).observe(time.perf_counter() - start)
+    data = (
+        data.tolist()
+        if isinstance(data, np.ndarray)
+        else list(data)
+        if isinstance(data, tuple)
+        else data
+    )
+    return payload.datatype, list(payload.shape), typed_array(payload.name, payload.datatype, data)

@@ -1,8 +1,11 @@
 """``recsys serve``: run MLServer with the recsys runtime in this process.
 
-MLServer listens on three ports: HTTP (the Open Inference Protocol under ``/v2`` and the JSON
-route ``/predict``), gRPC (the same protocol) and metrics (Prometheus, ``/metrics``). The model
-loads after the server starts listening: ``/v2/health/live`` answers at once,
+MLServer listens on three ports: HTTP (the Open Inference Protocol under ``/v2``, its infer
+route in JSON or binary tensors taken by :mod:`recsys.serve.online.http_infer`, and the JSON
+route ``/predict``), gRPC (the same protocol) and metrics (Prometheus, ``/metrics``). Every
+port is checked free, and the model, deltas and options checked, before anything starts: a
+clash or a bad file is one ``recsys: error:`` line. The model loads after the server starts
+listening: ``/v2/health/live`` answers at once,
 ``/v2/health/ready`` and ``/v2/models/<name>/ready`` only once the tables (and the deltas
 written since the export) are loaded. SIGTERM (or SIGINT) stops taking connections and lets the
 requests in flight finish (uvicorn's graceful shutdown), then stops the delta watcher.
@@ -11,7 +14,10 @@ requests in flight finish (uvicorn's graceful shutdown), then stops the delta wa
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +45,8 @@ class ServeOptions:
     """Longest a request waits for others to merge with."""
     max_ids: int = 256
     """Most ids in one bag of a request."""
+    max_body_mb: float = 16.0
+    """Largest request body of the HTTP infer route, in MiB (a larger one is a 413)."""
     poll_seconds: float = 1.0
     """How often ``deltas`` (and ``model``) is checked for new deltas (and a new base)."""
     transform: bool = False
@@ -62,16 +70,70 @@ class ServeOptions:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if not self.max_body_mb > 0:
+            raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
         if not self.max_wait_ms >= 0:
             raise ValueError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
         if not self.poll_seconds > 0:
             raise ValueError(f"--poll-seconds must be > 0, got {self.poll_seconds}")
+        if Path(self.model).is_file():
+            from recsys.serve.program_file import check_served_export
+
+            check_served_export(Path(self.model), deltas=self.deltas is not None)
         if self.deltas is not None:
             deltas_directory(self.deltas)  # before the server starts: a one-line error
         if self.data is not None and not self.transform:
             raise ValueError(
-                "--data names the training data to transform raw input with: add " "--transform"
+                "--data names the training data to transform raw input with: add --transform"
             )
+        check_ports_free(self.host, self.ports())
+
+    def ports(self) -> dict[str, int]:
+        """Option name -> the port it makes the server listen on."""
+        return {
+            "--port": self.port,
+            "--grpc-port": self.grpc_port or self.port + 1,
+            "--metrics-port": self.metrics_port or self.port + 2,
+        }
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """Raise ValueError naming the first port of ``ports`` (option -> port) that is taken or
+    repeated: bound here without ``SO_REUSEPORT``, so a server already listening there (even
+    one that set it, as gRPC does) makes the bind fail."""
+    seen: dict[int, str] = {}
+    for option, port in ports.items():
+        if not 0 < port < 65536:
+            raise ValueError(f"{option} {port}: expected a port in [1, 65535]")
+        if port in seen:
+            raise ValueError(f"{option} {port} is also {seen[port]}: give each its own port")
+        seen[port] = option
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise ValueError(
+                        f"port {port} ({option}) is in use on {host}: stop what listens there "
+                        f"or pick another port"
+                    ) from None
+                raise ValueError(f"cannot listen on {host}:{port} ({option}): {error}") from None
+
+
+def _one_line_per_event() -> None:
+    """recsys' serving log on stdout in the engine's format, printed once: not also by a
+    handler some library put on the root logger (the engine's records likewise, once it has
+    configured its own)."""
+    ours = logging.getLogger("recsys.serve")
+    ours.setLevel(logging.INFO)
+    if not ours.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s [%(name)s] %(levelname)s - %(message)s")
+        )
+        ours.addHandler(handler)
+    ours.propagate = False
 
 
 def serve(options: ServeOptions) -> None:
@@ -85,16 +147,25 @@ def serve(options: ServeOptions) -> None:
     from mlserver import MLServer
     from mlserver.settings import Settings
 
-    from recsys.serve.online.runtime import close_served, load_errors, served_model_settings
+    from recsys.serve.online.http_infer import V2InferMiddleware
+    from recsys.serve.online.runtime import (
+        RUNTIMES,
+        QuietClientErrors,
+        close_served,
+        load_errors,
+        served_model_settings,
+    )
 
+    ports = options.ports()
     settings = Settings(
         host=options.host,
-        http_port=options.port,
-        grpc_port=options.grpc_port or options.port + 1,
-        metrics_port=options.metrics_port or options.port + 2,
+        http_port=ports["--port"],
+        grpc_port=ports["--grpc-port"],
+        metrics_port=ports["--metrics-port"],
         parallel_workers=0,  # one process: the tables are loaded once, deltas applied once
         debug=False,
         load_models_at_startup=False,
+        extensions=["binary_tensor_data"],  # on HTTP (recsys.serve.online.http_infer)
     )
     model_settings = served_model_settings(
         options.name,
@@ -108,10 +179,24 @@ def serve(options: ServeOptions) -> None:
         data=options.data,
         cache_rows=options.cache_rows,
     )
-    logging.getLogger("recsys.serve").setLevel(logging.INFO)
+    _one_line_per_event()
+    logging.getLogger("mlserver.grpc").addFilter(QuietClientErrors())  # logged once, as WARNING
+    logging.getLogger("recsys.serve").info(
+        "recsys serve: %s on %s, HTTP %d, gRPC %d, metrics %d",
+        options.model,
+        options.host,
+        *ports.values(),
+    )
 
     async def run() -> None:
         server = MLServer(settings)
+        logging.getLogger("mlserver").propagate = False  # its own handler prints each record
+        # The HTTP infer route (JSON and the binary extension) before MLServer's own parsing:
+        # its REST app is built in the constructor and starts its middleware stack on the first
+        # request (mlserver pinned in requirements/base.txt; tests/serve cover the route).
+        server._rest_server._app.add_middleware(
+            V2InferMiddleware, runtimes=RUNTIMES, max_body_bytes=int(options.max_body_mb * 2**20)
+        )
         await server.start([model_settings])
 
     try:
