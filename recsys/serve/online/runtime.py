@@ -81,11 +81,18 @@ class ClientError(MLServerError):
 
 
 class QuietClientErrors(logging.Filter):
-    """Drops the engine's log records of a :class:`ClientError` (its gRPC handler logs every
-    error with ``logger.exception``)."""
+    """The engine's gRPC handler logs every error with ``logger.exception``: a
+    :class:`ClientError` (logged by the runtime already) is dropped, another client error of
+    the engine's (4xx: an unknown model) becomes one WARNING line without its traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], ClientError))
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, ClientError):
+            return False
+        if isinstance(error, MLServerError) and error.status_code < 500:
+            record.msg, record.args, record.exc_info = "refused a gRPC request: %s", (error,), None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
 
 
 def close_served() -> None:
