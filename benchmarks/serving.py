@@ -7,7 +7,7 @@ not its quality), exports it, and measures on the same test rows:
   8192): rows/s, the offline rate a served model is compared with;
 - ``serve_v2`` at concurrency 1, 8 and 64: closed-loop clients (threads, one keep-alive HTTP
   connection each) sending one-row Open Inference Protocol requests in JSON to ``recsys serve``
-  (a subprocess, default batching: 64 requests, 2 ms) for ``--seconds``: p50 / p99 latency,
+  (a subprocess, its default batching) for ``--seconds``: p50 / p99 latency,
   requests/s, and the mean rows per scored batch from the server's metrics;
 - ``serve_v2_binary`` (the same requests in the binary tensor data extension, binary outputs,
   as tritonclient sends them) and ``serve_grpc`` (the protocol's gRPC service) at 1, 8 and 64;
@@ -269,7 +269,7 @@ def _served_line(case, provider, concurrency, latencies, wall, rows, before, aft
         f"{rows * num / wall:.1f}",
         f"{per_batch:.2f}",
         *_env(env),
-        f"{rows}-row requests, max batch 64 requests / 2 ms, clients on the same CPU; {split}"
+        f"{rows}-row requests, the server's default batching, clients on the same CPU; {split}"
         + load_note(),
     ]
 

@@ -289,7 +289,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--max-batch-size", type=int, default=64, help="most requests merged (default 64)"
     )
     serve.add_argument(
-        "--max-wait-ms", type=float, default=2.0, help="longest wait to merge (default 2)"
+        "--max-wait-ms",
+        type=float,
+        default=0.0,
+        help="how long an idle server waits to merge requests (default 0: requests arriving "
+        "while a batch is scored form the next one)",
     )
     serve.add_argument("--max-ids", type=int, default=256, help="most ids per bag (default 256)")
     serve.add_argument(

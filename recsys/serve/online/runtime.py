@@ -248,7 +248,8 @@ class RecsysRuntime(MLModel):
         self._batcher = RowBatcher(
             served.score,
             max_requests=int(extra.get("max_batch_size", 64)),
-            max_wait_s=float(extra.get("max_wait_ms", 2.0)) / 1000,
+            max_wait_s=float(extra.get("max_wait_ms", 0.0)) / 1000,
+            on_batch=_metrics()["batch_rows"].observe,
         )
         spec = served.spec
         self.inputs = [

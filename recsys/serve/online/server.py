@@ -41,8 +41,9 @@ class ServeOptions:
     """Default: ``port + 2``."""
     max_batch_size: int = 64
     """Most requests merged into one scored batch."""
-    max_wait_ms: float = 2.0
-    """Longest a request waits for others to merge with."""
+    max_wait_ms: float = 0.0
+    """How long an idle server waits for more requests to merge (0: none; requests that
+    arrive while a batch is scored form the next batch)."""
     max_ids: int = 256
     """Most ids in one bag of a request."""
     max_body_mb: float = 16.0
