@@ -128,10 +128,6 @@ BUILTIN_MODELS: dict[str, str] = {
 is built, its own options: :data:`recsys.build.models.MODELS`)."""
 
 
-def _builtin_classes() -> dict[str, type[nn.Module]]:
-    return {name: _import_class(target, name) for name, target in BUILTIN_MODELS.items()}
-
-
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
@@ -140,10 +136,7 @@ def available_models() -> dict[str, str]:
     """Every short name ``model.name`` may take -> where its class comes from: the built-ins,
     then the installed entry points (their ``"module:Class"`` and package; one with a
     built-in's name is listed as ignored)."""
-    names = {
-        name: f"built-in ({cls.__module__}:{cls.__qualname__})"
-        for name, cls in _builtin_classes().items()
-    }
+    names = {name: f"built-in ({target})" for name, target in BUILTIN_MODELS.items()}
     for name, ep in sorted(_entry_points().items()):
         if name in names:
             names[f"{name} (ignored)"] = f"{ep.value}: entry point shadowed by the built-in"
@@ -174,9 +167,9 @@ def resolve_model(name: str) -> ResolvedModel:
         ValueError: an unknown short name (with the closest known one), a module that cannot
             be imported, an attribute it lacks, or something that is not an nn.Module class.
     """
-    builtins = _builtin_classes()
-    if name in builtins:
-        return ResolvedModel(name, builtins[name], "built-in", builtin=True)
+    if name in BUILTIN_MODELS:  # only the one named is imported
+        cls = _import_class(BUILTIN_MODELS[name], f"model.name {name!r}")
+        return ResolvedModel(name, cls, "built-in", builtin=True)
     if ":" not in name:
         entry_points = _entry_points()
         if name in entry_points:
@@ -185,7 +178,7 @@ def resolve_model(name: str) -> ResolvedModel:
             package = f" of {dist.name} {dist.version}" if dist is not None else ""
             cls = _import_class(ep.value, f"model.name {name!r} (entry point {ep.value!r})")
             return ResolvedModel(name, cls, f"entry point {name!r}{package} ({ep.value})", False)
-        known = [*builtins, *entry_points]
+        known = [*BUILTIN_MODELS, *entry_points]
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else "."
         raise ValueError(

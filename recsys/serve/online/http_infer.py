@@ -6,8 +6,8 @@ decodes it as JSON or, with the ``Inference-Header-Content-Length`` header, as t
 tensor data extension (:mod:`recsys.serve.online.tensors`), checks the rows, scores them
 through the runtime's batcher and answers in the form the request asked for (binary outputs
 for ``binary_data_output``). Everything else, gRPC included, is MLServer's. Errors are the
-runtime's own JSON ``{"error": "..."}`` with 400 (a bad request), 404 (a model not served),
-413 (a body too large) or 503 (a model not ready), each logged as one WARNING line.
+runtime's own JSON ``{"error": "..."}`` with 400 (a bad request), 404 (a model not served, or
+not loaded yet) or 413 (a body too large), each logged as one WARNING line.
 
 Why a middleware: MLServer parses every infer body as JSON into pydantic models before a
 runtime sees it (binary bodies fail there with a 422), and its per-value conversions are most

@@ -378,11 +378,6 @@ def _tensor(payload: Any) -> tuple[str, list[int], np.ndarray]:
     """(datatype, shape, flat data) of a v2 input the engine decoded, typed strictly
     (:func:`~recsys.serve.online.tensors.typed_array`)."""
     data = getattr(payload.data, "root", payload.data)
-    data = (
-        data.tolist()
-        if isinstance(data, np.ndarray)
-        else list(data)
-        if isinstance(data, tuple)
-        else data
-    )
+    if isinstance(data, np.ndarray | tuple):
+        data = list(data) if isinstance(data, tuple) else data.tolist()
     return payload.datatype, list(payload.shape), typed_array(payload.name, payload.datatype, data)
