@@ -8,7 +8,8 @@ it runs form the next batch, which starts as soon as it finishes (continuous bat
 load a batch holds the requests of about one scoring time, up to ``max_requests``; alone, a
 request is scored at once). With ``max_wait_s`` > 0 an idle scorer waits that long for others
 before starting (fewer, larger batches at low load, at that cost in latency). A batch's
-fixed cost (a program call is ~2 ms on this CPU for 1 to 64 rows) is what merging saves.
+fixed cost (the program call, most of a small batch's time: ``benchmarks/serving.py``'s
+phase split) is what merging saves.
 Timers per request (queue: arrival to its batch's start; score: the batch's scoring) are
 returned with the scores for the metrics.
 
