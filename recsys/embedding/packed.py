@@ -230,6 +230,26 @@ class PackedTables(EmbeddingCollectionInterface):
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def layout(self) -> TableLayout:
+        """Where each table lives in the packed buffer."""
+        return self._layout
+
+    def packed_weight(self) -> torch.Tensor:
+        """Every table as one [total rows, D] matrix, table t from row
+        ``layout.row_offsets[t]``: a view of the packed buffer (repacked first if a table's
+        parameter was replaced), for tables of one dim.
+
+        Raises:
+            ValueError: the tables have several dims (one matrix per dim would be needed).
+        """
+        dims = sorted(set(self._layout.dims))
+        if len(dims) != 1:
+            raise ValueError(f"tables of dims {dims} do not pack into one matrix")
+        if not self._views_intact():
+            self._repack()
+        return self._flat.view(-1, dims[0])
+
     def reset_parameters(self) -> None:
         """Initialize every table with its config's ``init_fn`` (TorchRec's default: uniform
         in +-sqrt(1 / num_embeddings))."""

@@ -117,6 +117,51 @@ def pool_torch(
     return torch.cat(pooled, dim=1)  # [B, total_D]
 
 
+def pool_packed(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    key_rows: torch.Tensor,
+    key_base: torch.Tensor,
+    mean: bool,
+    batch_size: int,
+) -> torch.Tensor:
+    """Every bag of a key-major batch of K keys pooled by one ``F.embedding_bag`` over
+    ``weight`` [R, D], tables of one dim packed in one matrix (a view of the packed buffer):
+    key k's ids are rows of its table, which has ``key_rows[k]`` rows from row
+    ``key_base[k]`` on (both int64 [K]). ``mean``: every table pools the mean (else the sum).
+
+    The same sums as :func:`pool_torch` (each bag adds its rows in the same order), without
+    its per-feature slices, whose bounds a traced program must read from the data: what an
+    exported program runs, one lookup for all features instead of about twenty ops per
+    feature. An id outside its table fails the call (an assert in the program), as
+    ``F.embedding_bag`` over that table would. Traceable by torch.export: B may be symbolic.
+
+    Returns:
+        [B, K * D], key k in columns k * D to (k + 1) * D.
+    """
+    K, B, D = key_rows.numel(), batch_size, weight.shape[1]
+    key_of_bag = torch.arange(K, device=ids.device).repeat_interleave(B)  # [K * B]
+    key_of_id = torch.repeat_interleave(key_of_bag, lengths, output_size=ids.shape[0])  # [L]
+    inside = (ids >= 0) & (ids < key_rows[key_of_id])
+    torch._assert_async(inside.all(), "an id outside its feature's table (ids lie in [0, rows))")
+    psw = None if per_sample_weights is None else per_sample_weights.to(weight.dtype)
+    out = F.embedding_bag(
+        ids + key_base[key_of_id],
+        weight,
+        offsets,
+        # ATen rejects per-sample weights with mean pooling: sum, then divide below.
+        mode="mean" if mean and psw is None else "sum",
+        per_sample_weights=psw,
+        include_last_offset=True,
+    )  # [K * B, D]
+    if mean and psw is not None:
+        out = out / lengths.clamp(min=1).to(out.dtype).unsqueeze(1)
+    return out.view(K, B, D).transpose(0, 1).reshape(B, K * D)
+
+
 # Rows reduced and updated per chunk: a chunk's temporaries (rows x dim floats each) stay
 # cache-sized and are reused by the allocator, instead of whole-batch [U, D] temporaries of
 # hundreds of MiB that page-fault in fresh on every step. Measured on the 2-core EPYC, 26 x 1M

@@ -18,20 +18,19 @@ features and L ids in all (any L >= 0)::
                                order
 
 The archive also carries the checkpoint's ``spec.json`` (feature names, table sizes, labels)
-and ``config.toml`` (the training config) as extra files. Ids are not checked inside the
-program (an id outside its table is an error from ``F.embedding_bag``); :func:`predict` checks
-them first and names the column.
+and ``config.toml`` (the training config) as extra files. A collection's tables are looked up
+by one op (:mod:`recsys.serve.packed_export`); an id outside its table fails the program, and
+:func:`predict` checks ids first, naming the column.
 
 Dynamic tables are looked up in a frozen map inside the program: per table a constant of map
 keys (``num_buckets`` buckets of ``bucket_size`` slots, fixed in the graph) and its rows. The
-extra file ``dynamic.json`` records the checkpoint's step and lineage (its run and sessions,
-:mod:`recsys.checkpoint.lineage`) and, per dynamic table, the names of those tensors in the program,
-so that ``recsys predict --deltas`` (``load_exported(path, deltas=...)``) can bring the tables
-forward with the deltas written after that step by the same run (see
-:mod:`recsys.serve.exported_deltas`): it rebuilds each table's keys and rows in place, in the
-same map layout, and fails naming the table when its keys no longer fit (the table grew past
-the exported map: export a later checkpoint), or naming the export and the delta when a delta
-does not continue the export's checkpoint. Dense layers and fixed tables stay the export's.
+extra file ``dynamic.json`` records the checkpoint's step and lineage
+(:mod:`recsys.checkpoint.lineage`) and, per dynamic table, the names of those tensors in the
+program, so that ``recsys predict --deltas`` (``load_exported(path, deltas=...)``) can bring the
+tables forward with the deltas written after that step by the same run
+(:mod:`recsys.serve.exported_deltas`: each table's keys and rows rebuilt in place, in the same
+map layout; a table whose keys no longer fit the map, or a delta that does not continue the
+export's checkpoint, is named). Dense layers and fixed tables stay the export's.
 
 Tables in the host or disk tier (``[model.storage]``) are not inside the program: it takes their
 pooled vectors as a fourth input; their rows go beside it (``<output>.tables/``), read through
@@ -81,6 +80,7 @@ from recsys.serve.exported_deltas import (
     apply_exported_deltas,
     exported_dynamic_tables,
 )
+from recsys.serve.packed_export import pack_for_export
 from recsys.serve.program_file import archive_has, archive_text, check_output, write_program
 from recsys.serve.retrieval_export import (
     RETRIEVAL_FILE,
@@ -172,6 +172,7 @@ def export_model(
     shapes = {"dense": {0: batch}, "values": {0: ids}, "lengths": {0: num_sparse * batch}}
     # Tiered tables are looked up outside the program (tiered.json says how).
     module, inputs, shapes, extra = tiered_export(model, module, inputs, shapes, checkpoint)
+    pack_for_export(model, spec.sparse_names)  # the others' features: one lookup per call
     program = torch.export.export(module, inputs, dynamic_shapes=shapes)
     dynamic = exported_dynamic_tables(
         program, module, checkpoint_step(checkpoint), read_lineage(checkpoint)
@@ -183,12 +184,9 @@ def export_model(
 
 def _example_inputs(spec: DatasetSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inputs to trace with: 2 samples (export specializes sizes 0 and 1), one id per bag."""
-    batch_size, num_sparse = 2, len(spec.sparse_names)
-    return (
-        torch.randn(batch_size, spec.num_dense),
-        torch.zeros(num_sparse * batch_size, dtype=torch.int64),
-        torch.ones(num_sparse * batch_size, dtype=torch.int64),
-    )
+    bags = 2 * len(spec.sparse_names)
+    ids, lengths = torch.zeros(bags, dtype=torch.int64), torch.ones(bags, dtype=torch.int64)
+    return torch.randn(2, spec.num_dense), ids, lengths
 
 
 def load_exported(

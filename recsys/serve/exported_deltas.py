@@ -22,6 +22,7 @@ from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
 from recsys.embedding.interface import TABLES, WEIGHT, embedding_collections, state_prefix
 from recsys.embedding.slot_map import SlotMap
 from recsys.ops.slot_map import EMPTY_KEY
+from recsys.serve.packed_export import PACKED, PackedLookup
 
 __all__ = [
     "DYNAMIC_FILE",
@@ -55,7 +56,9 @@ def exported_dynamic_tables(
         lineage: that checkpoint's lineage (None: saved before lineages).
     """
     tables = {}
-    for path, collection in embedding_collections(module).items():
+    packed = {p: m for p, m in module.named_modules() if isinstance(m, PackedLookup)}
+    collections = embedding_collections(module) | {p: m.collection for p, m in packed.items()}
+    for path, collection in collections.items():
         if not isinstance(collection, DynamicEmbeddingBagCollection):
             continue
         for name, table in collection.dynamic.items():
@@ -68,6 +71,10 @@ def exported_dynamic_tables(
                 "num_buckets": table.map.num_buckets,
                 "bucket_size": table.map.bucket_size,
             }
+            if path in packed:  # the table's rows of the packed matrix
+                first, count = packed[path].table_rows[name]
+                tables[name] |= {"rows": f"{state_prefix(path)}{PACKED}", "first_row": first}
+                tables[name]["num_rows"] = count
     return {
         "step": step,
         "lineage": None if lineage is None else lineage.to_json(),
@@ -143,7 +150,7 @@ def _exported_rows(module: nn.Module, entry: dict) -> tuple[torch.Tensor, torch.
     map_keys = _tensor_at(module, entry["keys"][0])
     slots = (map_keys != EMPTY_KEY).nonzero().squeeze(1)
     keys, order = torch.sort(map_keys[slots])
-    return keys, _tensor_at(module, entry["rows"]).detach()[slots[order]].float()
+    return keys, _rows_at(module, entry).detach()[slots[order]].float()
 
 
 def _put_rows(
@@ -169,13 +176,22 @@ def _put_rows(
             f"{where}, and they do not fit its buckets ({error}); export a later checkpoint "
             "of the run and apply the deltas after it"
         ) from None
-    weight = _tensor_at(module, entry["rows"])
+    weight = _rows_at(module, entry)
     placed = torch.zeros_like(weight)  # the zero row (index capacity) stays zero
     placed[slots] = rows.to(weight.dtype)
     with torch.no_grad():
         for constant in entry["keys"]:
             _tensor_at(module, constant).copy_(layout.keys)
         weight.copy_(placed)
+
+
+def _rows_at(module: nn.Module, entry: dict) -> torch.Tensor:
+    """A dynamic table's rows in a loaded export: its weight, or its rows of a packed matrix
+    (``first_row``, ``num_rows``: :mod:`recsys.serve.packed_export`), a view either way."""
+    rows = _tensor_at(module, entry["rows"])
+    if "first_row" in entry:
+        rows = rows[entry["first_row"] : entry["first_row"] + entry["num_rows"]]
+    return rows
 
 
 def _tensor_at(module: nn.Module, name: str) -> torch.Tensor:

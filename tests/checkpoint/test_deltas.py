@@ -263,6 +263,10 @@ def _write_parquet(batch: Batch, path) -> None:
 def test_predict_with_deltas_equals_the_final_model(run, exported, tmp_path, capsys):
     _, _, run_dir = run
     base, final, test = exported
+    tables = _dynamic(base)["tables"]  # rows in the program's packed matrix of all tables
+    assert tables and all(
+        t["rows"].endswith("packed") and "first_row" in t for t in tables.values()
+    )
     _write_parquet(test, tmp_path / "test.parquet")
     expected = predict(final, tmp_path / "test.parquet", tmp_path / "final.parquet")
     argv = ["predict", "--model", str(base), "--input", str(tmp_path / "test.parquet")]

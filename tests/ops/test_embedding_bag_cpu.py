@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from recsys.ops import embedding_bag_cpu
-from recsys.ops.embedding_bag_cpu import backward_torch, pool_torch
+from recsys.ops.embedding_bag import embedding_bag_reference
+from recsys.ops.embedding_bag_cpu import backward_torch, pool_packed, pool_torch
 from recsys.ops.embedding_bag_layout import LookupPlan, TableLayout
 from recsys.train.step_audit import StepAudit  # tests may import the train layer
-from tests.ops.test_embedding_bag import make_inputs
+from tests.ops.test_embedding_bag import as_float64, make_inputs
 
 
 def _case(weighted: bool, mean: bool):
@@ -126,3 +127,43 @@ def test_fbgemm_forward_serves_only_what_it_matches_bitwise():
     mixed = TableLayout.build([10, 20], [8, 4])
     flat = mixed.pack([torch.randn(10, 8), torch.randn(20, 4)])
     assert not serves(LookupPlan(mixed, [0, 1], ["sum", "sum"]), flat, 100)
+
+
+@pytest.mark.parametrize(("weighted", "pooling"), [(False, "sum"), (False, "mean"), (True, "mean")])
+def test_packed_pooling_matches_float64_reference_and_pool_torch_bitwise(weighted, pooling):
+    torch.manual_seed(5)
+    rows = (10, 1, 37)
+    inputs = make_inputs(num_rows=rows, dims=(4, 4, 4), weighted=weighted, empty_key=1)
+    # pool_packed pools the keys in their order: relabel each key as its own feature.
+    num_keys = len(inputs["feature_to_key"])
+    tables = [
+        inputs["feature_to_table"][inputs["feature_to_key"].index(k)] for k in range(num_keys)
+    ]
+    by_key = dict(inputs, feature_to_key=list(range(num_keys)), feature_to_table=tables)
+    layout = TableLayout.build(rows, (4, 4, 4))
+    flat = layout.pack(inputs["weights"])
+    values, offsets, psw = inputs["values"], inputs["offsets"], inputs["per_sample_weights"]
+    key_rows = torch.tensor([layout.rows[t] for t in tables])
+    key_base = torch.tensor([layout.row_offsets[t] for t in tables])
+
+    def packed(ids):
+        return pool_packed(
+            flat.view(-1, 4), ids, offsets.diff(), offsets, psw, key_rows, key_base,
+            pooling == "mean", inputs["batch_size"],
+        )  # fmt: skip
+
+    out = packed(values)
+    expected = embedding_bag_reference(**as_float64(by_key), table_pooling=[pooling] * 3)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    plan = LookupPlan(layout, tables, [pooling] * 3)
+    per_table = pool_torch(
+        plan, layout.table_views(flat), values, offsets, psw, by_key["feature_to_key"], 5
+    )
+    assert torch.equal(out, per_table)
+    # An id past its own table (though inside the packed matrix) or negative fails the call.
+    assert offsets[-1] > offsets[-6]  # the last id is the last key's: table 0, rows 0..9
+    for bad in (-1, rows[tables[-1]]):
+        ids = values.clone()
+        ids[-1] = bad
+        with pytest.raises(RuntimeError, match="an id outside its feature's table"):
+            packed(ids)

@@ -105,6 +105,19 @@ def test_empty_bags_and_a_batch_without_ids(trained, name):
         torch.testing.assert_close(model(dense, values, lengths), expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_each_collection_is_one_lookup_and_ids_stay_in_their_table(trained, name):
+    _, _, exported = trained(name)
+    model, spec = load_exported(exported)
+    lookups = [n for n in model.graph.nodes if "embedding_bag" in str(n.target)]
+    assert len(lookups) == {"dlrm": 1, "deepfm": 2, "mmoe": 1}[name]  # deepfm: + first order
+    # An id one past its feature's table fails: the packed matrix's next row is another's.
+    values = torch.zeros(len(spec.sparse_names), dtype=torch.int64)
+    values[0] = spec.cardinalities[0]
+    with pytest.raises(RuntimeError, match="an id outside its feature's table"):
+        model(torch.randn(1, spec.num_dense), values, torch.ones_like(values))
+
+
 def test_the_program_runs_with_torch_alone(trained, tmp_path):
     config, result, exported = trained("dlrm")
     batch = _test_split(config).slice(0, 64)
