@@ -11,11 +11,12 @@ not its quality), exports it, and measures on the same test rows:
   requests/s, and the mean rows per scored batch from the server's metrics;
 - ``serve_v2_binary`` (the same requests in the binary tensor data extension, binary outputs,
   as tritonclient sends them) and ``serve_grpc`` (the protocol's gRPC service) at 1, 8 and 64;
-- ``serve_v2_64rows``: 64-row JSON requests at concurrency 8 (rows/s against
-  ``predict_forward``'s);
+- ``serve_v2_64rows`` / ``serve_v2_binary_64rows``: 64-row requests in JSON / the binary
+  extension at concurrency 8 (rows/s against ``predict_forward``'s);
 - with ``--baseline DIR`` (a checkout of an earlier recsys, e.g. a ``git worktree`` of the
-  commit before a change), the same JSON cases against that checkout's ``recsys serve``, in
-  the same run with the same load generator (provider ``... (baseline <commit>)``).
+  commit before a change), the same JSON cases against that checkout's ``recsys serve`` of
+  that checkout's own export of the checkpoint, in the same run with the same load generator
+  (provider ``... (baseline <commit>)``).
 
 Each served row's notes carry the server's mean time per request phase (decode, validate,
 queue, score, encode; ``recsys_serve_request_phase_seconds``) where the server reports it.
@@ -101,8 +102,10 @@ def main() -> None:
             "--run.device=cpu",
         ]
         config = load_config(RECIPE, overrides)
+        checkpoint = None
         if args.export is None:
-            model = export_model(train(config).checkpoint, work / "model.pt2")
+            checkpoint = train(config).checkpoint
+            model = export_model(checkpoint, work / "model.pt2")
             trained = f"{args.steps} steps"
         else:
             model, trained = args.export, f"export {args.export.name}"
@@ -115,11 +118,23 @@ def main() -> None:
         lines = _offline(model, rows, batch, work, case, env)
         lines += _online(model, samples, seconds, case, env)
         if args.baseline is not None:
-            lines += _online(model, samples, seconds, case, env, args.baseline)
+            # The baseline serves its own export of the checkpoint (as its users had it).
+            served = model if checkpoint is None else _export_with(args.baseline, checkpoint, work)
+            lines += _online(served, samples, seconds, case, env, args.baseline)
     path = append_csv(TOPIC, COLUMNS, lines, args.out_dir)
     for line in lines:
         print(dict(zip(COLUMNS[:8], line[:8], strict=True)))
     print(f"appended {len(lines)} rows to {path}")
+
+
+def _export_with(tree: Path, checkpoint: Path, work: Path) -> Path:
+    """``recsys export`` of ``checkpoint`` by the recsys checked out at ``tree``."""
+    output = work / "baseline.pt2"
+    command = [sys.executable, "-m", "recsys", "export", "--checkpoint", str(checkpoint)]
+    command += ["--output", str(output)]
+    environ = dict(os.environ, PYTHONPATH=str(tree))
+    subprocess.run(command, env=environ, cwd=tree, check=True, capture_output=True)
+    return output
 
 
 def _write_rows(batch, spec, path: Path) -> list[dict]:
@@ -223,12 +238,16 @@ def _online(
     server = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=environ, cwd=tree
     )
-    json_bodies = [(json.dumps(s).encode(), {"Content-Type": "application/json"}) for s in samples]
+    json_bodies = [_json(s) for s in samples]
     cases = [("serve_v2", json_bodies, (1, 8, 64), 1)]
     if tree is None:
         cases.append(("serve_v2_binary", [_binary(s) for s in samples], (1, 8, 64), 1))
         cases.append(("serve_grpc", [_grpc_request(s) for s in samples], (1, 8, 64), 1))
-    cases.append(("serve_v2_64rows", _merged(samples, 64), (8,), 64))
+    cases.append(("serve_v2_64rows", [_json(r) for r in _merged(samples, 64)], (8,), 64))
+    if tree is None:
+        cases.append(
+            ("serve_v2_binary_64rows", [_binary(r) for r in _merged(samples, 64)], (8,), 64)
+        )
     lines = []
     try:
         _wait_ready(ports[0], server)
@@ -294,9 +313,9 @@ def _binary(request: dict) -> tuple[bytes, dict]:
     return head + b"".join(raw), headers
 
 
-def _merged(samples: list[dict], size: int) -> list[tuple[bytes, dict]]:
+def _merged(samples: list[dict], size: int) -> list[dict]:
     """Requests of ``size`` rows each, from the one-row requests."""
-    bodies = []
+    requests = []
     for start in range(0, len(samples) - size + 1, size):
         group = [s["inputs"] for s in samples[start : start + size]]
         merged = []
@@ -304,10 +323,12 @@ def _merged(samples: list[dict], size: int) -> list[tuple[bytes, dict]]:
             data = [x for inputs in group for x in inputs[i]["data"]]
             shape = [len(data)] if name == "values" else [size, group[0][i]["shape"][1]]
             merged.append(_tensor(name, group[0][i]["datatype"], shape, data))
-        bodies.append(
-            (json.dumps({"inputs": merged}).encode(), {"Content-Type": "application/json"})
-        )
-    return bodies
+        requests.append({"inputs": merged})
+    return requests
+
+
+def _json(request: dict) -> tuple[bytes, dict]:
+    return json.dumps(request).encode(), {"Content-Type": "application/json"}
 
 
 def _grpc_request(request: dict):

@@ -175,17 +175,19 @@ class ServedModel:
             version that scored them).
         """
         version = self.version  # read once: the whole batch sees one version
-        lengths_t = torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64))  # [B, F]
-        values_t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))  # [L]
-        # Sample-major -> key-major (the program's order): stable sort of each id's feature.
-        feature = torch.arange(lengths_t.shape[1]).repeat(lengths_t.shape[0])  # [B*F]
-        feature_of_id = torch.repeat_interleave(feature, lengths_t.reshape(-1))  # [L]
-        order = torch.argsort(feature_of_id, stable=True)
+        lengths = np.ascontiguousarray(lengths, dtype=np.int64)  # [B, F]
+        values = np.ascontiguousarray(values, dtype=np.int64)  # [L]
+        if len(lengths) > 1:  # sample-major -> key-major (one sample's ids are both)
+            # numpy: on a small batch its calls cost a few us where torch's cost tens
+            feature_of_id = np.repeat(
+                np.tile(np.arange(lengths.shape[1]), len(lengths)), lengths.ravel()
+            )
+            values = values[np.argsort(feature_of_id, kind="stable")]
         with torch.no_grad():
             probabilities = version.module(
                 torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
-                values_t[order],
-                lengths_t.t().reshape(-1),  # [F*B]: lengths[f*B + b]
+                torch.from_numpy(values),
+                torch.from_numpy(np.ascontiguousarray(lengths.T).reshape(-1)),  # lengths[f*B + b]
             )
         return probabilities.numpy(), version.step
 

@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import uvloop
+
 from recsys.checkpoint.deltas import deltas_directory
 
 __all__ = ["ServeOptions", "serve"]
@@ -201,7 +203,9 @@ def serve(options: ServeOptions) -> None:
         await server.start([model_settings])
 
     try:
-        asyncio.run(run())
+        # uvloop, as MLServer's own CLI runs (a loop of this call only: no global policy)
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(run())
     finally:
         close_served()
     if options.name in load_errors:
