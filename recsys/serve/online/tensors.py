@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import orjson
 
 from recsys.serve.online.requests import RequestError
 
@@ -46,9 +48,10 @@ _NUMPY = {"FP32": "<f4", "FP64": "<f8", "INT64": "<i8", "INT32": "<i4"}
 _RANGES = {"INT64": (-(2**63), 2**63 - 1), "INT32": (-(2**31), 2**31 - 1)}
 
 
-def typed_array(name: str, datatype: str, data: Any) -> np.ndarray:
+def typed_array(name: str, datatype: str, data: Any, bools: bool = True) -> np.ndarray:
     """The JSON ``data`` of input ``name`` (a list, possibly nested row by row) as a flat
-    array of ``datatype``.
+    array of ``datatype``. ``bools``: whether ``data`` may hold a bool (False: the request's
+    text has no ``true`` / ``false``, and the scan for them is skipped).
 
     Raises:
         RequestError: a datatype the model does not take, data that is not a list, or an
@@ -70,7 +73,7 @@ def typed_array(name: str, datatype: str, data: Any) -> np.ndarray:
     if array.size == 0:
         return np.zeros(0, _NUMPY[datatype])
     numeric = array.dtype.kind == "i" or (not integer and array.dtype.kind == "f")
-    if numeric and not _holds_bool(data):  # numpy reads true as 1 beside numbers
+    if numeric and not (bools and _holds_bool(data)):  # numpy reads true as 1 beside numbers
         if integer:
             low, high = _RANGES[datatype]
             out = (array < low) | (array > high)
@@ -119,9 +122,21 @@ def decode_request(body: bytes, header_length: int | None) -> tuple[dict, Tensor
     if not 0 <= end <= len(body):
         raise RequestError(f"{HEADER_LENGTH} is {header_length}; the body has {len(body)} bytes")
     try:
-        header = json.loads(body[:end])
-    except (ValueError, UnicodeDecodeError) as error:
+        return _decoded(body, end, header_length, orjson.loads)
+    except RequestError:  # told from json's exact reading (orjson makes 2**64 a float)
+        return _decoded(body, end, header_length, json.loads)
+
+
+def _decoded(
+    body: bytes, end: int, header_length: int | None, loads: Callable[[bytes], Any]
+) -> tuple[dict, Tensors]:
+    text = body[:end]
+    try:
+        header = loads(text)
+    except (ValueError, UnicodeDecodeError) as error:  # orjson's error is a ValueError
         raise RequestError(f"the request is not valid JSON: {error}") from None
+    # numpy reads JSON's true as 1 beside numbers: without the token no value can be a bool
+    bools = b"true" in text or b"false" in text
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise RequestError("the request must be an object with a list of 'inputs'")
     offset, tensors = end, {}
@@ -142,7 +157,7 @@ def decode_request(body: bytes, header_length: int | None) -> tuple[dict, Tensor
         if size is None:
             if "data" not in given:
                 raise RequestError(f"input '{name}' has no 'data' (nor binary_data_size)")
-            tensors[name] = (datatype, shape, typed_array(name, datatype, given["data"]))
+            tensors[name] = (datatype, shape, typed_array(name, datatype, given["data"], bools))
             continue
         if header_length is None:
             raise RequestError(
