@@ -56,8 +56,11 @@ class SyntheticConfig:
     from the built-in data; beside such a feature the small ones draw other parameters)."""
     bag_sizes: list[int] = field(default_factory=list)
     """Per categorical feature, the largest number of ids in one sample's bag. 1 (or an empty
-    list, for all features) means one-hot; m > 1 draws bag lengths uniformly from 0..m, so
-    empty bags occur."""
+    list, for all features) means one-hot; m > 1 draws bag lengths as ``bag_lengths`` says."""
+    bag_lengths: Literal["uniform", "fixed"] = "uniform"
+    """How long a bag of a feature with bag size m > 1 is: ``uniform``, drawn uniformly from
+    0..m (empty bags occur); ``fixed``, exactly m ids in every bag (MLPerf DLRM-DCNv2's
+    multi-hot features, 1 to 100 ids)."""
     zipf_alpha: float = 1.1
     """Skew of the id distribution: id rank r is drawn with probability ~ 1 / (r + 1)^alpha."""
     num_tasks: int = 1

@@ -278,11 +278,10 @@ class SyntheticDataset:
         lengths, values = [], []
         for f, n in enumerate(self.config.cardinalities):
             m = self.bag_sizes[f]
-            bag = (
-                np.ones(num_rows, np.int32)
-                if m == 1
-                else rng.integers(0, m + 1, num_rows, dtype=np.int32)
-            )
+            if m == 1 or self.config.bag_lengths == "fixed":
+                bag = np.full(num_rows, m, np.int32)
+            else:
+                bag = rng.integers(0, m + 1, num_rows, dtype=np.int32)
             if self.drift is not None:
                 values.append(self.drift.sample(rng, f, day, int(bag.sum())))
             else:

@@ -73,6 +73,17 @@ def test_bag_lengths_one_hot_and_multi_hot():
     assert 1.7 < multi.float().mean() < 2.3  # uniform on 0..4
 
 
+def test_fixed_bag_lengths_hold_exactly_the_bag_size():
+    data = SyntheticDataset(small_config(bag_lengths="fixed"), seed=0)
+    sparse = data.chunk("train", 0).sparse
+    for feature, size in zip(sparse.keys(), [1, 4, 1, 2, 1], strict=True):
+        assert torch.all(sparse[feature].lengths() == size)
+    # The teacher still separates the classes (its oracle AUC is the data's).
+    chunk = data.chunk("test", 0)
+    oracle = binary_auroc(data.click_probability(chunk)[:, 0], chunk.labels[:, 0].long())
+    assert float(oracle) > 0.75
+
+
 def test_ids_are_zipf_skewed():
     data = SyntheticDataset(small_config(zipf_alpha=1.2), seed=0)
     ids = data.chunk("train", 0).sparse["cat_3"].values().numpy()
