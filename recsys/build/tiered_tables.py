@@ -31,7 +31,7 @@ from recsys.embedding.tiered import (
 __all__ = [
     "TIERED_DIR",
     "TieredLog",
-    "check_cache_sizes",
+    "cache_note",
     "close_stores",
     "disk_note",
     "private_storage",
@@ -114,21 +114,18 @@ def close_stores(model: nn.Module) -> None:
             module.close()
 
 
-def check_cache_sizes(
+def cache_note(
     model: nn.Module, batch_size: int, world_size: int, max_ids_per_sample: dict[str, int]
-) -> None:
-    """Refuse, before the first step, every tiered table whose cache could not hold the
-    distinct rows of one training batch: at most ``batch_size`` x ``world_size`` samples (a
-    shard serves every rank's) times the table's features' most ids per sample, and at most
-    the rows it holds (a fixed table). A cache this large never fails a step: the next batch is
-    prepared ahead when both fit, else in its own forward (counted as ``prefetch_deferred``);
-    evaluation batches are pooled in pieces that fit. Features without a known bound (multi-hot
-    parquet columns) are checked batch by batch instead. A collective under torchrun: every
-    rank raises the same error.
-
-    Raises:
-        ValueError: naming every table too small, with the cache_rows that suffices.
-    """
+) -> str:
+    """A line naming every tiered table whose cache is smaller than the most distinct rows
+    one training batch could touch ("" when none is): at most ``batch_size`` x
+    ``world_size`` samples (a shard serves every rank's) times the table's features' most ids
+    per sample, and at most the rows it holds (a fixed table). Such a run trains: a batch with
+    more distinct rows than the cache grows it in its forward (counted as ``cache_grown``),
+    bitwise as a larger cache would; the next batch is prepared ahead when both fit, else in
+    its own forward (``prefetch_deferred``); evaluation batches are pooled in pieces that fit.
+    Features without a known bound (multi-hot parquet columns) are not counted. A collective
+    under torchrun: every rank returns the same line."""
     samples, short = batch_size * world_size, {}
     for module in model.modules():
         if not isinstance(module, TieredEmbeddingBagCollection):
@@ -142,26 +139,22 @@ def check_cache_sizes(
             if config.name not in module.dynamic_options and config.num_embeddings < needed:
                 needed, why = config.num_embeddings, "every row it holds"
             if needed > cache.num_rows:
-                short[config.name] = (config.feature_names[0], cache.num_rows, needed, why)
+                short[config.name] = (cache.num_rows, needed, why)
     found: dict[str, tuple] = {}
     for part in all_gather(short):  # the largest need over the ranks' shards
         for table, entry in part.items():
-            if table not in found or entry[2] > found[table][2]:
+            if table not in found or entry[1] > found[table][1]:
                 found[table] = entry
     if not found:
-        return
-    lines = [
-        f"'{table}' has {rows} rows, needs {needed} ({why})"
-        for table, (_, rows, needed, why) in found.items()
-    ]
-    overrides = ", ".join(
-        f'"{feature}.cache_rows={needed}"' for feature, _, needed, _ in found.values()
+        return ""
+    tables = "; ".join(
+        f"'{table}' caches {rows} rows of up to {needed} ({why})"
+        for table, (rows, needed, why) in found.items()
     )
-    raise ValueError(
-        f"model.storage: {len(found)} tiered table cache(s) cannot hold one training batch of "
-        f"{batch_size} x {world_size} rank(s): {'; '.join(lines)}. Set model.storage.cache_rows "
-        f"(or cache_mb) to at least {max(e[2] for e in found.values())}, or per table: "
-        f"--model.storage.overrides='[{overrides}]'"
+    return (
+        f"model.storage: {len(found)} tiered table cache(s) smaller than a worst-case batch of "
+        f"{batch_size} x {world_size} rank(s): {tables}. A batch with more distinct rows grows "
+        "its cache by what it lacks (tiered/<table>/cache_grown in the log)"
     )
 
 
@@ -205,7 +198,8 @@ class TieredLog:
     ``written_back_per_step`` (rows), ``read_mb`` / ``written_mb`` (store bytes in the window),
     ``prefetch_wait_ms_per_step`` (prefetch time not hidden behind compute), ``cache_rows``,
     ``prefetch_deferred`` (batches whose rows did not fit beside the batch in flight's, so were
-    prepared in their own forward, not ahead)."""
+    prepared in their own forward, not ahead), ``cache_grown`` (rows added to the cache for
+    batches with more distinct rows than it held)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.collections = tiered_collections(model)
@@ -238,6 +232,7 @@ class TieredLog:
                     / steps,
                     f"tiered/{table}/cache_rows": stats["cache_rows"],
                     f"tiered/{table}/prefetch_deferred": delta["prefetch_deferred"],
+                    f"tiered/{table}/cache_grown": delta["grown"],
                 }
             )
         self.last = now
@@ -253,4 +248,7 @@ class TieredLog:
         line = f"cache hit rate >= {min(rates):.1%}  prefetch wait {max(waits):.1f} ms/step"
         if deferred:  # the cache holds one batch, not two: prefetch waits for the step
             line += f"  {deferred:.0f} prefetch(es) deferred (raise cache_rows to overlap them)"
+        grown = sum(v for k, v in fields.items() if k.endswith("/cache_grown"))
+        if grown:  # a batch had more distinct rows than a cache held
+            line += f"  caches grown by {grown:.0f} rows"
         return line

@@ -16,8 +16,14 @@ lowest first, so taking a free row never scans the cache.
 
 **Pinning.** Every batch gets a ticket; a row is pinned while the batch in flight or the batch
 being prepared uses it (ticket >= :attr:`RowCache.oldest_live`): prefetching batch i+1 while
-batch i trains never evicts a row of batch i, whose fused update is still to come. A batch
-needing more rows than the unpinned cache holds is a ValueError that names the minimum size.
+batch i trains never evicts a row of batch i, whose fused update is still to come.
+
+**A batch larger than the cache.** A batch needing more rows than the unpinned cache holds
+makes the cache grow by the rows it lacks when :meth:`RowCache.prepare` is given ``grow`` (the
+owner adds them to its packed buffers, then :meth:`RowCache.extend`; counted in ``grown``): the
+batch trains exactly as with a cache that held it from the start. Without ``grow`` (a prefetch
+in the background, while the batch in flight uses the buffers) it is a
+:class:`CacheTooSmallError` that names the minimum size.
 
 Evicted rows go back to the store exactly (bytes), and a row's value never depends on which
 cache row holds it, so a tiered table trains bitwise like the same table held whole in memory,
@@ -143,6 +149,7 @@ class RowCache:
         self.stats = dict.fromkeys(
             ("lookups", "hits", "misses", "fetched", "initialized", "evicted", "written_back"), 0
         )
+        self.stats["grown"] = 0  # rows added for batches larger than the cache
         self.clear()
 
     def clear(self) -> None:
@@ -169,20 +176,24 @@ class RowCache:
         *,
         train: bool,
         admit: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        grow: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Give a batch's distinct ``keys`` (int64 [U]; ``counts``: ids per key) cache rows.
 
         Args:
             train: the batch trains: its rows become dirty (the fused update writes them).
             admit: for keys the store lacks, which get a fresh row (bool [n]; None: all).
+            grow: ``grow(n)`` adds n rows to the cache's buffers, called when the batch needs
+                more rows than the cache has unpinned (then this cache is :meth:`extend`-ed by
+                n); None: that is an error.
 
         Returns:
             (the cache row of each key, -1 for a key without a row, the batch's ticket: pass it
             to :meth:`begin` when the batch starts training).
 
         Raises:
-            ValueError: the batch needs more rows than the cache has unpinned (the message
-                names the minimum ``cache_rows``).
+            ValueError: without ``grow``, the batch needs more rows than the cache has
+                unpinned (the message names the minimum ``cache_rows``).
         """
         ticket = self.next_ticket
         self.next_ticket += 1
@@ -193,7 +204,8 @@ class RowCache:
         self._use(rows[hit], counts[hit], ticket, train)
         missing = (~hit).nonzero().squeeze(1)
         if len(missing):
-            rows[missing] = self._fill(keys[missing], counts[missing], ticket, train, admit)
+            filled = self._fill(keys[missing], counts[missing], ticket, train, admit, grow)
+            rows[missing] = filled
         return rows, ticket
 
     def begin(self, ticket: int) -> None:
@@ -210,7 +222,7 @@ class RowCache:
         if train:
             self.row_dirty[rows] = True
 
-    def _fill(self, keys, counts, ticket: int, train: bool, admit) -> torch.Tensor:
+    def _fill(self, keys, counts, ticket: int, train: bool, admit, grow) -> torch.Tensor:
         """Rows for the missing ``keys``: from the store, else fresh where admitted."""
         self.stats["misses"] += len(keys)
         records, present = self.store.read(keys)
@@ -228,7 +240,7 @@ class RowCache:
         wanted = take.nonzero().squeeze(1)
         if not len(wanted):
             return out
-        rows = self._free_rows(len(wanted), ticket)
+        rows = self._free_rows(len(wanted), ticket, grow)
         self.codec.unpack(rows, records[wanted])
         new_keys = keys[wanted].to(self.device)
         insertion = self.index.insert(new_keys, torch.ones_like(new_keys), 0)
@@ -244,25 +256,48 @@ class RowCache:
         out[wanted.to(self.device)] = rows
         return out
 
-    def _free_rows(self, count: int, ticket: int) -> torch.Tensor:
+    def _free_rows(self, count: int, ticket: int, grow=None) -> torch.Tensor:
         """``count`` rows to fill: free ones first (lowest first), then evicted ones (lowest
-        score first, never a pinned one), written back when dirty."""
+        score first, never a pinned one), written back when dirty; with ``grow``, new rows
+        for what neither gives."""
         free = self.free
         if len(free) >= count:
             self.free = free[count:]
             return free[:count]
-        needed = count - len(free)
         unpinned = self.row_ticket < self.oldest_live
         if len(free):  # free rows hold no key: not candidates
             unpinned &= self.row_key != EMPTY_KEY
         candidates = unpinned.nonzero().squeeze(1)
-        if len(candidates) < needed:
-            self._raise_full(count, ticket)
+        short = count - len(free) - len(candidates)
+        if short > 0:
+            if grow is None:
+                self._raise_full(count, ticket)
+            grow(short)
+            self.extend(short)
+            free = self.free
+        needed = count - len(free)
+        if needed <= 0:
+            self.free = free[count:]
+            return free[:count]
         scores = self.row_score.index_select(0, candidates)
         victims = candidates[torch.topk(scores, needed, largest=False, sorted=False).indices]
         self.evict(victims)
         self.free = free[:0]  # the free rows and the victims are all filled now
         return torch.cat([free, victims])
+
+    def extend(self, count: int) -> None:
+        """``count`` more rows (free), after the owner grew its buffers by as many: the new rows
+        are ``num_rows ..`` (the row past the cache moves past them)."""
+        size, device = (count,), self.device
+        self.row_key = torch.cat([self.row_key, torch.full(size, EMPTY_KEY, device=device)])
+        zeros = torch.zeros(size, dtype=torch.int64, device=device)
+        self.row_score = torch.cat([self.row_score, zeros])
+        self.row_ticket = torch.cat([self.row_ticket, zeros])
+        self.row_dirty = torch.cat([self.row_dirty, zeros.bool()])
+        new = torch.arange(self.num_rows, self.num_rows + count, device=device)
+        self.free = torch.cat([self.free, new])
+        self.num_rows += count
+        self.stats["grown"] += count
 
     def evict(self, rows: torch.Tensor) -> None:
         """Write back the dirty ones of cache ``rows`` (distinct, each holding a key) and free

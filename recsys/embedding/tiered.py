@@ -27,8 +27,12 @@ table). Both read through the same id -> slot map in front of the packed buffers
   config's ``init_fn``; its bound is TorchRec's default, ``sqrt(1 / num_embeddings)``.)
 - **Prefetch.** :meth:`TieredEmbeddingBagCollection.prefetch` prepares the next batch's rows in
   a background thread while the current batch trains (the trainer's pipeline calls it); rows of
-  the batch in flight are pinned and never evicted under it. A batch needing more rows than the
-  cache has is a ValueError naming the minimum ``cache_rows``.
+  the batch in flight are pinned and never evicted under it. A batch whose rows do not fit
+  beside them is prepared in its own forward instead (``prefetch_deferred``).
+- **Any cache size.** A batch with more distinct rows than a cache holds grows that cache by
+  the rows it lacks, in its forward (``grown`` counts them; the rows and state in the cache
+  stay where they are): it trains bitwise as with a cache that was large enough from the
+  start. The cache keeps its new size; ``cache_rows`` is where it starts.
 - **Checkpoints** stream a tiered table in chunks (:meth:`save_tiered`, :meth:`load_tiered`);
   ``state_dict()`` holds its other state but not its rows, which no memory could hold.
 - **Counters**: :meth:`tiered_stats` (hits, misses, rows fetched, initialized, evicted, written
@@ -59,7 +63,7 @@ from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.dynamic_table import DynamicTableOptions
 from recsys.embedding.inputs import feature_positions, feature_spans, sample_range
 from recsys.embedding.optim import FusedOptimizer
-from recsys.embedding.row_cache import CacheTooSmallError, RowCache, RowCodec
+from recsys.embedding.row_cache import RowCache, RowCodec
 from recsys.embedding.row_init import initial_rows, table_seed
 from recsys.embedding.row_store import DiskRecords, FixedStore, HostRecords, KeyedStore
 from recsys.embedding.tables import table_dtype
@@ -255,12 +259,25 @@ class TieredTables:
         for name, (where, ids) in tables.items():
             keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
             admit = self._admit(name, train and not defer)
-            try:
-                rows, ticket = self.caches[name].prepare(keys, counts, train=train, admit=admit)
-            except CacheTooSmallError as error:
-                raise self._too_small(error, tables) from None
+            # A prefetch thread's batch that does not fit is deferred to its forward instead.
+            grow = None if defer else self._grower(name)
+            cache = self.caches[name]
+            rows, ticket = cache.prepare(keys, counts, train=train, admit=admit, grow=grow)
             prepared[name] = (where, rows[inverse], [ticket])
         return prepared
+
+    def _grower(self, name: str):
+        """``grow(n)`` for table ``name``'s cache: n more rows in the packed buffers, the
+        cached rows and their optimizer state where they are, the row past the cache (zero)
+        moved past the new ones. Called in a forward only: no other batch's lookup or update
+        is in flight then (prefetched batches keep their rows, which do not move)."""
+        index = list(self.table_modules).index(name)
+
+        def grow(count: int) -> None:
+            kept = torch.arange(self.caches[name].num_rows, device=self.device)
+            self.resize_table(index, len(kept) + count + 1, (kept, kept))
+
+        return grow
 
     def _ids_by_table(self, features: KeyedJaggedTensor) -> dict[str, tuple]:
         """Per tiered table: (the positions of its ids in ``features.values()``, the ids),
@@ -272,15 +289,6 @@ class TieredTables:
                 out[config.name] = (where, values[where])
                 self._check_ids(config, out[config.name][1])
         return out
-
-    def _too_small(self, error: CacheTooSmallError, tables: dict[str, tuple]):
-        """``error`` of one table, with every other table the batch does not fit in."""
-        found = dict(error.tables)
-        for name, (_, ids) in tables.items():
-            cache, needed = self.caches[name], len(torch.unique(ids))
-            if name not in found and needed > cache.num_rows - cache.pinned_rows():
-                found[name] = (cache.num_rows, needed)
-        return CacheTooSmallError(found, error.pinned)
 
     def _admit_deferred(self, prepared: dict, features: KeyedJaggedTensor, train: bool) -> None:
         """Rows for the keys a prefetch left without one (new keys of dynamic tables)."""
@@ -294,7 +302,8 @@ class TieredTables:
             ids = values[where][missing]
             keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
             cache = self.caches[name]
-            found, ticket = cache.prepare(keys, counts, train=True, admit=self._admit(name, True))
+            admit, grow = self._admit(name, True), self._grower(name)
+            found, ticket = cache.prepare(keys, counts, train=True, admit=admit, grow=grow)
             rows[missing] = found[inverse]
             tickets.append(ticket)
 

@@ -34,7 +34,7 @@ from recsys.build.dynamic_tables import dropped_note, dynamic_stat_fields, key_b
 from recsys.build.registry import check_model_class
 from recsys.build.tiered_tables import (
     TieredLog,
-    check_cache_sizes,
+    cache_note,
     close_stores,
     disk_note,
     tiered_collections,
@@ -164,11 +164,10 @@ class _Run:
         self.model = setup_model(
             config, self.task.spec, device, info.world_size, self.run_dir, resume, self._print
         )
-        check_cache_sizes(
-            self.model, config.train.batch_size, info.world_size, self.task.max_ids_per_sample
-        )
-        if note := disk_note(_unwrap(self.model)):
-            self._print(note)
+        sizes = (config.train.batch_size, info.world_size, self.task.max_ids_per_sample)
+        for note in (cache_note(self.model, *sizes), disk_note(_unwrap(self.model))):
+            if note:
+                self._print(note)
         self.optimizers = build_optimizers(config.train, self.model)
         task_weights = task_loss_weights(config.train, self.task.spec.num_tasks, device)
         graphs = config.train.cuda_graphs

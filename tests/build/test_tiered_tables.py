@@ -4,8 +4,10 @@ their counters, and a killed run resumes bitwise from its last checkpoint."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,22 +120,41 @@ def test_storage_config_errors_are_named(tmp_path):
                 [*TINY, *DISK, f"--run.dir={tmp_path}", "--train.fused_embedding_update=false"],
             )
         )
-    # Refused before step 1, naming every table and the cache that suffices (t_cat_1: 300
-    # rows with bags of 3; t_cat_2: 512 samples of 1 id).
-    message = (
-        r"2 tiered table cache\(s\) cannot hold one training batch of 512 x 1 rank\(s\): "
-        r"'t_cat_1' has 100 rows, needs 300 \(every row it holds\); 't_cat_2' has 100 rows, "
-        r"needs 512 \(512 samples x 1 id\(s\)\)\. Set model.storage.cache_rows \(or cache_mb\) "
-        r"to at least 512, or per table: --model.storage.overrides="
-        r"'\[\"cat_1.cache_rows=300\", \"cat_2.cache_rows=512\"\]'"
-    )
-    with pytest.raises(ValueError, match=message):
-        train(
-            load_config(
-                None, [*TINY, *DISK, f"--run.dir={tmp_path}", "--model.storage.cache_rows=100"]
-            )
-        )
-    assert not (tmp_path / "metrics.jsonl").exists()  # nothing ran
+
+
+def test_caches_smaller_than_a_batch_grow_train_bitwise_and_resume_after_kill_9(
+    tiered_run, tmp_path, capsys
+):
+    """Caches of 100 rows where a batch touches up to 300 (t_cat_1) and 512 (t_cat_2) rows:
+    the run says so, grows them, and trains bitwise as the 900-row caches of ``tiered_run``
+    (which train as the tables held whole); killed after its checkpoint of step 8, it
+    resumes bitwise."""
+    _, run_dir = tiered_run
+    small = [*TINY, *DISK, "--model.storage.cache_rows=100", "--checkpoint.every_steps=8"]
+    train(load_config(None, [*small, f"--run.dir={tmp_path / 'a'}"]))
+    assert (
+        "model.storage: 2 tiered table cache(s) smaller than a worst-case batch of 512 x 1 "
+        "rank(s): 't_cat_1' caches 100 rows of up to 300 (every row it holds); 't_cat_2' "
+        "caches 100 rows of up to 512 (512 samples x 1 id(s))"
+    ) in capsys.readouterr().out
+    assert losses(tmp_path / "a") == losses(run_dir)
+    steps = [e for e in events(tmp_path / "a") if e["split"] == "train"]
+    assert sum(e["tiered/t_cat_2/cache_grown"] for e in steps) > 0
+    assert steps[-1]["tiered/t_cat_2/cache_rows"] > 100
+
+    command = [sys.executable, "-m", "recsys", "train", *small, f"--run.dir={tmp_path / 'b'}"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not (tmp_path / "b" / "checkpoints" / "step_00000008").is_dir():
+            assert process.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.01)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == -signal.SIGKILL
+    train(load_config(None, [*small, f"--run.dir={tmp_path / 'b'}", "--checkpoint.resume=latest"]))
+    assert losses(tmp_path / "b") == losses(run_dir)
 
 
 def test_load_model_reads_tiered_rows_without_touching_the_run(tiered_run):

@@ -176,12 +176,14 @@ def test_a_checkpoint_of_a_larger_fixed_table_is_refused(tmp_path):
         shrunk.tiered_files().load(tmp_path)
 
 
-def test_cache_too_small_names_minimum(tmp_path):
+def test_a_cache_of_three_rows_grows_and_trains_as_the_table_in_memory(tmp_path):
     tiered = TieredEmbeddingBagCollection(
         configs(), StorageOptions(tier="host", cache_rows=3), SGD(lr=0.1), seed=SEED
     )
-    with pytest.raises(ValueError, match=r"cache_rows >= \d+"):
-        tiered(batches(1, batch=32)[0])
+    got = train(tiered, batches(4, batch=32), prefetch=True)
+    want = train(in_memory_fixed(SGD(lr=0.1)), batches(4, batch=32))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(s["grown"] > 0 for s in tiered.tiered_stats().values())
 
 
 def test_a_fixed_tables_cache_holds_at_most_its_rows(tmp_path):

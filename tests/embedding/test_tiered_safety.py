@@ -1,7 +1,8 @@
 """Tiered tables never lose work to a cache, a disk or a second run: an evaluation batch larger
-than the cache is pooled in pieces, a cache holding one batch but not two defers the prefetch
-instead of failing, a full disk is an error naming the device (never SIGBUS), and a store's
-files are locked for the life of the run using them."""
+than the cache is pooled in pieces, a training batch larger than the cache grows it, a cache
+holding one batch but not two defers the prefetch instead of failing, a full disk is an error
+naming the device (never SIGBUS), and a store's files are locked for the life of the run using
+them."""
 
 from __future__ import annotations
 
@@ -69,15 +70,23 @@ def test_a_cache_for_one_batch_defers_the_prefetch_and_trains_the_same():
     assert whole.prefetch_deferred == 0
 
 
-def test_a_batch_too_large_names_every_table():
-    kjt = batches(1, batch=64)[0]
-    with pytest.raises(CacheTooSmallError) as raised:
-        tiered(4)(kjt)
-    assert set(raised.value.tables) == {"a", "b"}
-    need = {name: distinct(kjt, f"f_{name}") for name in "ab"}
-    assert raised.value.tables == {name: (4, need[name]) for name in "ab"}
-    for name in "ab":
-        assert f"'{name}' has 4 rows, this batch needs {need[name]}" in str(raised.value)
+def test_a_batch_larger_than_the_cache_grows_it_and_trains_the_same():
+    steps = batches(6, batch=64)
+    need = max(distinct(kjt, "f_a") for kjt in steps)
+    tight, whole = tiered(4), tiered(400)
+    # prefetched batches keep their rows while the cache grows under them
+    got, want = train(tight, steps, prefetch=True), train(whole, steps, prefetch=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    stats = tight.tiered_stats()
+    assert {n: s["grown"] for n, s in stats.items()} == {
+        n: s["cache_rows"] - 4 for n, s in stats.items()
+    }
+    assert need <= stats["a"]["cache_rows"] < 400 and whole.tiered_stats()["a"]["grown"] == 0
+    # Without a forward to grow it (a prefetch thread), a batch that does not fit is an error
+    # naming the size it needs, and the prefetch defers the batch to its forward.
+    keys = torch.arange(5)
+    with pytest.raises(CacheTooSmallError, match="'a' has 4 rows, this batch needs 5"):
+        tiered(4).caches["a"].prepare(keys, torch.ones_like(keys), train=False)
 
 
 # ------------------------------------------------------------------------------------------
