@@ -132,7 +132,12 @@ def row_of(args, config, run_dir, tables, logical, ram, peak, seconds) -> dict:
     row = {
         "case": args.case,
         "tier": config.model.storage.tier,
-        "tables": f"{len(tables)}x{tables[0][1]}xD{config.model.embedding_dim}",
+        "tables": (
+            f"{len(tables)}x{tables[0][1]}xD{config.model.embedding_dim}"
+            if len({rows for _, rows, _ in tables}) == 1
+            else f"{len(tables)} tables of {'/'.join(str(r) for _, r, _ in tables)} rows, D"
+            f"{config.model.embedding_dim}"
+        ),
         "rows_total": sum(rows for _, rows, _ in tables),
         "logical_gib": logical / GIB,
         "cache_fraction": cache_rows / sum(rows for _, rows, _ in tables),
