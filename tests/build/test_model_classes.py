@@ -8,10 +8,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from recsys.data.batch import DatasetSpec
 from recsys.serve.export import load_exported
 from recsys.train.metrics import read_metrics
 from recsys.train.trainer import train
+from tests.kill_9 import kill_9_after
 
 REPO = Path(__file__).resolve().parents[2]
 RECSYS = [sys.executable, "-c", "import sys; from recsys.cli import main; sys.exit(main())"]
@@ -94,17 +93,9 @@ def test_the_readme_model_trains_resumes_after_kill_9_exports_and_serves(project
     # kill -9 after the checkpoint of step 8, then resume = "latest"
     command = [*RECSYS, *README_RUN, "--run.dir=killed", "--checkpoint.every_steps=8"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    process = subprocess.Popen(command, cwd=project, env=env, stdout=subprocess.DEVNULL)
-    checkpoints = project / "killed" / "checkpoints"
-    try:
-        while not (checkpoints / "step_00000008").is_dir():
-            assert process.poll() is None, "the run ended before it could be killed"
-            time.sleep(0.01)
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=30)
-    finally:
-        process.kill()
-    assert process.returncode == -signal.SIGKILL
+    kill_9_after(
+        command, project / "killed" / "checkpoints" / "step_00000008", cwd=project, env=env
+    )
     resumed = recsys_cli(project, *README_RUN, "--run.dir=killed", "--checkpoint.resume=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert losses(project / "killed") == expected  # bitwise, every step

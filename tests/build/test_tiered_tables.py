@@ -4,10 +4,8 @@ their counters, and a killed run resumes bitwise from its last checkpoint."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from recsys.data import build_dataset
 from recsys.train.evaluate import evaluate_checkpoint
 from recsys.train.model_setup import setup_model
 from recsys.train.trainer import train
+from tests.kill_9 import kill_9_after
 from tests.small_disk import small_disk
 
 TINY = [
@@ -143,16 +142,7 @@ def test_caches_smaller_than_a_batch_grow_train_bitwise_and_resume_after_kill_9(
     assert steps[-1]["tiered/t_cat_2/cache_rows"] > 100
 
     command = [sys.executable, "-m", "recsys", "train", *small, f"--run.dir={tmp_path / 'b'}"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        while not (tmp_path / "b" / "checkpoints" / "step_00000008").is_dir():
-            assert process.poll() is None, "the run ended before it could be killed"
-            time.sleep(0.01)
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=30)
-    finally:
-        process.kill()
-    assert process.returncode == -signal.SIGKILL
+    kill_9_after(command, tmp_path / "b" / "checkpoints" / "step_00000008")
     train(load_config(None, [*small, f"--run.dir={tmp_path / 'b'}", "--checkpoint.resume=latest"]))
     assert losses(tmp_path / "b") == losses(run_dir)
 
