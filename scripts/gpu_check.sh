@@ -1,25 +1,59 @@
 #!/usr/bin/env bash
-# Run the GPU tests and every benchmark on a CUDA machine in one call.
+# Run the GPU tests and every benchmark on a CUDA machine in one call, most important first.
 #
-#   bash scripts/gpu_check.sh [OUT_DIR [STEP...]]   (OUT_DIR default: benchmarks/results)
+#   bash scripts/gpu_check.sh [--budget SECONDS] [OUT_DIR [STEP...]]
+#   (OUT_DIR default: benchmarks/results)
 #
-# STEP names what to run, all of them by default: `gpu_tests` (pytest -m gpu), `device_tests`
-# (the op and embedding tests with CUDA as torch's default device, so the compiled kernels are
-# checked against the same float64 references as under the interpreter), `kernel_table`
-# (scripts/kernel_table.py), `train_cuda_graphs` (the default recipe 300 steps eager, compiled, and
-# with train.cuda_graphs: samples/s of each as train_step.csv rows) and one per benchmark: `bench_<topic>` (`bench_mlp`, ...) runs
-# `python -m benchmarks.<topic>`. BENCH_ARGS is added to every benchmark's command line (e.g.
-# BENCH_ARGS=--quick). RECSYS_COMMIT names the commit in the results where the tree arrived
-# without .git (a GPU machine that receives a copy of it).
+# Steps, in this order (STEP names a subset; all of them by default):
+#   device_tests       the op and embedding tests with CUDA as torch's default device, so the
+#                      compiled kernels are checked against the same float64 references as
+#                      under the interpreter (correctness of every kernel on the device first)
+#   gpu_tests          pytest -m gpu
+#   train_cuda_graphs  the default recipe 300 steps eager, compiled, and with train.cuda_graphs:
+#                      samples/s of each as train_step.csv rows
+#   mlperf_dcnv2       configs/dlrm_dcnv2_mlperf.toml with every table in device memory (row-wise
+#                      Adagrad state: 98 GiB in all; needs 120 GiB of device memory), 300 steps
+#                      of 65,536: its log and metrics.jsonl under OUT_DIR/mlperf_dcnv2/
+#   kernel_table       scripts/kernel_table.py (compiles for sm_80 / sm_90: runs without a GPU)
+#   bench_<topic>      `python -m benchmarks.<topic> --device cuda` for each benchmark module
+#
+# --budget SECONDS bounds the whole call: each step runs under `timeout` with at most what is
+# left of the budget (and at most its own cap, STEP_CAPS below), a step with less than a minute
+# left is skipped with a line saying so, and what a step wrote before its time ran out is kept
+# (every step writes its logs and rows as it goes). Without a budget nothing is timed out.
+# Without a CUDA device the GPU steps are skipped, each with a line, and the others run.
+#
+# BENCH_ARGS is added to every benchmark's command line (e.g. BENCH_ARGS=--quick).
+# RECSYS_COMMIT names the commit in the results where the tree arrived without .git (a GPU
+# machine that receives a copy of it).
 #
 # For a machine with torch + triton preinstalled and no venv or network: uses `python3` from
 # PATH (override with PYTHON=...) and puts the repository on PYTHONPATH instead of installing it.
-# Writes into OUT_DIR: env.txt (nvidia-smi, versions), pytest_gpu.log, bench_<topic>.log and the
-# benchmarks' CSV rows (<topic>.csv). A failing step does not stop the others; the exit status is
-# non-zero when any step failed, and a summary is printed at the end.
+# Writes into OUT_DIR: env.txt (nvidia-smi, versions), a log per step and the benchmarks' CSV rows
+# (<topic>.csv). A failing step does not stop the others; the exit status is non-zero when any
+# step failed (a step stopped by the budget is listed as TIME, not as a failure), and a summary
+# is printed at the end.
 set -u
 
 cd "$(dirname "$0")/.."
+BUDGET=0
+if [ "${1:-}" = "--budget" ]; then
+    if ! [[ "${2:-}" =~ ^[0-9]+$ ]] || [ "$2" -lt 1 ]; then
+        echo "gpu_check.sh: --budget ${2:-}: expected a number of seconds >= 1" >&2
+        exit 2
+    fi
+    BUDGET=$2
+    shift 2
+fi
+START=$(date +%s)
+MIN_STEP_S=60  # a step is not started with less of the budget left
+RESERVE_S=10   # kept for the summary
+# The most each step may take under a budget (seconds); bench_* steps take BENCH_CAP each.
+declare -A STEP_CAPS=(
+    [device_tests]=240 [gpu_tests]=120 [train_cuda_graphs]=180 [mlperf_dcnv2]=240
+    [kernel_table]=300
+)
+BENCH_CAP=120
 OUT_DIR=${1:-benchmarks/results}
 shift $(($# > 0 ? 1 : 0))
 STEPS=("$@")
@@ -42,17 +76,41 @@ wanted() {
     return 1
 }
 
-# step NAME LOG COMMAND...: run COMMAND with its output in LOG and on screen; record the outcome.
+# skip NAME WHY: record a step that does not run here.
+skip() {
+    STEP_RC=-1
+    echo "== $1: skipped ($2)"
+    SUMMARY+=("SKIP  $1 ($2)")
+}
+
+# step NAME CAP LOG COMMAND...: run COMMAND with its output in LOG and on screen, under the
+# budget (at most CAP seconds); record the outcome. STEP_RC is COMMAND's exit status (or -1 when
+# the budget left no time to start it).
 step() {
-    local name=$1 log=$2
-    shift 2
-    echo "== $name  (log: $log)"
-    "$@" 2>&1 | tee "$log"
-    local rc=${PIPESTATUS[0]}
-    if [ "$rc" -eq 0 ]; then
-        SUMMARY+=("PASS  $name")
+    local name=$1 cap=$2 log=$3
+    shift 3
+    local limit=0
+    STEP_RC=-1
+    if [ "$BUDGET" -gt 0 ]; then
+        local left=$((BUDGET - ($(date +%s) - START) - RESERVE_S))
+        if [ "$left" -lt "$MIN_STEP_S" ]; then
+            skip "$name" "budget: ${left}s left of ${BUDGET}s"
+            return
+        fi
+        limit=$((left < cap ? left : cap))
+        echo "== $name  (log: $log; at most ${limit}s)"
+        timeout -k 10 "$limit" "$@" 2>&1 | tee "$log"
     else
-        SUMMARY+=("FAIL  $name (exit $rc, see $log)")
+        echo "== $name  (log: $log)"
+        "$@" 2>&1 | tee "$log"
+    fi
+    STEP_RC=${PIPESTATUS[0]}
+    if [ "$STEP_RC" -eq 0 ]; then
+        SUMMARY+=("PASS  $name")
+    elif [ "$limit" -gt 0 ] && { [ "$STEP_RC" -eq 124 ] || [ "$STEP_RC" -eq 137 ]; }; then
+        SUMMARY+=("TIME  $name (stopped by the budget after ${limit}s; what it wrote is kept in $log)")
+    else
+        SUMMARY+=("FAIL  $name (exit $STEP_RC, see $log)")
         FAILED=1
     fi
 }
@@ -91,9 +149,11 @@ EOF
 cat "$OUT_DIR/env.txt"
 echo
 
+HAS_CUDA=1
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null
 then
-    echo "WARNING: torch sees no CUDA device; the GPU steps below will fail" >&2
+    HAS_CUDA=0
+    echo "NOTE: torch sees no CUDA device: the GPU steps are skipped, the others run"
 fi
 if ! "$PYTHON" -c "import torchrec" 2>/dev/null; then
     echo "NOTE: torchrec does not import here. recsys imports torchrec for KeyedJaggedTensor, so"
@@ -101,47 +161,69 @@ if ! "$PYTHON" -c "import torchrec" 2>/dev/null; then
     echo "      everything else still runs."
 fi
 
-# pytest exits 5 when it collects nothing: no GPU-marked tests yet is reported, not failed.
-gpu_tests() {
-    # -m gpu on the command line replaces pyproject's "-m 'not slow and not gpu'".
-    "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider
-    local rc=$?
-    if [ "$rc" -eq 5 ]; then
-        echo "NO GPU TESTS: pytest collected no test marked gpu"
-        return 0
+# gpu_step NAME CAP LOG COMMAND...: step, or a SKIP line without a CUDA device.
+gpu_step() {
+    if [ "$HAS_CUDA" -eq 0 ]; then
+        skip "$1" "no CUDA device"
+        return
     fi
-    return "$rc"
+    step "$@"
 }
-# The op and embedding tests again, on the GPU: CUDA is torch's default device (tests/conftest.py).
-device_tests() {
-    RECSYS_TEST_DEVICE=cuda "$PYTHON" -m pytest tests/ops tests/embedding -q -p no:cacheprovider \
-        -m "not slow and not gpu"
-}
+
+HAS_PYTEST=1
 if ! "$PYTHON" -c "import pytest" 2>/dev/null; then
+    HAS_PYTEST=0
     SUMMARY+=("FAIL  pytest (pytest is not installed for $PYTHON)")
     FAILED=1
-else
-    if wanted gpu_tests; then
-        step "pytest -m gpu" "$OUT_DIR/pytest_gpu.log" gpu_tests
-        if grep -q "^NO GPU TESTS" "$OUT_DIR/pytest_gpu.log"; then
-            SUMMARY[-1]="SKIP  pytest -m gpu (no test is marked gpu)"
-        fi
-    fi
-    if wanted device_tests; then
-        step "op and embedding tests on cuda" "$OUT_DIR/pytest_device.log" device_tests
-    fi
 fi
-if wanted kernel_table; then
-    step "kernel_table" "$OUT_DIR/kernel_table.log" "$PYTHON" scripts/kernel_table.py \
-        --jobs "$(nproc)" --out-dir "$OUT_DIR"
+
+# The op and embedding tests again, on the GPU: CUDA is torch's default device (tests/conftest.py).
+if wanted device_tests && [ "$HAS_PYTEST" -eq 1 ]; then
+    gpu_step device_tests "${STEP_CAPS[device_tests]}" "$OUT_DIR/pytest_device.log" \
+        env RECSYS_TEST_DEVICE=cuda "$PYTHON" -m pytest tests/ops tests/embedding -q \
+        -p no:cacheprovider -m "not slow and not gpu"
+fi
+# -m gpu on the command line replaces pyproject's "-m 'not slow and not gpu'"; pytest exits 5
+# when it collects nothing: no GPU-marked test yet is reported, not failed.
+if wanted gpu_tests && [ "$HAS_PYTEST" -eq 1 ]; then
+    gpu_step gpu_tests "${STEP_CAPS[gpu_tests]}" "$OUT_DIR/pytest_gpu.log" \
+        "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider
+    if [ "${STEP_RC:-0}" -eq 5 ]; then
+        unset 'SUMMARY[-1]'
+        FAILED=$(printf '%s\n' "${SUMMARY[@]}" | grep -q '^FAIL' && echo 1 || echo 0)
+        SUMMARY+=("SKIP  gpu_tests (no test is marked gpu)")
+    fi
 fi
 
 # The default recipe's step with and without CUDA graphs (train.cuda_graphs), beside the eager and
 # the compiled step: 300 steps each, windows of 50, the first left out (warm-up, compilation and
 # graph recording); rows in train_step.csv.
 if wanted train_cuda_graphs; then
-    step "train_cuda_graphs" "$OUT_DIR/train_cuda_graphs.log" "$PYTHON" -m benchmarks.train_step \
+    gpu_step train_cuda_graphs "${STEP_CAPS[train_cuda_graphs]}" \
+        "$OUT_DIR/train_cuda_graphs.log" "$PYTHON" -m benchmarks.train_step \
         --device cuda --variants fp32 compile cuda_graphs --steps 300 --window 50
+fi
+
+# MLPerf's DLRM-DCNv2 at full size, every table in device memory: samples/s in its log.
+if wanted mlperf_dcnv2; then
+    memory=$("$PYTHON" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory \
+        // 2**30 if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+    if [ "$HAS_CUDA" -eq 1 ] && [ "$memory" -lt 120 ]; then
+        skip mlperf_dcnv2 "needs 120 GiB of device memory, the device has ${memory} GiB"
+    else
+        gpu_step mlperf_dcnv2 "${STEP_CAPS[mlperf_dcnv2]}" "$OUT_DIR/mlperf_dcnv2.log" \
+            "$PYTHON" -m recsys train --config configs/dlrm_dcnv2_mlperf.toml --run.device=cuda \
+            --train.embedding_optimizer=rowwise_adagrad --train.max_steps=300 \
+            --train.log_every_steps=25 --train.eval_every_steps=0 \
+            --data.synthetic.num_valid_samples=65536 --data.synthetic.num_test_samples=262144 \
+            --checkpoint.save_final=false --train.progress_bar=false --run.tensorboard=false \
+            --run.dir="$OUT_DIR/mlperf_dcnv2" --run.overwrite=true
+    fi
+fi
+
+if wanted kernel_table; then
+    step kernel_table "${STEP_CAPS[kernel_table]}" "$OUT_DIR/kernel_table.log" \
+        "$PYTHON" scripts/kernel_table.py --jobs "$(nproc)" --out-dir "$OUT_DIR"
 fi
 
 # One step per benchmark module (benchmarks/_*.py are its helpers), named bench_<topic>.
@@ -150,11 +232,13 @@ for module in benchmarks/[!_]*.py; do
     name=bench_$(basename "$module" .py)
     wanted "$name" || continue
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-    step "$name --device cuda" "$OUT_DIR/$name.log" "$PYTHON" -m "benchmarks.${name#bench_}" \
+    gpu_step "$name" "$BENCH_CAP" "$OUT_DIR/$name.log" "$PYTHON" -m "benchmarks.${name#bench_}" \
         --device cuda ${BENCH_ARGS:-}
 done
 
 echo
-echo "== summary (results and logs in $OUT_DIR)"
+took="$(($(date +%s) - START))s"
+[ "$BUDGET" -gt 0 ] && took="$took of a ${BUDGET}s budget"
+echo "== summary (results and logs in $OUT_DIR; $took)"
 printf '%s\n' "${SUMMARY[@]}"
 exit $FAILED
