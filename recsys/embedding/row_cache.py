@@ -204,8 +204,7 @@ class RowCache:
         self._use(rows[hit], counts[hit], ticket, train)
         missing = (~hit).nonzero().squeeze(1)
         if len(missing):
-            filled = self._fill(keys[missing], counts[missing], ticket, train, admit, grow)
-            rows[missing] = filled
+            rows[missing] = self._fill(keys[missing], counts[missing], ticket, train, admit, grow)
         return rows, ticket
 
     def begin(self, ticket: int) -> None:

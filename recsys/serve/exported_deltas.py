@@ -73,8 +73,8 @@ def exported_dynamic_tables(
             }
             if path in packed:  # the table's rows of the packed matrix
                 first, count = packed[path].table_rows[name]
-                tables[name] |= {"rows": f"{state_prefix(path)}{PACKED}", "first_row": first}
-                tables[name]["num_rows"] = count
+                rows = f"{state_prefix(path)}{PACKED}"
+                tables[name] |= {"rows": rows, "first_row": first, "num_rows": count}
     return {
         "step": step,
         "lineage": None if lineage is None else lineage.to_json(),

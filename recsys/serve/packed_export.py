@@ -27,7 +27,7 @@ from torchrec import KeyedJaggedTensor, KeyedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.inputs import input_weights
-from recsys.embedding.tables import output_keys, pooling_mode
+from recsys.embedding.tables import output_keys, pooling_mode, table_dtype
 from recsys.embedding.tiered import TieredEmbeddingBagCollection
 from recsys.ops.embedding_bag_cpu import pool_packed
 
@@ -98,7 +98,7 @@ def packable(collection: nn.Module, keys: Sequence[str]) -> bool:
         bool(configs)
         and len({c.embedding_dim for c in configs}) == 1
         and len({pooling_mode(c) for c in configs}) == 1
-        and collection.packed_weight().dtype == torch.float32
+        and table_dtype(configs[0]) == torch.float32  # one dtype for a collection's tables
         and [f for c in configs for f in c.feature_names] == list(keys)
     )
 
