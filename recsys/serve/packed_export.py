@@ -4,8 +4,9 @@ collection with one ``F.embedding_bag`` over the collection's packed buffer.
 An eager :class:`~recsys.embedding.collection.EmbeddingBagCollection` looks its tables up
 table by table on CPU, reading each feature's slice bounds from the data. Traced by
 ``torch.export``, that is about twenty graph nodes per feature (slices, data reads and their
-asserts, the lookup) that the program runs one by one: with 26 features, about 1.6 ms of a
-one-row call's 1.7 ms on the 2-core CPU of ``benchmarks/results/serving.csv``. A
+asserts, the lookup) that the program runs one by one: with 26 features most of a one-row
+call's fixed cost (the score phase of ``benchmarks/results/serving.csv``'s rows of 92175c1
+against 0809b90). A
 :class:`PackedLookup` stands in for the collection while it is exported: the packed buffer is
 one parameter (``packed``, [rows of all tables, D], the collection's storage, not a copy) and
 the program looks every bag up at once (:func:`~recsys.ops.embedding_bag_cpu.pool_packed`),
