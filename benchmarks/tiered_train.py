@@ -19,6 +19,11 @@ itself logged and what the kernel measured:
 - ``disk_gib_used``: the blocks allocated by the tiered tables' files after the run (``du``);
 - ``auc``: the run's test AUC (the notes give the oracle's).
 
+With ``--curve``, each validation of the run (``train.eval_every_steps``) is also a row of
+``benchmarks/results/auc_curve.csv``: step, samples seen, valid AUC and logloss, and the AUC of
+the synthetic data's teacher on the same samples (the oracle), so the learning curve of a bounded
+run stands beside what the data allows.
+
 Run: ``python -m benchmarks.tiered_train [--config RECIPE] [--dir DIR] [-- extra overrides]``
 (``--dir``: where the run directory goes, on a local disk with room for the touched rows; a
 temporary directory, removed after, by default).
@@ -48,6 +53,10 @@ from recsys.models import table_configs
 from recsys.train.metrics import read_metrics
 
 RECIPE = "configs/dlrm_larger_than_ram.toml"
+CURVE_COLUMNS = (
+    *("case", "step", "samples_seen", "valid_samples", "auc", "logloss", "oracle_auc"),
+    *("device", "versions", "commit", "timestamp", "notes"),
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dir", default=None, help="parent of the run directory")
     parser.add_argument("--rss-budget-gib", type=float, default=4.0)
     parser.add_argument("--case", default="recipe_larger_than_ram", help="the row's case name")
+    parser.add_argument(
+        "--curve", action="store_true", help="also write the validations to auc_curve.csv"
+    )
     parser.add_argument("overrides", nargs="*", help="--section.key=value for recsys train")
     return parser.parse_args()
 
@@ -104,6 +116,7 @@ def main() -> None:
         if done.returncode != 0:
             raise SystemExit(f"recsys train exited with {done.returncode}")
         row = row_of(args, config, run_dir, tables, logical, ram, peak, seconds)
+        curve = curve_of(args, config, run_dir)
     finally:
         if not args.dir:
             shutil.rmtree(parent, ignore_errors=True)
@@ -111,6 +124,9 @@ def main() -> None:
     path = append_csv(TOPIC, COLUMNS, lines)
     print(json.dumps(row, indent=1))
     print(f"1 row appended to {path}")
+    if args.curve:
+        points = [[_format({**env, **point}.get(c, "")) for c in CURVE_COLUMNS] for point in curve]
+        print(f"{len(points)} row(s) appended to {append_csv('auc_curve', CURVE_COLUMNS, points)}")
     if peak > args.rss_budget_gib:
         raise SystemExit(f"FAILED: peak RSS {peak:.2f} GiB is over {args.rss_budget_gib} GiB")
 
@@ -167,6 +183,28 @@ def row_of(args, config, run_dir, tables, logical, ram, peak, seconds) -> dict:
         f"(data, {steps} steps, evaluations, final checkpoint); {load_note()}"
     )
     return row
+
+
+def curve_of(args, config, run_dir) -> list[dict]:
+    """One point per validation of the run: samples seen (steps x batch x ranks, as the run
+    counts them), valid AUC / logloss and the oracle's AUC on the same samples."""
+    events = read_metrics(run_dir / "metrics.jsonl")
+    notes = f"`recsys train --config {args.config}` {' '.join(args.overrides)}".rstrip()
+    batch = config.train.batch_size
+    return [
+        {
+            "case": args.case,
+            "step": e["step"],
+            "samples_seen": e["step"] * batch,
+            "valid_samples": config.data.synthetic.num_valid_samples,
+            "auc": e["auc"],
+            "logloss": e["logloss"],
+            "oracle_auc": e.get("oracle_auc", float("nan")),
+            "notes": notes,
+        }
+        for e in events
+        if e["split"] == "valid"
+    ]
 
 
 if __name__ == "__main__":
