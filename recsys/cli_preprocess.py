@@ -57,7 +57,11 @@ def run_preprocess(args: argparse.Namespace, overrides: list[str]) -> None:
         print(f"tables: {tables}")
     _print_malformed_and_notes(report)
     if report.rows["valid"]:  # an --apply output for scoring has train/ only
-        recipe = "configs/dlrm_synthetic.toml"
+        recipe = (
+            "configs/dlrm_dcnv2_mlperf.toml"
+            if report.metadata.get("mlperf")
+            else "configs/dlrm_synthetic.toml"
+        )
         print(f"train on it: recsys train --config {recipe} --data.path={report.output}")
 
 

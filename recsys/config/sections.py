@@ -158,6 +158,16 @@ class DataConfig:
     their tables (raw 64-bit keys, ``id_encoding = "raw"`` in metadata.json: any int64)."""
 
 
+# MLPerf Training DLRM-DCNv2 (recommendation_v2/torchrec_dlrm in mlcommons/training, README.MD)
+# fmt: off
+MLPERF_TABLE_ROWS = (40_000_000, 39_060, 17_295, 7_424, 20_265, 3, 7_122, 1_543, 63, 40_000_000,
+                     3_067_956, 405_282, 10, 2_209, 11_938, 155, 4, 976, 14, 40_000_000,
+                     40_000_000, 40_000_000, 590_152, 12_973, 108, 36)
+MLPERF_BAG_SIZES = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3,
+                    1, 1)
+# fmt: on
+
+
 @dataclass
 class PreprocessConfig:
     """``recsys preprocess``: raw logs or tables -> parquet + metadata that training reads."""
@@ -195,14 +205,28 @@ class PreprocessConfig:
     """parquet/csv: numeric feature columns (null or an empty CSV field: missing)."""
     label: list[str] = field(default_factory=list)
     """parquet/csv: 0/1 label columns (several for multi-task models)."""
-    encoding: Literal["categorify", "hash", "raw"] = "categorify"
+    encoding: Literal["categorify", "hash", "raw", "mlperf"] = "categorify"
     """``categorify``: contiguous ids fitted on train (0 padding, 1 missing, 2 rare or unseen,
     frequent values from 3); ``hash``: id = hash(value) mod hash_buckets; ``raw``: no
     vocabulary and no fit, one streaming pass: each value (multi-hot: each item) becomes a
     stable 64-bit key in [1, 2^63), a hash of its text (integers by their decimal digits, so
     12 and "12" agree; Criteo hex lowercased), missing -> 0; the same value gets the same key
     in any run, file or process (``recsys.data.keys``). The data then needs dynamic tables
-    (metadata.json says ``id_encoding = "raw"``, cardinalities 0). Not with normalize_dense."""
+    (metadata.json says ``id_encoding = "raw"``, cardinalities 0). Not with normalize_dense.
+    ``mlperf`` (criteo day files, ``--valid`` the last day): the data of MLPerf Training's
+    DLRM-DCNv2 reference, id for id: ids numbered in order of first appearance over every file,
+    modulo ``mlperf_table_rows``, each made a fixed-size bag as the reference materializes
+    multi-hot (``mlperf_bag_sizes``), dense log(x - file min + 2), the valid file cut in halves
+    into valid and test (``recsys.data.etl_mlperf``)."""
+    mlperf_table_rows: list[int] = field(default_factory=lambda: list(MLPERF_TABLE_ROWS))
+    """encoding = "mlperf": rows of each of the 26 tables, the modulus of its ids (the
+    reference's ``num_embeddings_per_feature``)."""
+    mlperf_bag_sizes: list[int] = field(default_factory=lambda: list(MLPERF_BAG_SIZES))
+    """encoding = "mlperf": ids per bag of each of the 26 features (the reference's
+    ``multi_hot_sizes``)."""
+    mlperf_bag_distribution: Literal["uniform", "pareto"] = "uniform"
+    """encoding = "mlperf": how the reference draws the ids that join each id in its bag
+    (``multi_hot_distribution_type``; MLPerf runs uniform)."""
     user: str = ""
     """interactions: the user column (any type; its text identifies the user)."""
     item: str = ""

@@ -111,6 +111,11 @@ def _convert(table: pa.Table) -> pa.Table:
 
 def hash_hex(values: pa.ChunkedArray | pa.Array, buckets: int) -> np.ndarray:
     """int(hex) mod ``buckets`` for each hex string (up to 16 digits; null -> 0), vectorized."""
+    return (parse_hex(values) % np.uint64(buckets)).astype(np.int64)
+
+
+def parse_hex(values: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """int(hex) as uint64 for each hex string of up to 16 digits (null -> 0), vectorized."""
     array = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
     strings = np.asarray(array.fill_null("").to_numpy(zero_copy_only=False), dtype="S16")
     digits = strings.view(np.uint8).reshape(len(strings), 16)
@@ -122,7 +127,7 @@ def hash_hex(values: pa.ChunkedArray | pa.Array, buckets: int) -> np.ndarray:
     for i in range(16):  # Horner over the left-aligned digits; padding bytes end a string
         present = digits[:, i] != 0
         parsed = np.where(present, parsed * np.uint64(16) + nibble[digits[:, i]], parsed)
-    return (parsed % np.uint64(buckets)).astype(np.int64)
+    return parsed
 
 
 class CriteoDataset:

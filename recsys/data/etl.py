@@ -51,6 +51,7 @@ import pyarrow.parquet as pq
 from recsys._files import write_failure
 from recsys.config import PreprocessConfig
 from recsys.data import criteo, readers
+from recsys.data.etl_mlperf import check_mlperf, run_mlperf
 from recsys.data.etl_raw import RawWriter, raw_fingerprint, raw_metadata
 from recsys.data.etl_workflow import (
     FITTED_OPTIONS,
@@ -193,6 +194,13 @@ def _run(
     stats = InputStats()
     if config.encoding == "raw":
         rows, described = _run_raw(config, roles, sources, carve, work, fitted, malformed, stats)
+    elif config.encoding == "mlperf":
+
+        def clean(piece: pa.Table, path: Path) -> pa.Table:
+            return clean_piece(piece, roles, stats, {}, path, "")
+
+        rows, described = run_mlperf(config, sources, work, malformed, clean)
+        _require_staged_rows(rows, applying=False)
     else:
         staging = work / "_staging"
         with warnings.catch_warnings():
@@ -267,6 +275,8 @@ def _sources(config: PreprocessConfig) -> dict[str, list[Path]]:
 def _check_encoding(config: PreprocessConfig, roles: Roles) -> None:
     """The encoding options are valid for these columns (hashing takes no multi-hot column;
     raw keys fit nothing, so no dense normalization)."""
+    if config.encoding == "mlperf":
+        check_mlperf(config)
     if config.hash_buckets < 1:
         raise ValueError(f"preprocess.hash_buckets = {config.hash_buckets}; expected >= 1")
     if config.encoding == "raw" and config.normalize_dense:

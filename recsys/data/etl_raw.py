@@ -92,6 +92,8 @@ class RawWriter:
         roles: the columns.
         config: the preprocess options (``log_dense``, ``row_group_rows``).
         fingerprint: written into every file's schema metadata.
+        types: column types other than those :func:`encode_raw` gives (for pieces encoded
+            elsewhere and handed to :meth:`append`).
 
     Example::
 
@@ -101,16 +103,22 @@ class RawWriter:
     """
 
     def __init__(
-        self, work: Path, roles: Roles, config: PreprocessConfig, fingerprint: str
+        self,
+        work: Path,
+        roles: Roles,
+        config: PreprocessConfig,
+        fingerprint: str,
+        types: dict[str, pa.DataType] | None = None,
     ) -> None:
         self.work = work
         self.roles = roles
         self.config = config
         self.rows = dict.fromkeys(SPLITS, 0)
-        types = {name: pa.float32() for name in roles.labels + roles.dense}
-        types.update({name: pa.int64() for name in roles.categorical})
-        types.update({name: pa.list_(pa.int64()) for name in roles.multi_hot})
-        schema = pa.schema([(name, types[name]) for name in roles.all])
+        kinds = {name: pa.float32() for name in roles.labels + roles.dense}
+        kinds.update({name: pa.int64() for name in roles.categorical})
+        kinds.update({name: pa.list_(pa.int64()) for name in roles.multi_hot})
+        kinds.update(types or {})
+        schema = pa.schema([(name, kinds[name]) for name in roles.all])
         self.schema = schema.with_metadata({FINGERPRINT_KEY: fingerprint.encode()})
         self._pending: dict[str, list[pa.Table]] = {s: [] for s in SPLITS}
         self._pending_rows = dict.fromkeys(SPLITS, 0)
@@ -130,6 +138,11 @@ class RawWriter:
                 if name in self.roles.multi_hot:
                     column = pc.list_flatten(column)
                 _hll_add(self._registers[name], column.to_numpy())
+        self.append(split, encoded)
+
+    def append(self, split: str, encoded: pa.Table) -> None:
+        """Append a piece already in the output's columns and types to ``split``."""
+        encoded = encoded.select(self.roles.all).cast(self.schema)
         self._pending[split].append(encoded)
         self._pending_rows[split] += encoded.num_rows
         self.rows[split] += encoded.num_rows
