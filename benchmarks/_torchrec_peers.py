@@ -48,8 +48,10 @@ def dmp_fused_dlrm(
     dense_arch_layer_sizes: list[int],
     over_arch_layer_sizes: list[int],
     fused_params: dict[str, Any],
+    dcn: tuple[int, int] | None = None,
 ) -> Iterator[tuple[nn.Module, list[nn.Parameter]]]:
-    """``torchrec.models.dlrm.DLRM`` under DMP (world of one) with ``fused_params`` (e.g.
+    """``torchrec.models.dlrm.DLRM`` (with ``dcn`` = (layers, low rank):
+    ``torchrec.models.dlrm.DLRM_DCN``) under DMP (world of one) with ``fused_params`` (e.g.
     ``{"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01}``) on every table; yields the
     model and its dense parameters (the tables are trained by the fused optimizer)."""
     import torchrec
@@ -66,9 +68,14 @@ def dmp_fused_dlrm(
 
     with single_rank_process_group(device):
         ebc = torchrec.EmbeddingBagCollection(tables, device=torch.device("meta"))
-        model = torchrec.models.dlrm.DLRM(
-            ebc, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes
-        )
+        if dcn is None:
+            model = torchrec.models.dlrm.DLRM(
+                ebc, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes
+            )
+        else:
+            model = torchrec.models.dlrm.DLRM_DCN(
+                ebc, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes, *dcn
+            )
         sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
         constraints = {
             table.name: ParameterConstraints(

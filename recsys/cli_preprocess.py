@@ -55,6 +55,13 @@ def run_preprocess(args: argparse.Namespace, overrides: list[str]) -> None:
         print(f"ids: raw 64-bit keys, no vocabulary; distinct train values (estimated): {tables}")
     else:
         print(f"tables: {tables}")
+    if mlperf := report.metadata.get("mlperf"):
+        drawn = mlperf["lookup_tables"]
+        print(
+            f"multi-hot: the reference's lookup tables ({drawn['bytes'] / 1e9:.2f} GB, deleted "
+            f"after) drawn in {drawn['seconds']:.1f} s; distinct values per column: "
+            + ", ".join(f"{n:,}" for n in mlperf["distinct_values"])
+        )
     _print_malformed_and_notes(report)
     if report.rows["valid"]:  # an --apply output for scoring has train/ only
         recipe = (
