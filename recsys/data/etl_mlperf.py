@@ -36,6 +36,7 @@ import hashlib
 import json
 import math
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -72,9 +73,7 @@ def check_mlperf(config: PreprocessConfig) -> None:
     if config.normalize_dense:
         problems.append("normalize_dense = true (the reference's dense values are only logged)")
     if not config.valid:
-        problems.append(
-            "no --valid file (the reference's day 23: its first half is valid, " "the rest test)"
-        )
+        problems.append("no --valid file (the reference's day 23: half valid, half test)")
     for key in ("mlperf_table_rows", "mlperf_bag_sizes"):
         values = getattr(config, key)
         if len(values) != expected:
@@ -102,6 +101,17 @@ def run_mlperf(
         clean: counts what a piece holds (missing and negative counts) and returns it.
     """
     roles = Roles([], list(criteo.CAT_COLUMNS), list(criteo.INT_COLUMNS), [criteo.LABEL])
+    need = 4 * sum(
+        rows * (size - 1)
+        for rows, size in zip(config.mlperf_table_rows, config.mlperf_bag_sizes, strict=True)
+    )
+    free = shutil.disk_usage(work).free
+    if need > free:
+        raise ValueError(
+            f"the multi-hot lookup tables need {need / 1e9:.1f} GB of disk beside the output "
+            f"('{work.parent}'), which has {free / 1e9:.1f} GB free; free space or write the "
+            "output elsewhere"
+        )
     start = time.perf_counter()
     tables = MultiHotTables(
         config.mlperf_table_rows,

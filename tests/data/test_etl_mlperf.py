@@ -248,3 +248,26 @@ def test_bad_options_are_one_line_before_anything_is_read(days, tmp_path, option
         preprocess(PreprocessConfig(**{**config, **options}))
     assert message in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_lookup_tables_larger_than_the_free_disk_are_refused_before_drawing(
+    days, tmp_path, monkeypatch
+):
+    import shutil
+
+    from recsys.data import etl_mlperf
+
+    train, valid = days
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(etl_mlperf.shutil, "disk_usage", lambda _: usage._replace(free=10**6))
+    with pytest.raises(ValueError, match=r"need 23\.1 GB of disk .* has 0\.0 GB free"):
+        preprocess(
+            PreprocessConfig(
+                format="criteo",
+                input=str(train[1]),
+                valid=str(valid),
+                output=str(tmp_path / "out"),
+                encoding="mlperf",
+            )
+        )
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
