@@ -24,6 +24,9 @@ With ``--curve``, each validation of the run (``train.eval_every_steps``) is als
 the synthetic data's teacher on the same samples (the oracle), so the learning curve of a bounded
 run stands beside what the data allows.
 
+``--from-run RUN_DIR`` writes only those rows, from a run directory that exists (a run cut
+short, e.g. by SIGTERM, keeps the validations it made).
+
 Run: ``python -m benchmarks.tiered_train [--config RECIPE] [--dir DIR] [-- extra overrides]``
 (``--dir``: where the run directory goes, on a local disk with room for the touched rows; a
 temporary directory, removed after, by default).
@@ -68,6 +71,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--curve", action="store_true", help="also write the validations to auc_curve.csv"
     )
+    parser.add_argument(
+        "--from-run",
+        default=None,
+        help="write only the auc_curve.csv rows of this existing run directory (a run cut "
+        "short keeps its validations); nothing is trained",
+    )
+    parser.add_argument("--note", default="", help="text added to the rows' notes")
     parser.add_argument("overrides", nargs="*", help="--section.key=value for recsys train")
     return parser.parse_args()
 
@@ -97,6 +107,9 @@ def allocated_bytes(directory: Path) -> int:
 
 def main() -> None:
     args = parse_args()
+    if args.from_run:
+        write_curve_of(args)
+        return
     parent = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_tiered_train_"))
     run_dir = parent / "run"
     overrides = [*args.overrides, f"--run.dir={run_dir}", "--train.progress_bar=false"]
@@ -183,6 +196,19 @@ def row_of(args, config, run_dir, tables, logical, ram, peak, seconds) -> dict:
         f"(data, {steps} steps, evaluations, final checkpoint); {load_note()}"
     )
     return row
+
+
+def write_curve_of(args) -> None:
+    """``--from-run``: the curve rows of an existing run, its resolved config read back."""
+    run_dir = Path(args.from_run)
+    config = load_config(run_dir / "config.toml")
+    env = environment(torch.device("cpu"))
+    curve = curve_of(args, config, run_dir)
+    for point in curve:
+        point["notes"] += f"; read back from the run directory {run_dir} (--from-run)"
+        point["notes"] += f"; {args.note}" if args.note else ""
+    points = [[_format({**env, **point}.get(c, "")) for c in CURVE_COLUMNS] for point in curve]
+    print(f"{len(points)} row(s) appended to {append_csv('auc_curve', CURVE_COLUMNS, points)}")
 
 
 def curve_of(args, config, run_dir) -> list[dict]:
