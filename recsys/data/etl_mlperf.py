@@ -245,18 +245,18 @@ class MultiHotTables:
                 self.tables.append(None)
                 continue
             path = directory / f"table_{index}.npy"
-            table = np.lib.format.open_memmap(path, "w+", np.int32, (count, size - 1))
             step = max(1, draw_values // (size - 1))
-            for start in range(0, count, step):
-                shape = (min(step, count - start), size - 1)
-                if distribution == "uniform":
-                    table[start : start + shape[0]] = state.randint(0, count, size=shape)
-                else:  # as the reference: doubles past 2^31 cast to int32 (INT_MIN on x86)
-                    with np.errstate(invalid="ignore"):
-                        drawn = state.pareto(a=0.25, size=shape).astype(np.int32)
-                    table[start : start + shape[0]] = drawn % count
-            table.flush()
-            del table
+            with open(path, "wb") as out:  # written, not mapped: the pages stay out of RSS
+                header = {"descr": "<i4", "fortran_order": False, "shape": (count, size - 1)}
+                np.lib.format.write_array_header_1_0(out, header)
+                for start in range(0, count, step):
+                    shape = (min(step, count - start), size - 1)
+                    if distribution == "uniform":
+                        drawn = state.randint(0, count, size=shape)
+                    else:  # as the reference: doubles past 2^31 cast to int32 (INT_MIN on x86)
+                        with np.errstate(invalid="ignore"):
+                            drawn = state.pareto(a=0.25, size=shape).astype(np.int32) % count
+                    out.write(drawn.astype(np.int32).tobytes())
             self.tables.append(np.load(path, mmap_mode="r"))
 
     @property
