@@ -4,13 +4,14 @@
 The model is ``configs/dlrm_dcnv2_mlperf.toml`` as it is (dim 128, bottom MLP 512-256-128, 3
 low-rank (512) DCN-v2 cross layers, top MLP 1024-1024-512-256-1, Adagrad at 0.005 on tables and
 dense layers, multi-hot bags of MLPerf's fixed sizes, 214 ids a sample) except two things a
-CPU machine cannot hold twice: each table is capped at ``--max-rows`` (MLPerf's 40M-row tables
-hold 97.4 GiB with as much Adagrad state; both providers live in this one process, so the cap
-is the largest at which both fit in its RAM), and the batch is one of the reference's 8 ranks'
-(8,192; ``--batch-size``).
+CPU machine cannot hold: each table is capped at ``--max-rows`` (MLPerf's 40M-row tables hold
+97.4 GiB with as much Adagrad state), and the batch is one of the reference's 8 ranks' (8,192;
+``--batch-size``).
 
-Providers, timed in alternation (``benchmarks/_harness.py``), on ``--num-batches`` batches of the
-recipe's synthetic train split made beforehand, cycled:
+Providers, each in a process of its own run one after the other (so each has the machine's
+memory to itself; ``--one-process``: both in this process, timed in alternation by
+``benchmarks/_harness.py``, which needs the cap to fit twice), on ``--num-batches`` batches of
+the recipe's synthetic train split made beforehand (the same in every process), cycled:
 
 - ``recsys``: the recipe's ``dlrm_dcn`` built as ``recsys train`` builds it (tables in memory,
   element-wise Adagrad fused into backward), the trainer's step;
@@ -32,14 +33,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
+import json
 import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
 from benchmarks._harness import (
     REPO_ROOT,
     Row,
+    Timing,
     add_common_args,
     environment,
     format_table,
@@ -88,6 +96,39 @@ def torchrec_dlrm_dcn(recipe: Config, spec: DatasetSpec, device: torch.device):
         yield make_step(dmp, [dense_optimizer(recipe, dense)], None)
 
 
+def time_providers(providers, recipe, spec, batches, device, warmup, repeats) -> dict:
+    """Build each provider, time its steps on ``batches`` cycled (in alternation when several):
+    {name: {"timing", "peak_rss_gib", "last_loss"}}."""
+    losses: dict[str, list[torch.Tensor]] = {name: [] for name in providers}
+    with contextlib.ExitStack() as stack:
+        fns = {}
+        for name, build in providers.items():
+            step = stack.enter_context(build(recipe, spec, device))
+            cycle = itertools.cycle(batches)
+            fns[name] = lambda step=step, cycle=cycle, out=losses[name]: out.append(
+                step(next(cycle))
+            )
+        timings = time_fns(fns, device, warmup=warmup, repeats=repeats, min_time_s=0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+    return {
+        name: {
+            "timing": dataclasses.asdict(timing),
+            "peak_rss_gib": peak,
+            "last_loss": losses[name][-1].item(),
+        }
+        for name, timing in timings.items()
+    }
+
+
+def in_own_process(name: str) -> dict:
+    """This script run again for provider ``name`` alone, with the same arguments."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "timing.json"
+        command = [sys.executable, "-m", "benchmarks.mlperf_dlrm", *sys.argv[1:]]
+        subprocess.run([*command, "--provider", name, "--timing-json", str(out)], check=True)
+        return json.loads(out.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser)
@@ -96,6 +137,14 @@ def main() -> None:
     )
     parser.add_argument("--batch-size", type=int, default=None, help="8192 (quick: 2048)")
     parser.add_argument("--num-batches", type=int, default=4, help="prebuilt batches, cycled")
+    parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="both providers in this process, timed in alternation (the table cap must fit "
+        "twice in RAM); default: each in a process of its own, one after the other",
+    )
+    parser.add_argument("--provider", help=argparse.SUPPRESS)  # a child's
+    parser.add_argument("--timing-json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = resolve_device(args.device)
     quick = is_quick(args)
@@ -129,27 +178,32 @@ def main() -> None:
     warmup = args.warmup if args.warmup is not None else 2
     repeats = args.repeats if args.repeats is not None else 10
     providers = {"recsys": recsys_model, PEER: torchrec_dlrm_dcn}
-    losses: dict[str, list[torch.Tensor]] = {name: [] for name in providers}
-    with contextlib.ExitStack() as stack:
-        fns = {}
-        for name, build in providers.items():
-            step = stack.enter_context(build(recipe, spec, device))
-            cycle = itertools.cycle(batches)
-            fns[name] = lambda step=step, cycle=cycle, out=losses[name]: out.append(
-                step(next(cycle))
-            )
-        timings = time_fns(fns, device, warmup=warmup, repeats=repeats, min_time_s=0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+    if args.provider:  # a child: time one provider, hand the result back
+        result = time_providers(
+            {args.provider: providers[args.provider]},
+            recipe,
+            spec,
+            batches,
+            device,
+            warmup,
+            repeats,
+        )[args.provider]
+        Path(args.timing_json).write_text(json.dumps(result))
+        return
+    if args.one_process:
+        results = time_providers(providers, recipe, spec, batches, device, warmup, repeats)
+        where = "both providers in one process, timed in alternation"
+    else:
+        del batches, dataset
+        results = {name: in_own_process(name) for name in providers}
+        where = "each provider in a process of its own, one after the other"
     ids = sum(recipe.data.synthetic.bag_sizes)
     config = (
         f"recipe=dlrm_dcnv2_mlperf.toml batch={args.batch_size} tables=26 rows<={args.max_rows} "
         f"({sum(capped)} in all) dim={dim} bags=fixed {ids} ids/sample "
         f"bottom=512-256-128 dcn=3x512 top=1024-1024-512-256-1 optim=adagrad+fused_adagrad"
     )
-    note = (
-        f"same {args.num_batches} synthetic MLPerf-shaped batches cycled, both providers in one "
-        f"process (peak RSS {peak:.1f} GiB); {load_note()}"
-    )
+    note = f"same {args.num_batches} synthetic MLPerf-shaped batches cycled; {where}; {load_note()}"
     rows = [
         Row(
             op="train_step",
@@ -157,12 +211,13 @@ def main() -> None:
             provider=name,
             config=config,
             dtype="float32",
-            timing=timing,
-            throughput=args.batch_size / (timing.p50_ms * 1e-3),
+            timing=Timing(**result["timing"]),
+            throughput=args.batch_size / (result["timing"]["p50_ms"] * 1e-3),
             throughput_unit="samples/s",
-            notes=f"{note}; last loss {losses[name][-1].item():.4f}",
+            notes=f"{note}; peak RSS {result['peak_rss_gib']:.1f} GiB; last loss "
+            f"{result['last_loss']:.4f}",
         )
-        for name, timing in timings.items()
+        for name, result in results.items()
     ]
     peer = next(r for r in rows if r.provider == PEER).throughput
     rows[0].notes += f"; {rows[0].throughput / peer:.2f}x {PEER} samples/s"
