@@ -96,9 +96,14 @@ def torchrec_dlrm_dcn(recipe: Config, spec: DatasetSpec, device: torch.device):
         yield make_step(dmp, [dense_optimizer(recipe, dense)], None)
 
 
-def time_providers(providers, recipe, spec, batches, device, warmup, repeats) -> dict:
-    """Build each provider, time its steps on ``batches`` cycled (in alternation when several):
-    {name: {"timing", "peak_rss_gib", "last_loss"}}."""
+def time_providers(providers, recipe, batch_size, num_batches, device, warmup, repeats) -> dict:
+    """Build each provider, time its steps on ``num_batches`` batches of the recipe's
+    synthetic train split, made beforehand (the same in every process) and cycled, in
+    alternation when several: {name: {"timing", "peak_rss_gib", "last_loss"}}."""
+    dataset = build_dataset(recipe.data, recipe.run.seed)
+    loader = BatchLoader(dataset, "train", batch_size, drop_last=True, device=device)
+    batches = list(itertools.islice(loader, num_batches))
+    spec = dataset.spec
     losses: dict[str, list[torch.Tensor]] = {name: [] for name in providers}
     with contextlib.ExitStack() as stack:
         fns = {}
@@ -163,6 +168,15 @@ def main() -> None:
             "--data.synthetic.num_test_samples=1",
         ],
     )
+    warmup = args.warmup if args.warmup is not None else 2
+    repeats = args.repeats if args.repeats is not None else 10
+    providers = {"recsys": recsys_model, PEER: torchrec_dlrm_dcn}
+    made = (recipe, args.batch_size, args.num_batches, device)  # what the batches are made of
+    if args.provider:  # a child: time one provider, hand the result back
+        chosen = {args.provider: providers[args.provider]}
+        result = time_providers(chosen, *made, warmup, repeats)[args.provider]
+        Path(args.timing_json).write_text(json.dumps(result))
+        return
     env = environment(device)
     print(f"device: {env['device']}\nversions: {env['versions']}\ncommit: {env['commit']}")
     dim = recipe.model.embedding_dim
@@ -171,30 +185,10 @@ def main() -> None:
         f"tables: {sum(capped):,} rows (<= {args.max_rows:,} each), {per_side / GIB:.1f} GiB "
         "of weights + state per provider"
     )
-    dataset = build_dataset(recipe.data, recipe.run.seed)
-    spec = dataset.spec
-    loader = BatchLoader(dataset, "train", args.batch_size, drop_last=True, device=device)
-    batches = list(itertools.islice(loader, args.num_batches))
-    warmup = args.warmup if args.warmup is not None else 2
-    repeats = args.repeats if args.repeats is not None else 10
-    providers = {"recsys": recsys_model, PEER: torchrec_dlrm_dcn}
-    if args.provider:  # a child: time one provider, hand the result back
-        result = time_providers(
-            {args.provider: providers[args.provider]},
-            recipe,
-            spec,
-            batches,
-            device,
-            warmup,
-            repeats,
-        )[args.provider]
-        Path(args.timing_json).write_text(json.dumps(result))
-        return
     if args.one_process:
-        results = time_providers(providers, recipe, spec, batches, device, warmup, repeats)
+        results = time_providers(providers, *made, warmup, repeats)
         where = "both providers in one process, timed in alternation"
     else:
-        del batches, dataset
         results = {name: in_own_process(name) for name in providers}
         where = "each provider in a process of its own, one after the other"
     ids = sum(recipe.data.synthetic.bag_sizes)

@@ -131,7 +131,7 @@ class RawWriter:
 
     def write(self, split: str, table: pa.Table) -> None:
         """Transform a cleaned piece and append it to ``split``."""
-        encoded = encode_raw(table, self.roles, self.config.log_dense).cast(self.schema)
+        encoded = encode_raw(table, self.roles, self.config.log_dense)  # cast in append
         if split == "train":
             for name in self.roles.sparse:
                 column = encoded.column(name)
