@@ -256,7 +256,7 @@ class MultiHotTables:
                     else:  # as the reference: doubles past 2^31 cast to int32 (INT_MIN on x86)
                         with np.errstate(invalid="ignore"):
                             drawn = state.pareto(a=0.25, size=shape).astype(np.int32) % count
-                    out.write(drawn.astype(np.int32).tobytes())
+                    out.write(drawn.astype(np.int32, copy=False).tobytes())
             self.tables.append(np.load(path, mmap_mode="r"))
 
     @property
@@ -311,17 +311,18 @@ def _materialize_file(
     smallest, pieces = None, []
     for piece in criteo.read_criteo(path, config.chunk_mb << 20, config.strict, malformed):
         piece = clean(piece, path)
+        if piece.num_rows == 0:  # every line of this piece was malformed
+            continue
         counts = np.column_stack(
             [piece.column(c).fill_null(0).to_numpy() for c in criteo.INT_COLUMNS]
         ).astype(np.int64)
-        if counts.size and (counts.min() < -(1 << 31) or counts.max() >= 1 << 31):
-            bad = counts[(counts < -(1 << 31)) | (counts >= 1 << 31)][0]
+        outside = (counts < -(1 << 31)) | (counts >= 1 << 31)
+        if outside.any():
             raise ValueError(
-                f"'{path}': count {bad} does not fit int32, the type the reference's layout "
-                "stores counts in"
+                f"'{path}': count {counts[outside][0]} does not fit int32, the type the "
+                "reference's layout stores counts in"
             )
-        if counts.size:
-            smallest = min(counts.min(), smallest if smallest is not None else counts.min())
+        smallest = counts.min() if smallest is None else min(smallest, counts.min())
         columns = {criteo.LABEL: pc.cast(piece.column(criteo.LABEL), pa.float32())}
         columns.update(
             {c: pa.array(counts[:, i].astype(np.int32)) for i, c in enumerate(criteo.INT_COLUMNS)}

@@ -271,3 +271,18 @@ def test_lookup_tables_larger_than_the_free_disk_are_refused_before_drawing(
             )
         )
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_day_file_without_a_valid_line_adds_nothing(days, tmp_path):
+    train, valid = days
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "day_0").write_text(train[1].read_text())
+    bad_hex = "\t".join(["1", *["5"] * 13, *["zz"] * 26])  # every field there, none valid
+    (tmp_path / "train" / "day_1").write_text(f"{bad_hex}\n{bad_hex}\n")
+    common = dict(format="criteo", valid=str(valid), encoding="mlperf", mlperf_table_rows=ROWS)
+    report = preprocess(
+        PreprocessConfig(input=str(tmp_path / "train"), output=str(tmp_path / "a"), **common)
+    )
+    alone = preprocess(PreprocessConfig(input=str(train[1]), output=str(tmp_path / "b"), **common))
+    assert report.rows == alone.rows and report.malformed.count == alone.malformed.count + 2
+    assert _split(report.output, "train").equals(_split(alone.output, "train"))
