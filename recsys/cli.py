@@ -1,5 +1,5 @@
-"""Command line: ``recsys train``, ``config``, ``preprocess``, ``export``, ``predict`` and
-``serve``.
+"""Command line: ``recsys train``, ``config``, ``preprocess``, ``export``, ``predict``,
+``serve``, ``eval``, ``report`` and ``plan``.
 
     recsys train --config configs/dlrm_synthetic.toml [--section.key=value ...]
     recsys config --config configs/dlrm_synthetic.toml [--section.key=value ...]   # resolved TOML
@@ -11,6 +11,7 @@
     recsys predict --model base.pt2 --deltas runs/dlrm/deltas --input ... --output ...
     recsys report runs/a runs/b [--output compare.png]      # loss / AUC / speed of runs, PNG
     recsys serve --model model.pt2 [--deltas runs/dlrm] [--port 8080]   # online, KServe v2
+    recsys plan --config configs/dlrm_dcnv2_mlperf.toml --world-size 64   # plan + predicted step
 
 User errors (a missing file, a config typo, bad input data) print one ``recsys: error: ...`` line
 and exit with status 2 instead of a traceback.
@@ -26,6 +27,7 @@ import time
 from collections.abc import Sequence
 
 from recsys._files import describe_os_error
+from recsys.cli_plan import add_plan_arguments, run_plan
 from recsys.cli_preprocess import PREPROCESS_FLAGS, run_preprocess
 from recsys.config import config_reference, load_config, to_toml
 
@@ -47,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     _add_eval(commands)
     _add_report(commands)
+    _add_plan(commands)
     return parser
 
 
@@ -420,6 +423,24 @@ def _report(args: argparse.Namespace) -> None:
     print(f"recsys: wrote {report.output}")
 
 
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="the sharding plan of a config on N ranks, flat and 2D, with predicted step time",
+        description="Plans the config's tables for --world-size ranks as the trainer would "
+        "(no process group, nothing table-sized allocated), flat and with the tables sharded "
+        "inside each node and replicated across nodes (2D), and prints for each: the plan, "
+        "memory per rank, bytes each rank sends per step inside and across nodes, and a "
+        "predicted step time per component from the cluster's figures (a hardware preset or "
+        "a topology file). A model, not a measurement.",
+        epilog=_epilog(
+            "recsys plan --config configs/dlrm_dcnv2_mlperf.toml --world-size 64 \\\n"
+            "      --hardware h100_8x_ib400 --train.batch_size=8192"
+        ),
+    )
+    add_plan_arguments(plan)
+
+
 def _add_eval(commands: argparse._SubParsersAction) -> None:
     evaluate = commands.add_parser(
         "eval",
@@ -504,6 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "preprocess":
             run_preprocess(args, overrides)
+            return 0
+        if args.command == "plan":
+            run_plan(args, overrides)
             return 0
         config = load_config(args.config, overrides)
         if args.command == "config":

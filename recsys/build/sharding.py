@@ -1,18 +1,68 @@
 """``[distributed]`` -> a sharded model: :func:`~recsys.distributed.parallel.parallelize` with a
-run's options, for the trainer and ``recsys eval`` alike."""
+run's options, for the trainer and ``recsys eval`` alike; and what ``recsys plan`` needs to plan
+a config for any number of ranks without a process group (:func:`plan_inputs`)."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
+from torchrec import EmbeddingBagConfig
 
 from recsys.config import Config
-from recsys.distributed.parallel import parallelize
+from recsys.distributed.parallel import (
+    dynamic_rows,
+    parallelize,
+    shardable_collections,
+    tiered_rows,
+)
 from recsys.distributed.planner import parse_constraints
+from recsys.distributed.topology import Topology, topology
+from recsys.embedding.interface import embedding_collections
 
-__all__ = ["parallelize_from_config"]
+__all__ = [
+    "PlanInputs",
+    "parallelize_from_config",
+    "plan_inputs",
+    "planner_options",
+    "pooling_factors",
+    "run_topology",
+]
 
 _COMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+# fp32 values a dense optimizer keeps per parameter.
+_DENSE_STATES = {"adam": 2, "adamw": 2, "adagrad": 1, "sgd": 0}
+
+
+def planner_options(config: Config, ranks_per_node: int = 0) -> dict[str, Any]:
+    """:func:`~recsys.distributed.planner.plan_sharding`'s options from the run's
+    ``[distributed]`` section and ``train.batch_size`` (what the trainer plans with); with
+    ``distributed.hardware`` or ``topology``, the cluster (``distributed.ranks_per_node``, else
+    ``ranks_per_node``, else the preset's) and the data's pooling factors."""
+    cfg = config.distributed
+    options: dict[str, Any] = {
+        "memory_per_rank": int(cfg.memory_per_rank_gb * 2**30),
+        "batch_size": config.train.batch_size,
+        "constraints": parse_constraints(cfg.constraints),
+        "forward_comm_bytes": _COMM_BYTES[cfg.forward_precision],
+        "backward_comm_bytes": _COMM_BYTES[cfg.backward_precision],
+    }
+    cluster = run_topology(config, ranks_per_node)
+    if cluster is not None:
+        options["topology"] = cluster
+        options["pooling_factors"] = pooling_factors(config)[0]
+    return options
+
+
+def run_topology(config: Config, ranks_per_node: int = 0) -> Topology | None:
+    """The cluster ``[distributed]`` names (``hardware`` or ``topology``), None for neither."""
+    cfg = config.distributed
+    if not (cfg.hardware or cfg.topology):
+        return None
+    return topology(cfg.hardware, cfg.topology, cfg.ranks_per_node or ranks_per_node)
 
 
 def parallelize_from_config(model: nn.Module, config: Config, device: torch.device) -> nn.Module:
@@ -20,15 +70,106 @@ def parallelize_from_config(model: nn.Module, config: Config, device: torch.devi
     (placement constraints, memory per rank, communication precisions), ``train.batch_size``
     and ``run.seed``; the model unchanged in a world of one."""
     cfg = config.distributed
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     return parallelize(
         model,
         device,
         seed=config.run.seed,
         forward_precision=cfg.forward_precision,
         backward_precision=cfg.backward_precision,
-        memory_per_rank=int(cfg.memory_per_rank_gb * 2**30),
-        batch_size=config.train.batch_size,
-        constraints=parse_constraints(cfg.constraints),
-        forward_comm_bytes=_COMM_BYTES[cfg.forward_precision],
-        backward_comm_bytes=_COMM_BYTES[cfg.backward_precision],
+        **planner_options(config, local),
     )
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """A config's tables and what its steps move, for planning without ranks.
+
+    Attributes:
+        configs: module path -> the collection's table configs.
+        optimizer_states: the fused embedding optimizer's state kinds.
+        dynamic_rows / tiered_rows: as :func:`~recsys.distributed.planner.plan_sharding` takes.
+        pooling_factors: feature -> mean ids per bag (see :func:`plan_inputs`).
+        dense_parameters: parameters outside the tables (trained under DDP).
+        dense_state_values: fp32 values the dense optimizer keeps per parameter.
+        pooling_source: where ``pooling_factors`` come from, in words.
+    """
+
+    configs: dict[str, list[EmbeddingBagConfig]]
+    optimizer_states: dict[str, str]
+    dynamic_rows: dict[str, int]
+    tiered_rows: dict[str, int]
+    pooling_factors: dict[str, float]
+    dense_parameters: int
+    dense_state_values: int
+    pooling_source: str
+
+
+def plan_inputs(config: Config) -> PlanInputs:
+    """The model of ``config`` built with its tables on ``meta`` (nothing table-sized is
+    allocated), as the trainer builds it: its tables, the state its fused embedding optimizer
+    keeps and the dense parameters. Pooling factors: the synthetic data's expected
+    bag lengths (``bag_sizes``: m ids per bag when fixed, m / 2 when uniform), else the mean
+    bag lengths of the first chunk of the train split.
+
+    Raises:
+        ValueError: a sequence model (``recsys plan`` plans click models), or what building
+            the model or opening the data raises.
+    """
+    from recsys.build.models import build_model, fused_embedding_optimizer
+    from recsys.config import SEQUENCE_MODELS
+    from recsys.data import build_dataset
+
+    if config.model.name in SEQUENCE_MODELS:
+        raise ValueError(
+            f"model.name = {config.model.name!r}: recsys plan plans click models (a sequence "
+            "model's one item table is placed by the same planner when it trains)"
+        )
+    dataset = build_dataset(config.data, config.run.seed)
+    optimizer = fused_embedding_optimizer(config.train)  # what the trainer fuses (or None)
+    model = build_model(
+        config.model,
+        dataset.spec,
+        torch.device("cpu"),
+        seed=config.run.seed,
+        embedding_optimizer=optimizer,
+        table_device=torch.device("meta"),
+    )
+    collections = shardable_collections(model)
+    configs = {path: list(c.embedding_bag_configs()) for path, c in collections.items()}
+    states = dict(optimizer.states) if optimizer is not None else {}
+    tables = {id(p) for c in embedding_collections(model).values() for p in c.parameters()}
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in tables)
+    pooling, source = pooling_factors(config, dataset)
+    return PlanInputs(
+        configs,
+        states,
+        dynamic_rows(collections),
+        tiered_rows(collections),
+        pooling,
+        dense,
+        _DENSE_STATES[config.train.dense_optimizer],
+        source,
+    )
+
+
+def pooling_factors(config: Config, dataset: Any = None) -> tuple[dict[str, float], str]:
+    """Feature -> mean ids per bag, and where that comes from: the synthetic log's expected bag
+    lengths (``bag_sizes``: m when fixed, m / 2 when uniform over 0..m), else the mean bag
+    lengths of the first chunk of the train split (of ``dataset``, else the one ``[data]``
+    opens)."""
+    from recsys.data import build_dataset, resolve_source
+
+    if resolve_source(config.data) == "synthetic":
+        synthetic = config.data.synthetic
+        sizes = list(synthetic.bag_sizes) or [1] * len(synthetic.cardinalities)
+        fixed = synthetic.bag_lengths == "fixed"
+        pooling = {f"cat_{i}": float(m if m == 1 or fixed else m / 2) for i, m in enumerate(sizes)}
+        how = "fixed" if fixed else "drawn from 0..m: m / 2 each"
+        return pooling, f"from the synthetic log's bag sizes, {how}"
+    dataset = dataset or build_dataset(config.data, config.run.seed)
+    batch = dataset.chunk("train", 0)
+    rows = max(batch.batch_size, 1)
+    lengths = batch.sparse.length_per_key()
+    pooling = {key: n / rows for key, n in zip(batch.sparse.keys(), lengths, strict=True)}
+    return pooling, f"mean bag lengths of the first train chunk ({rows} rows)"

@@ -381,6 +381,17 @@ class DistributedConfig:
     """How the gradients of pooled embeddings travel back."""
     print_plan: bool = True
     """Print the sharding plan (rank 0) before training."""
+    hardware: Literal["", "h100_8x_ib400", "h200_8x_ib400", "a100_8x_ib200", "cpu_host"] = ""
+    """A cluster preset (recsys.distributed.topology: data sheet figures): the planner then
+    places tables to minimise the predicted step time on it, in seconds, with the data's bag
+    lengths. "" (and no topology file): the planner weighs bytes moved, a communicated byte 10x
+    a byte read, one id per bag."""
+    topology: str = ""
+    """A topology TOML file (what `recsys plan --calibrate` writes, or a preset with figures
+    overridden) to plan for, as hardware does; not both."""
+    ranks_per_node: Annotated[int, AtLeast0] = 0
+    """Ranks per node for hardware / topology: 0 takes LOCAL_WORLD_SIZE under torchrun (the
+    preset's or file's elsewhere)."""
 
 
 @dataclass

@@ -158,7 +158,7 @@ def parallelize(
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
     world = dist.get_world_size()
-    collections = _shardable(model)
+    collections = shardable_collections(model)
     configs = {path: ebc.embedding_bag_configs() for path, ebc in collections.items()}
     if plan is None:
         states = next((dict(c.optimizer.states) for c in collections.values() if c.optimizer), None)
@@ -207,7 +207,7 @@ def _data_parallel(model: nn.Module, device: torch.device, ignored: list[str]) -
     return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
 
 
-def _shardable(
+def shardable_collections(
     model: nn.Module,
 ) -> dict[str, EmbeddingBagCollection | EmbeddingCollection]:
     """The model's collections, each of a kind parallelize() can shard (an unpooled one plain,

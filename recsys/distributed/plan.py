@@ -121,8 +121,9 @@ class ShardingPlan:
             )
         return self.collections[path]
 
-    def describe(self) -> str:
-        """A fixed-width text table: one line per table, then one line per rank.
+    def describe(self, max_ranks: int = 0) -> str:
+        """A fixed-width text table: one line per table, then one line per rank (``max_ranks``
+        > 0: the first ``max_ranks`` ranks, then one line of the rest's range).
 
         Returns:
             the table, ready to print or log. A hand-built plan records no dtypes, so its
@@ -131,7 +132,7 @@ class ShardingPlan:
         Example:
             >>> print(plan_sharding({"": tables}, world_size=2).describe())  # doctest: +SKIP
         """
-        return _describe(self)
+        return _describe(self, max_ranks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +310,7 @@ def _table_line(
     return [path or "(root)", name, size, footprint.data_type, label, where, memory, cost]
 
 
-def _describe(plan: ShardingPlan) -> str:
+def _describe(plan: ShardingPlan, max_ranks: int = 0) -> str:
     world, budget = plan.world_size, plan.memory_per_rank
     used, num_shards, states = [0] * world, [0] * world, set()
     table_lines = [["collection", "table", "rows x dim", "dtype", "sharding", "ranks"]]
@@ -332,6 +333,12 @@ def _describe(plan: ShardingPlan) -> str:
         cost = f"{plan.rank_costs[rank] / peak:.2f}" if plan.rank_costs else "-"
         memory = format_bytes(used[rank])
         rank_lines.append([str(rank), str(num_shards[rank]), memory, share, cost])
+    if 0 < max_ranks < world:
+        rest = range(max_ranks, world)
+        low, high = (format_bytes(f(used[r] for r in rest)) for f in (min, max))
+        shards = f"{min(num_shards[r] for r in rest)}..{max(num_shards[r] for r in rest)}"
+        rank_lines = rank_lines[: max_ranks + 1]
+        rank_lines.append([f"{max_ranks}-{world - 1}", shards, f"{low}..{high}", "", ""])
     limit = format_bytes(budget) if budget else "not set"
     header = [f"ShardingPlan for {world} rank{'s' * (world > 1)}, memory_per_rank {limit}"]
     if plan.rank_costs:

@@ -32,6 +32,8 @@ from recsys.distributed.plan import (
     shard_bytes,
     table_wise,
 )
+from recsys.distributed.step_cost import StepInputs, table_rank_seconds
+from recsys.distributed.topology import Topology
 from recsys.embedding.tables import TABLE_DTYPES, element_bytes
 
 __all__ = [
@@ -224,6 +226,25 @@ class _CostModel:
         return sum(self.rank_costs(TableSharding(ShardingType.TABLE_WISE, (table.whole(),)), table))
 
 
+@dataclass(frozen=True)
+class _SecondsModel:
+    """The cost of a placement in predicted seconds per step on a topology
+    (:func:`recsys.distributed.step_cost.table_rank_seconds`)."""
+
+    world_size: int
+    inputs: StepInputs
+    topology: Topology
+
+    def rank_costs(self, sharding: TableSharding, table: _Table) -> list[float]:
+        args = (table.pooling, self.inputs, self.topology, self.world_size)
+        return table_rank_seconds(table.config, sharding, *args)
+
+    def whole_cost(self, table: _Table) -> float:
+        return math.fsum(
+            self.rank_costs(TableSharding(ShardingType.TABLE_WISE, (table.whole(),)), table)
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # The planner
 
@@ -268,6 +289,25 @@ def _column_candidates(table: _Table, ranks: _Ranks, states: dict[str, str]):
         yield column_wise(rows, dim, order[:pieces], widths)
 
 
+# Up to this many ranks every rank is a TABLE_WISE candidate; past it only the cheapest rank
+# that fits (see _whole_table_ranks).
+_ALL_RANKS_UP_TO = 64
+
+
+def _whole_table_ranks(table: _Table, ranks: _Ranks, states: dict[str, str]) -> Sequence[int]:
+    """The ranks to try the table whole on: the constraint's, else every rank, or past
+    ``_ALL_RANKS_UP_TO`` ranks the one of least cost (then lowest index) that can hold it: a
+    whole table adds the same cost to its rank wherever it goes (and the same to every other),
+    so that rank scores lowest on the busiest rank and the spread alike; one evaluation
+    instead of W, for thousands of ranks."""
+    world = len(ranks.used)
+    if table.constraint.ranks or world <= _ALL_RANKS_UP_TO:
+        return table.constraint.ranks or range(world)
+    need = shard_bytes(table.held(table.whole()), table.element_bytes, states)
+    fits = [r for r in range(world) if ranks.free(r) >= need]
+    return [min(fits, key=lambda r: (ranks.costs[r], r))] if fits else []
+
+
 def _candidates(table: _Table, ranks: _Ranks, states: dict[str, str]) -> list[TableSharding]:
     """Every placement the table's constraint allows, in a fixed order."""
     rows, dim, world = table.rows, table.config.embedding_dim, len(ranks.used)
@@ -281,7 +321,9 @@ def _candidates(table: _Table, ranks: _Ranks, states: dict[str, str]) -> list[Ta
         if kind == ShardingType.DATA_PARALLEL:
             candidates.append(data_parallel(rows, dim, world))
         elif kind == ShardingType.TABLE_WISE:
-            candidates += [table_wise(rows, dim, r) for r in table.constraint.ranks or range(world)]
+            candidates += [
+                table_wise(rows, dim, r) for r in _whole_table_ranks(table, ranks, states)
+            ]
         elif kind == ShardingType.ROW_WISE:
             candidates.append(row_wise(rows, dim, world))
         elif kind == ShardingType.KEY_WISE:
@@ -333,7 +375,7 @@ def _not_fit_error(
     )
 
 
-def _place(table: _Table, ranks: _Ranks, model: _CostModel, states: dict[str, str]):
+def _place(table: _Table, ranks: _Ranks, model: _CostModel | _SecondsModel, states: dict[str, str]):
     """The allowed placement that fits and scores lowest, added to ``ranks``."""
     candidates, world = _candidates(table, ranks, states), len(ranks.used)
     best = None
@@ -422,6 +464,7 @@ def plan_sharding(
     backward_comm_bytes: int = 4,
     dynamic_rows: dict[str, int] | None = None,
     tiered_rows: dict[str, int] | None = None,
+    topology: Topology | None = None,
 ) -> ShardingPlan:
     """Place every table on ``world_size`` ranks within ``memory_per_rank``, balancing an
     estimated per-rank cost.
@@ -437,8 +480,15 @@ def plan_sharding(
     in 2..min(W, D // 4) pieces of multiples of 4 columns. A world of one puts unconstrained
     tables TABLE_WISE on rank 0.
 
-    Cost model, per rank per step, in bytes moved; a communicated byte counts 10x a byte read
-    from memory, and traffic to the rank itself is free (communication scales by (W - 1) / W).
+    With a ``topology`` the cost of a placement is each rank's predicted seconds per step on
+    that cluster (:func:`recsys.distributed.step_cost.table_rank_seconds`: lookups and updates
+    over the memory bandwidth, all-to-all bytes over the intra- and inter-node links, a
+    replicated table's gradient all-gather), so the plan minimises the predicted step under
+    the memory limit. Without one it is the byte count below.
+
+    Cost model without a topology, per rank per step, in bytes moved; a communicated byte
+    counts 10x a byte read from memory, and traffic to the rank itself is free (communication
+    scales by (W - 1) / W).
     With W ranks, B = ``batch_size``, G = B * W, P the table's pooling factor, R x D elements
     of e bytes: DATA_PARALLEL costs every rank a lookup of B * P * D * e plus a ring
     all-reduce of the fp32 gradient, 4 * R * D * 4 (2x the table each way). That is an upper
@@ -474,6 +524,8 @@ def plan_sharding(
             name or ``"<path>:<table>"``) -> the rows of each shard's cache, which is all a
             shard keeps in the device's memory. A fixed tiered table is TABLE_WISE or
             ROW_WISE, a dynamic one KEY_WISE.
+        topology: the cluster (:mod:`recsys.distributed.topology`): costs in predicted
+            seconds; None: in weighted bytes.
 
     Returns:
         a plan that passes :func:`check_plan`, with sizes and costs for ``describe()``.
@@ -513,7 +565,13 @@ def plan_sharding(
         _table(p, c, pooling_factors, constraints, world_size, dynamic_rows, tiered_rows)
         for p, c in configs
     ]
-    model = _CostModel(world_size, batch_size, *comm_bytes)
+    model: _CostModel | _SecondsModel = _CostModel(world_size, batch_size, *comm_bytes)
+    if topology is not None:
+        wire = {4: "fp32", 2: "bf16", 1: "int8"}
+        if any(b not in wire for b in comm_bytes):
+            raise ValueError(f"forward/backward_comm_bytes={comm_bytes}: expected 4, 2 or 1")
+        inputs = StepInputs(batch_size, {}, states, *(wire[b] for b in comm_bytes))
+        model = _SecondsModel(world_size, inputs, topology)
     ranks = _Ranks([0] * world_size, [0.0] * world_size, memory_per_rank)
 
     whole_costs = [model.whole_cost(t) for t in tables]

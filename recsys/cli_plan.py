@@ -1,0 +1,188 @@
+"""``recsys plan``: the plan a config gets on N ranks, flat and 2D, with what each rank holds,
+sends and spends per step on a given cluster (:mod:`recsys.distributed.step_cost`), without a
+process group (:mod:`recsys.cli` parses the command line)."""
+
+from __future__ import annotations
+
+import argparse
+
+from recsys.config import Config, load_config
+
+__all__ = ["add_plan_arguments", "run_plan"]
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML recipe, e.g. configs/dlrm_dcnv2_mlperf.toml")
+    parser.add_argument("--world-size", type=int, default=0, help="ranks (GPUs) in all")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=0,
+        help="distributed.ranks_per_node (default: the preset's or file's)",
+    )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--hardware",
+        default="",
+        help="distributed.hardware: a preset (h100_8x_ib400, h200_8x_ib400, a100_8x_ib200, "
+        "cpu_host); the planner then minimises predicted seconds on it. Neither this nor "
+        "--topology: the config's, else the run's byte-weighted plan, predicted on "
+        "h100_8x_ib400",
+    )
+    where.add_argument("--topology", default="", help="distributed.topology: a topology TOML file")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="2D: tables sharded in groups of world / R ranks, R replicas (default: flat and "
+        "one group per node)",
+    )
+    parser.add_argument(
+        "--sync-every", type=int, default=100, help="2D: steps between replica syncs"
+    )
+    parser.add_argument(
+        "--calibrate",
+        metavar="FILE",
+        default="",
+        help="under torchrun: measure this launch's links, memory and compute and write them "
+        "as a topology file (for --topology / distributed.topology); plans nothing",
+    )
+
+
+def run_plan(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Plan the config on ``--world-size`` ranks and print the plans and predictions.
+    ``--hardware``, ``--topology`` and ``--ranks-per-node`` set the ``[distributed]`` keys of
+    the same names, so the plan is the one a run of that config makes."""
+    from recsys.build.sharding import plan_inputs, run_topology
+    from recsys.distributed.topology import topology
+
+    if args.calibrate:
+        _calibrate(args.calibrate)
+        return
+    world = args.world_size
+    if world < 1:
+        raise ValueError(f"--world-size {world}; expected >= 1")
+    if args.sync_every < 1:
+        raise ValueError(f"--sync-every {args.sync_every}; expected >= 1")
+    flags = [
+        f"--distributed.{key}={value}"
+        for key in ("hardware", "topology", "ranks_per_node")
+        if (value := getattr(args, key))
+    ]
+    config = load_config(args.config, [*flags, *overrides])
+    cluster = run_topology(config)
+    planned = "predicted seconds on this cluster" if cluster else "weighted bytes (no cluster set)"
+    if cluster is None:  # the run plans in bytes; the prediction needs figures all the same
+        cluster = topology("h100_8x_ib400", ranks_per_node=config.distributed.ranks_per_node)
+    replicas = _replica_counts(world, cluster.ranks_per_node, args.replicas)
+    inputs = plan_inputs(config)
+    print(_header(config, inputs, world, cluster, planned))
+    for count in replicas:
+        print()
+        print(_plan_text(config, inputs, world, count, args.sync_every, cluster))
+
+
+def _calibrate(path: str) -> None:
+    """``--calibrate FILE`` on every rank of a torchrun launch; rank 0 writes the file."""
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from recsys.distributed.calibrate import calibrate
+    from recsys.distributed.parallel import init_distributed, shutdown_distributed
+    from recsys.distributed.topology import save_topology
+
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"--calibrate '{path}': directory '{target.parent}' not found")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    info = init_distributed(device)
+    try:
+        measured, notes = calibrate(device)
+    finally:
+        shutdown_distributed()
+    if info.is_main:
+        save_topology(measured, target, notes)
+        print(f"recsys: wrote {target}: {measured.describe()}")
+
+
+def _replica_counts(world: int, per_node: int, asked: int) -> list[int]:
+    if asked:
+        if asked < 1 or world % asked:
+            raise ValueError(f"--replicas {asked}: expected a divisor of --world-size {world}")
+        return [asked]
+    if world > per_node and world % per_node == 0:
+        return [1, world // per_node]
+    return [1]
+
+
+def _header(config: Config, inputs, world: int, topo, planned: str) -> str:
+    tables = [c for group in inputs.configs.values() for c in group]
+    rows = sum(c.num_embeddings for c in tables)
+    ids = sum(inputs.pooling_factors.get(f, 1.0) for c in tables for f in c.feature_names)
+    batch = config.train.batch_size
+    return "\n".join(
+        [
+            f"recsys plan: model {config.model.name} on {world} ranks, {topo.ranks_per_node} per "
+            f"node; a model of a step, not a measurement",
+            f"cluster: {topo.describe()}",
+            f"  figures from: {topo.source}" if topo.source else "",
+            f"tables: {len(tables)}, {rows:,} rows; dense: {inputs.dense_parameters:,} "
+            f"parameters ({config.train.dense_optimizer}); ids per sample {ids:g} "
+            f"({inputs.pooling_source})",
+            f"batch: {batch:,} samples per rank (train.batch_size), {batch * world:,} per step",
+            f"planner cost: {planned}",
+        ]
+    ).replace("\n\n", "\n")
+
+
+def _plan_text(config: Config, inputs, world: int, replicas: int, sync_every: int, topo) -> str:
+    from recsys.build.sharding import planner_options
+    from recsys.distributed.planner import plan_sharding
+    from recsys.distributed.step_cost import StepInputs, predict_step
+
+    group = world // replicas
+    options = planner_options(config, topo.ranks_per_node)
+    dense_bytes = inputs.dense_parameters * 4 * (2 + inputs.dense_state_values)
+    limit_note = ""
+    if not options["memory_per_rank"]:
+        options["memory_per_rank"] = max(int(topo.memory_gib * 2**30) - dense_bytes, 1)
+        limit_note = (
+            " (the device's memory less the dense part; distributed.memory_per_rank_gb = 0)"
+        )
+    plan = plan_sharding(
+        inputs.configs,
+        group,
+        optimizer_states=inputs.optimizer_states,
+        dynamic_rows=inputs.dynamic_rows,
+        tiered_rows=inputs.tiered_rows,
+        **options,
+    )
+    cfg = config.distributed
+    step = StepInputs(
+        batch_size=config.train.batch_size,
+        pooling_factors=inputs.pooling_factors,
+        optimizer_states=inputs.optimizer_states,
+        forward_precision=cfg.forward_precision,
+        backward_precision=cfg.backward_precision,
+        dense_parameters=inputs.dense_parameters,
+        dense_state_values=inputs.dense_state_values,
+        pipeline=config.train.pipeline == "on" or config.train.pipeline == "auto",
+        replicas=replicas,
+        sync_every=sync_every,
+    )
+    prediction = predict_step(plan, inputs.configs, step, topo)
+    title = (
+        f"== flat: tables over all {world} ranks =="
+        if replicas == 1
+        else f"== 2D: tables over groups of {group} ranks, {replicas} replicas, synced every "
+        f"{sync_every} steps =="
+    )
+    budget = f"memory limit per rank for tables {options['memory_per_rank'] / 2**30:.1f} GiB"
+    return "\n".join(
+        [title, budget + limit_note, plan.describe(max_ranks=16), "", prediction.describe()]
+    )

@@ -1,0 +1,155 @@
+"""Measure the current launch's cluster: ``recsys plan --calibrate FILE`` under torchrun.
+
+Every rank times, at several sizes, an all-to-all in which it sends one block to one other rank
+and receives one: its neighbour on its own node (the intra-node link) and, when the job spans
+nodes, its counterpart on the next node (the inter-node link), and fits latency + bytes /
+bandwidth to the medians (least squares); the slowest rank's fit is the one kept, since a
+collective waits for its slowest member. It also times an all-reduce at the same sizes (written
+to the file as a comment, for comparison with what the model derives from the links), a
+device copy (memory bandwidth) and a matrix product (dense throughput). Rank 0 writes the
+:class:`~recsys.distributed.topology.Topology` file. A launch on one node measures no
+inter-node link: the file then repeats the intra-node figures for it, and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from recsys.distributed.topology import Topology
+
+__all__ = ["SIZES", "calibrate", "fit_link"]
+
+SIZES = (2**10, 2**14, 2**18, 2**21)  # bytes one rank sends per collective
+
+
+def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """(GB/s, latency in microseconds) of ``seconds = latency + size / bandwidth``, fitted by
+    least squares; a fit with no slope (a link faster than the timer) keeps the smallest time
+    as latency and the largest size over the largest time as bandwidth."""
+    n = len(sizes)
+    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
+    sxx = sum((x - mean_x) ** 2 for x in sizes)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / sxx
+    if slope <= 0:
+        return max(sizes) / max(seconds) / 1e9, min(seconds) * 1e6
+    latency = max(mean_y - slope * mean_x, 0.0)
+    return 1.0 / slope / 1e9, latency * 1e6
+
+
+def _median_seconds(run: Callable[[], None], device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first one warms up
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _one_peer(size: int, peer_of: Callable[[int], int], device: torch.device):
+    """An all-to-all in which each rank sends ``size`` bytes to ``peer_of(rank)`` only, and
+    receives as much from the rank whose peer it is."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    words = max(size // 4, 1)
+    send = torch.ones(words, device=device)
+    recv = torch.empty(words, device=device)
+    out_splits, in_splits = [0] * world, [0] * world
+    out_splits[peer_of(rank)] = words
+    in_splits[next(r for r in range(world) if peer_of(r) == rank)] = words
+
+    def run() -> None:
+        dist.all_to_all_single(recv, send, in_splits, out_splits)
+
+    return run
+
+
+def _link(peer_of: Callable[[int], int], device: torch.device, repeats: int) -> tuple[float, float]:
+    """This link's fit, to the slowest rank's times (each size's maximum over ranks)."""
+    times = [_median_seconds(_one_peer(s, peer_of, device), device, repeats) for s in SIZES]
+    gathered = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(gathered, op=dist.ReduceOp.MAX)
+    return fit_link(SIZES, gathered.tolist())
+
+
+def _allreduce_line(device: torch.device, repeats: int) -> str:
+    cells = []
+    for size in SIZES:
+        tensor = torch.ones(max(size // 4, 1), device=device)
+        seconds = _median_seconds(lambda t=tensor: dist.all_reduce(t), device, repeats)
+        cells.append(f"{size} B {seconds * 1e6:.0f} us")
+    return "# all-reduce (median): " + ", ".join(cells)
+
+
+def _memory_gbs(device: torch.device, repeats: int) -> float:
+    source = torch.ones(2**24, device=device)  # 64 MiB
+    target = torch.empty_like(source)
+    seconds = _median_seconds(lambda: target.copy_(source), device, repeats)
+    return 2 * source.numel() * 4 / seconds / 1e9  # read + write
+
+
+def _dense_tflops(device: torch.device, repeats: int) -> float:
+    n = 1024
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    seconds = _median_seconds(lambda: torch.mm(a, b), device, repeats)
+    return 2 * n**3 / seconds / 1e12
+
+
+def _memory_gib(device: torch.device, local: int) -> float:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return pages / local / 2**30  # the host's memory, shared by its ranks
+
+
+def calibrate(device: torch.device, repeats: int = 5) -> tuple[Topology, list[str]]:
+    """Measure this launch (see the module docstring): the topology, and comment lines of
+    what was measured. Every rank must call it."""
+    world, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    local = local or world
+    if world < 2:
+        raise ValueError("calibration measures links between ranks: launch it with torchrun "
+                         "--nproc-per-node=2 or more")  # fmt: skip
+    if world % local:
+        raise ValueError(f"LOCAL_WORLD_SIZE {local} does not divide WORLD_SIZE {world}")
+    nodes = world // local
+    if local > 1:  # the next rank of the same node
+        intra = _link(lambda r: r - r % local + (r % local + 1) % local, device, repeats)
+    else:
+        intra = None
+    inter = _link(lambda r: (r + local) % world, device, repeats) if nodes > 1 else None
+    notes = [_allreduce_line(device, repeats)]
+    if intra is None:
+        intra = inter
+        notes.append("# one rank per node: no intra-node link measured (inter-node figures)")
+    if inter is None:
+        inter = intra
+        notes.append("# one node: no inter-node link measured (intra-node figures repeated)")
+    memory = _memory_gbs(device, repeats)
+    tflops = _dense_tflops(device, repeats)
+    figures = torch.tensor([memory, tflops], dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MIN)  # the slowest rank
+    backend = dist.get_backend()
+    measured = Topology(
+        name=f"calibrated ({backend}, {nodes} x {local} ranks, {device.type})",
+        ranks_per_node=local,
+        intra_gbs=intra[0],
+        intra_latency_us=intra[1],
+        inter_gbs=inter[0],
+        inter_latency_us=inter[1],
+        memory_gbs=float(figures[0]),
+        memory_gib=_memory_gib(device, local),
+        dense_tflops=float(figures[1]),
+        source=f"recsys plan --calibrate: medians of {repeats} runs at {list(SIZES)} bytes",
+    )
+    return measured, notes

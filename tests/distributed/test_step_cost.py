@@ -1,0 +1,383 @@
+"""The step cost model and the cluster topology behind ``recsys plan``: the bytes it predicts
+against what the sharded collection's counters count on 4 gloo ranks (exactly), its split of
+them inside and across nodes against a pairwise reference, flat and 2D; topology presets and
+files and their calibration under torchrun; the planner in seconds; and the ``recsys plan``
+command."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+from recsys.cli import main
+from recsys.config.sections import MLPERF_BAG_SIZES, MLPERF_TABLE_ROWS
+from recsys.distributed import planner as P
+from recsys.distributed.calibrate import fit_link
+from recsys.distributed.plan import ShardingPlan, ShardingType
+from recsys.distributed.sharded import ShardedEmbeddingBagCollection
+from recsys.distributed.step_cost import StepInputs, predict_step
+from recsys.distributed.topology import (
+    PRESETS,
+    Topology,
+    load_topology,
+    save_topology,
+    topology,
+)
+from recsys.embedding.collection import EmbeddingBagCollection
+from recsys.embedding.optim import SGD
+from tests.distributed.spawn import run_ranks
+from tests.distributed.test_torchrun import run_torchrun
+
+# name, dim, rows, features, ids per bag (fixed): t_rw's 8 rows on 4 ranks are blocks of 2,
+# and its bags hold one id of each block, so each row shard gets exactly a quarter of them.
+TABLES = [
+    ("t_tw", 6, 10, ["a"], 3),
+    ("t_cw", 8, 12, ["b", "c"], 2),
+    ("t_rw", 4, 8, ["d"], 4),
+    ("t_dp", 5, 3, ["e"], 1),
+]
+POOLING = {f: float(n) for *_, features, n in TABLES for f in features}
+
+
+def configs() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name=name, embedding_dim=dim, num_embeddings=rows, feature_names=fs)
+        for name, dim, rows, fs, _ in TABLES
+    ]
+
+
+def four_rank_plan(world: int, with_dp: bool) -> ShardingPlan:
+    shardings = {
+        "t_tw": P.table_wise(10, 6, 1),
+        "t_cw": P.column_wise(12, 8, [3, 0]),
+        "t_rw": P.row_wise(8, 4, world),
+        "t_dp": P.data_parallel(3, 5, world) if with_dp else P.table_wise(3, 5, 2),
+    }
+    return ShardingPlan(world, collections={"": shardings})
+
+
+def fixed_bags(batch: int, seed: int) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(seed)
+    values, lengths = [], []
+    for _, _, rows, features, n in TABLES:
+        for _ in features:
+            if rows == 8:  # t_rw: ids 2k + (0 or 1), one per row block
+                ids = 2 * torch.arange(4).repeat(batch) + torch.randint(
+                    0, 2, (4 * batch,), generator=g
+                )
+            else:
+                ids = torch.randint(0, rows, (n * batch,), generator=g)
+            values.append(ids)
+            lengths.append(torch.full((batch,), n))
+    keys = [f for *_, features, _ in TABLES for f in features]
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def _counted_bytes(rank: int, world: int) -> None:
+    batch = 5
+    cluster = topology("h100_8x_ib400", ranks_per_node=2)
+    for precision in ("fp32", "fp16", "int8"):
+        for validate in (True, False):
+            torch.manual_seed(0)
+            unsharded = EmbeddingBagCollection(configs(), optimizer=SGD(lr=0.1), validate=validate)
+            plan = four_rank_plan(world, with_dp=False)
+            sharded = ShardedEmbeddingBagCollection(
+                unsharded,
+                plan[""],
+                forward_precision=precision,
+                backward_precision=precision,
+            )
+            out = sharded(fixed_bags(batch, seed=rank))
+            out.values().sum().backward()
+            inputs = StepInputs(
+                batch,
+                POOLING,
+                forward_precision=precision,
+                backward_precision=precision,
+                extras=int(validate),
+            )
+            predicted = predict_step(plan, {"": configs()}, inputs, cluster)
+            counted = sharded.comm_stats.bytes
+            for part in ("input", "forward", "backward"):
+                assert predicted.rank_bytes(part)[rank] == counted[part], (
+                    predicted.rank_bytes(part)[rank],
+                    counted[part],
+                    rank,
+                    precision,
+                    validate,
+                    part,
+                )
+
+
+def test_predicted_bytes_equal_the_counted_bytes_on_four_ranks():
+    run_ranks(4, _counted_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside and across nodes: against every (sender, receiver) pair
+
+
+def pairwise(plan: ShardingPlan, replicas: int, per_node: int, batch: int) -> dict:
+    """Bytes each world rank sends, by part and by where, summed pair by pair."""
+    group = plan.world_size
+    world = group * replicas
+    out = {
+        (p, w): np.zeros(world)
+        for p in ("input", "forward", "backward")
+        for w in ("intra", "inter")
+    }
+    slots = np.zeros(group)
+    for config in configs():
+        sharding = plan[""][config.name]
+        if sharding.sharding_type == ShardingType.DATA_PARALLEL:
+            continue
+        total_rows = max(s.row_offset + s.num_rows for s in sharding.shards)
+        by_rows = sharding.sharding_type == ShardingType.ROW_WISE
+        pooling = sum(POOLING[f] for f in config.feature_names)
+        for shard in sharding.shards:
+            slots[shard.rank] += len(config.feature_names)
+            share = shard.num_rows / total_rows if by_rows else 1.0
+            for src in range(world):
+                base = src - src % group
+                owner = base + shard.rank
+                where = "intra" if src // per_node == owner // per_node else "inter"
+                ids = batch * pooling * share
+                out["input", where][src] += 8 * (len(config.feature_names) * batch + ids)
+                vectors = batch * shard.num_cols * len(config.feature_names) * 4
+                out["backward", where][src] += vectors
+                out["forward", where][owner] += vectors
+    for src in range(world):
+        base = src - src % group
+        for dst in range(group):
+            where = "intra" if src // per_node == (base + dst) // per_node else "inter"
+            out["input", where][src] += 8 * (2 + slots[dst])
+    return out
+
+
+@pytest.mark.parametrize(("replicas", "per_node"), [(1, 2), (1, 4), (1, 8), (2, 2), (2, 8), (4, 1)])
+def test_intra_and_inter_node_bytes_match_a_pairwise_count(replicas, per_node):
+    group, batch = 4, 7
+    plan = four_rank_plan(group, with_dp=False)
+    cluster = topology("a100_8x_ib200", ranks_per_node=per_node)
+    predicted = predict_step(
+        plan, {"": configs()}, StepInputs(batch, POOLING, replicas=replicas), cluster
+    )
+    expected = pairwise(plan, replicas, per_node, batch)
+    for key, value in expected.items():
+        np.testing.assert_allclose(predicted.sent[key], value, rtol=1e-12, err_msg=str(key))
+
+
+def test_two_dimensional_plans_keep_the_all_to_alls_inside_a_node():
+    plan = four_rank_plan(4, with_dp=False)
+    cluster = topology("h100_8x_ib400", ranks_per_node=4)
+    flat = predict_step(
+        ShardingPlan(16, collections={"": {
+            "t_tw": P.table_wise(10, 6, 9),
+            "t_cw": P.column_wise(12, 8, [3, 12]),
+            "t_rw": P.row_wise(8, 4, 16),
+            "t_dp": P.table_wise(3, 5, 2),
+        }}),
+        {"": configs()},
+        StepInputs(32, POOLING),
+        cluster,
+    )  # fmt: skip
+    two_d = predict_step(
+        plan, {"": configs()}, StepInputs(32, POOLING, replicas=4, sync_every=10), cluster
+    )
+    for part in ("input", "forward", "backward"):
+        assert flat.rank_bytes(part, "inter").max() > 0
+        assert two_d.rank_bytes(part, "inter").max() == 0
+    # The replica sync: 2 (R - 1) / R of each rank's shards, every 10 steps.
+    np.testing.assert_allclose(
+        two_d.rank_bytes("replica_sync", "inter")[:4], 2 * 3 / 4 * two_d.table_bytes / 10
+    )
+    assert two_d.seconds["replica_sync"] > 0 and flat.seconds["replica_sync"] == 0
+    text = two_d.describe()
+    assert "2D: 4 replicas of 4" in text and "predicted step" in text
+
+
+def test_memory_per_rank_is_the_plans_shards():
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=1000 * (i + 1), embedding_dim=16,
+                           feature_names=[f"f{i}"])
+        for i in range(6)
+    ]  # fmt: skip
+    states = {"sum": "row"}
+    plan = P.plan_sharding({"": tables}, 4, optimizer_states=states)
+    predicted = predict_step(
+        plan, {"": tables}, StepInputs(64, optimizer_states=states), PRESETS["cpu_host"]
+    )
+    held = np.zeros(4)  # each shard's fp32 rows and their one fp32 accumulator each
+    for sharding in plan[""].values():
+        for shard in sharding.shards:
+            held[shard.rank] += shard.num_rows * (shard.num_cols * 4 + 4)
+    np.testing.assert_array_equal(predicted.table_bytes, held)
+
+
+# ---------------------------------------------------------------------------------------------
+# Topology
+
+
+def test_presets_name_their_sources_and_files_round_trip(tmp_path):
+    for name, preset in PRESETS.items():
+        assert preset.name == name and preset.source
+    path = tmp_path / "cluster.toml"
+    measured = Topology("calibrated", 2, 1.5, 80.0, 0.4, 300.0, 12.0, 16.0, 0.1, 'a "quoted" note')
+    save_topology(measured, path)
+    assert load_topology(path) == measured
+    path.write_text('preset = "a100_8x_ib200"\ninter_gbs = 12.5\n')
+    assert load_topology(path) == Topology(**{**vars(PRESETS["a100_8x_ib200"]), "inter_gbs": 12.5})
+    assert topology(path=path, ranks_per_node=4).ranks_per_node == 4
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('preset = "h100_8x_ib40"', "did you mean 'h100_8x_ib400'"),
+        (
+            'preset = "cpu_host"\nintra_gb = 3.0',
+            "unknown keys ['intra_gb'] (did you mean 'intra_gbs'?)",
+        ),
+        ("name = 'x'\nranks_per_node = 2", "lacks ['dense_tflops'"),
+        ('preset = "cpu_host"\nmemory_gbs = -1.0', "memory_gbs = -1.0; expected > 0"),
+        ("name = [", "is not valid TOML"),
+    ],
+)
+def test_bad_topology_files_are_one_line_errors(tmp_path, text, message):
+    path = tmp_path / "t.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="") as error:
+        load_topology(path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_topology_arguments_are_checked():
+    with pytest.raises(ValueError, match="did you mean 'cpu_host'"):
+        topology("cpu_hots")
+    with pytest.raises(ValueError, match="not both"):
+        topology("cpu_host", "x.toml")
+    with pytest.raises(FileNotFoundError, match="'missing.toml' not found"):
+        topology(path="missing.toml")
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner in seconds
+
+
+def mlperf_tables() -> tuple[list[EmbeddingBagConfig], dict[str, float]]:
+    tables = [
+        EmbeddingBagConfig(name=f"t_cat_{i}", num_embeddings=rows, embedding_dim=128,
+                           feature_names=[f"cat_{i}"])
+        for i, rows in enumerate(MLPERF_TABLE_ROWS)
+    ]  # fmt: skip
+    return tables, {f"cat_{i}": float(n) for i, n in enumerate(MLPERF_BAG_SIZES)}
+
+
+@pytest.mark.parametrize("world", [8, 64])
+def test_planning_in_seconds_predicts_a_faster_step_than_planning_in_bytes(world):
+    tables, pooling = mlperf_tables()
+    states, cluster = {"sum": "element"}, PRESETS["h100_8x_ib400"]
+    options = dict(
+        memory_per_rank=79 * 2**30, optimizer_states=states, batch_size=8192,
+        pooling_factors=pooling,
+    )  # fmt: skip
+    inputs = StepInputs(8192, pooling, states, dense_parameters=16_000_000)
+    steps = {}
+    for planned_for in (None, cluster):
+        plan = P.plan_sharding({"": tables}, world, topology=planned_for, **options)
+        P.check_plan(plan, {"": tables}, world)
+        steps[planned_for is None] = predict_step(plan, {"": tables}, inputs, cluster).step_s
+    assert steps[False] < steps[True]
+
+
+def test_large_worlds_try_the_cheapest_rank_for_a_whole_table(monkeypatch):
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=500 + 37 * i, embedding_dim=8,
+                           feature_names=[f"f{i}"])
+        for i in range(40)
+    ]  # fmt: skip
+    constraints = {f"t{i}": P.TableConstraint((ShardingType.TABLE_WISE,)) for i in range(0, 40, 3)}
+    options = dict(memory_per_rank=2 * 2**20, constraints=constraints, batch_size=64)
+    fast = P.plan_sharding({"": tables}, 80, **options)
+    monkeypatch.setattr(P, "_ALL_RANKS_UP_TO", 10**6)
+    every_rank = P.plan_sharding({"": tables}, 80, **options)
+    assert fast.collections == every_rank.collections
+
+
+def test_mlperf_tables_plan_for_4096_ranks_in_seconds():
+    tables, pooling = mlperf_tables()
+    plan = P.plan_sharding(
+        {"": tables}, 4096, memory_per_rank=79 * 2**30, optimizer_states={"sum": "row"},
+        batch_size=8192, pooling_factors=pooling, topology=PRESETS["h100_8x_ib400"],
+    )  # fmt: skip
+    P.check_plan(plan, {"": tables}, 4096)
+    inputs = StepInputs(8192, pooling, {"sum": "row"})
+    assert math.isfinite(predict_step(plan, {"": tables}, inputs, PRESETS["h100_8x_ib400"]).step_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# recsys plan
+
+
+def test_recsys_plan_prints_flat_and_2d_plans_with_their_predictions(capsys):
+    code = main(
+        ["plan", "--config", "configs/dlrm_synthetic.toml", "--world-size", "8",
+         "--ranks-per-node", "4", "--hardware", "a100_8x_ib200"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "planner cost: predicted seconds on this cluster" in out
+    assert "== flat: tables over all 8 ranks ==" in out
+    assert "== 2D: tables over groups of 4 ranks, 2 replicas, synced every 100 steps ==" in out
+    assert out.count("predicted step") == 2 and "samples/s" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--world-size", "8", "--replicas", "3"], "--replicas 3: expected a divisor"),
+        (["--world-size", "0"], "--world-size 0; expected >= 1"),
+        (["--world-size", "8", "--hardware", "h100"], "distributed.hardware"),
+    ],
+)
+def test_recsys_plan_bad_arguments_are_one_line_errors(capsys, args, message):
+    code = main(["plan", "--config", "configs/dlrm_synthetic.toml", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    sizes = [1e3, 1e5, 1e6, 4e6]
+    gbs, latency = fit_link(sizes, [30e-6 + s / 2e9 for s in sizes])
+    assert gbs == pytest.approx(2.0) and latency == pytest.approx(30.0)
+    # Faster than the timer: no slope; the largest size over the largest time.
+    assert fit_link(sizes, [5e-6] * 4) == pytest.approx((4e6 / 5e-6 / 1e9, 5.0))
+
+
+def test_calibration_under_torchrun_writes_a_topology_file(tmp_path):
+    path = tmp_path / "cluster.toml"
+    done = run_torchrun(
+        ["--nproc-per-node=2", "-m", "recsys", "plan", "--calibrate", str(path)], timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("recsys: wrote") == 1  # rank 0 alone
+    measured = load_topology(path)
+    assert measured.ranks_per_node == 2 and measured.name.startswith("calibrated (gloo, 1 x 2")
+    text = path.read_text()
+    assert "# all-reduce (median)" in text and "no inter-node link measured" in text
+    assert measured.inter_gbs == measured.intra_gbs  # one node: repeated
+    # The file plans like a preset.
+    code = main(
+        ["plan", "--config", "configs/dlrm_synthetic.toml", "--world-size", "2",
+         "--topology", str(path)]
+    )  # fmt: skip
+    assert code == 0
