@@ -143,6 +143,7 @@ class SASRecRun:
     train_rows: str = "windows"  # recsys' train.next_item.train_rows
     window_stride: int = 0  # recsys' train.next_item.window_stride (0: max_len)
     seed: int = 0
+    extra: tuple[str, ...] = ()  # recsys-only config keys, "section.key=value"
 
     def describe_model(self) -> str:
         return (
@@ -151,9 +152,10 @@ class SASRecRun:
         )
 
     def describe(self) -> str:
+        extra = "".join(f" {item}" for item in self.extra)
         return (
             f"{self.describe_model()} adam lr {self.lr} batch {self.batch_size} up to "
-            f"{self.epochs} epochs, patience {self.patience} seed {self.seed}"
+            f"{self.epochs} epochs, patience {self.patience} seed {self.seed}{extra}"
         )
 
 
@@ -241,6 +243,7 @@ def recsys_overrides(
         "--run.tensorboard=false",
         f"--run.seed={run.seed}",
         f"--run.device={device}",
+        *(f"--{item}" for item in run.extra),
     ]
 
 
@@ -402,7 +405,13 @@ def accuracy_rows(
                 f"; {threads}; {load}"
             )
             lines += _accuracy_lines(
-                PEER, dataset, run.describe(), theirs, theirs["wall_s"], env, notes
+                PEER,
+                dataset,
+                replace(run, extra=()).describe(),
+                theirs,
+                theirs["wall_s"],
+                env,
+                notes,
             )
     return lines
 
@@ -571,6 +580,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "with the relative position bias; hstu_rab_time: with the position + time bias, the "
         "query's own time; hstu_rab_time_next: the next event's time, as Meta's HSTU)",
     )
+    parser.add_argument(
+        "--recsys-set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a recsys-only config key for recsys' runs (RecBole has no such option), e.g. "
+        "train.lr_schedule=cosine; written into the rows' config",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     parser.add_argument("--step-lens", type=int, nargs="+", default=[50, 200])
     parser.add_argument("--step-batch", type=int, default=128)
@@ -580,6 +597,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.warmup = 2 if args.warmup is None else args.warmup
     args.repeats = 10 if args.repeats is None else args.repeats
+    for item in args.recsys_set:
+        key, equals, _ = item.partition("=")
+        if not equals or "." not in key:
+            raise SystemExit(f"--recsys-set {item!r}: expected SECTION.KEY=VALUE")
     for name in ("max_len", "dim", "blocks", "heads", "epochs", "batch_size", "step_batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
@@ -605,6 +626,7 @@ def main(argv: list[str] | None = None) -> None:
         loss=args.loss,
         train_rows=args.train_rows,
         window_stride=args.window_stride,
+        extra=tuple(args.recsys_set),
     )
     peer = peer_python(args.peer_python)
     env = environment(args.device)
