@@ -149,13 +149,17 @@ class StepTimer:
 class TrainWindow:
     """Train loss and time since the last train event; time spent in eval or saving, and time
     spent compiling, is not counted as training time (``train_time``); the compilation time of
-    the train steps is counted apart (``compile_time``)."""
+    the train steps is counted apart (``compile_time``). With ``comm_bytes`` (the sharded
+    collections' running byte counts by kind), :meth:`close` adds ``comm_bytes_<kind>``: the
+    bytes this rank handed to collectives per step of the window (what ``recsys plan``
+    predicts), evaluations left out."""
 
     def __init__(
         self,
         device: torch.device,
         comm_seconds: Callable[[], float] = float,
         compile_seconds: Callable[[], float] = compile_seconds,
+        comm_bytes: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self.loss = torch.zeros((), device=device)  # summed on device: no sync per step
         self.timer = StepTimer(device, comm_seconds, compile_seconds)
@@ -163,6 +167,8 @@ class TrainWindow:
         self.train_time = 0.0
         self.compile_time = 0.0
         self.start = time.perf_counter()
+        self.comm_bytes = comm_bytes
+        self._bytes = comm_bytes()  # the running totals at the window's start, pauses left out
 
     def add(self, loss: torch.Tensor) -> None:
         self.loss += loss
@@ -179,6 +185,10 @@ class TrainWindow:
         self.train_time += elapsed
         self.compile_time += compiling
         rate = self.steps * samples_per_step / max(elapsed, 1e-9)
+        now = self.comm_bytes()
+        for kind, total in now.items():  # this rank's bytes per step handed to collectives
+            times[f"comm_bytes_{kind}"] = (total - self._bytes.get(kind, 0)) / max(self.steps, 1)
+        self._bytes = now
         self.loss.zero_()
         self.steps = 0
         self.start = time.perf_counter()
@@ -186,9 +196,11 @@ class TrainWindow:
 
     def pause(self, work: Callable[[], Any]) -> None:
         """Run ``work`` without counting its time as training time."""
-        paused = time.perf_counter()
+        paused, before = time.perf_counter(), self.comm_bytes()
         work()
         self.start += time.perf_counter() - paused
+        after = self.comm_bytes()  # an evaluation's exchanges are not the steps'
+        self._bytes = {k: v + after[k] - before.get(k, 0) for k, v in self._bytes.items()}
         self.timer.start()
 
 

@@ -260,7 +260,13 @@ class _Run:
 
     def _window(self) -> TrainWindow:
         collections = list(embedding_collections(self.model).values())
-        return TrainWindow(self.device, lambda: sum(c.communication_seconds() for c in collections))
+        stats = [c.comm_stats for c in collections if hasattr(c, "comm_stats")]
+
+        def comm_bytes() -> dict[str, int]:
+            return {k: sum(s.bytes[k] for s in stats) for k in stats[0].bytes} if stats else {}
+
+        seconds = lambda: sum(c.communication_seconds() for c in collections)  # noqa: E731
+        return TrainWindow(self.device, seconds, comm_bytes=comm_bytes)
 
     def _steps(self, window: TrainWindow, progress: tqdm, signals: StopSignals) -> Iterator[int]:
         """Train to ``total_steps``, yielding the step number after each step (and what follows

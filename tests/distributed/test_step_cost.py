@@ -13,7 +13,9 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
+from recsys.build.sharding import plan_inputs, planner_options
 from recsys.cli import main
+from recsys.config import load_config
 from recsys.config.sections import MLPERF_BAG_SIZES, MLPERF_TABLE_ROWS
 from recsys.distributed import planner as P
 from recsys.distributed.calibrate import fit_link
@@ -29,8 +31,9 @@ from recsys.distributed.topology import (
 )
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import SGD
+from recsys.train.metrics import read_metrics
 from tests.distributed.spawn import run_ranks
-from tests.distributed.test_torchrun import run_torchrun
+from tests.distributed.test_torchrun import OVERRIDES, run_torchrun
 
 # name, dim, rows, features, ids per bag (fixed): t_rw's 8 rows on 4 ranks are blocks of 2,
 # and its bags hold one id of each block, so each row shard gets exactly a quarter of them.
@@ -381,3 +384,33 @@ def test_calibration_under_torchrun_writes_a_topology_file(tmp_path):
          "--topology", str(path)]
     )  # fmt: skip
     assert code == 0
+
+
+def test_a_training_runs_bytes_per_step_are_the_predicted_ones(tmp_path):
+    """``recsys train`` on 2 gloo ranks logs ``comm_bytes_<kind>`` per step (rank 0's); with
+    fixed bags and whole tables (no id spread over row shards, no replicated table) they are
+    what ``recsys plan``'s prediction says, byte for byte."""
+    overrides = [
+        *OVERRIDES,
+        "--data.synthetic.bag_sizes=[1,3,2,1]",
+        "--data.synthetic.bag_lengths=fixed",
+        "--distributed.constraints=[" + ",".join(f'"t_cat_{i}=table_wise"' for i in range(4)) + "]",
+        "--train.eval_every_steps=32",  # evaluations between the windows are left out
+    ]
+    done = run_torchrun(
+        ["--nproc-per-node=2", "-m", "recsys", "train", f"--run.dir={tmp_path}", *overrides]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    train = [e for e in read_metrics(tmp_path / "metrics.jsonl") if e["split"] == "train"]
+    config = load_config(None, overrides)
+    inputs = plan_inputs(config)
+    plan = P.plan_sharding(
+        inputs.configs, 2, optimizer_states=inputs.optimizer_states, **planner_options(config)
+    )
+    step = StepInputs(
+        config.train.batch_size, inputs.pooling_factors, inputs.optimizer_states, extras=1
+    )
+    predicted = predict_step(plan, inputs.configs, step, PRESETS["cpu_host"])
+    for event in train:
+        for kind in ("input", "forward", "backward"):
+            assert event[f"comm_bytes_{kind}"] == predicted.rank_bytes(kind)[0], (kind, event)
