@@ -1,0 +1,178 @@
+"""``recsys plan``'s prediction against a run: bytes, memory and step time per rank.
+
+For each world size W (``--world-sizes``, gloo ranks of this machine under torchrun):
+
+1. ``torchrun --nproc-per-node=W -m recsys plan --calibrate`` measures this launch (links,
+   memory bandwidth, matrix throughput) into a topology file;
+2. ``torchrun --nproc-per-node=W -m recsys train`` of the recipe (``--config``, default
+   ``configs/dlrm_synthetic.toml``) for ``--steps`` steps, logging every ``--log-every``: rank 0's
+   ``comm_bytes_<kind>`` per step and the samples/s of each window (the first window, with the
+   warm-up, is dropped; the median of the others is the measured step);
+3. the same plan made in this process (the recipe's model on ``meta``, the run's planner
+   options) and its :func:`~recsys.distributed.step_cost.predict_step` on the calibrated
+   topology.
+
+One row per world size and kind (``flat``; 2D once training shards 2D): predicted and measured
+bytes per step for rank 0 (input, forward, backward), the busiest rank's tables and state
+(predicted; the measured column is the plan's own shard sizes, which
+``tests/distributed/test_step_cost.py`` checks), and predicted and measured step time with
+their ratio. The bytes of row-wise and replicated tables depend on the ids drawn (the model
+takes their expectation for uniform ids), so they match exactly only for fixed bags on whole
+tables (a test); here the relative differences are in the row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks._harness import add_common_args, append_csv, environment, format_table, load_note
+
+TOPIC = "scale"
+COLUMNS = (
+    *("world_size", "kind", "recipe", "bytes_input_pred", "bytes_input", "bytes_forward_pred"),
+    *("bytes_forward", "bytes_backward_pred", "bytes_backward", "memory_pred_mib"),
+    *("step_ms_pred", "step_ms", "step_ratio", "device", "versions", "commit", "timestamp"),
+    "notes",
+)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(world: int, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc-per-node={world}", "-m", "recsys", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=timeout
+    )
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return done
+
+
+def measure(world: int, args: argparse.Namespace, overrides: list[str], work: Path) -> dict:
+    """Calibrate, train, read rank 0's events: bytes per step and the median step."""
+    from recsys.train.metrics import read_metrics
+
+    topology_file = work / f"topology_{world}.toml"
+    torchrun(world, ["plan", "--calibrate", str(topology_file)], args.timeout)
+    run_dir = work / f"run_{world}"
+    torchrun(world, ["train", f"--run.dir={run_dir}", *overrides], args.timeout)
+    train = [e for e in read_metrics(run_dir / "metrics.jsonl") if e["split"] == "train"]
+    if len(train) < 2:
+        raise RuntimeError(f"{len(train)} train events: raise --steps over --log-every")
+    windows = train[1:]  # the first holds the warm-up
+    rate = statistics.median(e["samples_per_s"] for e in windows)
+    out = {"topology": topology_file, "samples_per_s": rate, "windows": len(windows)}
+    for kind in ("input", "forward", "backward"):
+        out[kind] = statistics.mean(e[f"comm_bytes_{kind}"] for e in windows)
+    return out
+
+
+def predict(world: int, recipe: str, overrides: list[str], topology_file: Path):
+    """The run's plan, made here, and its prediction on the calibrated topology."""
+    from recsys.build.sharding import plan_inputs, planner_options
+    from recsys.config import load_config
+    from recsys.distributed.planner import plan_sharding
+    from recsys.distributed.step_cost import StepInputs, predict_step
+    from recsys.distributed.topology import load_topology
+
+    config = load_config(recipe, overrides)
+    inputs = plan_inputs(config)
+    cluster = load_topology(topology_file)
+    plan = plan_sharding(
+        inputs.configs,
+        world,
+        optimizer_states=inputs.optimizer_states,
+        dynamic_rows=inputs.dynamic_rows,
+        tiered_rows=inputs.tiered_rows,
+        **planner_options(config, cluster.ranks_per_node),
+    )
+    step = StepInputs(
+        config.train.batch_size,
+        inputs.pooling_factors,
+        inputs.optimizer_states,
+        config.distributed.forward_precision,
+        config.distributed.backward_precision,
+        inputs.dense_parameters,
+        inputs.dense_state_values,
+        pipeline=config.train.pipeline == "on",
+        extras=1,  # the input check's verdict (sync checks on CPU)
+    )
+    return config, predict_step(plan, inputs.configs, step, cluster), cluster
+
+
+def row(world, args, measured, predicted, cluster, env, load) -> list:
+    """One CSV line: rank 0's bytes per step, predicted and measured; the busiest rank's
+    tables; the step, predicted and measured."""
+    step_ms = 1e3 * world * args.batch_size / measured["samples_per_s"]
+    pred_ms = 1e3 * predicted.step_s
+    bytes_ = []
+    for kind in ("input", "forward", "backward"):
+        bytes_ += [float(predicted.rank_bytes(kind)[0]), measured[kind]]
+    parts = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in predicted.seconds.items() if v)
+    notes = (
+        f"gloo ranks on this CPU; {measured['windows']} windows of {args.log_every} steps after "
+        f"the first; predicted ms: {parts}; calibrated: {cluster.describe()}; {load}"
+    )
+    return [
+        world, "flat", f"{args.config} batch {args.batch_size}/rank", *bytes_,
+        float(np.max(predicted.table_bytes)) / 2**20, pred_ms, step_ms, pred_ms / step_ms,
+        env["device"], env["versions"], env["commit"], env["timestamp"], notes,
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--config", default="configs/dlrm_synthetic.toml")
+    parser.add_argument("--steps", type=int, default=120, help="train steps per run")
+    parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=1024, help="samples per rank")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per torchrun")
+    parser.add_argument("--work-dir", type=Path, default=None)
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    if args.device != "cpu":
+        raise SystemExit("--device: this benchmark runs gloo ranks on this machine's CPU")
+    env = environment(torch.device("cpu"))
+    lines = []
+    with tempfile.TemporaryDirectory(prefix="bench_scale_") as temporary:
+        work = args.work_dir or Path(temporary)
+        work.mkdir(parents=True, exist_ok=True)
+        for world in args.world_sizes:
+            overrides = [
+                f"--train.batch_size={args.batch_size}",
+                f"--data.synthetic.num_train_samples={args.steps * args.batch_size * world}",
+                f"--train.log_every_steps={args.log_every}",
+                "--train.eval_every_steps=0",
+                "--checkpoint.save_final=false",
+                "--run.device=cpu",
+                "--run.tensorboard=false",
+                "--train.progress_bar=false",
+            ]
+            load = load_note()
+            measured = measure(world, args, [f"--config={args.config}", *overrides], work)
+            _, predicted, cluster = predict(world, args.config, overrides, measured["topology"])
+            lines.append(row(world, args, measured, predicted, cluster, env, load))
+    path = append_csv(TOPIC, COLUMNS, lines, args.out_dir)
+    header = ["W", "input pred/meas", "forward pred/meas", "backward pred/meas", "step ms"]
+    table = [
+        [line[0], f"{line[3]:.0f}/{line[4]:.0f}", f"{line[5]:.0f}/{line[6]:.0f}",
+         f"{line[7]:.0f}/{line[8]:.0f}", f"{line[10]:.2f}/{line[11]:.2f}"]
+        for line in lines
+    ]  # fmt: skip
+    print(format_table(header, table))
+    print(f"{len(lines)} rows appended to {path}")
+
+
+if __name__ == "__main__":
+    main()
