@@ -5,8 +5,9 @@ and receives one: its neighbour on its own node (the intra-node link) and, when 
 nodes, its counterpart on the next node (the inter-node link), and fits latency + bytes /
 bandwidth to the medians (least squares); the slowest rank's fit is the one kept, since a
 collective waits for its slowest member. It also times an all-reduce at the same sizes (written
-to the file as a comment, for comparison with what the model derives from the links), a
-device copy (memory bandwidth) and a matrix product (dense throughput). Rank 0 writes the
+to the file as a comment, for comparison with what the model derives from the links), rows
+gathered at random from a table (memory bandwidth as lookups see it) and a matrix product
+(dense throughput). Rank 0 writes the
 :class:`~recsys.distributed.topology.Topology` file. A launch on one node measures no
 inter-node link: the file then repeats the intra-node figures for it, and says so.
 """
@@ -91,10 +92,13 @@ def _allreduce_line(device: torch.device, repeats: int) -> str:
 
 
 def _memory_gbs(device: torch.device, repeats: int) -> float:
-    source = torch.ones(2**24, device=device)  # 64 MiB
-    target = torch.empty_like(source)
-    seconds = _median_seconds(lambda: target.copy_(source), device, repeats)
-    return 2 * source.numel() * 4 / seconds / 1e9  # read + write
+    """Rows gathered at random from a 64 MiB table (rows of 64 fp32), as lookups read them:
+    the bytes read and written per second."""
+    table = torch.ones(2**18, 64, device=device)
+    ids = torch.randint(0, table.shape[0], (2**16,), device=device)
+    out = torch.empty(ids.numel(), 64, device=device)
+    seconds = _median_seconds(lambda: torch.index_select(table, 0, ids, out=out), device, repeats)
+    return 2 * out.numel() * 4 / seconds / 1e9
 
 
 def _dense_tflops(device: torch.device, repeats: int) -> float:
