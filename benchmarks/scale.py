@@ -79,34 +79,16 @@ def measure(world: int, args: argparse.Namespace, overrides: list[str], work: Pa
 
 def predict(world: int, recipe: str, overrides: list[str], topology_file: Path):
     """The run's plan, made here, and its prediction on the calibrated topology."""
-    from recsys.build.sharding import plan_inputs, planner_options
+    from recsys.build.sharding import plan_inputs, planner_options, step_inputs
     from recsys.config import load_config
-    from recsys.distributed.planner import plan_sharding
-    from recsys.distributed.step_cost import StepInputs, predict_step
+    from recsys.distributed.step_cost import predict_step
     from recsys.distributed.topology import load_topology
 
     config = load_config(recipe, overrides)
     inputs = plan_inputs(config)
     cluster = load_topology(topology_file)
-    plan = plan_sharding(
-        inputs.configs,
-        world,
-        optimizer_states=inputs.optimizer_states,
-        dynamic_rows=inputs.dynamic_rows,
-        tiered_rows=inputs.tiered_rows,
-        **planner_options(config, cluster.ranks_per_node),
-    )
-    step = StepInputs(
-        config.train.batch_size,
-        inputs.pooling_factors,
-        inputs.optimizer_states,
-        config.distributed.forward_precision,
-        config.distributed.backward_precision,
-        inputs.dense_parameters,
-        inputs.dense_state_values,
-        pipeline=config.train.pipeline == "on",
-        extras=1,  # the input check's verdict (sync checks on CPU)
-    )
+    plan = inputs.plan(world, planner_options(config, cluster.ranks_per_node))
+    step = step_inputs(config, inputs, pipeline=config.train.pipeline == "on")
     return config, predict_step(plan, inputs.configs, step, cluster), cluster
 
 

@@ -141,9 +141,8 @@ def _header(config: Config, inputs, world: int, topo, planned: str) -> str:
 
 
 def _plan_text(config: Config, inputs, world: int, replicas: int, sync_every: int, topo) -> str:
-    from recsys.build.sharding import planner_options
-    from recsys.distributed.planner import plan_sharding
-    from recsys.distributed.step_cost import StepInputs, predict_step
+    from recsys.build.sharding import planner_options, step_inputs
+    from recsys.distributed.step_cost import predict_step
 
     group = world // replicas
     options = planner_options(config, topo.ranks_per_node)
@@ -154,27 +153,9 @@ def _plan_text(config: Config, inputs, world: int, replicas: int, sync_every: in
         limit_note = (
             " (the device's memory less the dense part; distributed.memory_per_rank_gb = 0)"
         )
-    plan = plan_sharding(
-        inputs.configs,
-        group,
-        optimizer_states=inputs.optimizer_states,
-        dynamic_rows=inputs.dynamic_rows,
-        tiered_rows=inputs.tiered_rows,
-        **options,
-    )
-    cfg = config.distributed
-    step = StepInputs(
-        batch_size=config.train.batch_size,
-        pooling_factors=inputs.pooling_factors,
-        optimizer_states=inputs.optimizer_states,
-        forward_precision=cfg.forward_precision,
-        backward_precision=cfg.backward_precision,
-        dense_parameters=inputs.dense_parameters,
-        dense_state_values=inputs.dense_state_values,
-        pipeline=config.train.pipeline == "on" or config.train.pipeline == "auto",
-        replicas=replicas,
-        sync_every=sync_every,
-    )
+    plan = inputs.plan(group, options)
+    pipeline = config.train.pipeline in ("on", "auto")  # auto: on for sharded tables on GPUs
+    step = step_inputs(config, inputs, pipeline=pipeline, replicas=replicas, sync_every=sync_every)
     prediction = predict_step(plan, inputs.configs, step, topo)
     title = (
         f"== flat: tables over all {world} ranks =="

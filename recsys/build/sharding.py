@@ -19,7 +19,9 @@ from recsys.distributed.parallel import (
     shardable_collections,
     tiered_rows,
 )
-from recsys.distributed.planner import parse_constraints
+from recsys.distributed.plan import ShardingPlan
+from recsys.distributed.planner import parse_constraints, plan_sharding
+from recsys.distributed.step_cost import StepInputs
 from recsys.distributed.topology import Topology, topology
 from recsys.embedding.interface import embedding_collections
 
@@ -30,6 +32,7 @@ __all__ = [
     "planner_options",
     "pooling_factors",
     "run_topology",
+    "step_inputs",
 ]
 
 _COMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
@@ -103,6 +106,40 @@ class PlanInputs:
     dense_parameters: int
     dense_state_values: int
     pooling_source: str
+
+    def plan(self, world_size: int, options: dict[str, Any]) -> ShardingPlan:
+        """:func:`~recsys.distributed.planner.plan_sharding` of these tables on ``world_size``
+        ranks with ``options`` (:func:`planner_options`), as the trainer plans them."""
+        return plan_sharding(
+            self.configs,
+            world_size,
+            optimizer_states=self.optimizer_states,
+            dynamic_rows=self.dynamic_rows,
+            tiered_rows=self.tiered_rows,
+            **options,
+        )
+
+
+def step_inputs(
+    config: Config, inputs: PlanInputs, *, pipeline: bool, replicas: int = 1, sync_every: int = 1
+) -> StepInputs:
+    """What a step of ``config`` moves, for :func:`~recsys.distributed.step_cost.predict_step`
+    (``extras``: the input check's verdict, sent when ids are checked: always under torchrun,
+    where sharded tables check in sync mode unless ``train.id_checks = "off"``)."""
+    cfg = config.distributed
+    return StepInputs(
+        config.train.batch_size,
+        inputs.pooling_factors,
+        inputs.optimizer_states,
+        cfg.forward_precision,
+        cfg.backward_precision,
+        inputs.dense_parameters,
+        inputs.dense_state_values,
+        pipeline=pipeline,
+        replicas=replicas,
+        sync_every=sync_every,
+        extras=int(config.train.id_checks != "off"),
+    )
 
 
 def plan_inputs(config: Config) -> PlanInputs:

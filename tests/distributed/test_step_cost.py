@@ -13,7 +13,7 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-from recsys.build.sharding import plan_inputs, planner_options
+from recsys.build.sharding import plan_inputs, planner_options, step_inputs
 from recsys.cli import main
 from recsys.config import load_config
 from recsys.config.sections import MLPERF_BAG_SIZES, MLPERF_TABLE_ROWS
@@ -404,12 +404,8 @@ def test_a_training_runs_bytes_per_step_are_the_predicted_ones(tmp_path):
     train = [e for e in read_metrics(tmp_path / "metrics.jsonl") if e["split"] == "train"]
     config = load_config(None, overrides)
     inputs = plan_inputs(config)
-    plan = P.plan_sharding(
-        inputs.configs, 2, optimizer_states=inputs.optimizer_states, **planner_options(config)
-    )
-    step = StepInputs(
-        config.train.batch_size, inputs.pooling_factors, inputs.optimizer_states, extras=1
-    )
+    plan = inputs.plan(2, planner_options(config))
+    step = step_inputs(config, inputs, pipeline=False)
     predicted = predict_step(plan, inputs.configs, step, PRESETS["cpu_host"])
     for event in train:
         for kind in ("input", "forward", "backward"):
