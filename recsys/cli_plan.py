@@ -34,11 +34,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--replicas",
         type=int,
         default=0,
-        help="2D: tables sharded in groups of world / R ranks, R replicas (default: flat and "
-        "one group per node)",
+        help="2D: tables sharded in groups of world / R ranks, R replicas (default: flat, and "
+        "distributed.sparse_replicas when it is > 1, else one group per node)",
     )
     parser.add_argument(
-        "--sync-every", type=int, default=100, help="2D: steps between replica syncs"
+        "--sync-every",
+        type=int,
+        default=0,
+        help="2D: steps between replica syncs (default: distributed.sync_every)",
     )
     parser.add_argument(
         "--calibrate",
@@ -62,7 +65,7 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     world = args.world_size
     if world < 1:
         raise ValueError(f"--world-size {world}; expected >= 1")
-    if args.sync_every < 1:
+    if args.sync_every < 0:
         raise ValueError(f"--sync-every {args.sync_every}; expected >= 1")
     flags = [
         f"--distributed.{key}={value}"
@@ -74,12 +77,17 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     planned = "predicted seconds on this cluster" if cluster else "weighted bytes (no cluster set)"
     if cluster is None:  # the run plans in bytes; the prediction needs figures all the same
         cluster = topology("h100_8x_ib400", ranks_per_node=config.distributed.ranks_per_node)
-    replicas = _replica_counts(world, cluster.ranks_per_node, args.replicas)
+    asked = (
+        args.replicas
+        or (config.distributed.sparse_replicas > 1) * config.distributed.sparse_replicas
+    )
+    replicas = _replica_counts(world, cluster.ranks_per_node, asked)
+    sync_every = args.sync_every or config.distributed.sync_every
     inputs = plan_inputs(config)
     print(_header(config, inputs, world, cluster, planned))
     for count in replicas:
         print()
-        print(_plan_text(config, inputs, world, count, args.sync_every, cluster))
+        print(_plan_text(config, inputs, world, count, sync_every, cluster))
 
 
 def _calibrate(path: str) -> None:
@@ -111,10 +119,11 @@ def _calibrate(path: str) -> None:
 
 
 def _replica_counts(world: int, per_node: int, asked: int) -> list[int]:
+    """Flat, and ``asked`` replicas (0: one group per node, when there are several nodes)."""
     if asked:
         if asked < 1 or world % asked:
             raise ValueError(f"--replicas {asked}: expected a divisor of --world-size {world}")
-        return [asked]
+        return sorted({1, asked})
     if world > per_node and world % per_node == 0:
         return [1, world // per_node]
     return [1]
@@ -161,7 +170,7 @@ def _plan_text(config: Config, inputs, world: int, replicas: int, sync_every: in
         f"== flat: tables over all {world} ranks =="
         if replicas == 1
         else f"== 2D: tables over groups of {group} ranks, {replicas} replicas, synced every "
-        f"{sync_every} steps =="
+        f"{'step' if sync_every == 1 else f'{sync_every} steps'} =="
     )
     budget = f"memory limit per rank for tables {options['memory_per_rank'] / 2**30:.1f} GiB"
     return "\n".join(

@@ -80,6 +80,7 @@ def parallelize_from_config(model: nn.Module, config: Config, device: torch.devi
         seed=config.run.seed,
         forward_precision=cfg.forward_precision,
         backward_precision=cfg.backward_precision,
+        sparse_replicas=cfg.sparse_replicas,
         **planner_options(config, local),
     )
 

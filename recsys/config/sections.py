@@ -392,6 +392,14 @@ class DistributedConfig:
     ranks_per_node: Annotated[int, AtLeast0] = 0
     """Ranks per node for hardware / topology: 0 takes LOCAL_WORLD_SIZE under torchrun (the
     preset's or file's elsewhere)."""
+    sparse_replicas: Annotated[int, AtLeast1] = 1
+    """2D sparse parallelism: R > 1 shards the tables inside each group of world / R
+    consecutive ranks (a node, when that is the ranks per node) and replicates the groups, so
+    the embedding all-to-alls stay inside a group; replicas average their shards' weights and
+    optimizer state every sync_every steps. Must divide the world size; fixed tables only."""
+    sync_every: Annotated[int, AtLeast1] = 1
+    """2D: steps between two averagings of the replicas (also before every evaluation and
+    checkpoint). 1 with SGD trains like the flat plan."""
 
 
 @dataclass

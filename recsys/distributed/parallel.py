@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recsys.distributed.plan import ShardingPlan, check_plan
 from recsys.distributed.planner import plan_sharding
+from recsys.distributed.replicas import replica_groups
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.distributed.sharded_sequence import ShardedEmbeddingCollection
 from recsys.embedding.collection import EmbeddingBagCollection
@@ -124,6 +125,7 @@ def parallelize(
     forward_precision: str = "fp32",
     backward_precision: str = "fp32",
     seed: int | None = None,
+    sparse_replicas: int = 1,
     **planner_options: Any,
 ) -> nn.Module:
     """Make ``model`` train across the ranks of the initialized process group.
@@ -145,6 +147,10 @@ def parallelize(
         seed: the run's seed: sharded fixed tables on ``meta`` start each shard from their
             initial rows of (seed, table, row), the same on any number of ranks (default: a
             dynamic or tiered collection's own seed, else 0).
+        sparse_replicas: R > 1: 2D sparse parallelism (:mod:`recsys.distributed.replicas`):
+            ``plan`` is for W / R ranks, each group of W / R consecutive ranks shards the
+            tables, the R groups are replicas (:func:`~recsys.distributed.replicas.sync_replicas`
+            averages them). Fixed tables only.
 
     Returns:
         The model unchanged in a world of one, else the DDP-wrapped model.
@@ -157,9 +163,17 @@ def parallelize(
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
-    world = dist.get_world_size()
     collections = shardable_collections(model)
     configs = {path: ebc.embedding_bag_configs() for path, ebc in collections.items()}
+    groups = None
+    if sparse_replicas != 1:
+        if dynamic_rows(collections) or tiered_rows(collections):
+            raise ValueError(
+                f"distributed.sparse_replicas = {sparse_replicas}: 2D sparse parallelism shards "
+                "fixed tables; dynamic and tiered tables shard flat (sparse_replicas = 1)"
+            )
+        groups = replica_groups(sparse_replicas)
+    world = dist.get_world_size() // sparse_replicas  # the ranks a plan spans
     if plan is None:
         states = next((dict(c.optimizer.states) for c in collections.values() if c.optimizer), None)
         planner_options.setdefault("dynamic_rows", dynamic_rows(collections))
@@ -167,7 +181,7 @@ def parallelize(
         plan = plan_sharding(configs, world, optimizer_states=states, **planner_options)
     check_plan(plan, configs, world)
     # Embedding collectives get their own group, so they never interleave with DDP's.
-    group = dist.new_group(backend=dist.get_backend())
+    group = groups.shard_group if groups else dist.new_group(backend=dist.get_backend())
     ignored: list[str] = []
     for path, ebc in collections.items():
         kind = (
@@ -184,6 +198,7 @@ def parallelize(
             device=device,
             seed=seed,
         )
+        sharded.replica_groups = groups
         _replace(model, path, sharded)
         ignored += _ignored_by_ddp(sharded, state_prefix(path))
     model.sharding_plan = plan

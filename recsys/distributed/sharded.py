@@ -216,6 +216,7 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
             for parameter in self.parameters():  # frozen tables stay frozen once sharded
                 parameter.requires_grad_(False)
         self.load_prefix = ""
+        self.replica_groups = None  # 2D: set by parallelize (recsys.distributed.replicas)
         self.register_load_state_dict_post_hook(hide_internal_keys)
         self._prefetched = PrefetchQueue()
 

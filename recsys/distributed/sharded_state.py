@@ -185,13 +185,15 @@ def sharded_tensor(
     being this rank's shard (None: this rank holds none)."""
     device = sharded.device
     size = [config.num_embeddings] if per_row else [config.num_embeddings, config.embedding_dim]
-    metadata, mine = [], None
+    metadata, mine, group = [], None, sharded.process_group
     for shard in sharded.plan[config.name].shards:
         offsets = [shard.row_offset] if per_row else [shard.row_offset, shard.col_offset]
         sizes = [shard.num_rows] if per_row else [shard.num_rows, shard.num_cols]
-        placement = f"rank:{shard.rank}/{device.type}"
+        # Placements name global ranks (a 2D plan's ranks are its group's).
+        where = shard.rank if group is None else dist.get_global_rank(group, shard.rank)
+        placement = f"rank:{where}/{device.type}"
         if device.type == "cuda":
-            placement = f"rank:{shard.rank}/cuda:{torch.cuda.current_device()}"
+            placement = f"rank:{where}/cuda:{torch.cuda.current_device()}"
         meta = ShardMetadata(shard_offsets=offsets, shard_sizes=sizes, placement=placement)
         metadata.append(meta)
         if shard.rank == sharded.rank:

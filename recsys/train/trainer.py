@@ -63,6 +63,7 @@ from recsys.distributed.parallel import (
     shutdown_distributed,
 )
 from recsys.distributed.ranks import from_first_rank, on_first_rank
+from recsys.distributed.replicas import sync_replicas
 from recsys.embedding.interface import (
     embedding_collections,
     state_to_load,
@@ -195,6 +196,7 @@ class _Run:
         self.best = best_validation(config)
         self.stopped_early = False
         self.step = 0
+        self._synced_step = 0  # 2D: the last step the replicas were averaged at
         self.data_position = DataPosition()  # where the next step's batch comes from
         self.last_checkpoint: Path | None = None
         if resume is not None:
@@ -302,6 +304,8 @@ class _Run:
         """What a step may be followed by: a train log line, an evaluation, a checkpoint, and
         a stop when a signal arrived."""
         cfg, train_cfg, total_steps = self.config, self.config.train, self.total_steps
+        if self.step % cfg.distributed.sync_every == 0:
+            self._sync_replicas()
         if self.step % train_cfg.log_every_steps == 0 or self.step == total_steps:
             INPUT_ERRORS.raise_first()  # a bad batch since the last event ("async" checks)
             steps = window.steps
@@ -335,10 +339,17 @@ class _Run:
             progress.close()
             self._stop(signals.name)
 
+    def _sync_replicas(self) -> None:
+        """2D sparse parallelism: average the replicas' shards, once per step at most."""
+        if self.config.distributed.sparse_replicas > 1 and self._synced_step != self.step:
+            sync_replicas(list(embedding_collections(self.model).values()))
+            self._synced_step = self.step
+
     def _validate(self) -> None:
         """Evaluate on the valid split; keep the checkpoint of a new best validation
         (checkpoint.keep_best), and stop early after early_stopping_patience validations
         without a new best."""
+        self._sync_replicas()
         result = self.evaluate("valid")
         if self.best is None:
             return
@@ -434,6 +445,7 @@ class _Run:
         :meth:`_training_state`) under <run dir>/checkpoints. With deltas, the delta of this
         step goes first: the deltas of a run resumed from any checkpoint chain on."""
         INPUT_ERRORS.raise_first()  # never save a run that trained on a bad batch
+        self._sync_replicas()  # 2D: every replica saves the same shards
         if self.deltas.due(self.step, now=True):
             self._write_delta()
         path = save_checkpoint(

@@ -335,7 +335,7 @@ def test_recsys_plan_prints_flat_and_2d_plans_with_their_predictions(capsys):
     assert code == 0
     assert "planner cost: predicted seconds on this cluster" in out
     assert "== flat: tables over all 8 ranks ==" in out
-    assert "== 2D: tables over groups of 4 ranks, 2 replicas, synced every 100 steps ==" in out
+    assert "== 2D: tables over groups of 4 ranks, 2 replicas, synced every step ==" in out
     assert out.count("predicted step") == 2 and "samples/s" in out
 
 
