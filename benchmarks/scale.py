@@ -7,18 +7,18 @@ For each world size W (``--world-sizes``, gloo ranks of this machine under torch
 2. ``torchrun --nproc-per-node=W -m recsys train`` of the recipe (``--config``, default
    ``configs/dlrm_synthetic.toml``) for ``--steps`` steps, logging every ``--log-every``: rank 0's
    ``comm_bytes_<kind>`` per step and the samples/s of each window (the first window, with the
-   warm-up, is dropped; the median of the others is the measured step);
+   warm-up, is dropped; the median of the others is the measured step), and its tables' bytes;
 3. the same plan made in this process (the recipe's model on ``meta``, the run's planner
    options) and its :func:`~recsys.distributed.step_cost.predict_step` on the calibrated
    topology.
 
-One row per world size and kind (``flat``; 2D once training shards 2D): predicted and measured
-bytes per step for rank 0 (input, forward, backward), the busiest rank's tables and state
-(predicted; the measured column is the plan's own shard sizes, which
-``tests/distributed/test_step_cost.py`` checks), and predicted and measured step time with
-their ratio. The bytes of row-wise and replicated tables depend on the ids drawn (the model
-takes their expectation for uniform ids), so they match exactly only for fixed bags on whole
-tables (a test); here the relative differences are in the row.
+One row per world size and kind (``flat``, and from 4 ranks ``2D``: groups of 2 ranks,
+``distributed.sparse_replicas`` = W / 2, synced every step): predicted and measured bytes per
+step for rank 0 (input, forward, backward), rank 0's tables and optimizer state (predicted, and
+the trainer's ``sharding`` event), and predicted and measured step time with their ratio. The
+bytes of row-wise and replicated tables depend on the ids drawn (the model takes their
+expectation for uniform ids), so they match exactly only for fixed bags on whole tables (a
+test); here the relative differences are in the row.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from benchmarks._harness import add_common_args, append_csv, environment, format_table, load_note
@@ -39,7 +38,7 @@ from benchmarks._harness import add_common_args, append_csv, environment, format
 TOPIC = "scale"
 COLUMNS = (
     *("world_size", "kind", "recipe", "bytes_input_pred", "bytes_input", "bytes_forward_pred"),
-    *("bytes_forward", "bytes_backward_pred", "bytes_backward", "memory_pred_mib"),
+    *("bytes_forward", "bytes_backward_pred", "bytes_backward", "memory_pred_mib", "memory_mib"),
     *("step_ms_pred", "step_ms", "step_ratio", "device", "versions", "commit", "timestamp"),
     "notes",
 )
@@ -58,26 +57,29 @@ def torchrun(world: int, args: list[str], timeout: float) -> subprocess.Complete
     return done
 
 
-def measure(world: int, args: argparse.Namespace, overrides: list[str], work: Path) -> dict:
-    """Calibrate, train, read rank 0's events: bytes per step and the median step."""
+def measure(
+    world: int, replicas: int, args: argparse.Namespace, overrides: list[str], work: Path
+) -> dict:
+    """Train, read rank 0's events: bytes per step, its tables' bytes and the median step."""
     from recsys.train.metrics import read_metrics
 
-    topology_file = work / f"topology_{world}.toml"
-    torchrun(world, ["plan", "--calibrate", str(topology_file)], args.timeout)
-    run_dir = work / f"run_{world}"
+    run_dir = work / f"run_{world}_{replicas}"
+    overrides = [*overrides, f"--distributed.sparse_replicas={replicas}"]
     torchrun(world, ["train", f"--run.dir={run_dir}", *overrides], args.timeout)
-    train = [e for e in read_metrics(run_dir / "metrics.jsonl") if e["split"] == "train"]
+    events = read_metrics(run_dir / "metrics.jsonl")
+    train = [e for e in events if e["split"] == "train"]
     if len(train) < 2:
         raise RuntimeError(f"{len(train)} train events: raise --steps over --log-every")
     windows = train[1:]  # the first holds the warm-up
     rate = statistics.median(e["samples_per_s"] for e in windows)
-    out = {"topology": topology_file, "samples_per_s": rate, "windows": len(windows)}
+    (sharding,) = [e for e in events if e["split"] == "sharding"]
+    out = {"samples_per_s": rate, "windows": len(windows), "table_bytes": sharding["table_bytes"]}
     for kind in ("input", "forward", "backward"):
         out[kind] = statistics.mean(e[f"comm_bytes_{kind}"] for e in windows)
     return out
 
 
-def predict(world: int, recipe: str, overrides: list[str], topology_file: Path):
+def predict(world: int, replicas: int, recipe: str, overrides: list[str], topology_file: Path):
     """The run's plan, made here, and its prediction on the calibrated topology."""
     from recsys.build.sharding import plan_inputs, planner_options, step_inputs
     from recsys.config import load_config
@@ -87,12 +89,14 @@ def predict(world: int, recipe: str, overrides: list[str], topology_file: Path):
     config = load_config(recipe, overrides)
     inputs = plan_inputs(config)
     cluster = load_topology(topology_file)
-    plan = inputs.plan(world, planner_options(config, cluster.ranks_per_node))
-    step = step_inputs(config, inputs, pipeline=config.train.pipeline == "on")
+    plan = inputs.plan(world // replicas, planner_options(config, cluster.ranks_per_node))
+    sync = config.distributed.sync_every
+    pipeline = config.train.pipeline == "on"
+    step = step_inputs(config, inputs, pipeline=pipeline, replicas=replicas, sync_every=sync)
     return config, predict_step(plan, inputs.configs, step, cluster), cluster
 
 
-def row(world, args, measured, predicted, cluster, env, load) -> list:
+def row(world, replicas, args, measured, predicted, cluster, env, load) -> list:
     """One CSV line: rank 0's bytes per step, predicted and measured; the busiest rank's
     tables; the step, predicted and measured."""
     step_ms = 1e3 * world * args.batch_size / measured["samples_per_s"]
@@ -105,9 +109,11 @@ def row(world, args, measured, predicted, cluster, env, load) -> list:
         f"gloo ranks on this CPU; {measured['windows']} windows of {args.log_every} steps after "
         f"the first; predicted ms: {parts}; calibrated: {cluster.describe()}; {load}"
     )
+    kind = "flat" if replicas == 1 else f"2D {replicas}x{world // replicas}"
     return [
-        world, "flat", f"{args.config} batch {args.batch_size}/rank", *bytes_,
-        float(np.max(predicted.table_bytes)) / 2**20, pred_ms, step_ms, pred_ms / step_ms,
+        world, kind, f"{args.config} batch {args.batch_size}/rank", *bytes_,
+        float(predicted.table_bytes[0]) / 2**20, measured["table_bytes"] / 2**20, pred_ms,
+        step_ms, pred_ms / step_ms,
         env["device"], env["versions"], env["commit"], env["timestamp"], notes,
     ]  # fmt: skip
 
@@ -141,15 +147,22 @@ def main(argv: list[str] | None = None) -> None:
                 "--run.tensorboard=false",
                 "--train.progress_bar=false",
             ]
-            load = load_note()
-            measured = measure(world, args, [f"--config={args.config}", *overrides], work)
-            _, predicted, cluster = predict(world, args.config, overrides, measured["topology"])
-            lines.append(row(world, args, measured, predicted, cluster, env, load))
+            topology_file = work / f"topology_{world}.toml"
+            torchrun(world, ["plan", "--calibrate", str(topology_file)], args.timeout)
+            for replicas in [1] + [world // 2] * (world >= 4):  # 2D: groups of 2
+                load = load_note()
+                recipe = [f"--config={args.config}", *overrides]
+                measured = measure(world, replicas, args, recipe, work)
+                _, predicted, cluster = predict(
+                    world, replicas, args.config, overrides, topology_file
+                )
+                lines.append(row(world, replicas, args, measured, predicted, cluster, env, load))
     path = append_csv(TOPIC, COLUMNS, lines, args.out_dir)
-    header = ["W", "input pred/meas", "forward pred/meas", "backward pred/meas", "step ms"]
+    header = ["W", "kind", "input", "forward", "backward", "MiB", "step ms (pred/meas)"]
     table = [
-        [line[0], f"{line[3]:.0f}/{line[4]:.0f}", f"{line[5]:.0f}/{line[6]:.0f}",
-         f"{line[7]:.0f}/{line[8]:.0f}", f"{line[10]:.2f}/{line[11]:.2f}"]
+        [line[0], line[1], f"{line[3]:.0f}/{line[4]:.0f}", f"{line[5]:.0f}/{line[6]:.0f}",
+         f"{line[7]:.0f}/{line[8]:.0f}", f"{line[9]:.2f}/{line[10]:.2f}",
+         f"{line[11]:.2f}/{line[12]:.2f}"]
         for line in lines
     ]  # fmt: skip
     print(format_table(header, table))

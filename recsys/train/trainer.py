@@ -63,7 +63,7 @@ from recsys.distributed.parallel import (
     shutdown_distributed,
 )
 from recsys.distributed.ranks import from_first_rank, on_first_rank
-from recsys.distributed.replicas import sync_replicas
+from recsys.distributed.replicas import replica_tensors, sync_replicas
 from recsys.embedding.interface import (
     embedding_collections,
     state_to_load,
@@ -215,6 +215,10 @@ class _Run:
         )
         if resume is not None:
             self.logger.log("resume", self.step, checkpoint=str(resume))
+        held = [replica_tensors(c) for c in embedding_collections(self.model).values()]
+        if info.world_size > 1:  # rank 0's tables and their state: what recsys plan predicts
+            table_bytes = sum(t.numel() * t.element_size() for ts in held for t in ts)
+            self.logger.log("sharding", self.step, table_bytes=table_bytes)
         self.tiered_log = TieredLog(_unwrap(self.model))
         self.deltas = DeltaWriter(self.run_dir / DELTAS_DIR, ckpt.delta_every_steps, self.lineage)
         if stale := self.deltas.start(_unwrap(self.model), self.step):  # written after step

@@ -387,9 +387,9 @@ def test_calibration_under_torchrun_writes_a_topology_file(tmp_path):
 
 
 def test_a_training_runs_bytes_per_step_are_the_predicted_ones(tmp_path):
-    """``recsys train`` on 2 gloo ranks logs ``comm_bytes_<kind>`` per step (rank 0's); with
-    fixed bags and whole tables (no id spread over row shards, no replicated table) they are
-    what ``recsys plan``'s prediction says, byte for byte."""
+    """``recsys train`` on 2 gloo ranks logs ``comm_bytes_<kind>`` per step and its tables'
+    bytes (rank 0's); with fixed bags and whole tables (no id spread over row shards, no
+    replicated table) they are what ``recsys plan``'s prediction says, byte for byte."""
     overrides = [
         *OVERRIDES,
         "--data.synthetic.bag_sizes=[1,3,2,1]",
@@ -401,12 +401,15 @@ def test_a_training_runs_bytes_per_step_are_the_predicted_ones(tmp_path):
         ["--nproc-per-node=2", "-m", "recsys", "train", f"--run.dir={tmp_path}", *overrides]
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    train = [e for e in read_metrics(tmp_path / "metrics.jsonl") if e["split"] == "train"]
+    events = read_metrics(tmp_path / "metrics.jsonl")
+    train = [e for e in events if e["split"] == "train"]
     config = load_config(None, overrides)
     inputs = plan_inputs(config)
     plan = inputs.plan(2, planner_options(config))
     step = step_inputs(config, inputs, pipeline=False)
     predicted = predict_step(plan, inputs.configs, step, PRESETS["cpu_host"])
+    (sharding,) = [e for e in events if e["split"] == "sharding"]
+    assert sharding["table_bytes"] == predicted.table_bytes[0]  # weights and Adagrad's state
     for event in train:
         for kind in ("input", "forward", "backward"):
             assert event[f"comm_bytes_{kind}"] == predicted.rank_bytes(kind)[0], (kind, event)
