@@ -12,6 +12,12 @@ For each world size W (``--world-sizes``, gloo ranks of this machine under torch
    options) and its :func:`~recsys.distributed.step_cost.predict_step` on the calibrated
    topology.
 
+``--project W ...`` runs nothing: it writes ``recsys plan``'s prediction of the MLPerf
+DLRM-DCNv2 recipe and the default recipe (8,192 samples per GPU) on a hardware preset, flat and
+2D (a group per node, synced every ``--sync-every`` steps), to ``scale_projection.csv``: memory
+per GPU, the busiest rank's bytes per step inside and across nodes, the predicted step and
+samples/s. A model, not a measurement.
+
 One row per world size and kind (``flat``, and from 4 ranks ``2D``: groups of 2 ranks,
 ``distributed.sparse_replicas`` = W / 2, synced every step): predicted and measured bytes per
 step for rank 0 (input, forward, backward), rank 0's tables and optimizer state (predicted, and
@@ -118,6 +124,60 @@ def row(world, replicas, args, measured, predicted, cluster, env, load) -> list:
     ]  # fmt: skip
 
 
+PROJECTION_TOPIC = "scale_projection"
+PROJECTION_COLUMNS = (
+    *("world_size", "kind", "recipe", "hardware", "sync_every", "memory_gib"),
+    *("inter_node_mib", "intra_node_mib", "step_ms", "samples_per_s", "versions", "commit"),
+    *("timestamp", "notes"),
+)
+PROJECTED = (  # recipe, samples per rank (the MLPerf reference's 8,192 per GPU)
+    ("configs/dlrm_dcnv2_mlperf.toml", 8192),
+    ("configs/dlrm_synthetic.toml", 8192),
+)
+
+
+def project(args: argparse.Namespace, env: dict) -> list[list]:
+    """``recsys plan``'s prediction, no run: each recipe of :data:`PROJECTED` on each world
+    size of ``--project``, flat and 2D (one group per node), on the ``--hardware`` preset."""
+    from recsys.build.sharding import plan_inputs, planner_options, step_inputs
+    from recsys.config import load_config
+    from recsys.distributed.step_cost import predict_step
+    from recsys.distributed.topology import topology
+
+    cluster, parts = topology(args.hardware), ("input", "forward", "backward", "dense")
+    per_node, lines = cluster.ranks_per_node, []
+    for recipe, batch in PROJECTED:
+        overrides = [f"--train.batch_size={batch}", f"--distributed.hardware={args.hardware}"]
+        config = load_config(recipe, overrides)
+        inputs = plan_inputs(config)
+        options = planner_options(config)
+        dense = inputs.dense_parameters * 4 * (2 + inputs.dense_state_values)
+        options["memory_per_rank"] = int(cluster.memory_gib * 2**30) - dense
+        for world in args.project:
+            for replicas in [1] + [world // per_node] * (world > per_node):
+                plan = inputs.plan(world // replicas, options)
+                step = step_inputs(
+                    config, inputs, pipeline=True, replicas=replicas, sync_every=args.sync_every
+                )
+                predicted = predict_step(plan, inputs.configs, step, cluster)
+                sent = {
+                    where: sum(predicted.rank_bytes(p, where) for p in (*parts, "replica_sync"))
+                    for where in ("inter", "intra")
+                }
+                memory = (predicted.table_bytes.max() + predicted.dense_bytes) / 2**30
+                seconds = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in predicted.seconds.items() if v)
+                lines.append([
+                    world, "flat" if replicas == 1 else f"2D {replicas}x{world // replicas}",
+                    f"{recipe} batch {batch}/rank", args.hardware,
+                    args.sync_every if replicas > 1 else "", memory,
+                    float(sent["inter"].max()) / 2**20, float(sent["intra"].max()) / 2**20,
+                    1e3 * predicted.step_s, predicted.samples_per_s, env["versions"],
+                    env["commit"], env["timestamp"],
+                    f"a model, not a measurement; {cluster.describe()}; predicted ms: {seconds}",
+                ])  # fmt: skip
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -127,11 +187,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=1024, help="samples per rank")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per torchrun")
     parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument(
+        "--project",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="W",
+        help="no runs: recsys plan's prediction of the projected recipes on these world sizes "
+        "(rows in scale_projection.csv)",
+    )
+    parser.add_argument("--hardware", default="h100_8x_ib400", help="--project's preset")
+    parser.add_argument("--sync-every", type=int, default=100, help="--project's 2D sync")
     add_common_args(parser)
     args = parser.parse_args(argv)
     if args.device != "cpu":
         raise SystemExit("--device: this benchmark runs gloo ranks on this machine's CPU")
     env = environment(torch.device("cpu"))
+    if args.project:
+        rows = project(args, env)
+        path = append_csv(PROJECTION_TOPIC, PROJECTION_COLUMNS, rows, args.out_dir)
+        header = ["W", "kind", "recipe", "GiB/GPU", "inter MiB/step", "step ms", "samples/s"]
+        table = [
+            [r[0], r[1], r[2].split("/")[1], f"{r[5]:.1f}", f"{r[6]:.1f}", f"{r[8]:.2f}",
+             f"{r[9]:,.0f}"]
+            for r in rows
+        ]  # fmt: skip
+        print(format_table(header, table))
+        print(f"{len(rows)} rows appended to {path}")
+        return
     lines = []
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as temporary:
         work = args.work_dir or Path(temporary)
