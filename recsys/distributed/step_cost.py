@@ -24,7 +24,7 @@ block included; :class:`~recsys.distributed.comm.CommStats`), by kind and by whe
   destination).
 - ``backward``: the gradients of a rank's own samples' pooled vectors, to each shard (at the
   backward precision); a replicated (DATA_PARALLEL) table's touched rows' gradients and keys
-  (an all-gather: the expected distinct rows of B * P uniform draws).
+  (an all-gather over the group: the expected distinct rows of B * P uniform draws).
 - ``dense``: the DDP all-reduce of the dense gradients (a ring: 2 (W - 1) / W of them).
 - ``replica_sync`` (2D): per step, 1 / ``sync_every`` of a ring all-reduce of the rank's shards
   (weights and fused-optimizer state) across the R groups.
@@ -385,11 +385,12 @@ class _Costs:
         self.memory += draws * dim * size
         state = 4.0 * len(self.inputs.optimizer_states)  # at most one per element
         self.update += draws * dim * 4.0 + 2 * distinct * dim * (size + state)
-        if self.world > 1:
+        if self.group > 1:
             packed = 8.0 + distinct * (dim + 2) * 4  # its count, then rows: gradient + key
             self.gathered += packed
-            # An all-gather over the world: one block, for every rank.
-            near = min(self.topology.ranks_per_node, self.world) / self.world
+            # An all-gather over the group (2D: the replicas sync the table afterwards): one
+            # block, for every rank of it.
+            near = min(self.topology.ranks_per_node, self.group) / self.group
             self.sent["backward"]["intra"] += packed * near
             self.sent["backward"]["inter"] += packed * (1 - near)
 
@@ -421,7 +422,9 @@ class _Costs:
         self.sent["dense"][where] += ring
         gbs, latency = self._link(where)
         seconds = ring / gbs + 2 * math.log2(world) * latency
-        gathered = self.gathered * (world - 1) / gbs  # every rank's block, received
+        # The replicated tables' all-gather: every group rank's block, received.
+        gather_gbs = self._link("inter" if self.nodes > 1 else "intra")[0]
+        gathered = self.gathered * (self.group - 1) / gather_gbs
         # DDP overlaps the all-reduce with the backward (2/3 of the dense flops).
         self.allreduce_s = max(0.0, seconds + gathered - self.dense_s * 2 / 3)
 
@@ -459,8 +462,8 @@ class _Costs:
         for both in self.a2a.values():
             out = out + np.maximum(both["intra"] / 2 / intra, both["inter"] / 2 / inter)
         if self.gathered:
-            where = "inter" if self.world > self.topology.ranks_per_node else "intra"
-            out = out + self.gathered * (self.world - 1) / self._link(where)[0]
+            where = "inter" if self.nodes > 1 else "intra"
+            out = out + self.gathered * (self.group - 1) / self._link(where)[0]
         return out
 
     def seconds(self) -> dict[str, float]:
