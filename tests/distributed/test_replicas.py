@@ -6,6 +6,7 @@ and state averaged), and checkpoints move between 2D and flat plans; and ``recsy
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -123,6 +124,7 @@ def test_two_d_trains_like_the_flat_plan_and_checkpoints_move_between_them(tmp_p
     run_ranks(4, _cases, str(tmp_path))
 
 
+@pytest.mark.slow  # two 4-rank torchrun jobs: about a minute on 2 cores
 def test_recsys_train_with_sparse_replicas_under_torchrun(tmp_path):
     """4 ranks, 2 replicas of 2, SGD tables synced every step: the flat run's losses (up to
     float rounding); the 2D checkpoint evaluates in one process to the run's test metrics."""
