@@ -77,10 +77,8 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     planned = "predicted seconds on this cluster" if cluster else "weighted bytes (no cluster set)"
     if cluster is None:  # the run plans in bytes; the prediction needs figures all the same
         cluster = topology("h100_8x_ib400", ranks_per_node=config.distributed.ranks_per_node)
-    asked = (
-        args.replicas
-        or (config.distributed.sparse_replicas > 1) * config.distributed.sparse_replicas
-    )
+    configured = config.distributed.sparse_replicas
+    asked = args.replicas or (configured if configured > 1 else 0)
     replicas = _replica_counts(world, cluster.ranks_per_node, asked)
     sync_every = args.sync_every or config.distributed.sync_every
     inputs = plan_inputs(config)
@@ -101,6 +99,11 @@ def _calibrate(path: str) -> None:
     from recsys.distributed.parallel import init_distributed, shutdown_distributed
     from recsys.distributed.topology import save_topology
 
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise ValueError(
+            "--calibrate measures the links between ranks: launch it with torchrun "
+            "--nproc-per-node=2 (or more, and on every node)"
+        )
     target = Path(path)
     if not target.parent.is_dir():
         raise FileNotFoundError(f"--calibrate '{path}': directory '{target.parent}' not found")

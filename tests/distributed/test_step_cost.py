@@ -345,6 +345,7 @@ def test_recsys_plan_prints_flat_and_2d_plans_with_their_predictions(capsys):
         (["--world-size", "8", "--replicas", "3"], "--replicas 3: expected a divisor"),
         (["--world-size", "0"], "--world-size 0; expected >= 1"),
         (["--world-size", "8", "--hardware", "h100"], "distributed.hardware"),
+        (["--calibrate", "x.toml"], "--calibrate measures the links between ranks"),
     ],
 )
 def test_recsys_plan_bad_arguments_are_one_line_errors(capsys, args, message):
