@@ -95,11 +95,12 @@ def predict(world: int, replicas: int, recipe: str, overrides: list[str], topolo
     config = load_config(recipe, overrides)
     inputs = plan_inputs(config)
     cluster = load_topology(topology_file)
-    plan = inputs.plan(world // replicas, planner_options(config, cluster.ranks_per_node))
+    options = planner_options(config, cluster.ranks_per_node, inputs.pooling_factors)
+    plan = inputs.plan(world // replicas, options)  # what the run planned (no memory limit)
     sync = config.distributed.sync_every
     pipeline = config.train.pipeline == "on"
     step = step_inputs(config, inputs, pipeline=pipeline, replicas=replicas, sync_every=sync)
-    return config, predict_step(plan, inputs.configs, step, cluster), cluster
+    return predict_step(plan, inputs.configs, step, cluster), cluster
 
 
 def row(world, replicas, args, measured, predicted, cluster, env, load) -> list:
@@ -139,7 +140,7 @@ PROJECTED = (  # recipe, samples per rank (the MLPerf reference's 8,192 per GPU)
 def project(args: argparse.Namespace, env: dict) -> list[list]:
     """``recsys plan``'s prediction, no run: each recipe of :data:`PROJECTED` on each world
     size of ``--project``, flat and 2D (one group per node), on the ``--hardware`` preset."""
-    from recsys.build.sharding import plan_inputs, planner_options, step_inputs
+    from recsys.build.sharding import plan_inputs, step_inputs
     from recsys.config import load_config
     from recsys.distributed.step_cost import predict_step
     from recsys.distributed.topology import topology
@@ -150,9 +151,7 @@ def project(args: argparse.Namespace, env: dict) -> list[list]:
         overrides = [f"--train.batch_size={batch}", f"--distributed.hardware={args.hardware}"]
         config = load_config(recipe, overrides)
         inputs = plan_inputs(config)
-        options = planner_options(config)
-        dense = inputs.dense_parameters * 4 * (2 + inputs.dense_state_values)
-        options["memory_per_rank"] = int(cluster.memory_gib * 2**30) - dense
+        options, _ = inputs.options(config, cluster)
         for world in args.project:
             for replicas in [1] + [world // per_node] * (world > per_node):
                 plan = inputs.plan(world // replicas, options)
@@ -236,9 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                 load = load_note()
                 recipe = [f"--config={args.config}", *overrides]
                 measured = measure(world, replicas, args, recipe, work)
-                _, predicted, cluster = predict(
-                    world, replicas, args.config, overrides, topology_file
-                )
+                predicted, cluster = predict(world, replicas, args.config, overrides, topology_file)
                 lines.append(row(world, replicas, args, measured, predicted, cluster, env, load))
     path = append_csv(TOPIC, COLUMNS, lines, args.out_dir)
     header = ["W", "kind", "input", "forward", "backward", "MiB", "step ms (pred/meas)"]

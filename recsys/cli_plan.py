@@ -153,18 +153,16 @@ def _header(config: Config, inputs, world: int, topo, planned: str) -> str:
 
 
 def _plan_text(config: Config, inputs, world: int, replicas: int, sync_every: int, topo) -> str:
-    from recsys.build.sharding import planner_options, step_inputs
+    from recsys.build.sharding import step_inputs
     from recsys.distributed.step_cost import predict_step
 
     group = world // replicas
-    options = planner_options(config, topo.ranks_per_node)
-    dense_bytes = inputs.dense_parameters * 4 * (2 + inputs.dense_state_values)
-    limit_note = ""
-    if not options["memory_per_rank"]:
-        options["memory_per_rank"] = max(int(topo.memory_gib * 2**30) - dense_bytes, 1)
-        limit_note = (
-            " (the device's memory less the dense part; distributed.memory_per_rank_gb = 0)"
-        )
+    options, from_device = inputs.options(config, topo)
+    limit_note = (
+        " (the device's memory less the dense part; distributed.memory_per_rank_gb = 0)"
+        if from_device
+        else ""
+    )
     plan = inputs.plan(group, options)
     pipeline = config.train.pipeline in ("on", "auto")  # auto: on for sharded tables on GPUs
     step = step_inputs(config, inputs, pipeline=pipeline, replicas=replicas, sync_every=sync_every)

@@ -21,7 +21,7 @@ from recsys.distributed.parallel import (
 )
 from recsys.distributed.plan import ShardingPlan
 from recsys.distributed.planner import parse_constraints, plan_sharding
-from recsys.distributed.step_cost import StepInputs
+from recsys.distributed.step_cost import StepInputs, dense_bytes
 from recsys.distributed.topology import Topology, topology
 from recsys.embedding.interface import embedding_collections
 
@@ -40,11 +40,14 @@ _COMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 _DENSE_STATES = {"adam": 2, "adamw": 2, "adagrad": 1, "sgd": 0}
 
 
-def planner_options(config: Config, ranks_per_node: int = 0) -> dict[str, Any]:
+def planner_options(
+    config: Config, ranks_per_node: int = 0, pooling: dict[str, float] | None = None
+) -> dict[str, Any]:
     """:func:`~recsys.distributed.planner.plan_sharding`'s options from the run's
     ``[distributed]`` section and ``train.batch_size`` (what the trainer plans with); with
     ``distributed.hardware`` or ``topology``, the cluster (``distributed.ranks_per_node``, else
-    ``ranks_per_node``, else the preset's) and the data's pooling factors."""
+    ``ranks_per_node``, else the preset's) and the data's pooling factors (``pooling``, else
+    :func:`pooling_factors`)."""
     cfg = config.distributed
     options: dict[str, Any] = {
         "memory_per_rank": int(cfg.memory_per_rank_gb * 2**30),
@@ -56,7 +59,7 @@ def planner_options(config: Config, ranks_per_node: int = 0) -> dict[str, Any]:
     cluster = run_topology(config, ranks_per_node)
     if cluster is not None:
         options["topology"] = cluster
-        options["pooling_factors"] = pooling_factors(config)[0]
+        options["pooling_factors"] = pooling if pooling is not None else pooling_factors(config)[0]
     return options
 
 
@@ -107,6 +110,21 @@ class PlanInputs:
     dense_parameters: int
     dense_state_values: int
     pooling_source: str
+
+    @property
+    def dense_bytes(self) -> int:
+        return dense_bytes(self.dense_parameters, self.dense_state_values)
+
+    def options(self, config: Config, cluster: Topology) -> tuple[dict[str, Any], bool]:
+        """:func:`planner_options` of ``config`` for ``cluster`` (its ranks per node; these
+        pooling factors), with ``memory_per_rank`` the device's memory less the dense part
+        when the config sets none; and whether it was so set."""
+        options = planner_options(config, cluster.ranks_per_node, self.pooling_factors)
+        from_device = not options["memory_per_rank"]
+        if from_device:
+            device = int(cluster.memory_gib * 2**30)
+            options["memory_per_rank"] = max(device - self.dense_bytes, 1)
+        return options, from_device
 
     def plan(self, world_size: int, options: dict[str, Any]) -> ShardingPlan:
         """:func:`~recsys.distributed.planner.plan_sharding` of these tables on ``world_size``

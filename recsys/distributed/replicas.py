@@ -77,21 +77,13 @@ def replica_tensors(collection: nn.Module) -> list[torch.Tensor]:
 @torch.no_grad()
 def sync_replicas(collections: list[nn.Module]) -> None:
     """Average every 2D-sharded collection's :func:`replica_tensors` over its replica group
-    (collections with one replica are left alone): one all-reduce per dtype of a collection,
-    its tensors packed in one buffer (as TorchRec's ``DMPCollection.sync`` coalesces them). A
-    collective of every rank; nothing waits for the device."""
+    (collections with one replica are left alone), each in place: no copy of a shard, which
+    may be most of a device's memory. A collective of every rank; nothing waits for the
+    device."""
     for collection in collections:
         groups: ReplicaGroups | None = getattr(collection, "replica_groups", None)
         if groups is None or groups.replicas == 1:
             continue
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in replica_tensors(collection):
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        for tensors in by_dtype.values():
-            packed = torch.cat([t.reshape(-1) for t in tensors])
-            dist.all_reduce(packed, group=groups.replica_group)
-            packed.div_(groups.replicas)
-            for tensor, part in zip(
-                tensors, packed.split([t.numel() for t in tensors]), strict=True
-            ):
-                tensor.copy_(part.view_as(tensor))
+            dist.all_reduce(tensor, group=groups.replica_group)
+            tensor.div_(groups.replicas)

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from torchrec import EmbeddingBagConfig
 
+from recsys.distributed.comm import check_precision, wire_dtype
 from recsys.distributed.plan import (
     ShardingPlan,
     ShardingType,
@@ -75,9 +76,8 @@ from recsys.distributed.plan import (
 from recsys.distributed.topology import Topology
 from recsys.embedding.tables import element_bytes
 
-__all__ = ["StepInputs", "StepPrediction", "predict_step", "table_rank_seconds"]
+__all__ = ["StepInputs", "StepPrediction", "dense_bytes", "predict_step", "table_rank_seconds"]
 
-_WIRE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 _PARTS = ("input", "forward", "backward", "dense", "replica_sync")
 
 
@@ -110,6 +110,15 @@ class StepInputs:
     replicas: int = 1
     sync_every: int = 1
     extras: int = 0
+
+    @property
+    def dense_bytes(self) -> int:
+        return dense_bytes(self.dense_parameters, self.dense_state_values)
+
+
+def dense_bytes(parameters: int, state_values: int) -> int:
+    """Each rank's bytes of the dense part: fp32 weights, gradients and optimizer state."""
+    return parameters * 4 * (2 + state_values)
 
 
 @dataclass
@@ -159,7 +168,7 @@ class StepPrediction:
         limit = self.topology.memory_gib * 2**30
         lines = [
             f"{self.world_size} ranks ({kind}), {self.batch_size} samples per rank, "
-            f"{self.world_size // self.topology.ranks_per_node or 1} node(s)",
+            f"{-(-self.world_size // self.topology.ranks_per_node)} node(s)",
             f"  memory per rank: tables + state {format_bytes(tables.max())} (mean "
             f"{format_bytes(tables.mean())}), dense + optimizer {format_bytes(self.dense_bytes)}"
             f"; {memory / limit:.1%} of {self.topology.memory_gib:g} GiB",
@@ -215,9 +224,8 @@ def predict_step(
             f"replicas={replicas}, sync_every={inputs.sync_every} and batch_size="
             f"{inputs.batch_size} must be >= 1"
         )
-    for precision in (inputs.forward_precision, inputs.backward_precision):
-        if precision not in _WIRE_BYTES:
-            raise ValueError(f"precision {precision!r}; expected one of {', '.join(_WIRE_BYTES)}")
+    check_precision(inputs.forward_precision, "forward_precision")
+    check_precision(inputs.backward_precision, "backward_precision")
     placed = _placed_tables(plan, configs, inputs)
     cost = _Costs(world, group, inputs, topology)
     for table in placed:
@@ -229,14 +237,13 @@ def predict_step(
     table_bytes = np.zeros(group, dtype=np.int64)
     for table in placed:
         np.add.at(table_bytes, table.ranks, table.bytes)
-    dense_bytes = inputs.dense_parameters * 4 * (2 + inputs.dense_state_values)
     cost.dense()
     if replicas > 1:
         cost.replica_sync(table_bytes)
     seconds = cost.seconds()
     sent = {(p, w): np.tile(v, replicas) for p, both in cost.sent.items() for w, v in both.items()}
     return StepPrediction(
-        world, replicas, group, inputs.batch_size, table_bytes, dense_bytes, sent, seconds,
+        world, replicas, group, inputs.batch_size, table_bytes, inputs.dense_bytes, sent, seconds,
         math.fsum(seconds.values()), topology,
     )  # fmt: skip
 
@@ -255,7 +262,7 @@ def table_rank_seconds(
     gradients' all-gather. Latencies are left out (a collective's, shared by all its tables).
     The planner's cost per placement (:func:`~recsys.distributed.planner.plan_sharding` with a
     topology)."""
-    table = _placed(config, sharding, pooling, [0] * len(sharding.shards), {})
+    table = _placed(config, sharding, pooling, [0] * len(sharding.shards))
     cost = _Costs(world, world, inputs, topology)
     if table.kind == ShardingType.DATA_PARALLEL:
         cost.replicated(table)
@@ -279,16 +286,12 @@ def _placed_tables(
                 else [shard_bytes(s, size, states) for s in sharding.shards]
             )
             pooling = sum(inputs.pooling_factors.get(f, 1.0) for f in config.feature_names)
-            out.append(_placed(config, sharding, pooling, sizes, states))
+            out.append(_placed(config, sharding, pooling, sizes))
     return out
 
 
 def _placed(
-    config: EmbeddingBagConfig,
-    sharding: TableSharding,
-    pooling: float,
-    sizes: Sequence[int],
-    states: dict[str, str],
+    config: EmbeddingBagConfig, sharding: TableSharding, pooling: float, sizes: Sequence[int]
 ) -> _Placed:
     kind, shards = ShardingType(sharding.sharding_type), sharding.shards
     total_rows = max(s.row_offset + s.num_rows for s in shards) or 1
@@ -359,21 +362,22 @@ class _Costs:
         b, inputs = self.inputs.batch_size, self.inputs
         ids = b * table.pooling * table.share  # ids a rank sends each shard
         self.gather("input", 8.0 * (table.features * b + ids), table.ranks)
-        fwd, bwd = _WIRE_BYTES[inputs.forward_precision], _WIRE_BYTES[inputs.backward_precision]
+        fwd = wire_dtype(inputs.forward_precision).itemsize
+        bwd = wire_dtype(inputs.backward_precision).itemsize
         vectors = b * table.features * table.cols.astype(float)  # a vector per feature
         self.scatter("forward", vectors * fwd, table.ranks)
         self.gather("backward", vectors * bwd, table.ranks)
         # Each shard serves G * B * P * share ids: a lookup reads a row piece per id; the
         # update reads each id's gradient piece, then reads and writes each distinct row
         # piece and its state once.
-        ids = self.group * b * table.pooling * table.share
+        served = self.group * b * table.pooling * table.share
         size = element_bytes(table.config)
         kinds = list(inputs.optimizer_states.values())
         state = 4.0 * kinds.count("row") / np.maximum(table.cols, 1) + 4.0 * kinds.count("element")
         rows = np.maximum(table.rows, 1)
-        distinct = rows * -np.expm1(ids * np.log1p(-1.0 / np.maximum(rows, 2)))
-        np.add.at(self.memory, table.ranks, ids * table.cols * size)
-        touched = ids * table.cols * 4.0 + 2 * distinct * table.cols * (size + state)
+        distinct = rows * -np.expm1(served * np.log1p(-1.0 / np.maximum(rows, 2)))
+        np.add.at(self.memory, table.ranks, served * table.cols * size)
+        touched = served * table.cols * 4.0 + 2 * distinct * table.cols * (size + state)
         np.add.at(self.update, table.ranks, touched)
 
     def replicated(self, table: _Placed) -> None:
@@ -422,11 +426,8 @@ class _Costs:
         self.sent["dense"][where] += ring
         gbs, latency = self._link(where)
         seconds = ring / gbs + 2 * math.log2(world) * latency
-        # The replicated tables' all-gather: every group rank's block, received.
-        gather_gbs = self._link("inter" if self.nodes > 1 else "intra")[0]
-        gathered = self.gathered * (self.group - 1) / gather_gbs
         # DDP overlaps the all-reduce with the backward (2/3 of the dense flops).
-        self.allreduce_s = max(0.0, seconds + gathered - self.dense_s * 2 / 3)
+        self.allreduce_s = max(0.0, seconds + self._gather_seconds() - self.dense_s * 2 / 3)
 
     def replica_sync(self, table_bytes: np.ndarray) -> None:
         replicas = self.world // self.group
@@ -444,27 +445,32 @@ class _Costs:
             return topo.intra_gbs * 1e9, topo.intra_latency_us * 1e-6
         return topo.inter_gbs * 1e9, topo.inter_latency_us * 1e-6
 
+    def _a2a_rank_seconds(self, part: str) -> np.ndarray:
+        """[G] each rank's seconds in an all-to-all, no latency: its sent and received bytes
+        share its links, each full duplex, so half their sum over each link, the busier one."""
+        both = self.a2a[part]
+        intra, inter = (self._link(where)[0] for where in ("intra", "inter"))
+        return np.maximum(both["intra"] / 2 / intra, both["inter"] / 2 / inter)
+
     def _a2a_seconds(self, part: str) -> float:
         both = self.a2a[part]
         if self.group == 1 or not (both["intra"].any() or both["inter"].any()):
             return 0.0
-        # A rank's sent and received bytes share its links, each full duplex: the busier
-        # direction bounds it; half their sum is the even case.
-        (intra_gbs, _), (inter_gbs, inter_latency) = self._link("intra"), self._link("inter")
-        latency = inter_latency if self.nodes > 1 else self._link("intra")[1]
-        busiest = np.maximum(both["intra"] / 2 / intra_gbs, both["inter"] / 2 / inter_gbs)
-        return float(busiest.max()) + latency
+        latency = self._link("inter" if self.nodes > 1 else "intra")[1]
+        return float(self._a2a_rank_seconds(part).max()) + latency
+
+    def _gather_seconds(self) -> float:
+        """The replicated tables' all-gather: every other group rank's block, received."""
+        return (
+            self.gathered * (self.group - 1) / self._link("inter" if self.nodes > 1 else "intra")[0]
+        )
 
     def rank_seconds(self) -> np.ndarray:
         """[G] each rank's memory and communication seconds, no latencies (for the planner)."""
-        (intra, _), (inter, _) = self._link("intra"), self._link("inter")
         out = (self.memory + self.update) / (self.topology.memory_gbs * 1e9)
-        for both in self.a2a.values():
-            out = out + np.maximum(both["intra"] / 2 / intra, both["inter"] / 2 / inter)
-        if self.gathered:
-            where = "inter" if self.nodes > 1 else "intra"
-            out = out + self.gathered * (self.group - 1) / self._link(where)[0]
-        return out
+        for part in self.a2a:
+            out = out + self._a2a_rank_seconds(part)
+        return out + self._gather_seconds()
 
     def seconds(self) -> dict[str, float]:
         memory = self.topology.memory_gbs * 1e9

@@ -215,9 +215,11 @@ class _Run:
         )
         if resume is not None:
             self.logger.log("resume", self.step, checkpoint=str(resume))
-        held = [replica_tensors(c) for c in embedding_collections(self.model).values()]
         if info.world_size > 1:  # rank 0's tables and their state: what recsys plan predicts
-            table_bytes = sum(t.numel() * t.element_size() for ts in held for t in ts)
+            held = [
+                t for c in embedding_collections(self.model).values() for t in replica_tensors(c)
+            ]
+            table_bytes = sum(t.numel() * t.element_size() for t in held)
             self.logger.log("sharding", self.step, table_bytes=table_bytes)
         self.tiered_log = TieredLog(_unwrap(self.model))
         self.deltas = DeltaWriter(self.run_dir / DELTAS_DIR, ckpt.delta_every_steps, self.lineage)
