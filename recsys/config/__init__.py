@@ -1,9 +1,10 @@
 """Run configuration: nested dataclasses, TOML recipes and ``--section.key=value`` overrides.
 
 Precedence is dataclass defaults < TOML recipe < command line. Every field carries a docstring
-(the string literal under it); :func:`config_reference` renders them as the reference in
-``docs/config.md``. Unknown keys and wrongly typed values raise ``ValueError`` naming the key,
-where it came from, and the closest valid key or the expected type.
+(the string literal under it); :func:`config_reference` renders them as the reference that
+``recsys config --reference`` prints and the docs' configuration page shows. Unknown keys and
+wrongly typed values raise ``ValueError`` naming the key, where it came from, and the closest
+valid key or the expected type.
 
 Example::
 
@@ -16,6 +17,7 @@ from recsys.config.loading import (
     config_reference,
     field_docs,
     load_config,
+    names_its_run,
     to_toml,
 )
 from recsys.config.models import (
@@ -74,5 +76,6 @@ __all__ = [
     "config_reference",
     "field_docs",
     "load_config",
+    "names_its_run",
     "to_toml",
 ]

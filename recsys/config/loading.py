@@ -1,6 +1,6 @@
 """Loading configs (defaults < TOML recipe < ``--section.key=value`` overrides, every value
 checked against its field's type and range), writing them back as TOML, and the key reference
-of ``docs/config.md``."""
+(``recsys config --reference``, the docs' configuration page)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,20 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     if not config.run.dir:
         config.run.dir = str(Path("runs") / config.run.name)
     return config
+
+
+def names_its_run(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> bool:
+    """Whether the recipe's ``[run]`` table or the overrides set ``run.name`` or ``run.dir``:
+    a named run keeps its directory (and is refused when that holds another run); an unnamed
+    one may be written to the next free directory (``recsys train``)."""
+    for override in overrides:
+        key = override.lstrip("-").partition("=")[0]
+        if key in ("run.name", "run.dir"):
+            return True
+    if path is None or not Path(path).is_file():
+        return False
+    run = tomllib.loads(Path(path).read_text()).get("run", {})
+    return isinstance(run, dict) and bool(run.get("name") or run.get("dir"))
 
 
 RENAMED_KEYS = {

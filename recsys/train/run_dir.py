@@ -134,6 +134,19 @@ def _free_name(run_dir: Path) -> Path:
     return candidate
 
 
+def unused_run_dir(config: Config) -> Path:
+    """The directory an unnamed run writes to: ``run.dir`` itself when it holds no other run
+    (or this run continues or replaces it), else the first of ``<run.dir>_2``, ``_3``, ...
+    that holds none, as TensorBoard and Lightning number versions."""
+    run_dir = Path(config.run.dir)
+    if continuing(config) or config.run.overwrite or not previous_run(run_dir):
+        return run_dir
+    index = 2
+    while previous_run(candidate := run_dir.with_name(f"{run_dir.name}_{index}")):
+        index += 1
+    return candidate
+
+
 def seed_everything(seed: int) -> None:
     """Seed torch, numpy's and Python's global generators: nothing in recsys draws from the
     last two, but a user's model or data code may, and a checkpoint stores all three."""

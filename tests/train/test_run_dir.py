@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from recsys.config import load_config, names_its_run
 from recsys.train.run_dir import (
     check_run_dir,
     clear_previous_run,
     fresh_start_note,
     previous_run,
+    unused_run_dir,
 )
 
 
@@ -89,10 +91,10 @@ def test_clear_previous_run_deletes_only_what_recsys_wrote(old_run):
     assert clear_previous_run(old_run) == []  # nothing left: a no-op
 
 
-def test_the_readme_quotes_the_refusal_as_recsys_prints_it(tmp_path, monkeypatch):
-    """The README's example of the error, rebuilt from the run it describes (one checkpoint and
-    events up to step 976 in runs/dlrm_synthetic), is what check_run_dir says."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+def test_the_docs_quote_the_refusal_as_recsys_prints_it(tmp_path, monkeypatch):
+    """The getting-started page's example of the error, rebuilt from the run it describes (one
+    checkpoint and events up to step 976 in runs/dlrm_synthetic), is what check_run_dir says."""
+    readme = (Path(__file__).parents[2] / "docs" / "getting-started.md").read_text()
     (quoted,) = [
         line
         for line in readme.splitlines()
@@ -120,3 +122,44 @@ def test_a_fresh_start_names_close_runs_that_hold_checkpoints(tmp_path):
         f"resume=latest: no checkpoint under {runs / 'zzz'}: starting fresh"
     )
     assert fresh_start_note(tmp_path / "nowhere" / "run").endswith("starting fresh")
+
+
+def test_an_unnamed_run_takes_the_next_free_directory_a_named_one_keeps_its_own(
+    tmp_path, monkeypatch, capsys
+):
+    """A second `make train` trains again (into runs/dlrm_synthetic_2, then _3); a run named by
+    --run.dir or --run.name keeps its directory (and the trainer refuses it)."""
+    from recsys.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    recipe = Path(__file__).parents[2] / "configs" / "dlrm_synthetic.toml"
+    first = Path("runs/dlrm_synthetic")
+    (first / "checkpoints" / "step_00000976").mkdir(parents=True)
+    (first / "metrics.jsonl").write_text(events(("train", 976)))
+    Path("runs/dlrm_synthetic_2").mkdir()  # exists but holds no run: free
+    trained = []
+    monkeypatch.setattr("recsys.train.trainer.train", trained.append)
+    assert main(["train", "--config", str(recipe)]) == 0
+    assert trained[-1].run.dir == "runs/dlrm_synthetic_2"
+    assert (
+        "recsys: runs/dlrm_synthetic holds an earlier run: this one writes to "
+        "runs/dlrm_synthetic_2 (--run.name or --run.dir names a run)"
+    ) in capsys.readouterr().err
+    for named in (["--run.dir=runs/dlrm_synthetic"], ["--run.name=dlrm_synthetic"]):
+        assert main(["train", "--config", str(recipe), *named]) == 0
+        assert trained[-1].run.dir == "runs/dlrm_synthetic"
+    assert main(["train", "--config", str(recipe), "--checkpoint.resume=latest"]) == 0
+    assert trained[-1].run.dir == "runs/dlrm_synthetic"  # continues its own run
+    Path("recipe.toml").write_text('[run]\nname = "dlrm_synthetic"\n')
+    assert names_its_run("recipe.toml") and not names_its_run(recipe)
+    assert names_its_run(recipe, ["--run.dir=x"]) and not names_its_run(None, ["--seed=1"])
+
+
+def test_unused_run_dir_skips_directories_that_hold_runs(old_run):
+    config = load_config(None, [f"--run.dir={old_run}"])
+    second = old_run.with_name(f"{old_run.name}_2")
+    assert unused_run_dir(config) == second
+    (second / "checkpoints" / "step_00000001").mkdir(parents=True)
+    assert unused_run_dir(config) == old_run.with_name(f"{old_run.name}_3")
+    config.run.overwrite = True
+    assert unused_run_dir(config) == old_run
