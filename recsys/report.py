@@ -486,13 +486,18 @@ def output_path(run_dirs: Sequence[str | Path], output: str | Path | None) -> Pa
     """Where the PNG goes: ``output``, or ``<first run dir>/report.png``.
 
     Raises:
-        ValueError: ``output`` does not end in ``.png``, or is a directory.
+        ValueError: ``output`` does not end in ``.png``, is a directory, or is in a directory
+            that does not exist.
     """
     path = Path(run_dirs[0]) / REPORT_FILE if output is None else Path(output)
     if path.suffix.lower() != ".png":
         raise ValueError(f"--output '{path}' must end in .png (the report is a PNG image)")
     if path.is_dir():
         raise ValueError(f"--output '{path}' is a directory; give a file name ending in .png")
+    if output is not None and not path.parent.is_dir():
+        raise ValueError(
+            f"--output '{path}': directory '{path.parent}' does not exist (create it first)"
+        )
     return path
 
 
@@ -502,7 +507,7 @@ def write_report(run_dirs: Sequence[str | Path], output: str | Path | None = Non
     Args:
         run_dirs: one or more run directories written by ``recsys train``.
         output: the PNG to write (default ``<first run dir>/report.png``); replaced if it
-            exists, its parent directories created.
+            exists; its directory must exist.
 
     Returns:
         The PNG's path, the table and one summary per run.

@@ -106,6 +106,8 @@ class NextItemTask:
         ValueError: data that is not user histories, or loss options that draw no negative.
     """
 
+    rate_unit = "users"  # a batch row is one user's history
+
     def __init__(
         self,
         config: Config,

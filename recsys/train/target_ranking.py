@@ -104,6 +104,8 @@ class TargetRankingTask:
         ValueError: data other than the built-in synthetic log.
     """
 
+    rate_unit = "samples"
+
     def __init__(
         self,
         config: Config,

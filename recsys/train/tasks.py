@@ -46,6 +46,7 @@ class CTRTask:
     """
 
     loss = None  # the train step's BCE over the logits
+    rate_unit = "samples"  # what samples_per_s counts, in the printed lines
 
     def __init__(
         self,

@@ -332,7 +332,8 @@ class _Run:
             progress.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rate:,.0f}")
             if progress.disable:  # no bar: a log line instead
                 self._print(
-                    f"step {self.step}/{total_steps}  loss {loss:.4f}  {rate:,.0f} samples/s"
+                    f"step {self.step}/{total_steps}  loss {loss:.4f}  {rate:,.0f} "
+                    f"{self.task.rate_unit}/s"
                     f"  {self.tiered_log.summary(tiered)}".rstrip()
                 )
         if train_cfg.eval_every_steps and self.step % train_cfg.eval_every_steps == 0:
