@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from recsys._files import describe_os_error
 from recsys.cli_plan import add_plan_arguments, run_plan
 from recsys.cli_preprocess import PREPROCESS_FLAGS, run_preprocess
-from recsys.config import config_reference, load_config, to_toml
+from recsys.config import config_reference, load_config, names_its_run, to_toml
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="recsys",
         description="Train recommendation models. Any config key can be overridden with "
-        "--section.key=value (see docs/config.md).",
+        "--section.key=value (see `recsys config --reference`).",
         epilog=_epilog("recsys train --config configs/dlrm_synthetic.toml --train.batch_size=4096"),
     )
     commands = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +51,17 @@ def _parser() -> argparse.ArgumentParser:
     _add_report(commands)
     _add_plan(commands)
     return parser
+
+
+def help_pages() -> dict[str, str]:
+    """``recsys --help`` and every command's ``--help`` (wrapped to the terminal's width, or
+    ``COLUMNS``), by command (``""``: ``recsys`` itself), in ``--help`` order: the docs'
+    command-line page."""
+    parser = _parser()
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    pages = {"": parser.format_help()}
+    pages.update((name, sub.format_help()) for name, sub in commands.choices.items())
+    return pages
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -83,8 +94,8 @@ _OVERRIDES_HELP = (
     "recipe, the recipe over the defaults; an unknown key is an error naming the closest one."
 )
 _REFERENCE_HELP = (
-    "reference: every key with its type, default and meaning is in docs/config.md and printed "
-    "by `recsys config --reference`."
+    "reference: `recsys config --reference` prints every key with its type, default and "
+    "meaning (the configuration reference of the docs)."
 )
 _NO_OVERRIDES_HELP = "This command takes no config keys (--section.key=value)."
 
@@ -133,7 +144,7 @@ def _add_preprocess(commands: argparse._SubParsersAction) -> None:
         "preprocess",
         help="raw Criteo TSV / parquet / CSV -> parquet + metadata for training",
         description="Each flag sets the [preprocess] key of the same name; any other key is "
-        "--preprocess.key=value (see docs/config.md).",
+        "--preprocess.key=value (see `recsys config --reference`).",
         epilog=_epilog(
             "recsys preprocess --format criteo --input data/raw/train.txt \\\n"
             "      --output data/criteo --preprocess.freq_threshold=3",
@@ -444,7 +455,8 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
 def _add_eval(commands: argparse._SubParsersAction) -> None:
     evaluate = commands.add_parser(
         "eval",
-        help="AUC / logloss of a checkpoint on a split of its data or of other preprocessed data",
+        help="a checkpoint's test metrics (AUC / logloss, or HR@10 / NDCG@10 for next-item "
+        "models) on a split of its data or of other preprocessed data",
         description="Evaluates like the trainer's final evaluation (same batches of "
         "train.eval_batch_size rows, same metrics): on the checkpoint's own data it reproduces "
         "the run's test metrics exactly. --data.path=DIR evaluates on other `recsys preprocess` "
@@ -533,9 +545,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "config":
             print(to_toml(config), end="")
             return 0
+        from recsys.train.run_dir import unused_run_dir
         from recsys.train.stop import TrainingStopped
         from recsys.train.trainer import train
 
+        if not names_its_run(args.config, overrides):  # a second `make train` trains again
+            default = config.run.dir
+            config.run.dir = str(unused_run_dir(config))
+            if config.run.dir != default and _rank() == 0:
+                print(
+                    f"recsys: {default} holds an earlier run: this one writes to "
+                    f"{config.run.dir} (--run.name or --run.dir names a run)",
+                    file=sys.stderr,
+                )
         try:
             train(config)
         except TrainingStopped as stopped:

@@ -1,6 +1,6 @@
 """The config's sections: one dataclass per TOML table, every field with its type, default,
-allowed range and docstring (the string literal under it, rendered into ``docs/config.md``).
-Each component of a run receives only its own section."""
+allowed range and docstring (the string literal under it, rendered by ``recsys config
+--reference``). Each component of a run receives only its own section."""
 
 from __future__ import annotations
 

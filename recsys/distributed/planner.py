@@ -534,7 +534,7 @@ def plan_sharding(
         ValueError: a bad argument, an unknown table or feature, or a table that does not fit
             (naming it, its size, each rank's free memory and how much is missing).
 
-    Example:
+    Examples:
         >>> tables = [EmbeddingBagConfig(name="t", num_embeddings=10**6, embedding_dim=64,
         ...                              feature_names=["f"])]
         >>> plan = plan_sharding({"": tables}, world_size=2, memory_per_rank=2**27)

@@ -102,8 +102,8 @@ class DLRM_DCN(FieldModel):
             features).
         over_arch_layer_sizes: top MLP sizes; the last is the number of tasks T.
         dcn_num_layers: number of cross layers (>= 0).
-        dcn_low_rank_dim: rank r of each cross layer's weight U V [W, r] [r, W] (W = (F+1)*D,
-            F*D without dense features); 0 for a full-rank W [W, W].
+        dcn_low_rank_dim: rank r of each cross layer's weight U V, U [W, r] and V [r, W]
+            (W = (F+1)*D, F*D without dense features); 0 for a full-rank W [W, W].
         activation: activation of the MLPs' hidden layers.
         dropout: dropout after each activated MLP layer, in training only.
 

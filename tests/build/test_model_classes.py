@@ -1,4 +1,4 @@
-"""Model classes of the user's in `recsys train`: the README's DLRMModule from a file in the
+"""Model classes of the user's in `recsys train`: the models guide's DLRMModule from a file in the
 working directory (one process, kill -9 and resume bitwise, 2 gloo ranks, `recsys eval`,
 export and `recsys serve`), TorchRec's DLRM by name, and every misfit refused in one line
 before training (the example package's entry point: tests/build/test_model_package.py)."""
@@ -45,8 +45,10 @@ SPEC = DatasetSpec(("d0", "d1"), ("a", "b", "c"), (5, 7, 3), ("click",))
 
 
 def readme_model_source() -> str:
-    """The README's ``DLRMModule`` example, as a user copies it into a file."""
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    """The models guide's ``DLRMModule`` example, as a user copies it into a file."""
+    blocks = re.findall(
+        r"```python\n(.*?)```", (REPO / "docs" / "guides" / "models.md").read_text(), re.S
+    )
     (source,) = [b for b in blocks if "class DLRMModule(nn.Module)" in b]
     return source
 

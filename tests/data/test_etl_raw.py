@@ -200,10 +200,11 @@ def test_raw_ids_carve_the_same_rows_as_a_vocabulary(
         assert np.array_equal(_split_keys(raw.output, split, "label"), labels)
 
 
-def test_the_readme_quotes_the_same_rows_for_both_encodings_of_one_file():
-    """The README preprocesses data/raw/day_0.txt twice (a vocabulary, then raw keys): by the
+def test_the_guides_quote_the_same_rows_for_both_encodings_of_one_file():
+    """The guides preprocess data/raw/day_0.txt twice (a vocabulary, then raw keys): by the
     test above, both runs print the same rows per split."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    guides = Path(__file__).parents[2] / "docs" / "guides"
+    readme = "\n".join((guides / page).read_text() for page in ("data.md", "dynamic-tables.md"))
     rows = {
         line.split(" in ")[0]: line.split(": rows ")[1]
         for line in readme.splitlines()
