@@ -10,7 +10,7 @@ HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCHREC_REQS := requirements/torchrec-$(if $(HAS_CUDA),cuda,cpu).txt
 CONFIG ?= configs/dlrm_synthetic.toml
 
-.PHONY: setup train test lint docs docs-serve format bench clean
+.PHONY: setup train test lint docs docs-test docs-serve format bench clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,11 @@ test: lint docs
 # or a docstring reference that does not resolve, fails it. `make docs-serve` previews it.
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# Every bash / python block of README.md and docs/ marked <!-- example: run ... -->, in order, in
+# a scratch directory (scripts/docs_examples.py; CI runs it after `make test`).
+docs-test: setup
+	$(BIN)/python scripts/docs_examples.py
 
 docs-serve: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,9 +154,16 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    """Fill the ``<!-- name -->`` markers of MARKERS."""
+    """Fill the ``<!-- name -->`` markers of MARKERS, and say above an example which short
+    settings the test suite runs it with (``<!-- example: run with ARGS -->``,
+    ``scripts/docs_examples.py``)."""
     for name, make in MARKERS.items():
         marker = f"<!-- {name} -->"
         if marker in markdown:
             markdown = markdown.replace(marker, make())
-    return markdown
+    return re.sub(
+        r"^<!-- example: run with (.+) -->$",
+        lambda m: f"*The docs' tests run this with `{m.group(1)}` appended to `recsys train`.*\n",
+        markdown,
+        flags=re.M,
+    )

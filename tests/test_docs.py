@@ -85,3 +85,51 @@ def test_the_command_line_page_has_every_command():
     for command in help_pages():
         assert f"## recsys {command}".rstrip() + "\n" in page
     assert "recsys eval" in page and "usage: recsys train" in page
+
+
+def test_every_example_of_the_docs_is_run_or_says_why_not():
+    examples = _script("docs_examples")
+    pages = {str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md")} | {"README.md"}
+    assert pages == set(examples.PAGES), "scripts/docs_examples.PAGES must list every page"
+    assert examples.check(list(examples.PAGES)) == []
+
+
+def test_a_block_without_a_marker_and_a_broken_example_fail(tmp_path, monkeypatch):
+    examples = _script("docs_examples")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```bash\necho unmarked\n```\n\n<!-- example: not run: a reason -->\n```bash\nfalse\n```\n"
+    )
+    monkeypatch.setattr(examples, "REPO", tmp_path)
+    (error,) = examples.check(["page.md"])
+    assert error.startswith("page.md:1: a bash block without a marker")
+    page.write_text(
+        "<!-- example: run -->\n```bash\nmkdir -p out && echo ok > out/a\n```\n\n"
+        "<!-- example: run -->\n```python\nfrom pathlib import Path\n"
+        "x = Path('out/a').read_text()\n```\n\n"
+        "<!-- example: run -->\n```python\nassert x == 'ok\\n'\n```\n\n"
+        "<!-- example: run -->\n```bash\ncat out/missing   # a deliberately broken example\n```\n"
+    )
+    said = []
+    (failure,) = examples.run(["page.md"], tmp_path / "work", say=said.append)
+    assert failure.startswith("page.md:18: the example failed:") and "out/missing" in failure
+    assert [line.split(" (")[0] for line in said] == [
+        "ok   page.md:2",
+        "ok   page.md:7",
+        "ok   page.md:13",
+        "FAIL page.md:18",
+    ]
+
+
+def test_short_settings_go_to_every_recsys_train_command():
+    examples = _script("docs_examples")
+    source = (
+        "recsys train --config a.toml \\\n    --run.name=x   # note\n"
+        "torchrun --nproc-per-node=2 -m recsys train --config a.toml &\n"
+        "recsys export --checkpoint runs/x\n"
+    )
+    assert examples.with_args(source, "--train.max_steps=2") == (
+        "recsys train --config a.toml      --run.name=x --train.max_steps=2  # note\n"
+        "torchrun --nproc-per-node=2 -m recsys train --config a.toml --train.max_steps=2 &\n"
+        "recsys export --checkpoint runs/x\n"
+    )
