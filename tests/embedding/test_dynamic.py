@@ -14,8 +14,8 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import PoolingType
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.interface import state_to_load
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from recsys.embedding.row_init import initial_rows, table_seed

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.optim import Adam, RowWiseAdagrad
 
 DIM = 4

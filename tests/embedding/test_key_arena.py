@@ -12,16 +12,16 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-from recsys.embedding import key_arena
-from recsys.embedding.admission import AdmissionCounter
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
-from recsys.embedding.dynamic_table import DynamicTableOptions
-from recsys.embedding.key_arena import joins_arena
+from recsys.embedding.dynamic import key_arena
+from recsys.embedding.dynamic.admission import AdmissionCounter
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.key_arena import joins_arena
+from recsys.embedding.dynamic.score_policy import ScorePolicy
+from recsys.embedding.dynamic.slot_map import SlotMap
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.optim import Adam, RowWiseAdagrad
-from recsys.embedding.score_policy import ScorePolicy
-from recsys.embedding.slot_map import SlotMap
-from recsys.ops import key_arena_cpu
-from recsys.ops.slot_map import EMPTY_KEY, RESERVED_KEY
+from recsys.ops.slot_map import key_arena_cpu
+from recsys.ops.slot_map.hash_map import EMPTY_KEY, RESERVED_KEY
 from recsys.train.step_audit import StepAudit
 
 FEATURES = {"u": "user", "i": "item", "j": "item", "c": "city", "f": "fixed"}
@@ -248,7 +248,10 @@ def test_all_hits_lookup_waits_at_most_twice_and_a_reserved_key_still_raises(loo
     else:  # how many ids have no valid hint and, when some do, which tables miss a key (none)
         assert 1 <= report.num_syncs <= 2, report.describe()
         sites = {site.split(":")[0] for _, site in report.syncs}
-        assert sites <= {"recsys/embedding/key_arena.py", "recsys/embedding/arena_find.py"}
+        assert sites <= {
+            "recsys/embedding/dynamic/key_arena.py",
+            "recsys/embedding/dynamic/arena_find.py",
+        }
     ebc.train(False)
     with StepAudit(torch.device("cpu")) as lookups:
         ebc.lookup_ids(features)

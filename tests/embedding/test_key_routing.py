@@ -6,14 +6,14 @@ import math
 import pytest
 import torch
 
-from recsys.embedding.key_routing import (
+from recsys.embedding.dynamic.key_routing import (
     KeyRouting,
     bucket_ranges,
     decode_layout,
     encode_layout,
     routing_bucket,
 )
-from recsys.ops.slot_map import hash_keys
+from recsys.ops.slot_map.hash_map import hash_keys
 
 
 def test_routing_spreads_patterned_keys_and_moves_whole_buckets():

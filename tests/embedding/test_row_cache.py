@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recsys.embedding.row_cache import RowCache, RowCodec
-from recsys.embedding.row_store import DiskRecords, FixedStore, HostRecords, RowBits
-from recsys.embedding.tiered_files import TieredFiles
-from recsys.ops.slot_map import EMPTY_KEY
+from recsys.embedding.tiered.files import TieredFiles
+from recsys.embedding.tiered.row_cache import RowCache, RowCodec
+from recsys.embedding.tiered.row_store import DiskRecords, FixedStore, HostRecords, RowBits
+from recsys.ops.slot_map.hash_map import EMPTY_KEY
 
 NUM_KEYS = 211  # rows of the table
 DIM = 3

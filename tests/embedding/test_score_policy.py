@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from recsys.embedding.score_policy import LFU, LRU, ScorePolicy, score_policy
+from recsys.embedding.dynamic.score_policy import LFU, LRU, ScorePolicy, score_policy
 
 
 def test_lru_scores_the_step_and_lfu_accumulates_counts():

@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from recsys.embedding.admission import AdmissionCounter
-from recsys.embedding.slot_map import (
+from recsys.embedding.dynamic.admission import AdmissionCounter
+from recsys.embedding.dynamic.slot_map import (
     LFU,
     LRU,
     ScorePolicy,
     SlotMap,
     score_policy,
 )
-from recsys.ops.slot_map import EMPTY_KEY, RESERVED_KEY, bucket_of
+from recsys.ops.slot_map.hash_map import EMPTY_KEY, RESERVED_KEY, bucket_of
 from tests.ops.test_slot_map import bucket_reference
 
 

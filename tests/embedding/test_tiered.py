@@ -11,11 +11,12 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from recsys.embedding.row_init import initial_rows, table_seed
-from recsys.embedding.tiered import StorageOptions, TieredEmbeddingBagCollection
+from recsys.embedding.tiered.collection import TieredEmbeddingBagCollection
+from recsys.embedding.tiered.options import StorageOptions
 
 OPTIMIZERS = {
     "sgd": lambda: SGD(lr=0.1),

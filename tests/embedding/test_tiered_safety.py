@@ -18,10 +18,11 @@ import torch
 
 from recsys._files import NoSpaceError, describe_os_error
 from recsys.embedding.optim import RowWiseAdagrad
-from recsys.embedding.row_cache import CacheTooSmallError
-from recsys.embedding.row_store import DiskRecords, FixedStore, KeyedStore, store_directory
-from recsys.embedding.store_lock import StoreInUseError
-from recsys.embedding.tiered import StorageOptions, TieredEmbeddingBagCollection
+from recsys.embedding.tiered.collection import TieredEmbeddingBagCollection
+from recsys.embedding.tiered.options import StorageOptions
+from recsys.embedding.tiered.row_cache import CacheTooSmallError
+from recsys.embedding.tiered.row_store import DiskRecords, FixedStore, KeyedStore, store_directory
+from recsys.embedding.tiered.store_lock import StoreInUseError
 from tests.embedding.test_tiered import SEED, batches, configs, train
 from tests.small_disk import small_disk
 
@@ -95,7 +96,7 @@ def test_a_batch_larger_than_the_cache_grows_it_and_trains_the_same():
 
 HOLDER = """
 import sys, time
-from recsys.embedding.row_store import DiskRecords
+from recsys.embedding.tiered.row_store import DiskRecords
 records = DiskRecords(sys.argv[1], 100, 64)
 print("locked", flush=True)
 time.sleep(120)
@@ -162,7 +163,7 @@ def one_mib_disk(tmp_path):
 FILL = """
 import sys, torch
 from recsys._files import NoSpaceError
-from recsys.embedding.row_store import DiskRecords, FixedStore, KeyedStore
+from recsys.embedding.tiered.row_store import DiskRecords, FixedStore, KeyedStore
 kind, path = sys.argv[1], sys.argv[2]
 records = DiskRecords(path, 100_000, 260)  # 26 MB of rows on a 1 MiB disk
 store = FixedStore(records) if kind == "fixed" else KeyedStore(records, "t")

@@ -7,8 +7,8 @@ Every test of an op runs both backends: ``torch`` and ``triton`` (under the inte
 import pytest
 import torch
 
-from recsys.ops import cross_interaction
-from recsys.ops.cross_interaction import (
+from recsys.ops.interaction import cross as cross_interaction
+from recsys.ops.interaction.cross import (
     cross_layer,
     cross_layer_low_rank,
     cross_layer_low_rank_reference,

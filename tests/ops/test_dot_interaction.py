@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 
-from recsys.ops.dot_interaction import (
+from recsys.ops.interaction.dot import (
     dot_interaction,
     dot_interaction_reference,
     num_pairs,

@@ -6,7 +6,7 @@ Every test of the op runs both backends: ``torch`` and ``triton`` (under the int
 import pytest
 import torch
 
-from recsys.ops.embedding_bag import embedding_bag, embedding_bag_reference
+from recsys.ops.embedding_bag.pooled import embedding_bag, embedding_bag_reference
 
 
 def make_inputs(
@@ -126,7 +126,7 @@ def test_awkward_dims_one_row_tables_batch_of_one(dim, backend):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_gradients_match_float64_reference(pooling, weighted, backend, monkeypatch):
     if backend == "torch_in_chunks":  # reduce 2 rows at a time
-        monkeypatch.setattr("recsys.ops.embedding_bag_cpu.CHUNK_BYTES", 2 * 33 * 8)
+        monkeypatch.setattr("recsys.ops.embedding_bag.cpu.CHUNK_BYTES", 2 * 33 * 8)
         backend = "torch"
     # Heavy duplicates: 3 tables of 10, 1 and 37 rows, bags up to 12 ids.
     inputs = make_inputs(weighted=weighted, dtype=torch.float64, max_bag=12)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recsys.ops import embedding_bag_cpu
-from recsys.ops.embedding_bag import embedding_bag_reference
-from recsys.ops.embedding_bag_cpu import backward_torch, pool_packed, pool_torch
-from recsys.ops.embedding_bag_layout import LookupPlan, TableLayout
+from recsys.ops.embedding_bag import cpu as embedding_bag_cpu
+from recsys.ops.embedding_bag.cpu import backward_torch, pool_packed, pool_torch
+from recsys.ops.embedding_bag.layout import LookupPlan, TableLayout
+from recsys.ops.embedding_bag.pooled import embedding_bag_reference
 from recsys.train.step_audit import StepAudit  # tests may import the train layer
 from tests.ops.test_embedding_bag import as_float64, make_inputs
 

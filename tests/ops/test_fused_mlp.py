@@ -9,8 +9,8 @@ interpreter on CPU). The Triton path's dropout mask is read back with ``fused_li
 import pytest
 import torch
 
-from recsys.ops import fused_mlp
-from recsys.ops.fused_mlp import (
+from recsys.ops.mlp import fused_linear as fused_mlp
+from recsys.ops.mlp.fused_linear import (
     ACTIVATIONS,
     fused_linear,
     fused_linear_reference,

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from recsys.ops.jagged_attention import jagged_attention, jagged_attention_reference
+from recsys.ops.jagged.attention import jagged_attention, jagged_attention_reference
 
 MASKS = {
     "causal": {},

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recsys.ops.jagged_attention import jagged_attention, jagged_attention_reference, visible
+from recsys.ops.jagged.attention import jagged_attention, jagged_attention_reference, visible
 
 
 def meta_valid_attn_mask(

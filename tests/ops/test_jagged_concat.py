@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recsys.ops.jagged_concat import (
+from recsys.ops.jagged.concat import (
     BLOCK_R,
     jagged_concat,
     jagged_concat_reference,

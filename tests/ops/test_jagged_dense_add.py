@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recsys.ops.jagged_dense_add import BLOCK_R, jagged_dense_add, jagged_dense_add_reference
+from recsys.ops.jagged.dense_add import BLOCK_R, jagged_dense_add, jagged_dense_add_reference
 
 LENGTHS = [0, 1, BLOCK_R - 1, BLOCK_R, BLOCK_R + 1, 2 * BLOCK_R + 3, 0, 5]
 TOLERANCE = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float64: (0, 0)}

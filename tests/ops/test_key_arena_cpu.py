@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recsys.ops import key_arena_cpu
-from recsys.ops.slot_map import EMPTY_KEY, bucket_of, find_slots_torch
+from recsys.ops.slot_map import key_arena_cpu
+from recsys.ops.slot_map.hash_map import EMPTY_KEY, bucket_of, find_slots_torch
 
 FIBONACCI = -0x61C8864680B583EB
 

@@ -6,9 +6,9 @@ import torch
 
 from recsys.embedding import optim
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
-from recsys.ops import embedding_bag_layout
-from recsys.ops.embedding_bag_layout import RowOptimizer, rounding_seed, stochastic_round
-from recsys.ops.row_update import update_rows
+from recsys.ops.embedding_bag import layout as embedding_bag_layout
+from recsys.ops.embedding_bag.layout import RowOptimizer, rounding_seed, stochastic_round
+from recsys.ops.embedding_bag.row_update import update_rows
 
 OPTIMIZERS = {
     "sgd": lambda rounding: SGD(lr=0.1, weight_decay=0.01, stochastic_rounding=rounding),

@@ -4,7 +4,8 @@ and the Triton kernels (under the interpreter on CPU) bitwise against the torch 
 import pytest
 import torch
 
-from recsys.ops.slot_map import (
+from recsys.ops.slot_map.arena_scan import find_arena_slots
+from recsys.ops.slot_map.hash_map import (
     EMPTY_KEY,
     RESERVED_KEY,
     assign_slots,
@@ -15,7 +16,6 @@ from recsys.ops.slot_map import (
     keep_per_bucket,
     mix64,
 )
-from recsys.ops.slot_map_arena import find_arena_slots
 
 BACKENDS = ("torch", "triton")
 EXTREMES = [0, 1, -1, 2, 2**63 - 1, -(2**63) + 2, 2**62, -(2**62), 0x5555555555555555]
