@@ -311,8 +311,8 @@ def fbgemm_forward_serves(plan: LookupPlan, flat: torch.Tensor, num_ids: int) ->
     backend's: dense gradients, an optimizer FBGEMM has no CPU kernel for, or rows exchanged
     between ranks before the update): fp32 tables of one dim, sum pooling only, fewer than
     :data:`FBGEMM_FORWARD_MAX_IDS` ids. Its sums are then bitwise those of ATen's
-    ``embedding_bag`` (``tests/ops/test_embedding_bag_cpu.py``), in one call instead of one per
-    feature; mean pooling is not (it divides where ATen multiplies)."""
+    ``embedding_bag`` (``tests/ops/embedding_bag/test_embedding_bag_cpu.py``), in one call instead
+    of one per feature; mean pooling is not (it divides where ATen multiplies)."""
     return (
         flat.device.type == "cpu"
         and flat.dtype == torch.float32

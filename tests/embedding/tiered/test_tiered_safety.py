@@ -23,7 +23,7 @@ from recsys.embedding.tiered.options import StorageOptions
 from recsys.embedding.tiered.row_cache import CacheTooSmallError
 from recsys.embedding.tiered.row_store import DiskRecords, FixedStore, KeyedStore, store_directory
 from recsys.embedding.tiered.store_lock import StoreInUseError
-from tests.embedding.test_tiered import SEED, batches, configs, train
+from tests.embedding.tiered.test_tiered import SEED, batches, configs, train
 from tests.small_disk import small_disk
 
 

@@ -16,7 +16,7 @@ from recsys.embedding.dynamic.slot_map import (
     score_policy,
 )
 from recsys.ops.slot_map.hash_map import EMPTY_KEY, RESERVED_KEY, bucket_of
-from tests.ops.test_slot_map import bucket_reference
+from tests.ops.slot_map.test_slot_map import bucket_reference
 
 
 class ReferenceMap:

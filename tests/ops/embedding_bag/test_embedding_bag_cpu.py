@@ -12,7 +12,7 @@ from recsys.ops.embedding_bag.cpu import backward_torch, pool_packed, pool_torch
 from recsys.ops.embedding_bag.layout import LookupPlan, TableLayout
 from recsys.ops.embedding_bag.pooled import embedding_bag_reference
 from recsys.train.step_audit import StepAudit  # tests may import the train layer
-from tests.ops.test_embedding_bag import as_float64, make_inputs
+from tests.ops.embedding_bag.test_embedding_bag import as_float64, make_inputs
 
 
 def _case(weighted: bool, mean: bool):
