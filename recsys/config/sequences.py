@@ -75,7 +75,7 @@ class SequenceModelConfig:
     """hstu with time_bias: the query's time in the time bias. ``own``: the query's event's;
     ``next``: the next event's (the one the query predicts), as Meta's research HSTU
     (``RelativeBucketedTimeAndPositionBasedBias``); a history's last event then uses its own
-    time, having no next one (``recsys.ops.jagged.attention``'s ``time_convention``)."""
+    time, having no next one (``recsys.ops.jagged_attention``'s ``time_convention``)."""
 
 
 @dataclass
