@@ -1,6 +1,7 @@
 """Cases of ``benchmarks/dynamic.py``: the key streams and the two id -> row maps it times
-(recsys's :class:`~recsys.embedding.slot_map.SlotMap`, TorchRec's ``MCHManagedCollisionModule``),
-and the four table treatments it trains on the drifting synthetic stream.
+(recsys's :class:`~recsys.embedding.dynamic.slot_map.SlotMap`, TorchRec's
+``MCHManagedCollisionModule``), and the four table treatments it trains on the drifting synthetic
+stream.
 
 See the docstring of ``benchmarks/dynamic.py`` for what each case measures.
 """
@@ -24,10 +25,10 @@ from recsys.build.models import build_model
 from recsys.config import Config, DynamicConfig
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.synthetic import SyntheticDataset
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.slot_map import SlotMap
 from recsys.embedding.interface import embedding_collections
-from recsys.embedding.slot_map import SlotMap
-from recsys.ops.slot_map import hash_keys
+from recsys.ops.slot_map.hash_map import hash_keys
 from recsys.train.optimizers import build_optimizers
 
 # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,11 @@ __all__ = ["MODULES", "PACKAGES", "STORE_CLASSES", "LmdbStore", "RocksStore", "S
 
 # the pip package each store needs (None: recsys only), and the module that loads its library
 PACKAGES = {"rocksdict": "rocksdict", "lmdb": "lmdb", "slot_file": None}
-MODULES = {"rocksdict": "rocksdict", "lmdb": "lmdb", "slot_file": "recsys.embedding.slot_map"}
+MODULES = {
+    "rocksdict": "rocksdict",
+    "lmdb": "lmdb",
+    "slot_file": "recsys.embedding.dynamic.slot_map",
+}
 SIGN_BIT = np.uint64(1 << 63)
 MIB = 1 << 20
 LMDB_OPTIONS = {"writemap": True, "sync": False, "metasync": False, "readahead": False}
@@ -178,7 +182,7 @@ class SlotFileStore:
     """A SlotMap index in memory over an mmapped file of fixed-size records."""
 
     def __init__(self, directory: str, record_bytes: int, num_keys: int) -> None:
-        from recsys.embedding.slot_map import SlotMap
+        from recsys.embedding.dynamic.slot_map import SlotMap
 
         self.path = os.path.join(directory, "records.bin")
         self.record_bytes = record_bytes

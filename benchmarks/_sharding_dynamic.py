@@ -8,7 +8,7 @@ collection under DMP.
   keys spread over the whole int64 range (negative ones included) like hashed raw features,
   and nothing of the ids' order reaches the routing. ``KEY_SEED`` is neither the routing's
   seed nor the slot map's.
-- **Tables.** A :class:`~recsys.embedding.dynamic.DynamicEmbeddingBagCollection` of the
+- **Tables.** A :class:`~recsys.embedding.dynamic.collection.DynamicEmbeddingBagCollection` of the
   recipe's tables, every table dynamic with ``DynamicTableOptions()``'s defaults (no cap: a
   table grows to keep its load under 0.75; buckets of 32 slots; 4096 routing buckets), starting
   with the table's cardinality in rows, fresh rows seeded by ``--seed``, Adagrad fused into
@@ -69,10 +69,10 @@ from benchmarks._sharding_torchrec import output_columns
 from recsys import EmbeddingBagConfig, KeyedJaggedTensor  # recsys quiets torchrec's import
 from recsys.distributed.plan import ShardingType, key_wise
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.optim import Adagrad
-from recsys.ops.slot_map import check_keys, hash_keys
+from recsys.ops.slot_map.hash_map import check_keys, hash_keys
 
 MCH = "torchrec_mch_dmp"
 KEY_SEED = 0xD1B54A32D192ED03  # any constant but the routing's and the slot map's seeds

@@ -1,4 +1,4 @@
-"""Benchmark HSTU jagged attention (``recsys.ops.jagged_attention``) against the padded
+"""Benchmark HSTU jagged attention (``recsys.ops.jagged.attention``) against the padded
 formulations a user would write instead, on the same jagged batch.
 
 Case: B sequences with Zipf-distributed lengths up to a maximum N (one sequence of length N,
@@ -52,7 +52,7 @@ from benchmarks._harness import (
     tflop_per_s,
     time_fns,
 )
-from recsys.ops.jagged_attention import jagged_attention
+from recsys.ops.jagged.attention import jagged_attention
 
 TOPIC = "attention"
 CSV_COLUMNS = (

@@ -99,10 +99,10 @@ from benchmarks._harness import (
 from recsys.build.models import build_model
 from recsys.config import Config, load_config
 from recsys.data.synthetic import SyntheticDataset
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
-from recsys.embedding.dynamic_table import DynamicTable
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.slot_map import SlotMap
+from recsys.embedding.dynamic.table import DynamicTable
 from recsys.embedding.interface import embedding_collections
-from recsys.embedding.slot_map import SlotMap
 from recsys.train.optimizers import build_optimizers
 
 TOPIC = "dynamic"

@@ -58,8 +58,8 @@ from benchmarks._harness import (
     time_fns,
     write_rows,
 )
-from recsys.ops.cross_interaction import cross_layer, cross_layer_low_rank, cross_layer_vector
-from recsys.ops.dot_interaction import dot_interaction
+from recsys.ops.interaction.cross import cross_layer, cross_layer_low_rank, cross_layer_vector
+from recsys.ops.interaction.dot import dot_interaction
 
 TOPIC = "interaction"
 NUM_FEATURES = 27

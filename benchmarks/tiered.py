@@ -4,8 +4,8 @@ sizes of 1%, 10% and 50% of the rows against the same tables held in memory.
 Every case trains ``recsys.models.DLRM`` (bottom MLP 13 -> 128 -> D, dot interaction, top MLP
 256 -> 128 -> 1; dense part under Adam, tables under the fused ``RowWiseAdagrad``) on the same
 synthetic log, in a subprocess of its own so that its peak RSS (``VmHWM``) is its own. The tiered
-cases run :class:`~recsys.embedding.tiered.TieredEmbeddingBagCollection` as the trainer does:
-``ebc.prefetch(next batch)`` after each forward, so the next batch's rows are prepared in the
+cases run :class:`~recsys.embedding.tiered.collection.TieredEmbeddingBagCollection` as the trainer
+does: ``ebc.prefetch(next batch)`` after each forward, so the next batch's rows are prepared in the
 background while this one trains.
 
 Modes:
@@ -43,8 +43,8 @@ The disk tier's pages live in the kernel's page cache, which is not the process'
 drops its mapping after every call); the notes give the RSS split at the end.
 
 The disk tier's mapping is advised ``MADV_RANDOM`` by recsys itself
-(``recsys.embedding.row_store.DiskRecords``): without it, page faults read around (8 MiB here)
-and tables larger than RAM thrash the page cache: 15-20 s a step.
+(``recsys.embedding.tiered.row_store.DiskRecords``): without it, page faults read around (8 MiB
+here) and tables larger than RAM thrash the page cache: 15-20 s a step.
 
 ``--device cuda`` runs the same cases with the cache (and the in-memory tables) and the dense
 layers on the GPU: the host tier's table is then pinned host memory, and the notes add the
@@ -76,7 +76,8 @@ from benchmarks._harness import append_csv, environment, format_table, load_note
 from benchmarks._tiered_data import NUM_DENSE, Batch, LogSpec, auc, make_batches
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import RowWiseAdagrad
-from recsys.embedding.tiered import StorageOptions, TieredEmbeddingBagCollection
+from recsys.embedding.tiered.collection import TieredEmbeddingBagCollection
+from recsys.embedding.tiered.options import StorageOptions
 from recsys.models import DLRM
 
 TOPIC = "tiered"

@@ -308,9 +308,10 @@ def launched_kernels() -> set[tuple[str, str]]:
     """(module, name) of every kernel ``recsys/ops`` launches (``name[grid](...)`` in its
     source): what the recording must cover."""
     found = set()
-    for path in (_ROOT / "recsys" / "ops").glob("*.py"):
+    for path in (_ROOT / "recsys" / "ops").rglob("*.py"):
+        module = ".".join(path.relative_to(_ROOT).with_suffix("").parts)
         for name in set(re.findall(r"\b(_\w+_kernel)\[", path.read_text())):
-            found.add((f"recsys.ops.{path.stem}", name))
+            found.add((module, name))
     return found
 
 

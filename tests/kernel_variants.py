@@ -58,8 +58,10 @@ def exact_fp32_dot(variant: dict[str, Any]) -> bool:
 # through several tuners. fused_mlp._forward: exact fp32 on the FMA tiles, the rest (bf16,
 # fp16, fp32 as TF32) on the tensor-core tiles.
 TUNER_RULES: dict[str, Callable[[dict[str, Any]], bool]] = {
-    "recsys.ops.fused_mlp._forward_kernel_fma": exact_fp32_dot,
-    "recsys.ops.fused_mlp._forward_kernel_tuned": lambda variant: not exact_fp32_dot(variant),
+    "recsys.ops.mlp.fused_linear._forward_kernel_fma": exact_fp32_dot,
+    "recsys.ops.mlp.fused_linear._forward_kernel_tuned": lambda variant: not exact_fp32_dot(
+        variant
+    ),
 }
 
 
@@ -72,7 +74,7 @@ def autotuners() -> dict[tuple[str, str], dict[str, Any]]:
     import recsys.ops
 
     found: dict[tuple[str, str], dict[str, Any]] = {}
-    for module_info in pkgutil.iter_modules(recsys.ops.__path__, "recsys.ops."):
+    for module_info in pkgutil.walk_packages(recsys.ops.__path__, "recsys.ops."):
         module = importlib.import_module(module_info.name)
         for name, value in vars(module).items():
             if isinstance(value, autotuner.Autotuner):
@@ -204,11 +206,11 @@ class SpillAllowance:
     reason: str
 
 
-_FMA = "recsys.ops.fused_mlp._forward_kernel_fma"
-_TENSOR_CORES = "recsys.ops.fused_mlp._forward_kernel_tuned"
+_FMA = "recsys.ops.mlp.fused_linear._forward_kernel_fma"
+_TENSOR_CORES = "recsys.ops.mlp.fused_linear._forward_kernel_tuned"
 SPILLS_ALLOWED: tuple[SpillAllowance, ...] = (
     SpillAllowance(
-        "recsys.ops.fused_mlp._forward_kernel",
+        "recsys.ops.mlp.fused_linear._forward_kernel",
         {"tuner": _TENSOR_CORES},
         "a tensor-core autotune candidate: the tuner times every config on the GPU and keeps the "
         "fastest, so a config that spills costs its compile time (compile_s), not the run. The "
@@ -217,14 +219,14 @@ SPILLS_ALLOWED: tuple[SpillAllowance, ...] = (
         "rows not 16-byte aligned, least for relu without dropout",
     ),
     SpillAllowance(
-        "recsys.ops.fused_mlp._forward_kernel",
+        "recsys.ops.mlp.fused_linear._forward_kernel",
         {"tuner": _FMA, "DROPOUT": True},
         "an FMA autotune candidate with dropout (at most 80 B): tl.rand over the tile's int64 "
         "element offsets on top of the FMA operands; the same tiles without dropout do not "
         "spill, and the tuner keeps the fastest config",
     ),
     SpillAllowance(
-        "recsys.ops.fused_mlp._backward_kernel",
+        "recsys.ops.mlp.fused_linear._backward_kernel",
         {"ACTIVATION": "gelu", "DROPOUT": True},
         "16 B on sm_80 only (168 registers; none on sm_90): the 64-bit addresses of four "
         "[32, 64] tiles (dy, z, mask bytes, dz) live together with erf's polynomial",

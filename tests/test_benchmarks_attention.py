@@ -8,7 +8,7 @@ import csv
 import torch
 
 from benchmarks.attention import CSV_COLUMNS, Case, main, padded_hstu, zipf_lengths
-from recsys.ops.jagged_attention import jagged_attention_reference
+from recsys.ops.jagged.attention import jagged_attention_reference
 
 
 def test_the_padded_eager_provider_is_hstu_attention():

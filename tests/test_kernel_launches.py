@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 import triton.runtime.autotuner as autotuner
 
-import recsys.ops.fused_mlp as fused_mlp
-from recsys.ops.fused_mlp import fused_linear_with_mask
+import recsys.ops.mlp.fused_linear as fused_mlp
+from recsys.ops.mlp.fused_linear import fused_linear_with_mask
 from tests.kernel_launches import (
     compile_failures,
     compile_in_subprocess,
@@ -121,10 +121,10 @@ def _config_tiles(tuner) -> set[tuple]:
 
 
 def test_autotuned_kernels_expand_into_every_config_of_the_launchers_tuner():
-    tuners = autotuners()[("recsys.ops.fused_mlp", "_forward_kernel")]
+    tuners = autotuners()[("recsys.ops.mlp.fused_linear", "_forward_kernel")]
     fma, tensor_core = (
-        "recsys.ops.fused_mlp._forward_kernel_fma",
-        "recsys.ops.fused_mlp._forward_kernel_tuned",
+        "recsys.ops.mlp.fused_linear._forward_kernel_fma",
+        "recsys.ops.mlp.fused_linear._forward_kernel_tuned",
     )
     assert set(tuners) == {fma, tensor_core}
     for dtype in (torch.float32, torch.bfloat16):
@@ -170,7 +170,7 @@ def test_tuner_rules_pick_the_tuner_the_launcher_picks(dtype, allow_tf32, monkey
     monkeypatch.setattr(autotuner.Autotuner, "run", record_tuner)
     fused_linear_with_mask(torch.randn(4, 16).to(dtype), torch.randn(16, 16).to(dtype))
     ((tuner, variant),) = launched
-    tuners = autotuners()[("recsys.ops.fused_mlp", "_forward_kernel")]
+    tuners = autotuners()[("recsys.ops.mlp.fused_linear", "_forward_kernel")]
     (name,) = [name for name, each in tuners.items() if each is tuner]
     assert tuner_for(variant, tuners) == name
     assert exact_fp32_dot(variant) == (dtype == torch.float32 and not allow_tf32)

@@ -19,7 +19,7 @@ from recsys._suggest import quoted_with_hints
 from recsys.config import DynamicConfig
 from recsys.data.batch import DatasetSpec
 from recsys.distributed.ranks import all_gather
-from recsys.embedding.dynamic_table import DynamicTable, DynamicTableOptions
+from recsys.embedding.dynamic.table import DynamicTable, DynamicTableOptions
 from recsys.embedding.interface import embedding_collections
 
 __all__ = [

@@ -41,11 +41,11 @@ from recsys.build.tiered_tables import storage_options
 from recsys.config import ModelConfig, TrainConfig
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
 from recsys.embedding.interface import embedding_collections
 from recsys.embedding.optim import OPTIMIZERS as FUSED_OPTIMIZERS
 from recsys.embedding.optim import FusedOptimizer
-from recsys.embedding.tiered import TieredEmbeddingBagCollection
+from recsys.embedding.tiered.collection import TieredEmbeddingBagCollection
 from recsys.models import (
     DCN,
     DLRM,

@@ -25,10 +25,10 @@ from recsys.build.dynamic_tables import dynamic_features, dynamic_options
 from recsys.build.tiered_tables import storage_options
 from recsys.config import ModelConfig
 from recsys.data.batch import DatasetSpec
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import DATA_TYPE_NAMES
-from recsys.embedding.tiered import StorageOptions
+from recsys.embedding.tiered.options import StorageOptions
 from recsys.embedding.unpooled import EmbeddingCollection
 from recsys.embedding.unpooled_tables import DynamicEmbeddingCollection, TieredEmbeddingCollection
 from recsys.models.hstu import HSTU

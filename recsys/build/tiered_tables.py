@@ -20,13 +20,10 @@ from recsys.build.dynamic_tables import parse_overrides
 from recsys.config import StorageConfig
 from recsys.distributed.ranks import all_gather
 from recsys.embedding.interface import embedding_collections
-from recsys.embedding.row_store import DiskRecords, FixedStore
-from recsys.embedding.tiered import (
-    TIERS,
-    StorageOptions,
-    TieredEmbeddingBagCollection,
-    TieredTables,
-)
+from recsys.embedding.tiered.collection import TieredEmbeddingBagCollection
+from recsys.embedding.tiered.mixin import TieredTables
+from recsys.embedding.tiered.options import TIERS, StorageOptions
+from recsys.embedding.tiered.row_store import DiskRecords, FixedStore
 
 __all__ = [
     "TIERED_DIR",

@@ -83,7 +83,7 @@ from torch import nn
 from recsys._files import file_checksum
 from recsys.checkpoint.io import checkpoint_step, load_model, resolve_checkpoint
 from recsys.checkpoint.lineage import Lineage, divergence, read_lineage
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
 from recsys.embedding.interface import TableDelta, embedding_collections
 
 __all__ = [

@@ -55,7 +55,7 @@ from recsys.checkpoint.lineage import LINEAGE_FILE, Lineage
 from recsys.config import Config, load_config, to_toml
 from recsys.data.batch import DatasetSpec
 from recsys.distributed.ranks import all_gather, barrier, from_first_rank, is_distributed
-from recsys.embedding.dynamic_table import load_every_key
+from recsys.embedding.dynamic.table import load_every_key
 from recsys.embedding.interface import state_to_load
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")

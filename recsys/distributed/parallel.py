@@ -25,14 +25,14 @@ from recsys.distributed.replicas import replica_groups
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.distributed.sharded_sequence import ShardedEmbeddingCollection
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.embedding.dynamic import DynamicTables
-from recsys.embedding.dynamic_table import UNCAPPED
+from recsys.embedding.dynamic.mixin import DynamicTables
+from recsys.embedding.dynamic.table import UNCAPPED
 from recsys.embedding.interface import (
     EmbeddingCollectionInterface,
     embedding_collections,
     state_prefix,
 )
-from recsys.embedding.tiered import TieredTables
+from recsys.embedding.tiered.mixin import TieredTables
 from recsys.embedding.unpooled import EmbeddingCollection
 from recsys.embedding.unpooled_tables import DynamicEmbeddingCollection, TieredEmbeddingCollection
 

@@ -13,7 +13,7 @@ table's rows x columns on one rank:
   pools the ids it owns; the partial sums are added up at the sample's rank.
 - ``COLUMN_WISE``: columns split into pieces, each piece (all rows) on a different rank.
 - ``KEY_WISE``: a dynamic table (raw 64-bit keys) split over ranks by a hash of the key: of its
-  fixed number of global routing buckets (:mod:`recsys.embedding.key_routing`), shard j of n
+  fixed number of global routing buckets (:mod:`recsys.embedding.dynamic.key_routing`), shard j of n
   owns the contiguous range ``[j * buckets // n, (j + 1) * buckets // n)``; each shard's rank
   runs its own id -> slot map for those keys. A shard's rows are the most keys it may hold (its
   share of the table's cap), which the planner budgets; like ROW_WISE, each rank pools the

@@ -7,8 +7,8 @@ gradient per touched row (no gradient the size of a table) and hands the rows to
 :meth:`ReplicatedTables.exchange`: one all-gather of every rank's touched rows and their
 gradients (after one of their counts), summed per row in rank order and divided by the world
 size; then every rank applies the same update to the same rows, one
-:func:`recsys.ops.row_update.update_rows` per dim group (the torch backend's own), so the
-replicas stay equal. Where the sharded collection exchanges ids, each rank counts the distinct
+:func:`recsys.ops.embedding_bag.row_update.update_rows` per dim group (the torch backend's own), so
+the replicas stay equal. Where the sharded collection exchanges ids, each rank counts the distinct
 rows its batch touches before the input dist (:meth:`ReplicatedTables.count_rows`, on the
 device) and the counts travel with the input dist's (one host read for both): the backward's
 reduction and the all-gather then read no size on the host (:class:`TouchedRows`).
@@ -30,7 +30,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from recsys.distributed.comm import CommStats, ReceivedIds
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import FusedOptimizer
-from recsys.ops.embedding_bag_layout import TableLayout, sorted_segments
+from recsys.ops.embedding_bag.layout import TableLayout, sorted_segments
 
 # Replicated tables of at most this many rows send which rows they touch as a bitmap with the
 # input dist's counts (rows / 8 bytes per destination), so the union is known before backward.

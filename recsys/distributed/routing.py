@@ -13,7 +13,7 @@ Vocabulary (every rank builds the same tables):
   nowhere.
 
 A key-wise (dynamic) table's id is a raw key: its owner is the shard whose range holds the key's
-routing bucket (:mod:`recsys.embedding.key_routing`), and it travels unchanged.
+routing bucket (:mod:`recsys.embedding.dynamic.key_routing`), and it travels unchanged.
 
 Shapes: F features of the collection, B samples on this rank, L ids in the batch, W ranks.
 """
@@ -28,7 +28,7 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from recsys.distributed.assembly import PooledAssembly
 from recsys.distributed.plan import Shard, ShardingType, TableSharding, row_block
-from recsys.embedding.key_routing import KeyRouting, routing_bucket
+from recsys.embedding.dynamic.key_routing import KeyRouting, routing_bucket
 
 # Sharding types whose every id has one owner among several shards (partial sums come back).
 _ONE_OWNER = (ShardingType.ROW_WISE, ShardingType.KEY_WISE)

@@ -11,9 +11,10 @@ From the ``meta`` device nothing is ever held whole:
   is applied to each shard as it is; a DATA_PARALLEL table takes its ``init_fn`` on rank 0,
   broadcast);
 - a dynamic table starts empty (keys get their rows as they arrive);
-- a tiered table's shard is a :class:`~recsys.embedding.tiered.TieredEmbeddingBagCollection` of
-  this rank's rows or keys, in its own store (a disk tier's files under ``<path>/rank<r>``),
-  whose rows start lazily from the same (seed, table, row or key) function.
+- a tiered table's shard is a
+  :class:`~recsys.embedding.tiered.collection.TieredEmbeddingBagCollection` of this rank's rows or
+  keys, in its own store (a disk tier's files under ``<path>/rank<r>``), whose rows start lazily
+  from the same (seed, table, row or key) function.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ from recsys.distributed.plan import Shard, ShardingType, TableSharding, check_ta
 from recsys.distributed.sharded_dynamic import owner_test
 from recsys.distributed.sharded_state import shard_of
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
-from recsys.embedding.dynamic_table import UNCAPPED, DynamicTableOptions
-from recsys.embedding.key_routing import KeyRouting
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.key_routing import KeyRouting
+from recsys.embedding.dynamic.table import UNCAPPED, DynamicTableOptions
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.row_init import fill_initial_rows, table_seed, uniform_bound
-from recsys.embedding.row_store import store_directory
-from recsys.embedding.tiered import RowBlock, TieredEmbeddingBagCollection
-from recsys.embedding.tiered_files import TablePart
+from recsys.embedding.tiered.collection import TieredEmbeddingBagCollection
+from recsys.embedding.tiered.files import TablePart
+from recsys.embedding.tiered.options import RowBlock
+from recsys.embedding.tiered.row_store import store_directory
 
 __all__ = ["build_shards", "checked_plan", "dynamic_parts", "shard_config", "tiered_of"]
 

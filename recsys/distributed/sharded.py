@@ -17,10 +17,10 @@
   all-to-all), then divided by the bag length for mean pooling.
 
 KEY_WISE tables are dynamic (raw 64-bit keys, no vocabulary): input_dist sends each key to the
-rank owning its routing bucket (:mod:`recsys.embedding.key_routing`), where a
-:class:`~recsys.embedding.dynamic.DynamicEmbeddingBagCollection` maps it to a row (inserting,
-growing, evicting) and the fused optimizer updates it; pooled partial sums come back as for
-ROW_WISE. Their state is saved by key (:mod:`recsys.distributed.sharded_dynamic`), and loads on
+rank owning its routing bucket (:mod:`recsys.embedding.dynamic.key_routing`), where a
+:class:`~recsys.embedding.dynamic.collection.DynamicEmbeddingBagCollection` maps it to a row
+(inserting, growing, evicting) and the fused optimizer updates it; pooled partial sums come back as
+for ROW_WISE. Their state is saved by key (:mod:`recsys.distributed.sharded_dynamic`), and loads on
 any number of ranks.
 
 ``prefetch_input`` runs input_dist ahead, for a forward that then starts at compute (the
@@ -101,13 +101,13 @@ from recsys.distributed.sharded_state import (
     logical_state,
 )
 from recsys.embedding.collection import EmbeddingBagCollection, EmbeddingTable
-from recsys.embedding.dynamic import DYNAMIC, DYNAMIC_STEP
+from recsys.embedding.dynamic.key_routing import KeyRouting
+from recsys.embedding.dynamic.mixin import DYNAMIC, DYNAMIC_STEP
 from recsys.embedding.inputs import FeatureOrder, input_weights
 from recsys.embedding.interface import EmbeddingCollectionInterface, SavedState, TableDelta
-from recsys.embedding.key_routing import KeyRouting
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import output_keys, pooling_mode
-from recsys.embedding.tiered_files import TieredFiles
+from recsys.embedding.tiered.files import TieredFiles
 from recsys.ops.input_checks import check_mode
 
 
@@ -280,8 +280,8 @@ class ShardedEmbeddingBagCollection(EmbeddingCollectionInterface):
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """For tiered tables: :meth:`prefetch_input`, whose ids then go to this rank's tiered
-        shards (:meth:`~recsys.embedding.tiered.TieredEmbeddingBagCollection.prefetch`), so
-        their rows come into the cache while the batch before trains. A collective."""
+        shards (:meth:`~recsys.embedding.tiered.collection.TieredEmbeddingBagCollection.prefetch`),
+        so their rows come into the cache while the batch before trains. A collective."""
         self.prefetch_input(features)
 
     def drop_prefetched(self) -> None:

@@ -1,9 +1,9 @@
 """A sharded collection's KEY_WISE (dynamic) tables in the logical layout: the state a
-single-process :class:`~recsys.embedding.dynamic.DynamicEmbeddingBagCollection` saves, whatever
-the number of ranks.
+single-process :class:`~recsys.embedding.dynamic.collection.DynamicEmbeddingBagCollection` saves,
+whatever the number of ranks.
 
 A dynamic table saves its keys' rows ordered by (routing bucket, key), with the number of keys
-per routing bucket (``dynamic.<t>.bucket_counts``; see :mod:`recsys.embedding.key_routing`).
+per routing bucket (``dynamic.<t>.bucket_counts``; see :mod:`recsys.embedding.dynamic.key_routing`).
 Shard j of a KEY_WISE table owns a contiguous range of routing buckets, so its keys are one
 contiguous range of those rows:
 
@@ -37,10 +37,10 @@ from torch.distributed._shard.sharded_tensor import (
 )
 
 from recsys.distributed.sharded_state import ShardedCollection
-from recsys.embedding.dynamic import DYNAMIC
-from recsys.embedding.dynamic_table import KEYED, PER_BUCKET, PER_PART
+from recsys.embedding.dynamic.key_routing import KeyRouting, bucket_ranges, decode_layout
+from recsys.embedding.dynamic.mixin import DYNAMIC
+from recsys.embedding.dynamic.table import KEYED, PER_BUCKET, PER_PART
 from recsys.embedding.interface import TABLES, UNPOOLED_TABLES, SavedState
-from recsys.embedding.key_routing import KeyRouting, bucket_ranges, decode_layout
 
 ROWS = "bucket_counts"  # the counts that split a table's rows (and its keys)
 # Per-bucket counts -> the per-key tensor whose length they sum to.

@@ -29,8 +29,8 @@ from recsys.distributed.comm import PendingIds
 from recsys.distributed.counts import PendingCounts
 from recsys.distributed.replicated import TouchedRows
 from recsys.distributed.routing import RoutedIds
-from recsys.ops.embedding_bag import validate_inputs
-from recsys.ops.slot_map import RESERVED_KEY, check_keys
+from recsys.ops.embedding_bag.pooled import validate_inputs
+from recsys.ops.slot_map.hash_map import RESERVED_KEY, check_keys
 
 
 @dataclass(frozen=True)

@@ -50,11 +50,11 @@ from recsys.distributed.plan import TableSharding
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.distributed.sharded_dynamic import pooled_key
 from recsys.embedding.collection import EmbeddingBagCollection
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
 from recsys.embedding.inputs import FeatureOrder, input_weights
 from recsys.embedding.interface import UNPOOLED_TABLES
 from recsys.embedding.tables import output_keys
-from recsys.embedding.tiered import TieredEmbeddingBagCollection
+from recsys.embedding.tiered.collection import TieredEmbeddingBagCollection
 from recsys.embedding.unpooled import EmbeddingCollection
 from recsys.embedding.unpooled_tables import DynamicEmbeddingCollection, TieredEmbeddingCollection
 
@@ -70,10 +70,10 @@ def pooled_twin(module: EmbeddingCollection) -> EmbeddingBagCollection:
     table of the same rows (values, optimizer and its state) read by one feature
     (:func:`bag_feature`); of the collection's kind: a
     :class:`~recsys.embedding.unpooled_tables.DynamicEmbeddingCollection` becomes a
-    :class:`~recsys.embedding.dynamic.DynamicEmbeddingBagCollection` with the same options,
-    seed and keys, a :class:`~recsys.embedding.unpooled_tables.TieredEmbeddingCollection` (on
-    ``meta``) a :class:`~recsys.embedding.tiered.TieredEmbeddingBagCollection` with the same
-    storage, dynamic options and seed.
+    :class:`~recsys.embedding.dynamic.collection.DynamicEmbeddingBagCollection` with the same
+    options, seed and keys, a :class:`~recsys.embedding.unpooled_tables.TieredEmbeddingCollection`
+    (on ``meta``) a :class:`~recsys.embedding.tiered.collection.TieredEmbeddingBagCollection` with
+    the same storage, dynamic options and seed.
 
     Raises:
         ValueError: not an unpooled recsys collection, or a tiered one off the meta device."""

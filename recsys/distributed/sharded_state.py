@@ -34,8 +34,8 @@ from torchrec import EmbeddingBagConfig
 from recsys.distributed.plan import Shard, TableSharding
 from recsys.distributed.replicated import ReplicatedTables
 from recsys.embedding.collection import EmbeddingBagCollection, EmbeddingTable
+from recsys.embedding.dynamic.key_routing import KeyRouting
 from recsys.embedding.interface import OPTIMIZER_STEP, WEIGHT
-from recsys.embedding.key_routing import KeyRouting
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import table_dtype
 

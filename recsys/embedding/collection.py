@@ -3,7 +3,7 @@
 The constructor, ``forward(KeyedJaggedTensor) -> KeyedTensor`` and the state_dict keys
 (``embedding_bags.<table>.weight``) are TorchRec's, so a TorchRec model switches by changing one
 import and checkpoints load both ways. All tables are looked up by one call of
-:func:`recsys.ops.embedding_bag.embedding_bag`.
+:func:`recsys.ops.embedding_bag.pooled.embedding_bag`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.packed import EmbeddingTable, PackedTables, RowExchange
 from recsys.embedding.tables import check_table_config, output_keys, pooling_mode
 from recsys.ops._triton import accumulate_dtype
-from recsys.ops.embedding_bag import (
+from recsys.ops.embedding_bag.cpu import pool_torch
+from recsys.ops.embedding_bag.pooled import (
     FusedUpdate,
     LookupPlan,
     choose_backend,
     table_batched_embedding_bag,
 )
-from recsys.ops.embedding_bag_cpu import pool_torch
 
 __all__ = ["EmbeddingBagCollection", "EmbeddingTable", "RowExchange", "TracedLookup"]
 

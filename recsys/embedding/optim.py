@@ -41,13 +41,13 @@ from typing import ClassVar
 import torch
 
 # The Triton kernels dispatch on these codes (a tl.constexpr); ops owns them, as the kernels do.
-from recsys.ops.embedding_bag_layout import ADAGRAD_CODE, ADAM_CODE, ROWWISE_ADAGRAD_CODE, SGD_CODE
+from recsys.ops.embedding_bag.layout import ADAGRAD_CODE, ADAM_CODE, ROWWISE_ADAGRAD_CODE, SGD_CODE
 
 
 @dataclass
 class FusedOptimizer:
     """Base class: hyperparameters, state layout and the reference update (what the embedding
-    bag's backends apply, :class:`recsys.ops.embedding_bag_layout.RowOptimizer`)."""
+    bag's backends apply, :class:`recsys.ops.embedding_bag.layout.RowOptimizer`)."""
 
     lr: float
     weight_decay: float = 0.0

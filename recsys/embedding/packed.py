@@ -1,5 +1,5 @@
 """The packed table store both embedding collections are built on: every table of a collection
-in one flat buffer (a :class:`recsys.ops.embedding_bag.TableLayout`), each table's weight a
+in one flat buffer (a :class:`recsys.ops.embedding_bag.pooled.TableLayout`), each table's weight a
 view of it, and a fused optimizer's state in flat buffers beside it.
 
 :class:`PackedTables` owns that storage (building it, binding the views, repacking after a
@@ -21,7 +21,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from recsys.embedding.interface import EmbeddingCollectionInterface
 from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.tables import table_dtype
-from recsys.ops.embedding_bag import LookupPlan, TableLayout
+from recsys.ops.embedding_bag.pooled import LookupPlan, TableLayout
 from recsys.ops.input_checks import check_mode
 
 # (sorted touched rows [U], their reduced gradients [U, D]) -> the rows and gradients to apply.

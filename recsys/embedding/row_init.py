@@ -12,7 +12,7 @@ drawn from a counter-based generator keyed by the key itself::
 
 with ``table_seed = mix64(seed * GOLDEN ^ crc32(table name))`` (the table's name, not its
 position, so adding a table changes no other table's rows) and ``mix64`` the splitmix64
-finalizer of :mod:`recsys.ops.slot_map`. ``bound`` defaults to TorchRec's default init,
+finalizer of :mod:`recsys.ops.slot_map.hash_map`. ``bound`` defaults to TorchRec's default init,
 ``sqrt(1 / num_embeddings)``.
 
 Fixed tables built on the ``meta`` device and materialized shard by shard (under torchrun) start
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from recsys.ops.slot_map import mix64
+from recsys.ops.slot_map.hash_map import mix64
 
 __all__ = ["fill_initial_rows", "initial_rows", "table_seed", "uniform_bound"]
 

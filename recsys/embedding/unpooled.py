@@ -4,7 +4,7 @@ per id) on the embedding bag's packed tables, kernels and fused optimizers.
 The constructor, ``forward(KeyedJaggedTensor) -> Dict[str, JaggedTensor]`` and the state dict
 keys (``embeddings.<table>.weight``) are TorchRec's, so a TorchRec sequence model switches by
 changing one import and checkpoints load both ways. All features are looked up by one call of
-:func:`recsys.ops.embedding_lookup.table_batched_embedding_lookup` (a pooled lookup whose bags
+:func:`recsys.ops.embedding_bag.lookup.table_batched_embedding_lookup` (a pooled lookup whose bags
 hold one id each), so a fused optimizer updates the touched rows inside backward with
 duplicates reduced first, as in :class:`recsys.EmbeddingBagCollection`.
 """
@@ -21,8 +21,8 @@ from recsys.embedding.optim import FusedOptimizer
 from recsys.embedding.packed import PackedTables
 from recsys.embedding.tables import TABLE_DTYPES, output_keys
 from recsys.ops._triton import accumulate_dtype
-from recsys.ops.embedding_bag import FusedUpdate
-from recsys.ops.embedding_lookup import LookupGroups, table_batched_embedding_lookup
+from recsys.ops.embedding_bag.lookup import LookupGroups, table_batched_embedding_lookup
+from recsys.ops.embedding_bag.pooled import FusedUpdate
 
 
 class EmbeddingCollection(PackedTables):

@@ -4,12 +4,12 @@ maps, caches and stores in front of the same packed buffers, fused lookup and fu
 (one vector per id instead of one per bag).
 
 - :class:`DynamicEmbeddingCollection`: tables keyed by any int64 id, growing as training brings
-  new keys (:mod:`recsys.embedding.dynamic`). Keys without a row (outside training, or not
-  admitted yet) read the zero row and take no update. ``live_keys(table)`` lists the keys a
+  new keys (:mod:`recsys.embedding.dynamic.collection`). Keys without a row (outside training, or
+  not admitted yet) read the zero row and take no update. ``live_keys(table)`` lists the keys a
   table holds: a retrieval model's item corpus.
 - :class:`TieredEmbeddingCollection`: tables in host memory or on disk behind a cache
-  (:mod:`recsys.embedding.tiered`). A lookup outside training with more distinct ids than a
-  cache holds is looked up in runs of ids that fit (each id's vector is its row alone).
+  (:mod:`recsys.embedding.tiered.collection`). A lookup outside training with more distinct ids than
+  a cache holds is looked up in runs of ids that fit (each id's vector is its row alone).
 
 Both train bitwise like a fixed :class:`EmbeddingCollection` holding the same rows, and save
 their state as their pooled twins do (keys and rows in key order; tiered rows streamed), under
@@ -34,10 +34,11 @@ import itertools
 import torch
 from torchrec import EmbeddingConfig, KeyedJaggedTensor
 
-from recsys.embedding.dynamic import DynamicTables, keyed_tables
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic.mixin import DynamicTables, keyed_tables
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.optim import FusedOptimizer
-from recsys.embedding.tiered import RowBlock, StorageOptions, TieredTables, tiered_layout
+from recsys.embedding.tiered.mixin import TieredTables
+from recsys.embedding.tiered.options import RowBlock, StorageOptions, tiered_layout
 from recsys.embedding.unpooled import EmbeddingCollection
 from recsys.ops._triton import accumulate_dtype
 
@@ -81,8 +82,8 @@ class DynamicEmbeddingCollection(DynamicTables, EmbeddingCollection):
 
 class TieredEmbeddingCollection(TieredTables, EmbeddingCollection):
     """An :class:`EmbeddingCollection` whose tables may live in host memory or on disk behind a
-    cache (arguments as :class:`~recsys.embedding.tiered.TieredEmbeddingBagCollection`'s, with
-    ``need_indices`` as EmbeddingCollection's)."""
+    cache (arguments as :class:`~recsys.embedding.tiered.collection.TieredEmbeddingBagCollection`'s,
+    with ``need_indices`` as EmbeddingCollection's)."""
 
     def __init__(
         self,

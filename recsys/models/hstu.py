@@ -17,12 +17,12 @@ halves, each a table learned per block: with ``relative_bias`` the position half
 (:data:`TIME_BUCKETS` + 1 entries, one per bucket ``floor(log(|t_i - t_j|) / 0.301)`` of the
 time between the query's event and the key's, in seconds: the research HSTU's bucketing; with
 ``time_convention="next"`` the query's time is that of the event after it, the one it
-predicts, as in Meta's research HSTU: see ``recsys.ops.jagged_attention``).
+predicts, as in Meta's research HSTU: see ``recsys.ops.jagged.attention``).
 A model with the time half needs each event's time: ``forward(history, max_length,
 candidates, times)`` with ``times`` [sum L] aligned with the history's ids (a
 :class:`~recsys.data.sequence_batches.SequenceBatch` carries them as ``times``), and its
 exported program takes them as a third input.
-The attention runs on ``recsys.ops.jagged_attention``: its Triton kernels on CUDA, the padded
+The attention runs on ``recsys.ops.jagged.attention``: its Triton kernels on CUDA, the padded
 torch path on CPU (``backend``).
 """
 
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recsys.models.sequence import CANDIDATES, HISTORY, Events, SequenceEncoder
-from recsys.ops.jagged_attention import TIME_CONVENTIONS, jagged_attention
+from recsys.ops.jagged.attention import TIME_CONVENTIONS, jagged_attention
 
 __all__ = ["CANDIDATES", "HISTORY", "HSTU", "TIME_BUCKETS", "HSTUBlock"]
 
@@ -48,7 +48,7 @@ bucket 0."""
 class HSTUBlock(nn.Module):
     """One HSTU block on jagged rows x [T, D] (the module docstring's equations); with
     ``num_targets`` [B] the last rows of each sequence are targets (see
-    ``recsys.ops.jagged_attention``). ``position_bias_len``: 0 or the 2N - 1 rows of the
+    ``recsys.ops.jagged.attention``). ``position_bias_len``: 0 or the 2N - 1 rows of the
     relative position bias for sequences of up to N rows; ``time_bias_len``: 0 or the rows of
     the time bias (:data:`TIME_BUCKETS` + 1), which needs ``timestamps`` [T] in forward;
     ``time_convention``: its query's time (``jagged_attention``'s)."""

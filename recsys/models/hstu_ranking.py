@@ -27,8 +27,8 @@ from torchrec import KeyedJaggedTensor
 
 from recsys.models.hstu import HSTUBlock
 from recsys.models.sequence import CANDIDATES, HISTORY
-from recsys.ops.jagged_concat import jagged_concat, jagged_split
-from recsys.ops.jagged_dense_add import jagged_dense_add
+from recsys.ops.jagged.concat import jagged_concat, jagged_split
+from recsys.ops.jagged.dense_add import jagged_dense_add
 
 __all__ = ["HSTURanking"]
 

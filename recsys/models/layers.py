@@ -14,14 +14,14 @@ from torchrec import KeyedJaggedTensor
 
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.ops._triton import BACKENDS
-from recsys.ops.cross_interaction import cross_layer, cross_layer_low_rank, cross_layer_vector
-from recsys.ops.dot_interaction import PAIR_ORDERS, PairOrder, dot_interaction, output_width
-from recsys.ops.fused_mlp import ACTIVATIONS, fused_linear
+from recsys.ops.interaction.cross import cross_layer, cross_layer_low_rank, cross_layer_vector
+from recsys.ops.interaction.dot import PAIR_ORDERS, PairOrder, dot_interaction, output_width
+from recsys.ops.mlp.fused_linear import ACTIVATIONS, fused_linear
 
 
 class FusedMLP(nn.Module):
     """Stack of Linear + activation (+ dropout) layers, each one fused kernel on CUDA
-    (``recsys.ops.fused_mlp.fused_linear``); plain torch ops on CPU.
+    (``recsys.ops.mlp.fused_linear.fused_linear``); plain torch ops on CPU.
 
     Parameters are ``nn.Linear`` layers with their default init in ``self.layers``, so the
     state_dict keys are ``layers.<i>.weight`` / ``layers.<i>.bias``.
@@ -100,7 +100,7 @@ class DotInteraction(nn.Module):
     """DLRM feature interaction: pairwise dot products of the dense vector and the embeddings.
 
     T = [x; e_1; ...; e_F] is [B, F+1, D]; the output is [x | <T_i, T_j> for each pair | zero
-    padding], [B, W] with W = :meth:`output_size`. Runs ``recsys.ops.dot_interaction`` (Triton
+    padding], [B, W] with W = :meth:`output_size`. Runs ``recsys.ops.interaction.dot`` (Triton
     on CUDA: no [B, F+1, F+1] tensor in memory, forward or backward).
 
     Args:
@@ -202,7 +202,7 @@ class ProductLayer(nn.Module):
     and the quadratic signal p of the feature pairs, concatenated: ``[z | p]`` [B, W].
 
     - ``"inner"`` (IPNN): <e_i, e_j> for each pair i < j, F(F-1)/2 values, by
-      ``recsys.ops.dot_interaction`` (TorchRec's pair order; Triton on CUDA).
+      ``recsys.ops.interaction.dot`` (TorchRec's pair order; Triton on CUDA).
     - ``"outer"`` (OPNN with the paper's superposition): p = s s^T with s = sum_f e_f [B, D].
       p is symmetric, so only its upper triangle with the diagonal is kept, D(D+1)/2 values:
       the next linear layer's weights over them are the paper's W_p (a weight on p[i, j] and

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from recsys.ops.jagged_dense_add import jagged_dense_add
+from recsys.ops.jagged.dense_add import jagged_dense_add
 
 __all__ = ["CANDIDATES", "HISTORY", "Events", "SequenceEncoder"]
 

@@ -7,7 +7,7 @@ environment variable ``RECSYS_BACKEND``) picks:
 - CPU tensors: the op's measured-faster CPU path where it can serve the call, else the torch
   path. The embedding bag has one: ``"fbgemm"``, FBGEMM's C++ fused-optimizer backward
   (fbgemm-gpu-cpu) behind the torch forward, for SGD / Adagrad / RowWiseAdagrad on fp32 tables
-  of one dim and one pooling (``recsys.ops.embedding_bag.fbgemm_unsupported`` says why not
+  of one dim and one pooling (``recsys.ops.embedding_bag.pooled.fbgemm_unsupported`` says why not
   otherwise). ``benchmarks/embedding_bag.py`` measured its fused backward several times
   faster than the torch path's sort + ``F.embedding_bag`` reduction + ``index_copy_`` update.
 

@@ -3,10 +3,10 @@
 uses, through a bounded in-memory cache of hot rows.
 
 Per tiered table, :class:`CachedTables` keeps every row of the export's checkpoint in a
-:class:`~recsys.embedding.row_store.FixedStore` / :class:`~recsys.embedding.row_store.
+:class:`~recsys.embedding.tiered.row_store.FixedStore` / :class:`~recsys.embedding.tiered.row_store.
 KeyedStore` on the table's tier (``host``: a tensor in RAM; ``disk``: a sparse memory-mapped file
 in a temporary directory of its own, ``$TMPDIR/recsys-serve-tables-*``), loaded by streaming the
-checkpoint's ``tiered.<table>.*`` files in chunks, and a :class:`~recsys.embedding.row_cache.
+checkpoint's ``tiered.<table>.*`` files in chunks, and a :class:`~recsys.embedding.tiered.row_cache.
 RowCache` of ``cache_rows`` rows in front. A batch's ids::
 
     ids of a tiered table -> distinct keys -> cache (hit | miss: evict the coldest rows, read
@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recsys.embedding.row_cache import RowCache, RowCodec
 from recsys.embedding.row_init import initial_rows
-from recsys.embedding.row_store import DiskRecords, FixedStore, HostRecords, KeyedStore
-from recsys.embedding.tiered_files import TablePart, TieredFiles
+from recsys.embedding.tiered.files import TablePart, TieredFiles
+from recsys.embedding.tiered.row_cache import RowCache, RowCodec
+from recsys.embedding.tiered.row_store import DiskRecords, FixedStore, HostRecords, KeyedStore
 
 __all__ = ["CachedTables", "attach_cached_tables", "copy_program"]
 

@@ -72,7 +72,7 @@ from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.parquet import table_to_batch
 from recsys.data.prepared import file_fingerprint, new_directory_beside, read_metadata
-from recsys.ops.slot_map import check_keys
+from recsys.ops.slot_map.hash_map import check_keys
 from recsys.serve import ranking_export
 from recsys.serve.cached_tables import attach_cached_tables
 from recsys.serve.exported_deltas import (

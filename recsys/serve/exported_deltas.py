@@ -18,10 +18,10 @@ from torch import nn
 
 from recsys.checkpoint.deltas import DeltaBase, Tables, replay_deltas
 from recsys.checkpoint.lineage import Lineage
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.slot_map import SlotMap
 from recsys.embedding.interface import TABLES, WEIGHT, embedding_collections, state_prefix
-from recsys.embedding.slot_map import SlotMap
-from recsys.ops.slot_map import EMPTY_KEY
+from recsys.ops.slot_map.hash_map import EMPTY_KEY
 from recsys.serve.packed_export import PACKED, PackedLookup
 
 __all__ = [

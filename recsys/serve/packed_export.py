@@ -9,7 +9,7 @@ call's fixed cost (the score phase of ``benchmarks/results/serving.csv``'s rows 
 against 0809b90). A
 :class:`PackedLookup` stands in for the collection while it is exported: the packed buffer is
 one parameter (``packed``, [rows of all tables, D], the collection's storage, not a copy) and
-the program looks every bag up at once (:func:`~recsys.ops.embedding_bag_cpu.pool_packed`),
+the program looks every bag up at once (:func:`~recsys.ops.embedding_bag.cpu.pool_packed`),
 with the same sums in the same order, so its scores equal the eager model's bit for bit.
 
 A collection is packed when its tables share one dim, one pooling and fp32, and the program's
@@ -29,8 +29,8 @@ from torchrec import KeyedJaggedTensor, KeyedTensor
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.inputs import input_weights
 from recsys.embedding.tables import output_keys, pooling_mode, table_dtype
-from recsys.embedding.tiered import TieredEmbeddingBagCollection
-from recsys.ops.embedding_bag_cpu import pool_packed
+from recsys.embedding.tiered.collection import TieredEmbeddingBagCollection
+from recsys.ops.embedding_bag.cpu import pool_packed
 
 __all__ = ["PACKED", "PackedLookup", "pack_for_export", "packable"]
 

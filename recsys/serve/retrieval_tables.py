@@ -24,11 +24,11 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from recsys.embedding.dynamic import DYNAMIC
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic.mixin import DYNAMIC
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.interface import UNPOOLED_TABLES, WEIGHT
 from recsys.embedding.tables import table_dtype
-from recsys.embedding.tiered import TieredTables
+from recsys.embedding.tiered.mixin import TieredTables
 from recsys.embedding.unpooled import EmbeddingCollection
 from recsys.embedding.unpooled_tables import DynamicEmbeddingCollection
 

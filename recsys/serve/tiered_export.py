@@ -39,7 +39,7 @@ from torchrec import KeyedJaggedTensor, KeyedTensor
 
 from recsys.embedding.row_init import table_seed
 from recsys.embedding.tables import output_keys, table_dtype
-from recsys.embedding.tiered import TieredEmbeddingBagCollection
+from recsys.embedding.tiered.collection import TieredEmbeddingBagCollection
 
 __all__ = [
     "TIERED_FILE",

@@ -48,7 +48,7 @@ from recsys.distributed.parallel import (
     resolve_device,
     shutdown_distributed,
 )
-from recsys.embedding.dynamic_table import load_every_key
+from recsys.embedding.dynamic.table import load_every_key
 from recsys.embedding.interface import state_to_load
 from recsys.train.metrics import BinaryMetrics, eval_line
 

@@ -30,9 +30,10 @@ is no input_dist to run ahead. "on" pipelines anyway (and says it is inactive wh
 ahead: :attr:`TrainPipeline.note`), "off" is the plain loop.
 
 Tiered tables (``[model.storage]``) are pipelined unless "off": pulling batch i+1 queues it on
-every tiered collection (:meth:`~recsys.embedding.tiered.TieredEmbeddingBagCollection.prefetch`),
-whose forward of batch i starts a thread bringing batch i+1's rows into the cache while batch i
-trains. Results are the plain loop's, bitwise (rows move exactly; batch i's rows are pinned).
+every tiered collection
+(:meth:`~recsys.embedding.tiered.collection.TieredEmbeddingBagCollection.prefetch`), whose forward
+of batch i starts a thread bringing batch i+1's rows into the cache while batch i trains. Results
+are the plain loop's, bitwise (rows move exactly; batch i's rows are pinned).
 
 The exchange of batch i+1 overlaps step i: ``prefetch_input`` posts the counts (a small
 all-to-all, :func:`recsys.distributed.counts.start_counts`; on CUDA with its copy to the host on

@@ -13,7 +13,7 @@ from recsys.checkpoint.finetune import init_from_checkpoint
 from recsys.checkpoint.io import load_model, read_spec
 from recsys.config import DynamicConfig, load_config
 from recsys.data.batch import DatasetSpec
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
 from recsys.embedding.interface import EmbeddingCollectionInterface
 from recsys.models import table_configs
 from recsys.serve.export import export_model, load_exported

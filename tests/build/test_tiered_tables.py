@@ -226,7 +226,7 @@ def test_evaluation_batches_larger_than_the_cache_are_scored_in_pieces(tmp_path)
 
 HOLDER = """
 import sys, time
-from recsys.embedding.row_store import DiskRecords
+from recsys.embedding.tiered.row_store import DiskRecords
 records = DiskRecords(sys.argv[1], 100, 64)
 print("locked", flush=True)
 time.sleep(120)

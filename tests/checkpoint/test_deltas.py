@@ -37,7 +37,7 @@ from recsys.data import build_dataset
 from recsys.data.batch import Batch
 from recsys.data.loader import BatchLoader
 from recsys.embedding.interface import TableDelta
-from recsys.ops.slot_map import bucket_of
+from recsys.ops.slot_map.hash_map import bucket_of
 from recsys.serve.export import export_model, load_exported, predict
 from recsys.serve.exported_deltas import apply_exported_deltas
 from recsys.train.trainer import train

@@ -10,13 +10,13 @@ import torch.distributed as dist
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import PoolingType
 
-import recsys.ops.embedding_bag as embedding_bag_module
+import recsys.ops.embedding_bag.pooled as embedding_bag_module
 from recsys.distributed import planner as P
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import Adagrad, Adam, RowWiseAdagrad
-from recsys.ops.embedding_bag_layout import rounding_seed
-from recsys.ops.row_update import update_rows
+from recsys.ops.embedding_bag.layout import rounding_seed
+from recsys.ops.embedding_bag.row_update import update_rows
 from recsys.train.step_audit import StepAudit
 from tests.distributed.spawn import run_ranks
 
@@ -129,7 +129,9 @@ def _bitwise_body(rank: int, world: int, sharded_table: bool = False) -> None:
                 assert reads.count(("tolist", "recsys/distributed/counts.py")) == 1, reads
                 files = {file for _, file in reads}
                 assert "recsys/distributed/replicated.py" not in files, report.describe()
-                assert "recsys/ops/row_update.py" not in files, report.describe()  # 2 dim groups
+                assert (
+                    "recsys/ops/embedding_bag/row_update.py" not in files
+                ), report.describe()  # 2 dim groups
             upstream = upstream[:, : 4 + 8 + 8 + 4 + 8]
             dense_reference_step(reference, states, optimizer, kjt, upstream, step, world)
         for c in configs():

@@ -17,8 +17,8 @@ from torchrec.modules.embedding_configs import PoolingType
 from recsys.checkpoint.io import checkpoint_shapes, tensor_reader
 from recsys.distributed import planner as P
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.interface import state_to_load
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from tests.distributed.spawn import run_ranks
@@ -262,7 +262,7 @@ def test_two_ranks_resumed_on_one_keep_the_cap_and_the_delta_chain(tmp_path: Pat
 
     from recsys.checkpoint.deltas import apply_deltas, dynamic_table_rows
     from recsys.checkpoint.io import load_model
-    from recsys.embedding.dynamic_table import DynamicTable
+    from recsys.embedding.dynamic.table import DynamicTable
     from recsys.train.trainer import _unwrap
     from tests.checkpoint.test_deltas import TINY
     from tests.distributed.test_reshard import start

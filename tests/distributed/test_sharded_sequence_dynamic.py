@@ -20,7 +20,7 @@ from torchrec import EmbeddingConfig, KeyedJaggedTensor
 from recsys.checkpoint.io import checkpoint_shapes, tensor_reader
 from recsys.distributed import planner as P
 from recsys.distributed.sharded_sequence import ShardedEmbeddingCollection
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.interface import state_to_load
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from recsys.embedding.unpooled_tables import DynamicEmbeddingCollection

@@ -19,10 +19,11 @@ from torchrec.modules.embedding_configs import PoolingType
 from recsys.distributed import planner as P
 from recsys.distributed.shard_build import checked_plan
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
-from recsys.embedding.dynamic import DynamicEmbeddingBagCollection
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic.collection import DynamicEmbeddingBagCollection
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.optim import Adagrad, RowWiseAdagrad
-from recsys.embedding.tiered import StorageOptions, TieredEmbeddingBagCollection
+from recsys.embedding.tiered.collection import TieredEmbeddingBagCollection
+from recsys.embedding.tiered.options import StorageOptions
 from tests.distributed.spawn import run_ranks
 from tests.distributed.test_sharded import rows_of
 

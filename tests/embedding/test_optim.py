@@ -7,7 +7,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
 from recsys import EmbeddingBagCollection
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
-from recsys.ops.embedding_bag import embedding_bag_reference, stochastic_round
+from recsys.ops.embedding_bag.pooled import embedding_bag_reference, stochastic_round
 
 BACKENDS = ["torch", "triton"]
 OPTIMIZERS = [
@@ -142,7 +142,7 @@ def test_fused_update_matches_float64_reference(optimizer, backend):
 )
 def test_torch_path_in_chunks_of_three_rows_matches_reference(optimizer, monkeypatch):
     # CHUNK_BYTES of 3 rows of the widest dim: every group is reduced and updated in pieces.
-    monkeypatch.setattr("recsys.ops.embedding_bag_cpu.CHUNK_BYTES", 3 * 129 * 4)
+    monkeypatch.setattr("recsys.ops.embedding_bag.cpu.CHUNK_BYTES", 3 * 129 * 4)
     check_against_reference(optimizer, "torch", TABLES)
 
 
@@ -159,7 +159,7 @@ def test_torch_path_in_chunks_of_three_rows_matches_reference(optimizer, monkeyp
 @pytest.mark.parametrize("forward", ["fbgemm", "aten"])  # small batches: FBGEMM's; large: ATen's
 def test_fbgemm_fused_backward_matches_float64_reference(optimizer, backend, forward, monkeypatch):
     if forward == "aten":
-        monkeypatch.setattr("recsys.ops.embedding_bag.FBGEMM_FORWARD_MAX_IDS", 0)
+        monkeypatch.setattr("recsys.ops.embedding_bag.pooled.FBGEMM_FORWARD_MAX_IDS", 0)
     ebc = check_against_reference(optimizer, backend, FBGEMM_TABLES, max_bag=12)
     assert ebc._last_backend == "fbgemm"
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torchrec import EmbeddingConfig, KeyedJaggedTensor
 
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic.slot_map import SlotMap
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.interface import state_to_load
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from recsys.embedding.row_init import initial_rows, table_seed
-from recsys.embedding.slot_map import SlotMap
-from recsys.embedding.tiered import StorageOptions
+from recsys.embedding.tiered.options import StorageOptions
 from recsys.embedding.unpooled import EmbeddingCollection
 from recsys.embedding.unpooled_tables import DynamicEmbeddingCollection, TieredEmbeddingCollection
 

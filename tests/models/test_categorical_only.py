@@ -8,7 +8,7 @@ from recsys import DLRM, EmbeddingBagCollection
 from recsys.build.models import MODELS, build_model
 from recsys.config import load_config
 from recsys.data.batch import DatasetSpec
-from recsys.ops.dot_interaction import dot_interaction_reference
+from recsys.ops.interaction.dot import dot_interaction_reference
 from tests.models.test_dlrm import make_inputs, make_tables
 
 CLICK_MODELS = [name for name, entry in MODELS.items() if entry.family == "click"]

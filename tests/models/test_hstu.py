@@ -12,7 +12,7 @@ import recsys.models.hstu as hstu
 from recsys.data.sequence_batches import SequenceBatch
 from recsys.models.hstu import CANDIDATES, HISTORY, HSTU, TIME_BUCKETS
 from recsys.models.next_item import next_item_loss
-from recsys.ops.jagged_attention import jagged_attention_reference
+from recsys.ops.jagged.attention import jagged_attention_reference
 from tests.models.sequence_training import train_and_rank
 
 

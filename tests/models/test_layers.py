@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from recsys.models.layers import DotInteraction, FactorizationMachine
-from recsys.ops.dot_interaction import dot_interaction_reference
+from recsys.ops.interaction.dot import dot_interaction_reference
 
 
 def pairwise_fm(embeddings):

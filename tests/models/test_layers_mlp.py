@@ -9,7 +9,7 @@ from torch import nn
 
 from recsys.models import layers
 from recsys.models.layers import FusedMLP
-from recsys.ops.fused_mlp import fused_linear_reference
+from recsys.ops.mlp.fused_linear import fused_linear_reference
 
 BACKENDS = ["torch", "triton"]
 

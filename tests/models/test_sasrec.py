@@ -11,7 +11,7 @@ from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 import recsys
 from recsys.data.sequence_batches import SequenceBatch
-from recsys.embedding.dynamic_table import DynamicTableOptions
+from recsys.embedding.dynamic.table import DynamicTableOptions
 from recsys.embedding.optim import Adam
 from recsys.embedding.unpooled_tables import DynamicEmbeddingCollection
 from recsys.models.next_item import next_item_loss

@@ -10,10 +10,10 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from recsys import EmbeddingBagCollection
 from recsys.embedding.optim import SGD, Adagrad, Adam, RowWiseAdagrad
-from recsys.ops.embedding_bag import embedding_bag
+from recsys.ops.embedding_bag.pooled import embedding_bag
 from recsys.ops.input_checks import INPUT_ERRORS, check_mode
 from recsys.train.step_audit import StepAudit
-from tests.ops.test_embedding_bag import make_inputs, poolings
+from tests.ops.embedding_bag.test_embedding_bag import make_inputs, poolings
 
 ROWS = (20, 30, 7)
 

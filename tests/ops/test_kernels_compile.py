@@ -26,16 +26,16 @@ from tests.kernel_launches import (
 from tests.kernel_variants import gpu_variants, representatives, unexplained_spills
 
 OP_TESTS = [
-    "tests/ops/test_dot_interaction.py",
-    "tests/ops/test_cross_interaction.py",
-    "tests/ops/test_fused_mlp.py",
-    "tests/ops/test_embedding_bag.py",
+    "tests/ops/interaction/test_dot_interaction.py",
+    "tests/ops/interaction/test_cross_interaction.py",
+    "tests/ops/mlp/test_fused_mlp.py",
+    "tests/ops/embedding_bag/test_embedding_bag.py",
     "tests/ops/test_input_checks.py",
-    "tests/ops/test_slot_map.py",
-    "tests/ops/test_jagged_attention.py",
-    "tests/ops/test_jagged_attention_masks.py",
-    "tests/ops/test_jagged_concat.py",
-    "tests/ops/test_jagged_dense_add.py",
+    "tests/ops/slot_map/test_slot_map.py",
+    "tests/ops/jagged/test_jagged_attention.py",
+    "tests/ops/jagged/test_jagged_attention_masks.py",
+    "tests/ops/jagged/test_jagged_concat.py",
+    "tests/ops/jagged/test_jagged_dense_add.py",
 ]
 
 

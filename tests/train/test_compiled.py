@@ -12,7 +12,7 @@ from recsys.config import load_config
 from recsys.data import build_dataset
 from recsys.data.loader import BatchLoader
 from recsys.embedding.interface import embedding_collections
-from recsys.ops.dot_interaction import dot_interaction
+from recsys.ops.interaction.dot import dot_interaction
 from recsys.train.compiled import compile_dense, dense_modules
 from recsys.train.optimizers import build_optimizers, configure_embedding_optimizer
 from recsys.train.progress import StepTimer

@@ -145,7 +145,7 @@ def test_collectives_counted_at_their_line():
 
 
 def test_recsys_frames_are_the_sites_relative_to_the_package():
-    from recsys.ops.dot_interaction import dot_interaction
+    from recsys.ops.interaction.dot import dot_interaction
 
     dense, sparse = torch.rand(4, 8), torch.rand(4, 3, 8)
     with StepAudit() as report:

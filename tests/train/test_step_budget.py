@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from recsys.config import load_config
-from recsys.embedding.slot_map import SlotMap
-from recsys.ops import key_arena_cpu
+from recsys.embedding.dynamic.slot_map import SlotMap
+from recsys.ops.slot_map import key_arena_cpu
 from recsys.train import step_audit
 from recsys.train import trainer as trainer_module
 from recsys.train.step_audit import AuditReport, StepAudit, audit_training
@@ -176,7 +176,7 @@ def test_dynamic_all_hits_step_within_budget(tmp_path):
 SEQUENCE_RECIPE = RECIPE.with_name("sasrec_synthetic.toml")
 # The CPU backward of a fused update whose optimizer FBGEMM's CPU kernels lack (Adam): it
 # reads its segment bounds on the host. A GPU runs the Triton backward instead.
-CPU_BACKWARD = {"recsys/ops/embedding_bag_layout.py", "recsys/ops/embedding_bag_cpu.py"}
+CPU_BACKWARD = {"recsys/ops/embedding_bag/layout.py", "recsys/ops/embedding_bag/cpu.py"}
 
 
 @pytest.mark.slow
@@ -231,7 +231,9 @@ def audit_placing_step(tmp_path, monkeypatch, options: list[str]) -> tuple[Audit
     assert_nothing_logged(tmp_path / "run")
     # the ids without a valid hint, their misses, what was placed: one read more than hits
     assert report.num_syncs <= 3, report.describe()
-    assert {site.split(":")[0] for _, site in report.syncs} <= {"recsys/embedding/key_arena.py"}
+    assert {site.split(":")[0] for _, site in report.syncs} <= {
+        "recsys/embedding/dynamic/key_arena.py"
+    }
     return report, placed[at_audit[0] :]
 
 

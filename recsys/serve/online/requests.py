@@ -42,7 +42,7 @@ import pyarrow as pa
 from recsys._suggest import quoted_with_hints
 from recsys.data.batch import DatasetSpec
 from recsys.data.etl_online import RowTransform
-from recsys.ops.slot_map import RESERVED_KEY
+from recsys.ops.slot_map.hash_map import RESERVED_KEY
 
 __all__ = ["RequestError", "Rows", "raw_rows_from_json", "rows_from_json", "rows_from_tensors"]
 
