@@ -1,6 +1,7 @@
 """The pieces of a :class:`~recsys.embedding.dynamic.slot_map.SlotMap` outside its methods: the
-tensors of a map layout (keys, scores, last steps of ``num_buckets`` buckets), how slot maps of
-successive rehashes compose, the distinct-key check, and :class:`Insertion`, what an insert did.
+tensors of a map layout (keys, scores, last steps of ``num_buckets`` buckets), the rehash of a
+layout into more buckets and how slot maps of successive rehashes compose, the distinct-key
+check, and :class:`Insertion`, what an insert did.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recsys.ops.slot_map.hash_map import EMPTY_KEY
+from recsys.ops.slot_map.hash_map import EMPTY_KEY, assign_slots, keep_per_bucket
 
 __all__ = [
     "Insertion",
@@ -20,6 +21,7 @@ __all__ = [
     "empty_layout",
     "latest_generation",
     "new_generation",
+    "rehash",
 ]
 
 _GENERATIONS = itertools.count(1)
@@ -62,6 +64,48 @@ def empty_layout(num_buckets: int, bucket_size: int, device: torch.device) -> La
     zeros = torch.zeros(capacity, dtype=torch.int64, device=device)
     keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=device)
     return Layout(num_buckets, keys, zeros, zeros.clone())
+
+
+def rehash(
+    layout: Layout,
+    hit_slots: torch.Tensor,
+    num_buckets: int,
+    bucket_size: int,
+    trim: bool,
+    backend: str,
+) -> tuple[Layout, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every live key of ``layout`` placed into an empty map of ``num_buckets``.
+
+    Doubling splits each bucket in two (bucket mod 2n determines bucket mod n), so only a
+    rehash to a count that is not a multiple of the current one (the map's maximum) can put
+    more than ``bucket_size`` keys in one bucket: with ``trim`` the lowest (pinned last, score,
+    key) ones are dropped first; pinned keys (``hit_slots``) that still do not fit are left in
+    ``overflow``, for the caller to raise.
+
+    Returns:
+        (the new layout, old -> new slot map [C_old] with -1 for dropped keys, keys dropped,
+        overflow rows ``(bucket, needed, available)`` as :func:`assign_slots` reports them).
+    """
+    live = (layout.keys != EMPTY_KEY).nonzero().squeeze(1)  # [L] old slots
+    keys, scores = layout.keys[live], layout.scores[live]
+    pinned = torch.zeros_like(layout.keys, dtype=torch.bool)
+    pinned[hit_slots] = True
+    keep = torch.ones_like(keys, dtype=torch.bool)
+    if trim:
+        keep = keep_per_bucket(keys, scores, pinned[live], num_buckets, bucket_size)
+    new = empty_layout(num_buckets, bucket_size, layout.keys.device)
+    no_pins = torch.zeros_like(new.keys, dtype=torch.bool)
+    slots, _, overflow = assign_slots(
+        new.keys, new.scores, no_pins, num_buckets, bucket_size, keys[keep], backend
+    )
+    if len(overflow):  # pinned keys that do not fit: the caller raises
+        return new, torch.full_like(layout.keys, -1), keys[~keep], overflow
+    kept = live[keep]
+    new.keys[slots], new.scores[slots] = keys[keep], scores[keep]
+    new.last_seen[slots] = layout.last_seen[kept]
+    slot_map = torch.full_like(layout.keys, -1)
+    slot_map[kept] = slots
+    return new, slot_map, keys[~keep], overflow
 
 
 def compose_slot_maps(first: torch.Tensor | None, then: torch.Tensor) -> torch.Tensor:

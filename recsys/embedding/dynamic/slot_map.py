@@ -35,6 +35,7 @@ from recsys.embedding.dynamic.slot_layout import (
     compose_slot_maps,
     empty_layout,
     new_generation,
+    rehash,
 )
 from recsys.ops.slot_map import EMPTY_KEY, assign_slots, check_keys, find_slots, keep_per_bucket
 
@@ -384,35 +385,15 @@ class SlotMap:
     def _rehash(
         self, layout: Layout, hit_slots: torch.Tensor, num_buckets: int
     ) -> tuple[Layout, torch.Tensor, torch.Tensor]:
-        """Every live key of ``layout`` placed into an empty map of ``num_buckets``.
-
-        Doubling splits each bucket in two (bucket mod 2n determines bucket mod n), so only a
-        rehash to ``max_buckets`` that is not a multiple of the current count can put more than
-        ``bucket_size`` keys in one bucket: the lowest (pinned last, score, key) ones are then
-        dropped, and pinned keys that still do not fit raise.
-
-        Returns:
-            (the new layout, old -> new slot map [C_old] with -1 for dropped keys, keys
-            dropped).
-        """
-        live = (layout.keys != EMPTY_KEY).nonzero().squeeze(1)  # [L] old slots
-        keys, scores = layout.keys[live], layout.scores[live]
-        pinned = torch.zeros_like(layout.keys, dtype=torch.bool)
-        pinned[hit_slots] = True
-        keep = torch.ones_like(keys, dtype=torch.bool)
-        if num_buckets == self.max_buckets:
-            keep = keep_per_bucket(keys, scores, pinned[live], num_buckets, self.bucket_size)
-        new = empty_layout(num_buckets, self.bucket_size, self.device)
-        no_pins = torch.zeros_like(new.keys, dtype=torch.bool)
-        slots, _, overflow = self._assign(new, no_pins, keys[keep])
-        if len(overflow):  # only pinned keys left, see above
+        """:func:`rehash` into ``num_buckets`` (trimming buckets only for the last growth, to
+        ``max_buckets``); pinned keys that do not fit raise."""
+        trim = num_buckets == self.max_buckets
+        new, slot_map, dropped, overflow = rehash(
+            layout, hit_slots, num_buckets, self.bucket_size, trim, self.backend
+        )
+        if len(overflow):  # only pinned keys left, see rehash
             self._raise_overflow(overflow, num_buckets)
-        kept = live[keep]
-        new.keys[slots], new.scores[slots] = keys[keep], scores[keep]
-        new.last_seen[slots] = layout.last_seen[kept]
-        slot_map = torch.full_like(layout.keys, -1)
-        slot_map[kept] = slots
-        return new, slot_map, keys[~keep]
+        return new, slot_map, dropped
 
     def _raise_overflow(self, overflow: torch.Tensor, num_buckets: int) -> None:
         bucket, needed, available = overflow[0].tolist()
