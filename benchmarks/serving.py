@@ -12,7 +12,7 @@ not its quality), exports it, and measures on the same test rows:
 - ``serve_v2_binary`` (the same requests in the binary tensor data extension, binary outputs,
   as tritonclient sends them) and ``serve_grpc`` (the protocol's gRPC service) at 1, 8 and 64;
 - ``serve_v2_64rows`` / ``serve_v2_binary_64rows``: 64-row requests in JSON / the binary
-  extension at concurrency 8 (rows/s against ``predict_forward``'s);
+  extension at concurrency 8 and 32 (rows/s against ``predict_forward``'s);
 - with ``--baseline DIR`` (a checkout of an earlier recsys, e.g. a ``git worktree`` of the
   commit before a change), the same JSON cases against that checkout's ``recsys serve`` of
   that checkout's own export of the checkpoint, in the same run with the same load generator
@@ -243,10 +243,10 @@ def _online(
     if tree is None:
         cases.append(("serve_v2_binary", [_binary(s) for s in samples], (1, 8, 64), 1))
         cases.append(("serve_grpc", [_grpc_request(s) for s in samples], (1, 8, 64), 1))
-    cases.append(("serve_v2_64rows", [_json(r) for r in _merged(samples, 64)], (8,), 64))
+    cases.append(("serve_v2_64rows", [_json(r) for r in _merged(samples, 64)], (8, 32), 64))
     if tree is None:
         cases.append(
-            ("serve_v2_binary_64rows", [_binary(r) for r in _merged(samples, 64)], (8,), 64)
+            ("serve_v2_binary_64rows", [_binary(r) for r in _merged(samples, 64)], (8, 32), 64)
         )
     lines = []
     try:
