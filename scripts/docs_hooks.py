@@ -106,18 +106,18 @@ def cli_reference() -> str:
     return "\n".join(out)
 
 
-MARKERS = {  # <!-- name --> in a page -> its generated Markdown
-    "benchmark-topics": benchmarks_index,
-    "benchmark-columns": lambda: columns_table(),
-}
-
-
 def columns_table() -> str:
     """The table of what each CSV column means, from ``benchmarks/README.md``."""
     lines = (REPO / "benchmarks" / "README.md").read_text().splitlines()
     start = lines.index("| column | meaning |")
     end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
     return "\n".join(lines[start:end]) + "\n"
+
+
+MARKERS = {  # <!-- name --> in a page -> its generated Markdown
+    "benchmark-topics": benchmarks_index,
+    "benchmark-columns": columns_table,
+}
 
 
 # ---------------------------------------------------------------------------------------------

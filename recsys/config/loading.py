@@ -67,10 +67,8 @@ def names_its_run(path: str | Path | None, overrides: typing.Sequence[str] = ())
     """Whether the recipe's ``[run]`` table or the overrides set ``run.name`` or ``run.dir``:
     a named run keeps its directory (and is refused when that holds another run); an unnamed
     one may be written to the next free directory (``recsys train``)."""
-    for override in overrides:
-        key = override.lstrip("-").partition("=")[0]
-        if key in ("run.name", "run.dir"):
-            return True
+    if any(_parse_override(o)[0] in ("run.name", "run.dir") for o in overrides):
+        return True
     if path is None or not Path(path).is_file():
         return False
     run = tomllib.loads(Path(path).read_text()).get("run", {})

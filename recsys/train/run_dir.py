@@ -126,10 +126,10 @@ def _logged_steps(metrics: Path) -> int | None:
     return last
 
 
-def _free_name(run_dir: Path) -> Path:
-    """``run_dir`` with the first suffix ``_2``, ``_3``, ... that is not taken."""
+def _free_name(run_dir: Path, taken: Callable[[Path], object] = Path.exists) -> Path:
+    """``run_dir`` with the first suffix ``_2``, ``_3``, ... that is not ``taken``."""
     index = 2
-    while (candidate := run_dir.with_name(f"{run_dir.name}_{index}")).exists():
+    while taken(candidate := run_dir.with_name(f"{run_dir.name}_{index}")):
         index += 1
     return candidate
 
@@ -141,10 +141,7 @@ def unused_run_dir(config: Config) -> Path:
     run_dir = Path(config.run.dir)
     if continuing(config) or config.run.overwrite or not previous_run(run_dir):
         return run_dir
-    index = 2
-    while previous_run(candidate := run_dir.with_name(f"{run_dir.name}_{index}")):
-        index += 1
-    return candidate
+    return _free_name(run_dir, taken=previous_run)
 
 
 def seed_everything(seed: int) -> None:
