@@ -137,43 +137,54 @@ PROJECTED = (  # recipe, samples per rank (the MLPerf reference's 8,192 per GPU)
 )
 
 
-def project(args: argparse.Namespace, env: dict) -> list[list]:
-    """``recsys plan``'s prediction, no run: each recipe of :data:`PROJECTED` on each world
-    size of ``--project``, flat and 2D (one group per node), on the ``--hardware`` preset."""
+def projection(recipe: str, batch: int, cluster, worlds: list[int], sync_every: int):
+    """``recsys plan``'s prediction of ``recipe`` at ``batch`` samples per rank on ``cluster``
+    for each world size, flat and (past one node) 2D with one group per node: yields
+    ``(world, replicas, prediction)``."""
     from recsys.build.sharding import plan_inputs, step_inputs
     from recsys.config import load_config
     from recsys.distributed.step_cost import predict_step
+
+    overrides = [f"--train.batch_size={batch}", f"--distributed.hardware={cluster.name}"]
+    config = load_config(recipe, overrides)
+    inputs = plan_inputs(config)
+    options, _ = inputs.options(config, cluster)
+    per_node = cluster.ranks_per_node
+    for world in worlds:
+        for replicas in [1] + [world // per_node] * (world > per_node):
+            plan = inputs.plan(world // replicas, options)
+            step = step_inputs(
+                config, inputs, pipeline=True, replicas=replicas, sync_every=sync_every
+            )
+            yield world, replicas, predict_step(plan, inputs.configs, step, cluster)
+
+
+def project(args: argparse.Namespace, env: dict) -> list[list]:
+    """``recsys plan``'s prediction, no run: each recipe of :data:`PROJECTED` on each world
+    size of ``--project``, flat and 2D (one group per node), on the ``--hardware`` preset."""
     from recsys.distributed.topology import topology
 
     cluster, parts = topology(args.hardware), ("input", "forward", "backward", "dense")
-    per_node, lines = cluster.ranks_per_node, []
+    lines = []
     for recipe, batch in PROJECTED:
-        overrides = [f"--train.batch_size={batch}", f"--distributed.hardware={args.hardware}"]
-        config = load_config(recipe, overrides)
-        inputs = plan_inputs(config)
-        options, _ = inputs.options(config, cluster)
-        for world in args.project:
-            for replicas in [1] + [world // per_node] * (world > per_node):
-                plan = inputs.plan(world // replicas, options)
-                step = step_inputs(
-                    config, inputs, pipeline=True, replicas=replicas, sync_every=args.sync_every
-                )
-                predicted = predict_step(plan, inputs.configs, step, cluster)
-                sent = {
-                    where: sum(predicted.rank_bytes(p, where) for p in (*parts, "replica_sync"))
-                    for where in ("inter", "intra")
-                }
-                memory = (predicted.table_bytes.max() + predicted.dense_bytes) / 2**30
-                seconds = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in predicted.seconds.items() if v)
-                lines.append([
-                    world, "flat" if replicas == 1 else f"2D {replicas}x{world // replicas}",
-                    f"{recipe} batch {batch}/rank", args.hardware,
-                    args.sync_every if replicas > 1 else "", memory,
-                    float(sent["inter"].max()) / 2**20, float(sent["intra"].max()) / 2**20,
-                    1e3 * predicted.step_s, predicted.samples_per_s, env["versions"],
-                    env["commit"], env["timestamp"],
-                    f"a model, not a measurement; {cluster.describe()}; predicted ms: {seconds}",
-                ])  # fmt: skip
+        for world, replicas, predicted in projection(
+            recipe, batch, cluster, args.project, args.sync_every
+        ):
+            sent = {
+                where: sum(predicted.rank_bytes(p, where) for p in (*parts, "replica_sync"))
+                for where in ("inter", "intra")
+            }
+            memory = (predicted.table_bytes.max() + predicted.dense_bytes) / 2**30
+            seconds = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in predicted.seconds.items() if v)
+            lines.append([
+                world, "flat" if replicas == 1 else f"2D {replicas}x{world // replicas}",
+                f"{recipe} batch {batch}/rank", args.hardware,
+                args.sync_every if replicas > 1 else "", memory,
+                float(sent["inter"].max()) / 2**20, float(sent["intra"].max()) / 2**20,
+                1e3 * predicted.step_s, predicted.samples_per_s, env["versions"],
+                env["commit"], env["timestamp"],
+                f"a model, not a measurement; {cluster.describe()}; predicted ms: {seconds}",
+            ])  # fmt: skip
     return lines
 
 
