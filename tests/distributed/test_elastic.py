@@ -2,6 +2,10 @@
 agent restarts the job with the same command, which resumes from the newest checkpoint
 (``checkpoint.resume = "latest"``) and ends exactly where an uninterrupted run ends: same final
 step, every step logged once, and bitwise the same losses and weights (resume is exact on CPU).
+The same for a 4-rank 2D job (``distributed.sparse_replicas = 2``, replicas synced every 4
+steps; a checkpoint syncs the replicas first, so every replica saves the same shards), equal to
+the uninterrupted run up to float rounding: on 3+ ranks DDP's gradient sums after a resume
+differ in the last bit (see the test).
 
 Linux only: the worker to kill is found through /proc.
 """
@@ -23,7 +27,7 @@ from recsys.checkpoint.io import latest_checkpoint, load_model
 from recsys.train.metrics import read_metrics
 
 EVERY_STEPS = 8
-TOTAL_STEPS = 128  # 65536 rows / (2 ranks x 256)
+TOTAL_STEPS = 128  # 65536 rows / (2 ranks x 256); 4 ranks: 64
 OVERRIDES = [
     "--data.synthetic.cardinalities=[100,1000,500,20]",
     "--data.synthetic.num_train_samples=65536",
@@ -38,25 +42,32 @@ OVERRIDES = [
     f"--checkpoint.every_steps={EVERY_STEPS}",
 ]
 TIMEOUT_S = 180
+LAYOUTS = {  # name -> (ranks, extra overrides, steps, seconds allowed)
+    "flat": (2, [], TOTAL_STEPS, TIMEOUT_S),
+    "2d": (4, ["--distributed.sparse_replicas=2", "--distributed.sync_every=4"], 64, 600),
+}
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
-def launch(run_dir: Path, max_restarts: int) -> subprocess.Popen:
-    """``torchrun -m recsys train`` in its own process group (a hang kills the ranks too), its
-    output in ``<run_dir>.out`` / ``.err`` (files, not pipes: nobody reads while it runs)."""
+def launch(run_dir: Path, max_restarts: int, layout: str = "flat") -> subprocess.Popen:
+    """``torchrun -m recsys train`` of ``layout`` in its own process group (a hang kills the
+    ranks too), its output in ``<run_dir>.out`` / ``.err`` (files, not pipes: nobody reads while
+    it runs)."""
+    ranks, extra, _, _ = LAYOUTS[layout]
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={ranks}",
         f"--max-restarts={max_restarts}",
         "-m",
         "recsys",
         "train",
         f"--run.dir={run_dir}",
         *OVERRIDES,
+        *extra,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(f"{run_dir}.out", "w") as out, open(f"{run_dir}.err", "w") as err:
@@ -114,16 +125,21 @@ def final_state(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor], list[dict
     return checkpoint, load_model(checkpoint).state_dict(), read_metrics(run_dir / "metrics.jsonl")
 
 
-def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
-    deadline = time.monotonic() + TIMEOUT_S
+@pytest.mark.parametrize(
+    "layout",
+    ["flat", pytest.param("2d", marks=pytest.mark.slow)],  # 2d: 4 ranks, about 3 minutes
+)
+def test_killed_rank_restarts_and_resumes_exactly(tmp_path, layout):
+    _, _, total_steps, timeout_s = LAYOUTS[layout]
+    deadline = time.monotonic() + timeout_s
     killed_dir, reference_dir = tmp_path / "killed", tmp_path / "reference"
-    job = launch(killed_dir, max_restarts=1)
+    job = launch(killed_dir, max_restarts=1, layout=layout)
     try:
         # Any committed checkpoint will do (a poll that oversleeps may find a later one).
         while latest_checkpoint(killed_dir / "checkpoints") is None:
             if job.poll() is not None:
                 pytest.fail(f"torchrun exited before a checkpoint:\n{output(killed_dir)}")
-            assert time.monotonic() < deadline, f"no checkpoint in {TIMEOUT_S} s"
+            assert time.monotonic() < deadline, f"no checkpoint in {timeout_s} s"
             time.sleep(0.01)
         pid, env = worker(job.pid, rank=1)
         assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
@@ -139,10 +155,10 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
         raise
     stdout, stderr = wait(job, killed_dir, deadline)
     assert job.returncode == 0, errors(stderr)
-    assert newest_at_kill is not None and step_of(newest_at_kill) < TOTAL_STEPS
+    assert newest_at_kill is not None and step_of(newest_at_kill) < total_steps
 
     # The same config, never interrupted; only the run directory differs.
-    reference = launch(reference_dir, max_restarts=0)
+    reference = launch(reference_dir, max_restarts=0, layout=layout)
     ref_stdout, ref_stderr = wait(reference, reference_dir, deadline)
     assert reference.returncode == 0, errors(ref_stderr)
     assert "resumed from" not in ref_stdout
@@ -154,7 +170,7 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
     resumes = [e for e in events if e["split"] == "resume"]
     assert len(resumes) == 1, resumes
     resume = resumes[0]
-    assert step_of(newest_at_kill) <= resume["step"] < TOTAL_STEPS
+    assert step_of(newest_at_kill) <= resume["step"] < total_steps
     assert resume["step"] % EVERY_STEPS == 0
     assert Path(resume["checkpoint"]).name == f"step_{resume['step']:08d}"
     assert stdout.count("resumed from") == 1  # rank 0 of the second attempt
@@ -162,26 +178,36 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
     assert stdout.count("recsys: dlrm on synthetic data done") == 1
 
     # It ended where the uninterrupted run ends, every step trained and logged exactly once.
-    assert checkpoint.name == ref_checkpoint.name == f"step_{TOTAL_STEPS:08d}"
+    assert checkpoint.name == ref_checkpoint.name == f"step_{total_steps:08d}"
     assert (killed_dir / "checkpoints" / "latest").resolve() == checkpoint.resolve()
     assert not list((killed_dir / "checkpoints").glob(".tmp-*"))  # a cut-short save: cleaned
     train = [e for e in events if e["split"] == "train"]
     ref_train = [e for e in ref_events if e["split"] == "train"]
-    assert [e["step"] for e in train] == list(range(1, TOTAL_STEPS + 1))
-    assert [e["step"] for e in ref_train] == list(range(1, TOTAL_STEPS + 1))
+    assert [e["step"] for e in train] == list(range(1, total_steps + 1))
+    assert [e["step"] for e in ref_train] == list(range(1, total_steps + 1))
 
-    # Exact resume: the same loss at every step and the same final weights, bit for bit.
     losses = [e["loss"] for e in train]
     ref_losses = [e["loss"] for e in ref_train]
+    (test,) = [e for e in events if e["split"] == "test"]
+    (ref_test,) = [e for e in ref_events if e["split"] == "test"]
+    assert weights.keys() == ref_weights.keys()
+    if layout == "2d":
+        # 4 ranks: the first resumed step sums the dense gradients in DDP's first-iteration
+        # buckets, the uninterrupted run in the buckets DDP rebuilt after its first backward;
+        # on 3+ ranks a ring all-reduce's float sums depend on that layout, so from there on
+        # the runs agree to float rounding, not bit for bit (2 ranks: a + b, the same).
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+        for key in weights:
+            torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-4, atol=1e-6)
+        assert abs(test["auc"] - ref_test["auc"]) < 1e-5
+        return
+    # Exact resume: the same loss at every step and the same final weights, bit for bit.
     first_differences = [
         (step, a, b)
         for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True), 1)
         if a != b
     ][:5]
     assert not first_differences, f"(step, loss, uninterrupted loss): {first_differences}"
-    assert weights.keys() == ref_weights.keys()
     differ = [k for k in weights if not torch.equal(weights[k], ref_weights[k])]
     assert not differ, f"weights differ from the uninterrupted run's: {differ}"
-    (test,) = [e for e in events if e["split"] == "test"]
-    (ref_test,) = [e for e in ref_events if e["split"] == "test"]
     assert (test["auc"], test["logloss"]) == (ref_test["auc"], ref_test["logloss"])
