@@ -1,9 +1,12 @@
 """The README's headline numbers, read from ``benchmarks/results/*.csv``: none is typed by hand.
 
 Each headline pairs recsys' row with the peer's row of the same benchmark run (same commit,
-device and config) and links to the recsys row's line of its CSV. ``python scripts/headline.py``
-prints the table; ``--write`` puts it between the README's ``<!-- headline:begin -->`` and
-``<!-- headline:end -->`` markers (a test fails when the README and the results disagree).
+device and config) and links to the recsys row's line of its CSV. The scale block is ``recsys
+plan``'s projection of the MLPerf DLRM-DCNv2 model (``scale_projection.csv``, the latest run)
+and the model beside the published MLPerf submissions (``mlperf_published.csv``).
+``python scripts/headline.py`` prints the tables; ``--write`` puts each between its README
+markers (``<!-- headline:begin -->`` / ``<!-- headline:end -->``, ``<!-- scale:begin -->`` /
+``<!-- scale:end -->``; a test fails when the README and the results disagree).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
+SCALE_BEGIN, SCALE_END = "<!-- scale:begin -->", "<!-- scale:end -->"
+PROJECTED_RECIPE = "configs/dlrm_dcnv2_mlperf.toml"
 
 
 @dataclass(frozen=True)
@@ -135,10 +140,84 @@ def table() -> str:
     return "\n".join(out) + "\n"
 
 
-def readme_block(text: str) -> str:
+def _latest(topic: str) -> tuple[int, list[dict[str, str]]]:
+    """The first line and the rows of a topic's latest run (the last row's commit)."""
+    rows = _rows(topic)
+    commit = rows[-1][1]["commit"]
+    latest = [(line, row) for line, row in rows if row["commit"] == commit]
+    return latest[0][0], [row for _, row in latest]
+
+
+def _millions(text: str) -> str:
+    value = float(text) / 1e6
+    return f"{value:,.0f} M" if value >= 100 else f"{value:.1f} M"
+
+
+def scale_table() -> str:
+    """The MLPerf DLRM-DCNv2 projection (flat / 2D per world size) and the model against the
+    published submissions of NVIDIA H100 systems, as the README shows them."""
+    line, rows = _latest("scale_projection")
+    rows = [r for r in rows if r["recipe"].startswith(PROJECTED_RECIPE)]
+    by_world: dict[int, dict[str, dict[str, str]]] = {}
+    for row in rows:
+        kind = "flat" if row["kind"] == "flat" else "2d"
+        by_world.setdefault(int(row["world_size"]), {})[kind] = row
+    first = rows[0]
+    figures = first["notes"].split("; ")[1]  # the topology's describe()
+    link = f"[{first['commit']}](benchmarks/results/scale_projection.csv#L{line})"
+    out = [
+        f"`recsys plan`'s projection of the MLPerf DLRM-DCNv2 model "
+        f"({int(first['recipe'].split(' batch ')[1].split('/')[0]):,} samples per GPU, 2D: a group "
+        f"per node, synced every {by_world[max(by_world)]['2d']['sync_every']} steps) on "
+        f"{figures}; {link}. **A model, not a measurement.**",
+        "",
+        "| H100s | GiB per GPU, flat / 2D | inter-node MiB per step, flat / 2D "
+        "| predicted samples/s, flat / 2D |",
+        "| --- | --- | --- | --- |",
+    ]
+
+    def pair(kinds: dict[str, dict[str, str]], column: str, fmt) -> str:
+        return " / ".join(fmt(kinds[k][column]) for k in ("flat", "2d") if k in kinds)
+
+    for world, kinds in sorted(by_world.items()):
+        out.append(
+            f"| {world:,} | {pair(kinds, 'memory_gib', lambda v: f'{float(v):.1f}')} "
+            f"| {pair(kinds, 'inter_node_mib', lambda v: f'{float(v):,.0f}')} "
+            f"| {pair(kinds, 'samples_per_s', _millions)} |"
+        )
+    line, published = _latest("mlperf_published")
+    published = [r for r in published if r["submitter"] == "NVIDIA" and "H100" in r["accelerator"]]
+    source = published[0]["source"].split(" ")[0]
+    link = f"[{published[0]['commit']}](benchmarks/results/mlperf_published.csv#L{line})"
+    out += [
+        "",
+        f"Beside published MLPerf Training results (NVIDIA's DGX H100 DLRM-DCNv2 submissions, "
+        f"HugeCTR, from the submitters' logs in {source}; the model at their GPUs and batch; "
+        f"{link}):",
+        "",
+        "| H100s | samples per GPU | published samples/s | time to train | predicted flat "
+        "| predicted / published |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in sorted(published, key=lambda r: int(r["gpus"])):
+        gpus = int(row["gpus"])
+        out.append(
+            f"| {gpus:,} | {int(row['global_batch']) // gpus:,} "
+            f"| {_millions(row['published_samples_per_s'])} "
+            f"| {float(row['published_minutes']):.1f} min "
+            f"| {_millions(row['predicted_samples_per_s'])} "
+            f"| {float(row['predicted_ratio']):.2f} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+BLOCKS = ((BEGIN, END, table), (SCALE_BEGIN, SCALE_END, scale_table))
+
+
+def readme_block(text: str, begin: str = BEGIN, end: str = END) -> str:
     """What the README holds between the markers."""
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    return text[start:end].strip("\n") + "\n"
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    return text[start:stop].strip("\n") + "\n"
 
 
 def main() -> None:
@@ -146,11 +225,14 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="update README.md in place")
     args = parser.parse_args()
     if not args.write:
-        print(table(), end="")
+        for _, _, make in BLOCKS:
+            print(make())
         return
     text = README.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    README.write_text(text[:start] + "\n" + table() + text[end:])
+    for begin, end, make in BLOCKS:
+        start, stop = text.index(begin) + len(begin), text.index(end)
+        text = text[:start] + "\n" + make() + text[stop:]
+    README.write_text(text)
 
 
 if __name__ == "__main__":
