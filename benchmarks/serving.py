@@ -12,7 +12,8 @@ not its quality), exports it, and measures on the same test rows:
 - ``serve_v2_binary`` (the same requests in the binary tensor data extension, binary outputs,
   as tritonclient sends them) and ``serve_grpc`` (the protocol's gRPC service) at 1, 8 and 64;
 - ``serve_v2_64rows`` / ``serve_v2_binary_64rows``: 64-row requests in JSON / the binary
-  extension at concurrency 8 and 32 (rows/s against ``predict_forward``'s);
+  extension at concurrency 8 and 32 (rows/s against ``predict_forward``'s, and against the
+  program's rate measured again right after each load, in ``notes``);
 - with ``--baseline DIR`` (a checkout of an earlier recsys, e.g. a ``git worktree`` of the
   commit before a change), the same JSON cases against that checkout's ``recsys serve`` of
   that checkout's own export of the checkpoint, in the same run with the same load generator
@@ -116,11 +117,16 @@ def main() -> None:
         env = environment(torch.device("cpu"))
         case = f"dlrm_synthetic ({trained}), {len(samples)} test rows"
         lines = _offline(model, rows, batch, work, case, env)
-        lines += _online(model, samples, seconds, case, env)
+        module = load_program(model)[0]
+
+        def program_rate() -> float:
+            return len(batch) / _forward_seconds(module, batch)
+
+        lines += _online(model, samples, seconds, case, env, program_rate)
         if args.baseline is not None:
             # The baseline serves its own export of the checkpoint (as its users had it).
             served = model if checkpoint is None else _export_with(args.baseline, checkpoint, work)
-            lines += _online(served, samples, seconds, case, env, args.baseline)
+            lines += _online(served, samples, seconds, case, env, program_rate, args.baseline)
     path = append_csv(TOPIC, COLUMNS, lines, args.out_dir)
     for line in lines:
         print(dict(zip(COLUMNS[:8], line[:8], strict=True)))
@@ -182,15 +188,7 @@ def _offline(model: Path, rows: Path, batch, work: Path, case: str, env: dict) -
     start = time.perf_counter()
     report = predict(model, rows, work / "scores.parquet", overwrite=True)
     seconds = time.perf_counter() - start
-    module, _, _ = load_program(model)
-    values, lengths = batch.sparse.values(), batch.sparse.lengths().long()
-    timings = []
-    with torch.no_grad():
-        for _ in range(6):
-            start = time.perf_counter()
-            module(batch.dense, values, lengths)
-            timings.append(time.perf_counter() - start)
-    forward = sorted(timings[1:])[len(timings[1:]) // 2]
+    forward = _forward_seconds(load_program(model)[0], batch)
     note = load_note()
     return [
         [
@@ -221,10 +219,19 @@ def _offline(model: Path, rows: Path, batch, work: Path, case: str, env: dict) -
 
 
 def _online(
-    model: Path, samples: list[dict], seconds: float, case: str, env: dict, tree: Path | None = None
+    model: Path,
+    samples: list[dict],
+    seconds: float,
+    case: str,
+    env: dict,
+    program_rate,
+    tree: Path | None = None,
 ) -> list:
     """The served cases (see the module docstring) against ``recsys serve`` of this checkout,
-    or of ``tree`` (JSON cases only)."""
+    or of ``tree`` (JSON cases only). After each multi-row load, ``program_rate()`` (the
+    loaded program's rows/s on the whole test batch, in this process, the server idle) goes to
+    the row's notes with the served rate's ratio to it: the two measured minutes apart on the
+    same machine, so a shared machine's drift does not sit between them."""
     ports = _free_ports(3)
     command = [sys.executable, "-m", "recsys", "serve", "--model", str(model)]
     command += ["--host", "127.0.0.1", "--port", str(ports[0]), "--grpc-port", str(ports[1])]
@@ -260,12 +267,33 @@ def _online(
                 else:
                     latencies, wall = _load(ports[0], bodies, concurrency, seconds)
                 after = _metrics(ports[2])
-                lines.append(_served_line(case, provider + suffix, concurrency, latencies, wall,
-                                          rows, before, after, env))  # fmt: skip
+                line = _served_line(case, provider + suffix, concurrency, latencies, wall, rows,
+                                    before, after, env)  # fmt: skip
+                if rows > 1:
+                    rate = program_rate()
+                    served = rows * len(latencies) / wall
+                    line[-1] += (
+                        f"; the program right after, server idle: {rate:.0f} rows/s on "
+                        f"{len(samples)} rows, {rate / served:.2f}x the served rate"
+                    )
+                lines.append(line)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
     return lines
+
+
+def _forward_seconds(module, batch, repeats: int = 5) -> float:
+    """The median seconds of the loaded program's forward over the whole batch (after one
+    warm-up call)."""
+    values, lengths = batch.sparse.values(), batch.sparse.lengths().long()
+    timings = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            module(batch.dense, values, lengths)
+            timings.append(time.perf_counter() - start)
+    return sorted(timings[1:])[len(timings[1:]) // 2]
 
 
 def _served_line(case, provider, concurrency, latencies, wall, rows, before, after, env) -> list:
