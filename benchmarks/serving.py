@@ -120,7 +120,7 @@ def main() -> None:
         module = load_program(model)[0]
 
         def program_rate() -> float:
-            return len(batch) / _forward_seconds(module, batch)
+            return len(batch) / _forward_seconds(module, batch, repeats=10)
 
         lines += _online(model, samples, seconds, case, env, program_rate)
         if args.baseline is not None:
@@ -270,6 +270,7 @@ def _online(
                 line = _served_line(case, provider + suffix, concurrency, latencies, wall, rows,
                                     before, after, env)  # fmt: skip
                 if rows > 1:
+                    time.sleep(1.0)  # the server's worker threads back to sleep
                     rate = program_rate()
                     served = rows * len(latencies) / wall
                     line[-1] += (
