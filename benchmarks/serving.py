@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -224,14 +225,15 @@ def _online(
     seconds: float,
     case: str,
     env: dict,
-    program_rate,
+    program_rate: Callable[[], float],
     tree: Path | None = None,
 ) -> list:
     """The served cases (see the module docstring) against ``recsys serve`` of this checkout,
     or of ``tree`` (JSON cases only). After each multi-row load, ``program_rate()`` (the
     loaded program's rows/s on the whole test batch, in this process, the server idle) goes to
-    the row's notes with the served rate's ratio to it: the two measured minutes apart on the
-    same machine, so a shared machine's drift does not sit between them."""
+    the row's notes with the served rate's ratio to it: measured a second after the load, so
+    what a shared machine's other jobs do over the minutes of the run does not sit between
+    the served rate and the rate it is compared with."""
     ports = _free_ports(3)
     command = [sys.executable, "-m", "recsys", "serve", "--model", str(model)]
     command += ["--host", "127.0.0.1", "--port", str(ports[0]), "--grpc-port", str(ports[1])]
