@@ -49,7 +49,7 @@ COLUMNS = (
     *("timestamp", "notes"),
 )
 RECIPE = "configs/dlrm_dcnv2_mlperf.toml"
-PRESETS = (("H100", "h100_8x_ib400"), ("A100", "a100_8x_ib200"))
+PRESETS = (("H100-SXM", "h100_8x_ib400"), ("A100-SXM", "a100_8x_ib200"))
 LOG_PREFIX = ":::MLLOG "
 
 
@@ -73,7 +73,8 @@ class Published:
 
 
 def read_log(path: Path) -> dict:
-    """A result file's global batch, throughput and minutes to train (None when absent)."""
+    """A result file's global batch, throughput and minutes to train (None when absent; the
+    minutes only for a run whose ``run_stop`` says ``success``)."""
     out: dict = {"global_batch": None, "samples_per_s": None, "minutes": None}
     start = stop = None
     for line in path.read_text(errors="replace").splitlines():
@@ -96,7 +97,8 @@ def read_log(path: Path) -> dict:
 
 def read_results(root: Path) -> list[Published]:
     """Every DLRM-DCNv2 system under ``root`` with a system file and at least one run that
-    logged its throughput."""
+    succeeded (``run_stop`` with status ``success``) and logged its throughput; its other runs
+    are left out."""
     systems = []
     for folder in sorted(root.glob("*/results/*/dlrm_dcnv2")):
         submitter, name = folder.parts[-4], folder.parts[-2]
@@ -106,9 +108,13 @@ def read_results(root: Path) -> list[Published]:
             continue
         system = json.loads(system_file.read_text())
         logs = [read_log(path) for path in sorted(folder.glob("result_*.txt"))]
+        logs = [log for log in logs if log["minutes"] is not None]  # the successful runs
         logs = [log for log in logs if log["samples_per_s"] and log["global_batch"]]
         if not logs:
-            print(f"skipped {folder.relative_to(root)}: no run logged tracked_stats")
+            print(f"skipped {folder.relative_to(root)}: no successful run logged tracked_stats")
+            continue
+        if int(system["number_of_nodes"]) < 1 or int(system["accelerators_per_node"]) < 1:
+            print(f"skipped {folder.relative_to(root)}: no accelerators in {system_file.name}")
             continue
         systems.append(
             Published(
@@ -119,7 +125,7 @@ def read_results(root: Path) -> list[Published]:
                 int(system["accelerators_per_node"]),
                 logs[0]["global_batch"],
                 [log["samples_per_s"] for log in logs],
-                [log["minutes"] for log in logs if log["minutes"] is not None],
+                [log["minutes"] for log in logs],
                 folder.relative_to(root),
             )
         )
@@ -127,6 +133,8 @@ def read_results(root: Path) -> list[Published]:
 
 
 def preset_of(accelerator: str) -> str | None:
+    """The hardware preset of a system file's accelerator name (SXM parts only: the presets'
+    NVLink figures), or None."""
     return next((preset for chip, preset in PRESETS if chip in accelerator), None)
 
 
@@ -143,6 +151,7 @@ def source_of(root: Path, given: str | None) -> str:
 
 
 def rows(systems: list[Published], source: str, sync_every: int, env: dict) -> list[list]:
+    """One CSV line per system with a preset: its published figures beside the prediction."""
     from recsys.distributed.topology import topology
 
     lines = []
@@ -163,7 +172,7 @@ def rows(systems: list[Published], source: str, sync_every: int, env: dict) -> l
             )
         }
         published = statistics.median(entry.samples_per_s)
-        minutes = statistics.median(entry.minutes) if entry.minutes else ""
+        minutes = statistics.median(entry.minutes)
         two_d = next((v for r, v in predicted.items() if r > 1), "")
         notes = (
             f"published: median of {len(entry.samples_per_s)} runs' tracked_stats throughput "
@@ -210,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     path = append_csv(TOPIC, COLUMNS, lines, args.out_dir)
     header = ["system", "GPUs", "batch", "published samples/s", "min", "predicted", "ratio", "2D"]
     table = [
-        [r[0], r[3], r[5], f"{r[7]:,.0f}", f"{r[8]:.1f}" if r[8] != "" else "",
+        [r[0], r[3], r[5], f"{r[7]:,.0f}", f"{r[8]:.1f}",
          f"{r[10]:,.0f}", f"{r[11]:.2f}", f"{r[12]:,.0f}" if r[12] != "" else ""]
         for r in lines
     ]  # fmt: skip

@@ -35,11 +35,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from benchmarks._harness import add_common_args, append_csv, environment, format_table, load_note
+
+if TYPE_CHECKING:
+    from recsys.distributed.step_cost import StepPrediction
+    from recsys.distributed.topology import Topology
 
 TOPIC = "scale"
 COLUMNS = (
@@ -137,7 +143,9 @@ PROJECTED = (  # recipe, samples per rank (the MLPerf reference's 8,192 per GPU)
 )
 
 
-def projection(recipe: str, batch: int, cluster, worlds: list[int], sync_every: int):
+def projection(
+    recipe: str, batch: int, cluster: Topology, worlds: list[int], sync_every: int
+) -> Iterator[tuple[int, int, StepPrediction]]:
     """``recsys plan``'s prediction of ``recipe`` at ``batch`` samples per rank on ``cluster``
     for each world size, flat and (past one node) 2D with one group per node: yields
     ``(world, replicas, prediction)``."""

@@ -53,6 +53,7 @@ import torch
 from benchmarks._harness import append_csv, environment, load_note
 from recsys.config import load_config
 from recsys.data import build_dataset
+from recsys.data.batch import Batch
 from recsys.data.loader import BatchLoader
 from recsys.serve.export import export_model, load_program, predict
 from recsys.train.trainer import train
@@ -275,9 +276,10 @@ def _online(
                     time.sleep(1.0)  # the server's worker threads back to sleep
                     rate = program_rate()
                     served = rows * len(latencies) / wall
+                    ratio = f"{rate / served:.2f}x the served rate" if served else "none served"
                     line[-1] += (
-                        f"; the program right after, server idle: {rate:.0f} rows/s on "
-                        f"{len(samples)} rows, {rate / served:.2f}x the served rate"
+                        f"; this checkout's program right after, server idle: {rate:.0f} rows/s "
+                        f"on {len(samples)} rows, {ratio}"
                     )
                 lines.append(line)
     finally:
@@ -286,7 +288,7 @@ def _online(
     return lines
 
 
-def _forward_seconds(module, batch, repeats: int = 5) -> float:
+def _forward_seconds(module: torch.nn.Module, batch: Batch, repeats: int = 5) -> float:
     """The median seconds of the loaded program's forward over the whole batch (after one
     warm-up call)."""
     values, lengths = batch.sparse.values(), batch.sparse.lengths().long()

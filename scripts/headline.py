@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 SCALE_BEGIN, SCALE_END = "<!-- scale:begin -->", "<!-- scale:end -->"
-PROJECTED_RECIPE = "configs/dlrm_dcnv2_mlperf.toml"
+RECIPE = "configs/dlrm_dcnv2_mlperf.toml"  # the projected model
 
 
 @dataclass(frozen=True)
@@ -140,12 +140,11 @@ def table() -> str:
     return "\n".join(out) + "\n"
 
 
-def _latest(topic: str) -> tuple[int, list[dict[str, str]]]:
-    """The first line and the rows of a topic's latest run (the last row's commit)."""
+def _latest(topic: str) -> list[tuple[int, dict[str, str]]]:
+    """``(line, row)`` of every row of a topic's latest run (the last row's commit)."""
     rows = _rows(topic)
     commit = rows[-1][1]["commit"]
-    latest = [(line, row) for line, row in rows if row["commit"] == commit]
-    return latest[0][0], [row for _, row in latest]
+    return [(line, row) for line, row in rows if row["commit"] == commit]
 
 
 def _millions(text: str) -> str:
@@ -153,25 +152,33 @@ def _millions(text: str) -> str:
     return f"{value:,.0f} M" if value >= 100 else f"{value:.1f} M"
 
 
+def _minutes(text: str) -> str:
+    return f"{float(text):.1f} min" if text else "–"
+
+
 def scale_table() -> str:
     """The MLPerf DLRM-DCNv2 projection (flat / 2D per world size) and the model against the
     published submissions of NVIDIA H100 systems, as the README shows them."""
-    line, rows = _latest("scale_projection")
-    rows = [r for r in rows if r["recipe"].startswith(PROJECTED_RECIPE)]
+    projected = [(n, r) for n, r in _latest("scale_projection") if r["recipe"].startswith(RECIPE)]
+    line, first = projected[0]
+    rows = [row for _, row in projected]
     by_world: dict[int, dict[str, dict[str, str]]] = {}
     for row in rows:
         kind = "flat" if row["kind"] == "flat" else "2d"
         by_world.setdefault(int(row["world_size"]), {})[kind] = row
-    first = rows[0]
-    figures = first["notes"].split("; ")[1]  # the topology's describe()
+    # The notes: "a model, not a measurement; <the topology's figures>; predicted ms: ...".
+    figures = first["notes"].removeprefix("a model, not a measurement; ")
+    figures = figures.split("; predicted ms:")[0]
+    sync_every = next(row["sync_every"] for row in rows if row["kind"] != "flat")
+    gpus = first["hardware"].split("_")[0].upper() + "s"  # h100_8x_ib400 -> H100s
     link = f"[{first['commit']}](benchmarks/results/scale_projection.csv#L{line})"
     out = [
         f"`recsys plan`'s projection of the MLPerf DLRM-DCNv2 model "
         f"({int(first['recipe'].split(' batch ')[1].split('/')[0]):,} samples per GPU, 2D: a group "
-        f"per node, synced every {by_world[max(by_world)]['2d']['sync_every']} steps) on "
+        f"per node, synced every {sync_every} steps) on "
         f"{figures}; {link}. **A model, not a measurement.**",
         "",
-        "| H100s | GiB per GPU, flat / 2D | inter-node MiB per step, flat / 2D "
+        f"| {gpus} | GiB per GPU, flat / 2D | inter-node MiB per step, flat / 2D "
         "| predicted samples/s, flat / 2D |",
         "| --- | --- | --- | --- |",
     ]
@@ -185,10 +192,15 @@ def scale_table() -> str:
             f"| {pair(kinds, 'inter_node_mib', lambda v: f'{float(v):,.0f}')} "
             f"| {pair(kinds, 'samples_per_s', _millions)} |"
         )
-    line, published = _latest("mlperf_published")
-    published = [r for r in published if r["submitter"] == "NVIDIA" and "H100" in r["accelerator"]]
-    source = published[0]["source"].split(" ")[0]
-    link = f"[{published[0]['commit']}](benchmarks/results/mlperf_published.csv#L{line})"
+    nvidia = [
+        (n, r)
+        for n, r in _latest("mlperf_published")
+        if r["submitter"] == "NVIDIA" and "H100" in r["accelerator"]
+    ]
+    line, first = nvidia[0]
+    published = [row for _, row in nvidia]
+    source = first["source"].split(" ")[0]
+    link = f"[{first['commit']}](benchmarks/results/mlperf_published.csv#L{line})"
     out += [
         "",
         f"Beside published MLPerf Training results (NVIDIA's DGX H100 DLRM-DCNv2 submissions, "
@@ -204,7 +216,7 @@ def scale_table() -> str:
         out.append(
             f"| {gpus:,} | {int(row['global_batch']) // gpus:,} "
             f"| {_millions(row['published_samples_per_s'])} "
-            f"| {float(row['published_minutes']):.1f} min "
+            f"| {_minutes(row['published_minutes'])} "
             f"| {_millions(row['predicted_samples_per_s'])} "
             f"| {float(row['predicted_ratio']):.2f} |"
         )

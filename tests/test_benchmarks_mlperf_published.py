@@ -10,11 +10,18 @@ import pytest
 from benchmarks import mlperf_published as published
 
 
-def _log(path: Path, batch: int, throughput: float | None, start: int, stop: int) -> None:
+def _log(
+    path: Path,
+    batch: int,
+    throughput: float | None,
+    start: int,
+    stop: int,
+    status: str = "success",
+) -> None:
     events = [
         ("global_batch_size", batch, {}),
         ("run_start", None, {}),
-        ("run_stop", None, {"status": "success"}),
+        ("run_stop", None, {"status": status}),
     ]
     times = [start, start, stop]
     if throughput is not None:
@@ -44,6 +51,7 @@ def test_reads_each_systems_runs_and_skips_what_it_cannot_compare(tmp_path, caps
     _log(folder / "result_0.txt", 16384, 3e6, 0, 240_000)
     _log(folder / "result_1.txt", 16384, 5e6, 0, 120_000)
     _log(folder / "result_2.txt", 16384, None, 0, 60_000)  # no throughput: left out
+    _log(folder / "result_3.txt", 16384, 9e9, 0, 60_000, status="aborted")  # left out
     _system(tmp_path, "Acme", "box_n2", 2, "NVIDIA H100-SXM5-80GB")
     _log(tmp_path / "Acme" / "results" / "orphan" / "dlrm_dcnv2" / "result_0.txt", 8, 1.0, 0, 1)
 
@@ -57,7 +65,9 @@ def test_reads_each_systems_runs_and_skips_what_it_cannot_compare(tmp_path, caps
     assert entry.samples_per_s == [3e6, 5e6] and entry.minutes == [4.0, 2.0]
     assert "orphan" in capsys.readouterr().out
     assert published.preset_of(entry.accelerator) == "h100_8x_ib400"
+    assert published.preset_of("NVIDIA A100-SXM4-40GB") == "a100_8x_ib200"
     assert published.preset_of("NVIDIA A40") is None
+    assert published.preset_of("NVIDIA H100-PCIe-80GB") is None  # no NVLink: not the preset
 
 
 def test_rows_set_the_median_beside_the_prediction(tmp_path, monkeypatch):

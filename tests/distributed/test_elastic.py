@@ -129,7 +129,7 @@ def final_state(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor], list[dict
     "layout",
     ["flat", pytest.param("2d", marks=pytest.mark.slow)],  # 2d: 4 ranks, about 3 minutes
 )
-def test_killed_rank_restarts_and_resumes_exactly(tmp_path, layout):
+def test_killed_rank_restarts_and_resumes(tmp_path, layout):
     _, _, total_steps, timeout_s = LAYOUTS[layout]
     deadline = time.monotonic() + timeout_s
     killed_dir, reference_dir = tmp_path / "killed", tmp_path / "reference"
@@ -195,11 +195,14 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path, layout):
         # 4 ranks: the first resumed step sums the dense gradients in DDP's first-iteration
         # buckets, the uninterrupted run in the buckets DDP rebuilt after its first backward;
         # on 3+ ranks a ring all-reduce's float sums depend on that layout, so from there on
-        # the runs agree to float rounding, not bit for bit (2 ranks: a + b, the same).
+        # the runs agree to float rounding, not bit for bit (2 ranks: a + b, the same). Up to
+        # the first resumed step's forward, bitwise.
+        upto = resume["step"] + 1
+        assert losses[:upto] == ref_losses[:upto]
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
         for key in weights:
             torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-4, atol=1e-6)
-        assert abs(test["auc"] - ref_test["auc"]) < 1e-5
+        assert abs(test["auc"] - ref_test["auc"]) < 1e-4
         return
     # Exact resume: the same loss at every step and the same final weights, bit for bit.
     first_differences = [
