@@ -50,7 +50,7 @@ MIN_STEP_S=60  # a step is not started with less of the budget left
 RESERVE_S=10   # kept for the summary
 # The most each step may take under a budget (seconds); bench_* steps take BENCH_CAP each.
 declare -A STEP_CAPS=(
-    [device_tests]=240 [gpu_tests]=120 [train_cuda_graphs]=180 [mlperf_dcnv2]=240
+    [device_tests]=240 [gpu_tests]=150 [train_cuda_graphs]=180 [mlperf_dcnv2]=240
     [kernel_table]=300
 )
 BENCH_CAP=120
@@ -181,10 +181,11 @@ if wanted device_tests && [ "$HAS_PYTEST" -eq 1 ]; then
         -p no:cacheprovider -m "not slow and not gpu"
 fi
 # -m gpu on the command line replaces pyproject's "-m 'not slow and not gpu'"; pytest exits 5
-# when it collects nothing: no GPU-marked test yet is reported, not failed.
+# when it collects nothing: no GPU-marked test yet is reported, not failed. -v: a line per test as
+# it finishes, so a step stopped by the budget still says which tests passed.
 if wanted gpu_tests && [ "$HAS_PYTEST" -eq 1 ]; then
     gpu_step gpu_tests "${STEP_CAPS[gpu_tests]}" "$OUT_DIR/pytest_gpu.log" \
-        "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider
+        "$PYTHON" -m pytest -m gpu -v --durations=15 -p no:cacheprovider
     if [ "${STEP_RC:-0}" -eq 5 ]; then
         SUMMARY[-1]="SKIP  gpu_tests (no test is marked gpu)"
     fi
