@@ -11,9 +11,14 @@
 #   gpu_tests          pytest -m gpu
 #   train_cuda_graphs  the default recipe 300 steps eager, compiled, and with train.cuda_graphs:
 #                      samples/s of each as train_step.csv rows
+#   mlperf_dcnv2_step  the training step of configs/dlrm_dcnv2_mlperf.toml at full size, every
+#                      table in device memory (row-wise Adagrad state: 98 GiB), batch 65,536, on
+#                      batches made beforehand: benchmarks/mlperf_dlrm.py --max-rows 0, fp32 and
+#                      bf16, dense layers on Triton (auto) and on torch; mlperf_dlrm.csv rows
 #   mlperf_dcnv2       configs/dlrm_dcnv2_mlperf.toml with every table in device memory (row-wise
 #                      Adagrad state: 98 GiB in all; needs 120 GiB of device memory), 300 steps
-#                      of 65,536: its log and metrics.jsonl under OUT_DIR/mlperf_dcnv2/
+#                      of 65,536: its log and metrics.jsonl under OUT_DIR/mlperf_dcnv2/ (end to
+#                      end: the synthetic data is made as it trains, by the loader's workers)
 #   kernel_table       scripts/kernel_table.py (compiles for sm_80 / sm_90: runs without a GPU)
 #   bench_<topic>      `python -m benchmarks.<topic> --device cuda` for each benchmark module
 #
@@ -50,7 +55,8 @@ MIN_STEP_S=60  # a step is not started with less of the budget left
 RESERVE_S=10   # kept for the summary
 # The most each step may take under a budget (seconds); bench_* steps take BENCH_CAP each.
 declare -A STEP_CAPS=(
-    [device_tests]=240 [gpu_tests]=150 [train_cuda_graphs]=180 [mlperf_dcnv2]=240
+    [device_tests]=240 [gpu_tests]=150 [train_cuda_graphs]=180 [mlperf_dcnv2_step]=300
+    [mlperf_dcnv2]=240
     [kernel_table]=300
 )
 BENCH_CAP=120
@@ -183,9 +189,13 @@ fi
 # -m gpu on the command line replaces pyproject's "-m 'not slow and not gpu'"; pytest exits 5
 # when it collects nothing: no GPU-marked test yet is reported, not failed. -v: a line per test as
 # it finishes, so a step stopped by the budget still says which tests passed.
+# With pytest-timeout there, no test may take more than 60 s (Triton's autotuning compiles each
+# config), so the step ends on its own and prints every failure's traceback.
 if wanted gpu_tests && [ "$HAS_PYTEST" -eq 1 ]; then
+    per_test=()
+    "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 60)
     gpu_step gpu_tests "${STEP_CAPS[gpu_tests]}" "$OUT_DIR/pytest_gpu.log" \
-        "$PYTHON" -m pytest -m gpu -v --durations=15 -p no:cacheprovider
+        "$PYTHON" -m pytest -m gpu -v --durations=15 -p no:cacheprovider "${per_test[@]}"
     if [ "${STEP_RC:-0}" -eq 5 ]; then
         SUMMARY[-1]="SKIP  gpu_tests (no test is marked gpu)"
     fi
@@ -200,10 +210,21 @@ if wanted train_cuda_graphs; then
         --device cuda --variants fp32 compile cuda_graphs --steps 300 --window 50
 fi
 
-# MLPerf's DLRM-DCNv2 at full size, every table in device memory: samples/s in its log.
+# MLPerf's DLRM-DCNv2 at full size, every table in device memory: its training step alone (rows
+# in mlperf_dlrm.csv), then a training run (samples/s in its log).
+memory=$("$PYTHON" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory \
+    // 2**30 if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+if wanted mlperf_dcnv2_step; then
+    if [ "$HAS_CUDA" -eq 1 ] && [ "$memory" -lt 120 ]; then
+        skip mlperf_dcnv2_step "needs 120 GiB of device memory, the device has ${memory} GiB"
+    else
+        gpu_step mlperf_dcnv2_step "${STEP_CAPS[mlperf_dcnv2_step]}" \
+            "$OUT_DIR/mlperf_dcnv2_step.log" "$PYTHON" -m benchmarks.mlperf_dlrm --device cuda \
+            --max-rows 0 --batch-size 65536 --embedding-optimizer rowwise_adagrad \
+            --precision fp32 bf16 --warmup 2 --repeats 10
+    fi
+fi
 if wanted mlperf_dcnv2; then
-    memory=$("$PYTHON" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory \
-        // 2**30 if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
     if [ "$HAS_CUDA" -eq 1 ] && [ "$memory" -lt 120 ]; then
         skip mlperf_dcnv2 "needs 120 GiB of device memory, the device has ${memory} GiB"
     else
