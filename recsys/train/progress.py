@@ -20,6 +20,25 @@ from recsys.distributed.timeline import DeviceTimeline, device_timeline
 STEP_PARTS = ("data", "forward", "backward", "optimizer", "collectives")
 
 
+INPUT_BOUND_SHARE = 0.25
+"""A train window whose steps waited longer than this share of their time for the next batch is
+input-bound: the trainer says so once a run (:func:`input_bound_note`)."""
+
+
+def input_bound_note(times: dict[str, float], made_by: str) -> str | None:
+    """One line when a window's steps (``times``: :meth:`StepTimer.close`'s ``time_<part>``)
+    waited more than :data:`INPUT_BOUND_SHARE` of their time for their batches, saying what
+    makes them (``made_by``, from the task); None otherwise."""
+    waited = times.get("time_data", 0.0)
+    step = sum(times.get(f"time_{part}", 0.0) for part in STEP_PARTS)
+    if step <= 0.0 or waited <= INPUT_BOUND_SHARE * step:
+        return None
+    return (
+        f"input-bound: a step waited {1000 * waited:.1f} ms of its {1000 * step:.1f} for its "
+        f"batch ({waited / step:.0%}); the batches are made by {made_by}"
+    )
+
+
 class _CompileClock:
     """Seconds spent in torch.compile's compilations, from torch._dynamo's compile start / end
     callbacks (a compilation nested in another counted once)."""

@@ -210,6 +210,10 @@ class NextItemTask:
         for _ in range(most - len(epoch)):
             yield None
 
+    def batch_makers(self) -> str:
+        """What makes the train batches (for the trainer's input-bound line)."""
+        return "the training process (sequence batches have no worker processes)"
+
     def steps_per_epoch(self) -> int:
         """Train batches per epoch.
 

@@ -217,6 +217,10 @@ class TargetRankingTask:
         mine, size = users[rank::world], train.eval_batch_size
         return _Epoch(self, [mine[a : a + size] for a in range(0, len(mine), size)], start_batch)
 
+    def batch_makers(self) -> str:
+        """What makes the train batches (for the trainer's input-bound line)."""
+        return "the training process (sequence batches have no worker processes)"
+
     def steps_per_epoch(self) -> int:
         steps = len(self.loader("train"))
         if steps == 0:

@@ -26,7 +26,8 @@ from torch import nn
 from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS, Config
 from recsys.data import build_dataset
 from recsys.data.layout import Reshard
-from recsys.data.loader import BatchLoader
+from recsys.data.loader import MAX_AUTO_WORKERS, BatchLoader, default_workers
+from recsys.data.workers import usable_cpus
 from recsys.distributed.parallel import DistributedInfo
 from recsys.train.evaluate import evaluate_split
 from recsys.train.metrics import eval_line
@@ -86,6 +87,21 @@ class CTRTask:
             start_batch=start_batch,
             reshards=reshards,
             workers=config.data.loader_workers,
+        )
+
+    def batch_makers(self) -> str:
+        """What makes the train batches, and the setting that changes it (for the trainer's
+        input-bound line)."""
+        workers = self.config.data.loader_workers
+        resolved = workers if workers >= 0 else default_workers(self.info.world_size)
+        if resolved == 0:
+            return (
+                f"the training process (data.loader_workers = {workers}; "
+                f"{usable_cpus()} CPU(s) here)"
+            )
+        return (
+            f"{resolved} worker process(es) (data.loader_workers = {workers}; -1: half a "
+            f"rank's CPUs, at most {MAX_AUTO_WORKERS}; {usable_cpus()} CPU(s) here)"
         )
 
     def prefetch(self) -> int:

@@ -81,7 +81,7 @@ from recsys.train.optimizers import (
 )
 from recsys.train.pipeline import TrainPipeline
 from recsys.train.precision import precision_note
-from recsys.train.progress import StepTimer, TrainWindow, summary_line
+from recsys.train.progress import StepTimer, TrainWindow, input_bound_note, summary_line
 from recsys.train.resume import data_position, find_resume, resumed_end, session_lineage
 from recsys.train.run_dir import (
     METRICS_FILE,
@@ -222,6 +222,8 @@ class _Run:
             table_bytes = sum(t.numel() * t.element_size() for t in held)
             self.logger.log("sharding", self.step, table_bytes=table_bytes)
         self.tiered_log = TieredLog(_unwrap(self.model))
+        self._train_windows = 0  # closed this session: the first (warm-up) is not judged
+        self._said_input_bound = False
         self.deltas = DeltaWriter(self.run_dir / DELTAS_DIR, ckpt.delta_every_steps, self.lineage)
         if stale := self.deltas.start(_unwrap(self.model), self.step):  # written after step
             self._print(f"removed {len(stale)} stale delta(s) after step {self.step}")
@@ -336,6 +338,7 @@ class _Run:
                     f"{self.task.rate_unit}/s"
                     f"  {self.tiered_log.summary(tiered)}".rstrip()
                 )
+            self._say_if_input_bound(times)
         if train_cfg.eval_every_steps and self.step % train_cfg.eval_every_steps == 0:
             window.pause(self._validate)
         if self._checkpoint_due(cfg.checkpoint) and self._saved_now() is None:
@@ -345,6 +348,16 @@ class _Run:
         if signals.requested():
             progress.close()
             self._stop(signals.name)
+
+    def _say_if_input_bound(self, times: dict[str, float]) -> None:
+        """Once a run: a line when a train window (not the first: warm-up) waited for its
+        batches much of its time, naming what makes them."""
+        self._train_windows += 1
+        if self._train_windows == 1 or self._said_input_bound:
+            return
+        if note := input_bound_note(times, self.task.batch_makers()):
+            self._print(note)
+            self._said_input_bound = True
 
     def _sync_replicas(self) -> None:
         """2D sparse parallelism: average the replicas' shards, once per step at most."""

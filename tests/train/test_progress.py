@@ -9,10 +9,18 @@ import pytest
 import torch
 
 import recsys.train.model_setup
+from recsys.config import load_config
 from recsys.distributed.comm import CommStats
 from recsys.train.compiled import compile_dense
 from recsys.train.metrics import read_metrics
-from recsys.train.progress import STEP_PARTS, StepTimer, TrainWindow, compile_seconds
+from recsys.train.progress import (
+    STEP_PARTS,
+    StepTimer,
+    TrainWindow,
+    compile_seconds,
+    input_bound_note,
+)
+from recsys.train.trainer import train
 from tests.distributed.test_timeline import FakeDevice, fake_timeline
 from tests.train.test_resume import TINY, run
 
@@ -225,3 +233,43 @@ def test_train_compile_logs_compile_time_apart_from_throughput_and_parts(
     # more): folded into it, the compilation would make it compile_s longer.
     assert step_seconds[0] - min(step_seconds[1:]) < events[0]["compile_s"] / 2
     assert f"| compile {events[0]['compile_s']:,.1f} s |" in capsys.readouterr().out
+
+
+def test_a_window_that_waited_for_data_most_of_its_time_is_called_input_bound():
+    slow = {"time_data": 0.214, "time_forward": 0.1646, "time_backward": 0.1333}
+    assert input_bound_note(slow, "8 worker process(es)") == (
+        "input-bound: a step waited 214.0 ms of its 511.9 for its batch (42%); the batches are "
+        "made by 8 worker process(es)"
+    )
+    at_the_line = {"time_data": 0.25, "time_forward": 0.75}
+    assert input_bound_note(at_the_line, "x") is None  # more than a quarter, not a quarter
+    assert input_bound_note({"time_data": 0.0}, "x") is None
+    assert input_bound_note({}, "x") is None
+
+
+def test_a_run_waiting_for_its_batches_says_so_once_after_the_first_window(
+    tmp_path, monkeypatch, capsys
+):
+    from recsys.data.loader import BatchLoader
+
+    batches = BatchLoader.__iter__
+
+    def slow_batches(loader):
+        for batch in batches(loader):
+            time.sleep(0.05)  # far longer than a TINY step
+            yield batch
+
+    monkeypatch.setattr(BatchLoader, "__iter__", slow_batches)
+    run(tmp_path, *TINY, "--train.max_steps=9", "--train.log_every_steps=3")
+    lines = [line for line in capsys.readouterr().out.splitlines() if "input-bound" in line]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("input-bound: a step waited ")
+    # TINY on CPU: auto (-1) starts no worker on a machine of 2 CPUs, some on a larger one
+    assert "(data.loader_workers = -1;" in lines[0] and "CPU(s) here)" in lines[0]
+
+
+def test_a_run_that_keeps_up_with_its_data_says_nothing(tmp_path, capsys):
+    # the default recipe: its batches take 1-2 % of a step here (TINY's tiny model waits 40 %)
+    recipe = ["--train.max_steps=6", "--train.log_every_steps=3", "--train.progress_bar=false"]
+    train(load_config("configs/dlrm_synthetic.toml", [f"--run.dir={tmp_path}", *recipe]))
+    assert "input-bound" not in capsys.readouterr().out
