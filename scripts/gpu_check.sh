@@ -34,6 +34,8 @@
 #
 # For a machine with torch + triton preinstalled and no venv or network: uses `python3` from
 # PATH (override with PYTHON=...) and puts the repository on PYTHONPATH instead of installing it.
+# TorchRec for such a machine: `bash scripts/offline_wheels.sh DIR` where pip works, then there
+# `bash DIR/install.sh /tmp/site && export PYTHONPATH=/tmp/site` before this script.
 # Writes into OUT_DIR: env.txt (nvidia-smi, versions), a log per step and the benchmarks' CSV rows
 # (<topic>.csv). A failing step does not stop the others; the exit status is non-zero when any
 # step failed (a step stopped by the budget is listed as TIME, not as a failure), and a summary

@@ -44,3 +44,24 @@ def test_a_bad_budget_is_one_line():
     done = gpu_check("--budget", "soon")
     assert done.returncode == 2
     assert done.stderr.strip() == "gpu_check.sh: --budget soon: expected a number of seconds >= 1"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "usage: bash scripts/offline_wheels.sh DIR [PYTHON_VERSION [TORCHREC [FBGEMM]]]"),
+        (("wheels", "3"), "offline_wheels.sh: python version '3': expected 3.N, e.g. 3.12"),
+    ],
+)
+def test_offline_wheels_refuses_bad_arguments_in_one_line_before_downloading(
+    tmp_path, args, message
+):
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "offline_wheels.sh"), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == message
+    assert not (tmp_path / "wheels").exists()
