@@ -49,6 +49,7 @@ COLUMNS = (
     *("timestamp", "notes"),
 )
 RECIPE = "configs/dlrm_dcnv2_mlperf.toml"
+PRECISION = "bf16"  # the submissions train in mixed precision: the model at the bf16 rate
 PRESETS = (("H100-SXM", "h100_8x_ib400"), ("A100-SXM", "a100_8x_ib200"))
 LOG_PREFIX = ":::MLLOG "
 
@@ -168,7 +169,7 @@ def rows(systems: list[Published], source: str, sync_every: int, env: dict) -> l
         predicted = {
             replicas: prediction.samples_per_s
             for _, replicas, prediction in projection(
-                RECIPE, per_gpu, cluster, [entry.gpus], sync_every
+                RECIPE, per_gpu, cluster, [entry.gpus], sync_every, PRECISION
             )
         }
         published = statistics.median(entry.samples_per_s)
@@ -177,7 +178,8 @@ def rows(systems: list[Published], source: str, sync_every: int, env: dict) -> l
         notes = (
             f"published: median of {len(entry.samples_per_s)} runs' tracked_stats throughput "
             f"(min {min(entry.samples_per_s):,.0f}, max {max(entry.samples_per_s):,.0f}), "
-            f"{per_gpu} samples per GPU; predicted: {RECIPE} at {per_gpu}/GPU on {preset} with "
+            f"{per_gpu} samples per GPU; predicted: {RECIPE} in {PRECISION} at {per_gpu}/GPU on "
+            f"{preset} with "
             f"{entry.per_node} ranks per node, flat{'' if two_d == '' else ' and 2D'}"
             f"{f' synced every {sync_every} steps' if two_d != '' else ''}; "
             "a model beside a measurement of another framework (HugeCTR)"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,9 +173,12 @@ def scale_table() -> str:
     sync_every = next(row["sync_every"] for row in rows if row["kind"] != "flat")
     gpus = first["hardware"].split("_")[0].upper() + "s"  # h100_8x_ib400 -> H100s
     link = f"[{first['commit']}](benchmarks/results/scale_projection.csv#L{line})"
+    # "<recipe> batch <B>/rank <precision>" (rows before the precision was named: fp32)
+    per_rank, _, precision = first["recipe"].split(" batch ")[1].partition("/rank")
+    precision = precision.strip() or "fp32"
     out = [
         f"`recsys plan`'s projection of the MLPerf DLRM-DCNv2 model "
-        f"({int(first['recipe'].split(' batch ')[1].split('/')[0]):,} samples per GPU, 2D: a group "
+        f"({int(per_rank):,} samples per GPU, trained in {precision}, 2D: a group "
         f"per node, synced every {sync_every} steps) on "
         f"{figures}; {link}. **A model, not a measurement.**",
         "",
@@ -201,11 +205,13 @@ def scale_table() -> str:
     published = [row for _, row in nvidia]
     source = first["source"].split(" ")[0]
     link = f"[{first['commit']}](benchmarks/results/mlperf_published.csv#L{line})"
+    trained = re.search(r" in (fp32|bf16|fp16) at ", first["notes"])
+    precision = f" in {trained.group(1)}" if trained else ""
     out += [
         "",
         f"Beside published MLPerf Training results (NVIDIA's DGX H100 DLRM-DCNv2 submissions, "
-        f"HugeCTR, from the submitters' logs in {source}; the model at their GPUs and batch; "
-        f"{link}):",
+        f"HugeCTR, mixed precision, from the submitters' logs in {source}; the model{precision} "
+        f"at their GPUs and batch; {link}):",
         "",
         "| H100s | samples per GPU | published samples/s | time to train | predicted flat "
         "| predicted / published |",

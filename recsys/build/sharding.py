@@ -158,6 +158,7 @@ def step_inputs(
         replicas=replicas,
         sync_every=sync_every,
         extras=int(config.train.id_checks != "off"),
+        dense_precision=config.train.precision,
     )
 
 

@@ -44,7 +44,8 @@ their sum, less what overlaps):
   distinct row (the expected distinct rows of uniform draws: an upper bound for skewed ids)
   and its state once.
 - ``dense``: 6 flops per dense parameter per sample (forward 2, backward 4) over the
-  topology's dense throughput.
+  topology's dense throughput in the training precision (IEEE fp32, or a GPU's bf16 / fp16
+  tensor-core rate).
 - ``allreduce``: the dense gradients' ring all-reduce (over the inter-node bandwidth once the
   world spans nodes), plus 2 log2(W) latencies; DDP overlaps it with the dense backward, so
   only what exceeds that counts. Replicated tables' all-gathers add their bytes the same way.
@@ -97,6 +98,7 @@ class StepInputs:
         sync_every: 2D: steps between two replica syncs.
         extras: int64 values every rank adds to each destination's counts (the input check's
             verdict, replicated tables' row counts).
+        dense_precision: ``train.precision``, which dense rate of the topology applies.
     """
 
     batch_size: int
@@ -110,6 +112,7 @@ class StepInputs:
     replicas: int = 1
     sync_every: int = 1
     extras: int = 0
+    dense_precision: str = "fp32"
 
     @property
     def dense_bytes(self) -> int:
@@ -418,7 +421,7 @@ class _Costs:
     def dense(self) -> None:
         inputs, topo, world = self.inputs, self.topology, self.world
         flops = 6.0 * inputs.dense_parameters * inputs.batch_size
-        self.dense_s = flops / (topo.dense_tflops * 1e12)
+        self.dense_s = flops / (topo.dense_rate(inputs.dense_precision) * 1e12)
         if world == 1:
             return
         ring = 2.0 * (world - 1) / world * inputs.dense_parameters * 4

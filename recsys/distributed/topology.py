@@ -39,8 +39,11 @@ class Topology:
         inter_gbs / inter_latency_us: the same between ranks of different nodes.
         memory_gbs: the device's memory bandwidth (lookups and optimizer updates).
         memory_gib: the device's memory, GiB (the default memory limit per rank).
-        dense_tflops: dense matrix throughput (TFLOP/s) of the precision the MLPs run in.
+        dense_tflops: dense matrix throughput (TFLOP/s) in bf16 / fp16 (a GPU's tensor cores).
         source: where the figures come from.
+        dense_fp32_tflops: the same in IEEE fp32, what ``train.precision = "fp32"`` runs at
+            (torch keeps TF32 off by default); 0: ``dense_tflops`` (a calibrated topology
+            measured the precision it ran, fp32).
     """
 
     name: str
@@ -53,6 +56,7 @@ class Topology:
     memory_gib: float
     dense_tflops: float
     source: str = ""
+    dense_fp32_tflops: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1:
@@ -61,13 +65,20 @@ class Topology:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"topology {self.name!r}: {name} = {value!r}; expected > 0")
-        for name in ("intra_latency_us", "inter_latency_us"):
+        for name in ("intra_latency_us", "inter_latency_us", "dense_fp32_tflops"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"topology {self.name!r}: {name} = {value!r}; expected >= 0")
 
     def node(self, rank: int) -> int:
         return rank // self.ranks_per_node
+
+    def dense_rate(self, precision: str) -> float:
+        """Dense matrix throughput (TFLOP/s) of a model trained in ``precision``
+        (``train.precision``: fp32, bf16 or fp16)."""
+        if precision == "fp32" and self.dense_fp32_tflops > 0:
+            return self.dense_fp32_tflops
+        return self.dense_tflops
 
     def describe(self) -> str:
         """One line of the figures a prediction used."""
@@ -77,36 +88,37 @@ class Topology:
             f"{self.inter_gbs:g} GB/s + {self.inter_latency_us:g} us per rank and direction, "
             f"memory {self.memory_gbs:g} GB/s, {self.memory_gib:g} GiB, dense "
             f"{self.dense_tflops:g} TFLOP/s"
+            + (f" (fp32 {self.dense_fp32_tflops:g})" if self.dense_fp32_tflops else "")
         )
 
 
 _H100_SOURCE = (
     "NVIDIA H100 Tensor Core GPU data sheet (SXM5: 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s "
-    "bidirectional = 450 GB/s per direction, 989 dense BF16 TFLOP/s); NVIDIA DGX H100 user "
-    "guide (8 GPUs, one ConnectX-7 400 Gb/s = 50 GB/s InfiniBand port per GPU); latencies "
-    "are assumptions, not published figures"
+    "bidirectional = 450 GB/s per direction, 989 dense BF16 TFLOP/s, 67 FP32); NVIDIA DGX H100 "
+    "user guide (8 GPUs, one ConnectX-7 400 Gb/s = 50 GB/s InfiniBand port per GPU); "
+    "latencies are assumptions, not published figures"
 )
 _H200_SOURCE = (
     "NVIDIA H200 Tensor Core GPU data sheet (SXM: 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s "
-    "bidirectional, 989 dense BF16 TFLOP/s); NVIDIA DGX H200 (8 GPUs, 400 Gb/s "
+    "bidirectional, 989 dense BF16 TFLOP/s, 67 FP32); NVIDIA DGX H200 (8 GPUs, 400 Gb/s "
     "ConnectX-7 per GPU); latencies are assumptions, not published figures"
 )
 _A100_SOURCE = (
     "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB: 2,039 GB/s HBM2e, NVLink 600 GB/s "
-    "bidirectional = 300 GB/s per direction, 312 dense BF16 TFLOP/s); NVIDIA DGX A100 user "
-    "guide (8 GPUs, one ConnectX-6 200 Gb/s = 25 GB/s HDR InfiniBand port per GPU); "
-    "latencies are assumptions, not published figures"
+    "bidirectional = 300 GB/s per direction, 312 dense BF16 TFLOP/s, 19.5 FP32); NVIDIA DGX "
+    "A100 user guide (8 GPUs, one ConnectX-6 200 Gb/s = 25 GB/s HDR InfiniBand port per "
+    "GPU); latencies are assumptions, not published figures"
 )
 
 PRESETS: dict[str, Topology] = {
     "h100_8x_ib400": Topology(
-        "h100_8x_ib400", 8, 450.0, 5.0, 50.0, 10.0, 3350.0, 80.0, 989.0, _H100_SOURCE
+        "h100_8x_ib400", 8, 450.0, 5.0, 50.0, 10.0, 3350.0, 80.0, 989.0, _H100_SOURCE, 67.0
     ),
     "h200_8x_ib400": Topology(
-        "h200_8x_ib400", 8, 450.0, 5.0, 50.0, 10.0, 4800.0, 141.0, 989.0, _H200_SOURCE
+        "h200_8x_ib400", 8, 450.0, 5.0, 50.0, 10.0, 4800.0, 141.0, 989.0, _H200_SOURCE, 67.0
     ),
     "a100_8x_ib200": Topology(
-        "a100_8x_ib200", 8, 300.0, 5.0, 25.0, 10.0, 2039.0, 80.0, 312.0, _A100_SOURCE
+        "a100_8x_ib200", 8, 300.0, 5.0, 25.0, 10.0, 2039.0, 80.0, 312.0, _A100_SOURCE, 19.5
     ),
     # A host of CPU ranks under gloo: loopback TCP inside the host, 25 GbE across hosts.
     # Rough figures of a small cloud VM; calibrate (recsys plan --calibrate) before trusting
@@ -186,7 +198,7 @@ def load_topology(path: str | Path) -> Topology:
                 f"the presets are {', '.join(PRESETS)}"
             )
         return replace(PRESETS[preset], **values)
-    missing = sorted(_FIELDS - {"source"} - set(values))
+    missing = sorted(_FIELDS - {"source", "dense_fp32_tflops"} - set(values))
     if missing:
         raise ValueError(f"topology file '{path}' lacks {missing} (or a preset to start from)")
     return Topology(**values)
