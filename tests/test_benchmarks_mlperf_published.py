@@ -81,8 +81,8 @@ def test_rows_set_the_median_beside_the_prediction(tmp_path, monkeypatch):
         def __init__(self, rate):
             self.samples_per_s = rate
 
-    def projection(recipe, batch, cluster, worlds, sync_every):
-        asked.append((recipe, batch, cluster.ranks_per_node, worlds, sync_every))
+    def projection(recipe, batch, cluster, worlds, sync_every, precision):
+        asked.append((recipe, batch, cluster.ranks_per_node, worlds, sync_every, precision))
         yield worlds[0], 1, Prediction(2e6)
         yield worlds[0], 2, Prediction(8e6)
 
@@ -90,7 +90,7 @@ def test_rows_set_the_median_beside_the_prediction(tmp_path, monkeypatch):
     env = {"versions": "v", "commit": "c", "timestamp": "t"}
     (row,) = published.rows(published.read_results(tmp_path), "src@1", 100, env)
     line = dict(zip(published.COLUMNS, row, strict=True))
-    assert asked == [(published.RECIPE, 1024, 8, [16], 100)]
+    assert asked == [(published.RECIPE, 1024, 8, [16], 100, "bf16")]  # as MLPerf trains
     assert line["published_samples_per_s"] == 4e6 and line["published_minutes"] == 1.0
     assert line["predicted_samples_per_s"] == 2e6 and line["predicted_ratio"] == 0.5
     assert line["predicted_2d_samples_per_s"] == 8e6

@@ -7,6 +7,7 @@ command."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -247,6 +248,10 @@ def test_presets_name_their_sources_and_files_round_trip(tmp_path):
         ),
         ("name = 'x'\nranks_per_node = 2", "lacks ['dense_tflops'"),
         ('preset = "cpu_host"\nmemory_gbs = -1.0', "memory_gbs = -1.0; expected > 0"),
+        (
+            'preset = "cpu_host"\ndense_fp32_tflops = -2.0',
+            "dense_fp32_tflops = -2.0; expected >= 0",
+        ),
         ("name = [", "is not valid TOML"),
     ],
 )
@@ -256,6 +261,36 @@ def test_bad_topology_files_are_one_line_errors(tmp_path, text, message):
     with pytest.raises(ValueError, match="") as error:
         load_topology(path)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_dense_work_is_charged_at_the_training_precisions_rate(tmp_path):
+    h100 = PRESETS["h100_8x_ib400"]
+    assert (h100.dense_rate("fp32"), h100.dense_rate("bf16"), h100.dense_rate("fp16")) == (
+        67.0,
+        989.0,
+        989.0,
+    )
+    assert "dense 989 TFLOP/s (fp32 67)" in h100.describe()
+    # a calibrated topology measured one rate (fp32 matmuls): it serves every precision
+    path = tmp_path / "calibrated.toml"
+    save_topology(replace(PRESETS["cpu_host"], name="calibrated", dense_tflops=0.2), path)
+    calibrated = load_topology(path)
+    assert calibrated.dense_fp32_tflops == 0.0
+    assert calibrated.dense_rate("fp32") == calibrated.dense_rate("bf16") == 0.2
+    plan = four_rank_plan(4, with_dp=False)
+    seconds = {
+        precision: predict_step(
+            plan,
+            {"": configs()},
+            StepInputs(64, dense_parameters=10**6, dense_precision=precision),
+            h100,
+        ).seconds["dense"]
+        for precision in ("fp32", "bf16")
+    }
+    assert seconds["fp32"] == pytest.approx(6 * 10**6 * 64 / 67e12)
+    assert seconds["fp32"] / seconds["bf16"] == pytest.approx(989 / 67)
+    config = load_config(None, ["--train.precision=bf16"])
+    assert step_inputs(config, plan_inputs(config), pipeline=False).dense_precision == "bf16"
 
 
 def test_topology_arguments_are_checked():
