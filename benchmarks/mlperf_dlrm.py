@@ -20,7 +20,8 @@ the recipe's synthetic train split made beforehand (the same in every process), 
 - ``torchrec_dmp_fused``: ``torchrec.models.dlrm.DLRM_DCN`` over an ``EmbeddingBagCollection``
   sharded by ``DistributedModelParallel`` (world of one, gloo), every table TABLE_WISE on the
   FUSED kernel with FBGEMM's EXACT_ADAGRAD at the same learning rate and eps (the optimizer the
-  reference fuses into backward), ``torch.optim.Adagrad`` on the dense layers.
+  reference fuses into backward; EXACT_ROWWISE_ADAGRAD with ``--embedding-optimizer
+  rowwise_adagrad``), ``torch.optim.Adagrad`` on the dense layers.
 
 At full size (``--max-rows 0``: MLPerf's own tables, 204M rows) TorchRec has no tier below
 memory on a CPU: it needs 195 GiB of host RAM (or the HBM / UVM of GPUs); recsys trains it on the
@@ -75,7 +76,7 @@ from recsys.config import Config, load_config
 from recsys.data import build_dataset
 from recsys.data.batch import DatasetSpec
 from recsys.data.loader import BatchLoader
-from recsys.embedding.optim import Adagrad
+from recsys.embedding.optim import Adagrad, RowWiseAdagrad
 from recsys.models import table_configs
 from recsys.train.optimizers import build_optimizers
 
@@ -95,10 +96,11 @@ def torchrec_dlrm_dcn(recipe: Config, spec: DatasetSpec, device: torch.device):
 
     m = recipe.model
     tables = table_configs(spec.sparse_names, spec.cardinalities, m.embedding_dim, m.pooling)
-    fused_params = {
-        "optimizer": EmbOptimType.EXACT_ADAGRAD,
+    rowwise = recipe.train.embedding_optimizer == "rowwise_adagrad"
+    fused_params = {  # FBGEMM's exact Adagrad (element-wise or row-wise), recsys' eps
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD if rowwise else EmbOptimType.EXACT_ADAGRAD,
         "learning_rate": recipe.train.embedding_lr,
-        "eps": Adagrad.eps,  # recsys' fused Adagrad
+        "eps": RowWiseAdagrad.eps if rowwise else Adagrad.eps,
     }
     dcn = (m.cross.num_layers, m.cross.low_rank)
     with dmp_fused_dlrm(
@@ -252,9 +254,11 @@ def main() -> None:
     )
     warmup = args.warmup if args.warmup is not None else 2
     repeats = args.repeats if args.repeats is not None else 10
-    providers = {"recsys": recsys_model, "recsys_dense_torch": recsys_dense_torch}
-    if args.embedding_optimizer == "adagrad":  # the peer's fused optimizer is EXACT_ADAGRAD
-        providers[PEER] = torchrec_dlrm_dcn
+    providers = {
+        "recsys": recsys_model,
+        "recsys_dense_torch": recsys_dense_torch,
+        PEER: torchrec_dlrm_dcn,
+    }
     made = (recipe, args.batch_size, args.num_batches, device)  # what the batches are made of
     if args.provider:  # a child: time one provider, hand the result back
         chosen = {args.provider: providers[args.provider]}

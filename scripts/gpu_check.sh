@@ -197,7 +197,8 @@ if wanted gpu_tests && [ "$HAS_PYTEST" -eq 1 ]; then
     per_test=()
     "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 60)
     gpu_step gpu_tests "${STEP_CAPS[gpu_tests]}" "$OUT_DIR/pytest_gpu.log" \
-        "$PYTHON" -m pytest -m gpu -v --durations=15 -p no:cacheprovider "${per_test[@]}"
+        "$PYTHON" -m pytest -m gpu -v --durations=15 -p no:cacheprovider \
+        ${per_test[@]+"${per_test[@]}"}
     if [ "${STEP_RC:-0}" -eq 5 ]; then
         SUMMARY[-1]="SKIP  gpu_tests (no test is marked gpu)"
     fi

@@ -16,7 +16,7 @@
 # its own Triton and torch code.
 set -euo pipefail
 
-if [ $# -lt 1 ] || [ "${1:0:1}" = "-" ]; then
+if [ $# -lt 1 ] || [ -z "$1" ] || [ "${1:0:1}" = "-" ]; then
     echo "usage: bash scripts/offline_wheels.sh DIR [PYTHON_VERSION [TORCHREC [FBGEMM]]]" >&2
     exit 2
 fi
@@ -40,7 +40,7 @@ done
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PY" \
     --implementation cp "${platforms[@]}" -d "$DIR" \
     "torchrec==$TORCHREC" "fbgemm-gpu-cpu==$FBGEMM" tensordict==0.11.0 iopath pyvers==0.2.2 orjson \
-    importlib_metadata
+    importlib_metadata pytest-timeout  # pytest-timeout: gpu_check.sh's 60 s per GPU test
 
 cat >"$DIR/sitecustomize.py" <<'PY'
 """Installed by scripts/offline_wheels.sh: FBGEMM's CPU build on a CUDA machine gets a torch
@@ -68,11 +68,12 @@ PY
 
 cat >"$DIR/install.sh" <<'SH'
 #!/usr/bin/env bash
-# bash install.sh TARGET: the wheels beside this script into TARGET (then PYTHONPATH=TARGET).
+# bash install.sh TARGET: the wheels beside this script into TARGET (then PYTHONPATH=TARGET),
+# with $PYTHON (default python3): the interpreter the wheels were downloaded for.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 target=${1:?usage: bash install.sh TARGET}
-python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+"${PYTHON:-python3}" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$target" "$here"/*.whl
 cp "$here/sitecustomize.py" "$target/"
 SH

@@ -138,6 +138,7 @@ class StepPrediction:
         seconds: part -> the busiest rank's seconds per step.
         step_s / samples_per_s: the predicted step and throughput (W * B samples a step).
         topology: the figures used.
+        dense_precision: the training precision whose dense rate was charged.
     """
 
     world_size: int
@@ -150,6 +151,7 @@ class StepPrediction:
     seconds: dict[str, float]
     step_s: float
     topology: Topology
+    dense_precision: str = "fp32"
 
     @property
     def samples_per_s(self) -> float:
@@ -187,7 +189,11 @@ class StepPrediction:
         parts = ", ".join(
             f"{name} {1e3 * value:.3f}" for name, value in self.seconds.items() if value
         )
-        lines.append(f"  predicted ms per step: {parts}")
+        rate = self.topology.dense_rate(self.dense_precision)
+        lines.append(
+            f"  predicted ms per step: {parts} (dense in {self.dense_precision} at {rate:g} "
+            "TFLOP/s)"
+        )
         lines.append(
             f"  predicted step {1e3 * self.step_s:.3f} ms, {self.samples_per_s:,.0f} samples/s"
         )
@@ -247,7 +253,7 @@ def predict_step(
     sent = {(p, w): np.tile(v, replicas) for p, both in cost.sent.items() for w, v in both.items()}
     return StepPrediction(
         world, replicas, group, inputs.batch_size, table_bytes, inputs.dense_bytes, sent, seconds,
-        math.fsum(seconds.values()), topology,
+        math.fsum(seconds.values()), topology, inputs.dense_precision,
     )  # fmt: skip
 
 

@@ -43,7 +43,8 @@ class Topology:
         source: where the figures come from.
         dense_fp32_tflops: the same in IEEE fp32, what ``train.precision = "fp32"`` runs at
             (torch keeps TF32 off by default); 0: ``dense_tflops`` (a calibrated topology
-            measured the precision it ran, fp32).
+            measured the precision it ran, fp32). A file or override that starts from a preset
+            and sets ``dense_tflops`` keeps the preset's fp32 rate unless it sets this too.
     """
 
     name: str

@@ -133,7 +133,7 @@ def test_cuda_graphs_are_recorded_and_replayed_and_train_as_eager(recwarn):
         # 160,000 elements 2.4e-4 apart after 8 steps. So: all but a few elements close, and none
         # further apart than a hundredth of the steps' largest moves.
         far = ~torch.isclose(graphs.state_dict()[key], value, rtol=1e-3, atol=1e-5)
-        assert far.float().mean() <= 1e-4, (key, int(far.sum()))
+        assert int(far.sum()) <= max(1, value.numel() // 10_000), (key, int(far.sum()))
         largest_moves = 8 * load_config("configs/dlrm_synthetic.toml", SMALL).train.embedding_lr
         torch.testing.assert_close(
             graphs.state_dict()[key], value, rtol=0, atol=largest_moves / 100
