@@ -71,14 +71,12 @@ from benchmarks._harness import (
 )
 from benchmarks._torchrec_peers import dmp_fused_dlrm
 from benchmarks.models import dense_optimizer, make_step, recsys_model
-from recsys.build.models import build_model
 from recsys.config import Config, load_config
 from recsys.data import build_dataset
 from recsys.data.batch import DatasetSpec
 from recsys.data.loader import BatchLoader
 from recsys.embedding.optim import Adagrad, RowWiseAdagrad
 from recsys.models import table_configs
-from recsys.train.optimizers import build_optimizers
 
 TOPIC = "mlperf_dlrm"
 RECIPE = REPO_ROOT / "configs" / "dlrm_dcnv2_mlperf.toml"
@@ -118,11 +116,8 @@ def torchrec_dlrm_dcn(recipe: Config, spec: DatasetSpec, device: torch.device):
 @contextlib.contextmanager
 def recsys_dense_torch(recipe: Config, spec: DatasetSpec, device: torch.device):
     """``recsys`` with every dense layer on its torch path: the embedding bag keeps ``auto``."""
-    torch.manual_seed(recipe.run.seed)
-    model = build_model(recipe.model, spec, device)
-    dense_on_torch(model)
-    optimizers = build_optimizers(recipe.train, model)
-    yield make_step(model, list(optimizers.values()), None)
+    with recsys_model(recipe, spec, device, prepare=dense_on_torch) as step:
+        yield step
 
 
 def dense_on_torch(model: torch.nn.Module) -> None:

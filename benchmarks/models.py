@@ -108,9 +108,18 @@ def dense_optimizer(recipe: Config, params: list[nn.Parameter]) -> torch.optim.O
 
 
 @contextlib.contextmanager
-def recsys_model(recipe: Config, spec: DatasetSpec, device: torch.device) -> Iterator[Step]:
+def recsys_model(
+    recipe: Config,
+    spec: DatasetSpec,
+    device: torch.device,
+    prepare: Callable[[nn.Module], None] | None = None,
+) -> Iterator[Step]:
+    """The recipe's model as ``recsys train`` builds it (``prepare``, when given, sees it before
+    its optimizers are made) and its train step."""
     torch.manual_seed(recipe.run.seed)
     model = build_model(recipe.model, spec, device)
+    if prepare is not None:
+        prepare(model)
     optimizers = build_optimizers(recipe.train, model)
     weights = task_loss_weights(recipe.train, spec.num_tasks, device)
     yield make_step(model, list(optimizers.values()), weights)

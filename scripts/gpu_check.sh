@@ -215,30 +215,33 @@ fi
 
 # MLPerf's DLRM-DCNv2 at full size, every table in device memory: its training step alone (rows
 # in mlperf_dlrm.csv), then a training run (samples/s in its log).
-memory=$("$PYTHON" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory \
-    // 2**30 if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
-if wanted mlperf_dcnv2_step; then
-    if [ "$HAS_CUDA" -eq 1 ] && [ "$memory" -lt 120 ]; then
-        skip mlperf_dcnv2_step "needs 120 GiB of device memory, the device has ${memory} GiB"
-    else
-        gpu_step mlperf_dcnv2_step "${STEP_CAPS[mlperf_dcnv2_step]}" \
-            "$OUT_DIR/mlperf_dcnv2_step.log" "$PYTHON" -m benchmarks.mlperf_dlrm --device cuda \
-            --max-rows 0 --batch-size 65536 --embedding-optimizer rowwise_adagrad \
-            --precision fp32 bf16 --warmup 2 --repeats 10
+MEMORY_GIB=""
+# big_gpu_step NAME CAP LOG COMMAND...: gpu_step, or a SKIP line on a device under 120 GiB.
+big_gpu_step() {
+    if [ -z "$MEMORY_GIB" ]; then
+        MEMORY_GIB=$("$PYTHON" -c "import torch; print(torch.cuda.get_device_properties(0)\
+.total_memory // 2**30 if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
     fi
+    if [ "$HAS_CUDA" -eq 1 ] && [ "$MEMORY_GIB" -lt 120 ]; then
+        skip "$1" "needs 120 GiB of device memory, the device has ${MEMORY_GIB} GiB"
+        return
+    fi
+    gpu_step "$@"
+}
+if wanted mlperf_dcnv2_step; then
+    big_gpu_step mlperf_dcnv2_step "${STEP_CAPS[mlperf_dcnv2_step]}" \
+        "$OUT_DIR/mlperf_dcnv2_step.log" "$PYTHON" -m benchmarks.mlperf_dlrm --device cuda \
+        --max-rows 0 --batch-size 65536 --embedding-optimizer rowwise_adagrad \
+        --precision fp32 bf16 --warmup 2 --repeats 10
 fi
 if wanted mlperf_dcnv2; then
-    if [ "$HAS_CUDA" -eq 1 ] && [ "$memory" -lt 120 ]; then
-        skip mlperf_dcnv2 "needs 120 GiB of device memory, the device has ${memory} GiB"
-    else
-        gpu_step mlperf_dcnv2 "${STEP_CAPS[mlperf_dcnv2]}" "$OUT_DIR/mlperf_dcnv2.log" \
-            "$PYTHON" -m recsys train --config configs/dlrm_dcnv2_mlperf.toml --run.device=cuda \
-            --train.embedding_optimizer=rowwise_adagrad --train.max_steps=300 \
-            --train.log_every_steps=25 --train.eval_every_steps=0 \
-            --data.synthetic.num_valid_samples=65536 --data.synthetic.num_test_samples=262144 \
-            --checkpoint.save_final=false --train.progress_bar=false --run.tensorboard=false \
-            --run.dir="$OUT_DIR/mlperf_dcnv2" --run.overwrite=true
-    fi
+    big_gpu_step mlperf_dcnv2 "${STEP_CAPS[mlperf_dcnv2]}" "$OUT_DIR/mlperf_dcnv2.log" \
+        "$PYTHON" -m recsys train --config configs/dlrm_dcnv2_mlperf.toml --run.device=cuda \
+        --train.embedding_optimizer=rowwise_adagrad --train.max_steps=300 \
+        --train.log_every_steps=25 --train.eval_every_steps=0 \
+        --data.synthetic.num_valid_samples=65536 --data.synthetic.num_test_samples=262144 \
+        --checkpoint.save_final=false --train.progress_bar=false --run.tensorboard=false \
+        --run.dir="$OUT_DIR/mlperf_dcnv2" --run.overwrite=true
 fi
 
 if wanted kernel_table; then
