@@ -3,7 +3,12 @@
 Each public op takes ``backend: "auto" | "triton" | "torch"``. ``"auto"`` (overridable with the
 environment variable ``RECSYS_BACKEND``) picks:
 
-- CUDA tensors: the op's Triton kernels when it has them, else its torch path;
+- CUDA tensors: the op's Triton kernels when it has them, else its torch path; except the
+  DCN cross layers (full-rank, low-rank and vector), whose Triton kernels measured slower than
+  torch eager (cuBLAS and one fused elementwise) on an H100 in every case of
+  ``benchmarks/interaction.py`` (fp32 and bf16, forward and forward + backward;
+  ``benchmarks/results/interaction.csv``): "auto" takes their torch path on CUDA too, and
+  ``backend="triton"`` (or ``RECSYS_BACKEND=triton``) still runs the kernels;
 - CPU tensors: the op's measured-faster CPU path where it can serve the call, else the torch
   path. The embedding bag has one: ``"fbgemm"``, FBGEMM's C++ fused-optimizer backward
   (fbgemm-gpu-cpu) behind the torch forward, for SGD / Adagrad / RowWiseAdagrad on fp32 tables
@@ -58,6 +63,7 @@ def resolve_backend(
     has_triton: bool,
     cpu_paths: dict[str, str] | None = None,
     triton_unsupported: str = "",
+    auto_triton: bool = True,
 ) -> str:
     """Turn a requested backend into the one that runs: ``"triton"``, ``"torch"`` or one of
     the op's ``cpu_paths``.
@@ -73,6 +79,9 @@ def resolve_backend(
             can, e.g. ``"dtype torch.float64"``); "auto" then takes the torch path, even where
             ``RECSYS_BACKEND`` asks for Triton. An explicit ``"triton"`` still resolves to
             ``"triton"``: the op raises its own error for it.
+        auto_triton: whether "auto" picks the op's Triton kernels on CUDA (False: they measured
+            slower than its torch path there; ``"triton"`` and ``RECSYS_BACKEND=triton`` still
+            pick them).
 
     Returns:
         The backend that runs.
@@ -96,7 +105,13 @@ def resolve_backend(
             raise ValueError(f"backend={backend!r} cannot run this {op}: {cpu_paths[backend]}")
         return backend
     if backend == "auto":
-        if has_triton and HAS_TRITON and device.type == "cuda" and not triton_unsupported:
+        if (
+            auto_triton
+            and has_triton
+            and HAS_TRITON
+            and device.type == "cuda"
+            and not triton_unsupported
+        ):
             return "triton"
         usable = [name for name, why in cpu_paths.items() if not why]
         return usable[0] if device.type == "cpu" and usable else "torch"

@@ -40,6 +40,17 @@ def test_auto_takes_triton_on_cuda_only_when_it_can_serve_the_call():
 
 
 @pytest.mark.usefixtures("no_env_backend")
+def test_auto_keeps_the_torch_path_of_an_op_whose_kernels_measured_slower(monkeypatch):
+    def slower(backend, device=CUDA):
+        return resolve_backend(backend, device, op="op", has_triton=True, auto_triton=False)
+
+    assert slower("auto") == "torch"
+    assert slower("auto", CPU) == "torch"
+    monkeypatch.setenv("RECSYS_BACKEND", "triton")
+    assert slower("auto") == "triton"
+
+
+@pytest.mark.usefixtures("no_env_backend")
 def test_explicit_backends_are_kept():
     assert resolve("torch", CUDA) == "torch"
     assert resolve("triton", CPU) == "triton"  # under the interpreter (tests/conftest.py)

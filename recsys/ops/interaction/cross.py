@@ -395,6 +395,12 @@ def _needs_u(x0: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and x0.requires_grad
 
 
+def _backend(backend: str, x0: torch.Tensor, op: str) -> str:
+    """The cross layers' backend: "auto" is the torch path on every device (the Triton kernels
+    measured slower than torch eager on an H100: ``recsys.ops._triton``)."""
+    return resolve_backend(backend, x0.device, op=op, has_triton=True, auto_triton=False)
+
+
 def cross_layer(
     x0: torch.Tensor,
     xl: torch.Tensor,
@@ -421,7 +427,7 @@ def cross_layer(
         cross_layer(x, x, torch.randn(16, 16), torch.zeros(16))  # [8, 16]
     """
     _check_inputs(x0, xl, {"weight": (weight, ("D", "D")), "bias": (bias, ("D",))})
-    if resolve_backend(backend, x0.device, op="cross_layer", has_triton=True) == "torch":
+    if _backend(backend, x0, "cross_layer") == "torch":
         return x0 * F.linear(xl, weight, bias) + xl
     args = _triton_inputs({"x0": x0, "xl": xl, "weight": weight, "bias": bias})
     with torch.autocast("cuda", enabled=False):
@@ -465,7 +471,7 @@ def cross_layer_low_rank(
         "bias": (bias, ("D",)),
     }
     _check_inputs(x0, xl, params, rank=u_weight.shape[1])
-    if resolve_backend(backend, x0.device, op="cross_layer_low_rank", has_triton=True) == "torch":
+    if _backend(backend, x0, "cross_layer_low_rank") == "torch":
         return x0 * F.linear(F.linear(xl, v_weight), u_weight, bias) + xl
     # In CrossLayerFunction's argument order: U takes the full-rank weight's place, V comes last.
     args = _triton_inputs(
@@ -501,7 +507,7 @@ def cross_layer_vector(
         cross_layer_vector(x, x, torch.randn(16), torch.zeros(16))  # [8, 16]
     """
     _check_inputs(x0, xl, {"weight": (weight, ("D",)), "bias": (bias, ("D",))})
-    if resolve_backend(backend, x0.device, op="cross_layer_vector", has_triton=True) == "torch":
+    if _backend(backend, x0, "cross_layer_vector") == "torch":
         return x0 * (xl @ weight).unsqueeze(1) + bias + xl
     args = _triton_inputs({"x0": x0, "xl": xl, "weight": weight, "bias": bias})
     with torch.autocast("cuda", enabled=False):

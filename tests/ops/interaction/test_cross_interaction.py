@@ -4,6 +4,8 @@ every gradient, awkward sizes, option combinations, bad inputs, determinism.
 Every test of an op runs both backends: ``torch`` and ``triton`` (under the interpreter on CPU).
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -319,3 +321,13 @@ def test_gpu_autocast_computes_in_bf16(form):
     for grad, ref_grad in zip(grads, ref_grads, strict=True):
         assert grad.dtype == torch.float32
         assert_close_to_reference(grad.bfloat16(), ref_grad, torch.bfloat16)
+
+
+def test_auto_runs_the_torch_path_on_cuda(monkeypatch):
+    """The cross layers' Triton kernels measured slower than torch eager on an H100
+    (benchmarks/results/interaction.csv): "auto" keeps the torch path there; "triton" asks."""
+    monkeypatch.delenv("RECSYS_BACKEND", raising=False)
+    on_cuda = SimpleNamespace(device=torch.device("cuda"))  # only the device is read
+    for op in ("cross_layer", "cross_layer_low_rank", "cross_layer_vector"):
+        assert cross_interaction._backend("auto", on_cuda, op) == "torch"
+        assert cross_interaction._backend("torch", on_cuda, op) == "torch"
