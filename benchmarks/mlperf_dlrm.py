@@ -16,7 +16,8 @@ the recipe's synthetic train split made beforehand (the same in every process), 
 - ``recsys``: the recipe's ``dlrm_dcn`` built as ``recsys train`` builds it (tables in memory,
   element-wise Adagrad fused into backward), the trainer's step;
 - ``recsys_dense_torch``: the same, with the dense layers (MLPs, DCN cross layers) on their torch
-  path (cuBLAS on a GPU) instead of ``auto``'s Triton kernels: which of the two a GPU should run;
+  path (cuBLAS on a GPU) instead of ``auto``'s choice (the MLPs' Triton kernels; the cross
+  layers already run their torch path under ``auto``): which a GPU should run;
 - ``torchrec_dmp_fused``: ``torchrec.models.dlrm.DLRM_DCN`` over an ``EmbeddingBagCollection``
   sharded by ``DistributedModelParallel`` (world of one, gloo), every table TABLE_WISE on the
   FUSED kernel with FBGEMM's EXACT_ADAGRAD at the same learning rate and eps (the optimizer the
