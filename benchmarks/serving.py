@@ -14,6 +14,9 @@ not its quality), exports it, and measures on the same test rows:
 - ``serve_v2_64rows`` / ``serve_v2_binary_64rows``: 64-row requests in JSON / the binary
   extension at concurrency 8 and 32 (rows/s against ``predict_forward``'s, and against the
   program's rate measured again right after each load, in ``notes``);
+- ``--compile aoti`` rows (provider ``... (aoti)``): the binary cases again against ``recsys serve
+  --compile aoti`` (the export compiled by AOTInductor, :mod:`recsys.serve.compiled_program`),
+  the 64-row ones against the compiled program's own rate;
 - with ``--baseline DIR`` (a checkout of an earlier recsys, e.g. a ``git worktree`` of the
   commit before a change), the same JSON cases against that checkout's ``recsys serve`` of
   that checkout's own export of the checkpoint, in the same run with the same load generator
@@ -26,7 +29,8 @@ The clients run on the same machine as the server and take CPU from it: on a 2-c
 numbers are a floor. Appends to ``benchmarks/results/serving.csv``.
 
 Run: ``python -m benchmarks.serving [--seconds 10] [--steps 20] [--quick] [--export PT2]
-[--baseline DIR]`` (``--export``: an export of the recipe's model, instead of training one).
+[--baseline DIR] [--no-compile]`` (``--export``: an export of the recipe's model, instead of
+training one).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from recsys.config import load_config
 from recsys.data import build_dataset
 from recsys.data.batch import Batch
 from recsys.data.loader import BatchLoader
+from recsys.serve.compiled_program import compiled_program
 from recsys.serve.export import export_model, load_program, predict
 from recsys.train.trainer import train
 
@@ -88,6 +93,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--baseline", type=Path, default=None, help="a checkout whose recsys serve runs beside"
+    )
+    parser.add_argument(
+        "--no-compile", action="store_true", help="no rows of recsys serve --compile aoti"
     )
     parser.add_argument("--out-dir", type=Path, default=None)
     return parser.parse_args()
@@ -125,6 +133,13 @@ def main() -> None:
             return len(batch) / _forward_seconds(module, batch, repeats=10)
 
         lines += _online(model, samples, seconds, case, env, program_rate)
+        if not args.no_compile:
+            compiled = compiled_program(model)  # compiled here, so the server finds it cached
+
+            def compiled_rate() -> float:
+                return len(batch) / _forward_seconds(compiled, batch, repeats=10)
+
+            lines += _online(model, samples, seconds, case, env, compiled_rate, compile="aoti")
         if args.baseline is not None:
             # The baseline serves its own export of the checkpoint (as its users had it).
             served = model if checkpoint is None else _export_with(args.baseline, checkpoint, work)
@@ -228,13 +243,16 @@ def _online(
     env: dict,
     program_rate: Callable[[], float],
     tree: Path | None = None,
+    compile: str = "off",
 ) -> list:
     """The served cases (see the module docstring) against ``recsys serve`` of this checkout,
     or of ``tree`` (JSON cases only). After each multi-row load, ``program_rate()`` (the
     loaded program's rows/s on the whole test batch, in this process, the server idle) goes to
     the row's notes with the served rate's ratio to it: measured a second after the load, so
     what a shared machine's other jobs do over the minutes of the run does not sit between
-    the served rate and the rate it is compared with."""
+    the served rate and the rate it is compared with. ``compile="aoti"``: the binary cases
+    only, against ``recsys serve --compile aoti`` (``program_rate`` then the compiled
+    program's)."""
     ports = _free_ports(3)
     command = [sys.executable, "-m", "recsys", "serve", "--model", str(model)]
     command += ["--host", "127.0.0.1", "--port", str(ports[0]), "--grpc-port", str(ports[1])]
@@ -245,15 +263,21 @@ def _online(
         head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True).stdout.strip()  # fmt: skip
         suffix = f" (baseline {head})"
+    if compile != "off":
+        command += ["--compile", compile]
+        suffix = f" ({compile})"
     server = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=environ, cwd=tree
     )
     json_bodies = [_json(s) for s in samples]
-    cases = [("serve_v2", json_bodies, (1, 8, 64), 1)]
+    everything = tree is None and compile == "off"
+    cases = [("serve_v2", json_bodies, (1, 8, 64), 1)] if compile == "off" else []
     if tree is None:
         cases.append(("serve_v2_binary", [_binary(s) for s in samples], (1, 8, 64), 1))
+    if everything:
         cases.append(("serve_grpc", [_grpc_request(s) for s in samples], (1, 8, 64), 1))
-    cases.append(("serve_v2_64rows", [_json(r) for r in _merged(samples, 64)], (8, 32), 64))
+    if compile == "off":
+        cases.append(("serve_v2_64rows", [_json(r) for r in _merged(samples, 64)], (8, 32), 64))
     if tree is None:
         cases.append(
             ("serve_v2_binary_64rows", [_binary(r) for r in _merged(samples, 64)], (8, 32), 64)
@@ -277,8 +301,9 @@ def _online(
                     rate = program_rate()
                     served = rows * len(latencies) / wall
                     ratio = f"{rate / served:.2f}x the served rate" if served else "none served"
+                    program = "compiled program" if compile != "off" else "program"
                     line[-1] += (
-                        f"; this checkout's program right after, server idle: {rate:.0f} rows/s "
+                        f"; this checkout's {program} right after, server idle: {rate:.0f} rows/s "
                         f"on {len(samples)} rows, {ratio}"
                     )
                 lines.append(line)

@@ -326,6 +326,16 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "cache of hot rows, in front of its row store (default: the training run's cache size)",
     )
     serve.add_argument(
+        "--compile",
+        choices=("off", "aoti"),
+        default="off",
+        help="aoti: score with the export compiled ahead of time by AOTInductor (C++; a faster "
+        "call, none of the GIL hand-offs of the op-by-op program; scores within float rounding "
+        "of predict's; compiled once per export and cached, about 20 s for the default recipe; "
+        "not with --deltas or tiered tables). Default off: the exported program, bitwise as "
+        "recsys predict",
+    )
+    serve.add_argument(
         "--transform",
         action="store_true",
         help="the JSON route takes raw values (as in the data the model's training data was "

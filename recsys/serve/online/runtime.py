@@ -193,6 +193,7 @@ def served_model_settings(
     transform: bool = False,
     data: str | None = None,
     cache_rows: int | None = None,
+    compile: str = "off",
 ) -> ModelSettings:
     """MLServer's settings for the runtime (its options ride in ``parameters.extra``)."""
     return ModelSettings(
@@ -213,6 +214,7 @@ def served_model_settings(
                 "transform": transform,
                 "data": data,
                 "cache_rows": cache_rows,
+                "compile": compile,
             },
         },
     )
@@ -229,6 +231,7 @@ class RecsysRuntime(MLModel):
                 self.settings.parameters.uri,
                 extra.get("deltas"),
                 extra.get("cache_rows"),
+                extra.get("compile", "off"),
             )
         except Exception as error:
             load_errors[self.name] = error

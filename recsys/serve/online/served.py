@@ -44,6 +44,7 @@ from recsys.checkpoint.deltas import (
 from recsys.checkpoint.io import resolve_checkpoint
 from recsys.data.batch import DatasetSpec
 from recsys.serve.cached_tables import copy_program
+from recsys.serve.compiled_program import COMPILE_CHOICES, compile_refusal, compiled_program
 from recsys.serve.export import export_model, load_program
 from recsys.serve.exported_deltas import export_base, exported_tables, put_exported_tables
 
@@ -80,6 +81,9 @@ class ServedModel:
             :meth:`refresh` applies the deltas written after the served step.
         cache_rows: rows of each tiered table's cache (:mod:`recsys.serve.cached_tables`;
             default: the training run's); a model without tiered tables ignores it.
+        compile: ``"aoti"``: score with each base compiled by AOTInductor
+            (:mod:`recsys.serve.compiled_program`; not with ``deltas`` or tiered tables);
+            ``"off"``: the exported program.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`~recsys.serve.export.load_program` and
@@ -94,10 +98,19 @@ class ServedModel:
     """
 
     def __init__(
-        self, path: str | Path, deltas: str | Path | None = None, cache_rows: int | None = None
+        self,
+        path: str | Path,
+        deltas: str | Path | None = None,
+        cache_rows: int | None = None,
+        compile: str = "off",
     ) -> None:
         self.path = Path(path)
         self.cache_rows = cache_rows
+        if compile not in COMPILE_CHOICES:
+            raise ValueError(f"compile={compile!r}; expected one of {', '.join(COMPILE_CHOICES)}")
+        if compile == "aoti" and deltas is not None:
+            raise ValueError(compile_refusal(None, deltas=True))
+        self.compile = compile
         self.deltas = None if deltas is None else deltas_directory(deltas)
         self._refused: set[str] = set()
         self._lock = threading.Lock()  # one refresh at a time; scoring never takes it
@@ -123,12 +136,15 @@ class ServedModel:
 
     def _load_base(self) -> ServedVersion:
         """The version of the base at :attr:`path` now, no delta applied (sets ``_spec``)."""
-        if self.path.is_dir():
-            with tempfile.TemporaryDirectory(prefix="recsys-serve-") as work:
+        with tempfile.TemporaryDirectory(prefix="recsys-serve-") as work:
+            exported = self.path
+            if self.path.is_dir():
                 exported = export_model(self.path, Path(work) / "m.pt2")
-                module, spec, info = load_program(exported, self.cache_rows)
-        else:
-            module, spec, info = load_program(self.path, self.cache_rows)
+            module, spec, info = load_program(exported, self.cache_rows)
+            if self.compile == "aoti":
+                self._spec = spec
+                return ServedVersion(compiled_program(exported), info["step"] if info else -1,
+                                     None, {}, info)  # fmt: skip
         if self.deltas is not None and hasattr(module, "cached_tables"):
             raise ValueError(
                 f"'{self.path}' keeps its tables in the host or disk tier (tiered tables, "

@@ -59,6 +59,9 @@ class ServeOptions:
     model config's ``data.path``)."""
     cache_rows: int | None = None
     """Rows of each tiered table's cache (default: the training run's cache size)."""
+    compile: str = "off"
+    """``aoti``: score with the export compiled by AOTInductor
+    (:mod:`recsys.serve.compiled_program`)."""
 
     def check(self) -> None:
         """Raise ValueError naming a bad option, FileNotFoundError for a missing model or
@@ -79,10 +82,19 @@ class ServeOptions:
             raise ValueError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
         if not self.poll_seconds > 0:
             raise ValueError(f"--poll-seconds must be > 0, got {self.poll_seconds}")
+        if self.compile not in ("off", "aoti"):
+            raise ValueError(f"--compile {self.compile!r}; expected off or aoti")
         if Path(self.model).is_file():
             from recsys.serve.program_file import check_served_export
 
             check_served_export(Path(self.model), deltas=self.deltas is not None)
+        if self.compile == "aoti":
+            from recsys.serve.compiled_program import compile_refusal
+
+            model = Path(self.model)
+            refusal = compile_refusal(model if model.is_file() else None, self.deltas is not None)
+            if refusal:
+                raise ValueError(refusal)
         if self.deltas is not None:
             deltas_directory(self.deltas)  # before the server starts: a one-line error
         if self.data is not None and not self.transform:
@@ -181,6 +193,7 @@ def serve(options: ServeOptions) -> None:
         transform=options.transform,
         data=options.data,
         cache_rows=options.cache_rows,
+        compile=options.compile,
     )
     _one_line_per_event()
     logging.getLogger("mlserver.grpc").addFilter(QuietClientErrors())  # logged once, as WARNING
