@@ -219,7 +219,22 @@ def _data_parallel(model: nn.Module, device: torch.device, ignored: list[str]) -
         if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
         else {"broadcast_buffers": False}
     )
-    return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, **no_sync)
+    # DDP rebuilds its gradient buckets after the first backward, in the order the gradients
+    # became ready; a resumed run's first step would then all-reduce in the first-iteration
+    # layout where the uninterrupted run uses the rebuilt one, and on 3+ ranks a ring's float
+    # sums depend on where an element sits. A dense part that fits DDP's first bucket keeps
+    # that one layout for good (nothing to overlap is lost): resume is bitwise on any number of
+    # ranks. A larger one keeps DDP's rebuild, for the all-reduce / backward overlap.
+    ignored_names = set(ignored)
+    dense = sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if p.requires_grad and name not in ignored_names
+    )
+    if dense <= dist._DEFAULT_FIRST_BUCKET_BYTES:
+        ddp.reducer._push_all_rebuilt_params()
+    return ddp
 
 
 def shardable_collections(
