@@ -14,7 +14,10 @@ MLP's output and 26 embeddings, concatenated), with its rank r = 512.
 
 Providers, every one on the same inputs:
 
-- ``recsys_auto``: the recsys op with ``backend="auto"`` (Triton on CUDA, the torch path on CPU);
+- ``recsys_auto``: the recsys op with ``backend="auto"`` (Triton on CUDA, the torch path on CPU;
+  the cross layers' torch path on CUDA too, which measured faster there);
+- ``recsys_triton`` (CUDA, cross layers): the op with ``backend="triton"``, so a GPU run keeps
+  measuring the kernels ``auto`` no longer picks;
 - ``torch_eager``: the plain torch code a user would write: for the dot interaction TorchRec's
   ``InteractionArch`` forward (cat, bmm, gather of the upper triangle, cat); for the cross layers
   ``F.linear`` and the elementwise expression;
@@ -38,6 +41,7 @@ rows go to ``benchmarks/results/interaction.csv`` (see ``benchmarks/_harness.py`
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,6 +165,8 @@ def providers(
         "recsys_auto": recsys_fn,
         "torch_eager": eager_fn,
     }
+    if device.type == "cuda" and case.op.startswith("cross_layer"):
+        functions["recsys_triton"] = functools.partial(recsys_fn, backend="triton")
     try:
         compiled = torch.compile(eager_fn)
         out = compiled(*args)

@@ -5,7 +5,7 @@ environment variable ``RECSYS_BACKEND``) picks:
 
 - CUDA tensors: the op's Triton kernels when it has them, else its torch path; except the
   DCN cross layers (full-rank, low-rank and vector), whose Triton kernels measured slower than
-  torch eager (cuBLAS and one fused elementwise) on an H100 in every case of
+  torch eager (a cuBLAS matmul and elementwise kernels) on an H100 in every case of
   ``benchmarks/interaction.py`` (fp32 and bf16, forward and forward + backward;
   ``benchmarks/results/interaction.csv``): "auto" takes their torch path on CUDA too, and
   ``backend="triton"`` (or ``RECSYS_BACKEND=triton``) still runs the kernels;

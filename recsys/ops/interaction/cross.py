@@ -41,8 +41,10 @@ rows per program into a [P, D] fp32 buffer, then over P with ``sum(0)``; P depen
 D and the device's SM count (``recsys.ops._triton.split_rows``), so two runs on one device are
 bitwise equal.
 
-Torch path (CPU, or ``backend="torch"``): the plain torch expressions (``F.linear`` for the
-matmuls); autograd does the backward and torch's own autocast applies.
+Torch path (what ``backend="auto"`` runs on every device, or ``backend="torch"``): the plain
+torch expressions (``F.linear`` for the matmuls); autograd does the backward. Under CUDA
+autocast "auto" first casts every input to the autocast dtype, as the Triton path does (so
+the layer returns bf16 either way); ``"torch"`` leaves the casts to torch's own autocast.
 """
 
 from __future__ import annotations
@@ -401,6 +403,14 @@ def _backend(backend: str, x0: torch.Tensor, op: str) -> str:
     return resolve_backend(backend, x0.device, op=op, has_triton=True, auto_triton=False)
 
 
+def _torch_inputs(backend: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The torch path's inputs: for ``"auto"``, cast to the CUDA autocast dtype when autocast
+    is on, so the layer computes and returns what the Triton path would (bf16 in, bf16 out;
+    otherwise the fp32 x0 would lift the product back to fp32); ``"torch"`` leaves them to
+    torch's own autocast."""
+    return autocast_inputs(*tensors) if backend == "auto" else tensors
+
+
 def cross_layer(
     x0: torch.Tensor,
     xl: torch.Tensor,
@@ -428,6 +438,7 @@ def cross_layer(
     """
     _check_inputs(x0, xl, {"weight": (weight, ("D", "D")), "bias": (bias, ("D",))})
     if _backend(backend, x0, "cross_layer") == "torch":
+        x0, xl, weight, bias = _torch_inputs(backend, x0, xl, weight, bias)
         return x0 * F.linear(xl, weight, bias) + xl
     args = _triton_inputs({"x0": x0, "xl": xl, "weight": weight, "bias": bias})
     with torch.autocast("cuda", enabled=False):
@@ -472,6 +483,7 @@ def cross_layer_low_rank(
     }
     _check_inputs(x0, xl, params, rank=u_weight.shape[1])
     if _backend(backend, x0, "cross_layer_low_rank") == "torch":
+        x0, xl, u_weight, v_weight, bias = _torch_inputs(backend, x0, xl, u_weight, v_weight, bias)
         return x0 * F.linear(F.linear(xl, v_weight), u_weight, bias) + xl
     # In CrossLayerFunction's argument order: U takes the full-rank weight's place, V comes last.
     args = _triton_inputs(
@@ -508,6 +520,7 @@ def cross_layer_vector(
     """
     _check_inputs(x0, xl, {"weight": (weight, ("D",)), "bias": (bias, ("D",))})
     if _backend(backend, x0, "cross_layer_vector") == "torch":
+        x0, xl, weight, bias = _torch_inputs(backend, x0, xl, weight, bias)
         return x0 * (xl @ weight).unsqueeze(1) + bias + xl
     args = _triton_inputs({"x0": x0, "xl": xl, "weight": weight, "bias": bias})
     with torch.autocast("cuda", enabled=False):

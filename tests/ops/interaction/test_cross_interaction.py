@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from recsys.ops._triton import HAS_TRITON
 from recsys.ops.interaction import cross as cross_interaction
 from recsys.ops.interaction.cross import (
     cross_layer,
@@ -330,4 +331,17 @@ def test_auto_runs_the_torch_path_on_cuda(monkeypatch):
     on_cuda = SimpleNamespace(device=torch.device("cuda"))  # only the device is read
     for op in ("cross_layer", "cross_layer_low_rank", "cross_layer_vector"):
         assert cross_interaction._backend("auto", on_cuda, op) == "torch"
-        assert cross_interaction._backend("torch", on_cuda, op) == "torch"
+        if HAS_TRITON:
+            assert cross_interaction._backend("triton", on_cuda, op) == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
+def test_gpu_autocast_auto_returns_the_autocast_dtype(form):
+    """ "auto" runs the torch path on CUDA with the Triton path's dtypes: bf16 under autocast."""
+    inputs = [t.requires_grad_(True) for t in make_inputs(form, 64, 32, rank=8, device="cuda")]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = OPS[form][0](*inputs, backend="auto")
+    assert out.dtype == torch.bfloat16
+    grads = torch.autograd.grad(out.float().sum(), inputs)
+    assert all(g.dtype == torch.float32 for g in grads)
