@@ -327,7 +327,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     serve.add_argument(
         "--compile",
-        choices=("off", "aoti"),
+        choices=("off", "aoti"),  # recsys.serve.compiled_program.COMPILE_CHOICES (torch-free here)
         default="off",
         help="aoti: score with the export compiled ahead of time by AOTInductor (C++; a faster "
         "call, none of the GIL hand-offs of the op-by-op program; scores within float rounding "

@@ -1,9 +1,12 @@
 """``recsys serve --compile aoti``: the export compiled by AOTInductor scores as the exported
-program does (to float rounding), is compiled once per export and then loaded from the cache,
-and is refused in one line where it cannot follow the model (deltas, tiered tables)."""
+program does (to float rounding), is compiled once per program and then loaded from the cache
+(a checkpoint exported again included), and is refused in one line where it cannot follow the
+model (deltas, tiered tables)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import zipfile
 
 import numpy as np
@@ -14,6 +17,11 @@ from recsys.cli import main
 from recsys.serve.compiled_program import cache_directory, compile_refusal
 from recsys.serve.online.served import ServedModel
 from tests.serve.test_server import Server, _offline, _samples, _tensors, run  # noqa: F401
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="AOTInductor compiles C++: no compiler here",
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +40,9 @@ def _scores(served: ServedModel, rows) -> np.ndarray:
     return served.score(batch.dense, batch.lengths, batch.values)[0][:, 0]
 
 
+@needs_compiler
 def test_compiled_scores_match_the_program_and_come_from_the_cache(run, cache, monkeypatch):  # noqa: F811
-    _, base, rows = run
+    run_dir, base, rows = run
     compiled = ServedModel(base, compile="aoti")
     assert cache_directory() == cache and len(list(cache.glob("*.pt2"))) == 1
     exported = ServedModel(base)
@@ -46,6 +55,11 @@ def test_compiled_scores_match_the_program_and_come_from_the_cache(run, cache, m
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compile)
     again = ServedModel(base, compile="aoti")  # the cached package
     np.testing.assert_array_equal(_scores(again, rows), _scores(compiled, rows))
+    # The checkpoint the base was exported from, exported again on load (another random
+    # serialization id in the archive): the same program, the same package.
+    checkpoint = ServedModel(run_dir / "checkpoints" / "step_00000004", compile="aoti")
+    np.testing.assert_array_equal(_scores(checkpoint, rows), _scores(compiled, rows))
+    assert len(list(cache.glob("*.pt2"))) == 1
 
 
 def test_what_cannot_compile_is_refused_in_one_line(run, tmp_path, capsys):  # noqa: F811
@@ -55,7 +69,9 @@ def test_what_cannot_compile_is_refused_in_one_line(run, tmp_path, capsys):  # n
     tiered = tmp_path / "tiered.pt2"
     with zipfile.ZipFile(tiered, "w") as archive:
         archive.writestr("archive/extra/tiered.json", "{}")
-    assert "keeps its tables in the host or disk tier" in compile_refusal(tiered, deltas=False)
+    refusal = compile_refusal(tiered, deltas=False)
+    assert "keeps its tables in the host or disk tier" in refusal
+    assert refusal.endswith("serve it without --compile")
     assert compile_refusal(base, deltas=False) == ""
     command = ["serve", "--model", str(base), "--deltas", str(run_dir), "--compile", "aoti"]
     assert main(command) == 2
@@ -63,8 +79,11 @@ def test_what_cannot_compile_is_refused_in_one_line(run, tmp_path, capsys):  # n
     assert line.startswith("recsys: error: --compile aoti serves the program as exported")
 
 
-def test_a_compiled_server_scores_as_predict(run, cache, tmp_path):  # noqa: F811
+@needs_compiler
+@pytest.mark.slow  # a compile of its own (~20 s) and a server start
+def test_a_compiled_server_scores_as_predict(run, tmp_path, monkeypatch):  # noqa: F811
     _, base, rows = run
+    monkeypatch.setenv("RECSYS_CACHE_DIR", str(tmp_path / "cache"))  # the server compiles
     server = Server(tmp_path, "--model", str(base), "--compile", "aoti")
     try:
         status, body = server.post("/v2/models/recsys/infer", _tensors(_samples(rows)))
@@ -74,3 +93,19 @@ def test_a_compiled_server_scores_as_predict(run, cache, tmp_path):  # noqa: F81
         np.testing.assert_allclose(scores, expected, atol=1e-6)
     finally:
         assert server.stop() == 0
+    assert len(list((tmp_path / "cache" / "aoti").glob("*.pt2"))) == 1
+    log = server.log.read_text()
+    assert f"compiling '{base}' with AOTInductor" in log
+    assert f"scoring with '{base}' compiled by AOTInductor" in log
+
+
+def test_the_cache_keeps_the_most_recently_used_packages(tmp_path):
+    from recsys.serve.compiled_program import CACHE_PACKAGES, _evict
+
+    packages = [tmp_path / f"{i:02d}.pt2" for i in range(CACHE_PACKAGES + 3)]
+    for age, package in enumerate(packages):
+        package.write_bytes(b"")
+        os.utime(package, (1000 - age, 1000 - age))  # packages[0] the newest
+    _evict(tmp_path, keep=packages[-1])  # the oldest, just compiled
+    kept = sorted(p.name for p in tmp_path.glob("*.pt2"))
+    assert kept == sorted(p.name for p in [*packages[:CACHE_PACKAGES], packages[-1]])

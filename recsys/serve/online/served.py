@@ -22,9 +22,13 @@ with the deltas. A base that cannot load, or that reads other features than the 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,12 +45,18 @@ from recsys.checkpoint.deltas import (
     list_deltas,
     read_delta,
 )
-from recsys.checkpoint.io import resolve_checkpoint
+from recsys.checkpoint.io import SPEC_FILE, resolve_checkpoint
 from recsys.data.batch import DatasetSpec
 from recsys.serve.cached_tables import copy_program
 from recsys.serve.compiled_program import COMPILE_CHOICES, compile_refusal, compiled_program
 from recsys.serve.export import export_model, load_program
-from recsys.serve.exported_deltas import export_base, exported_tables, put_exported_tables
+from recsys.serve.exported_deltas import (
+    DYNAMIC_FILE,
+    export_base,
+    exported_tables,
+    put_exported_tables,
+)
+from recsys.serve.program_file import archive_has, archive_text, check_served_export
 
 __all__ = ["ServedModel", "ServedVersion"]
 
@@ -57,8 +67,9 @@ logger = logging.getLogger("recsys.serve")
 class ServedVersion:
     """One published state of the served model (never changed after publishing)."""
 
-    module: nn.Module
-    """The program: ``(dense, values, lengths) -> probabilities [B, T]`` (key-major ids)."""
+    module: nn.Module | Callable[..., torch.Tensor]
+    """The program: ``(dense, values, lengths) -> probabilities [B, T]`` (key-major ids); the
+    exported program's module, or its AOTInductor compilation (``compile="aoti"``)."""
     step: int
     """The training step its tables are at: the export's checkpoint's, or the last delta's."""
     base: DeltaBase | None
@@ -136,15 +147,14 @@ class ServedModel:
 
     def _load_base(self) -> ServedVersion:
         """The version of the base at :attr:`path` now, no delta applied (sets ``_spec``)."""
-        with tempfile.TemporaryDirectory(prefix="recsys-serve-") as work:
-            exported = self.path
-            if self.path.is_dir():
+        if self.compile == "aoti":
+            return self._compiled_base()
+        if self.path.is_dir():
+            with tempfile.TemporaryDirectory(prefix="recsys-serve-") as work:
                 exported = export_model(self.path, Path(work) / "m.pt2")
-            module, spec, info = load_program(exported, self.cache_rows)
-            if self.compile == "aoti":
-                self._spec = spec
-                return ServedVersion(compiled_program(exported), info["step"] if info else -1,
-                                     None, {}, info)  # fmt: skip
+                module, spec, info = load_program(exported, self.cache_rows)
+        else:
+            module, spec, info = load_program(self.path, self.cache_rows)
         if self.deltas is not None and hasattr(module, "cached_tables"):
             raise ValueError(
                 f"'{self.path}' keeps its tables in the host or disk tier (tiered tables, "
@@ -161,6 +171,28 @@ class ServedModel:
         if info and info["tables"]:
             base = export_base(info, self.path)
             return ServedVersion(module, info["step"], base, exported_tables(module, info), info)
+        return ServedVersion(module, info["step"] if info else -1, None, {}, info)
+
+    def _compiled_base(self) -> ServedVersion:
+        """The base compiled by AOTInductor (``compile="aoti"``), from one snapshot of the
+        source (a directory's checkpoint exported, a file linked or copied), so the spec, the
+        step and the program all come from one file even if the source is replaced meanwhile."""
+        with tempfile.TemporaryDirectory(prefix="recsys-serve-") as work:
+            snapshot = Path(work) / "m.pt2"
+            if self.path.is_dir():
+                export_model(self.path, snapshot)
+            else:
+                _link_or_copy(self.path, snapshot)
+            try:
+                check_served_export(snapshot, deltas=False)
+            except ValueError as error:  # worded for the source, not the snapshot
+                raise ValueError(str(error).replace(str(snapshot), str(self.path))) from None
+            spec = DatasetSpec.from_json(json.loads(archive_text(snapshot, SPEC_FILE)))
+            info = None
+            if archive_has(snapshot, f"extra/{DYNAMIC_FILE}"):
+                info = json.loads(archive_text(snapshot, DYNAMIC_FILE))
+            module = compiled_program(snapshot, shown=self.path)
+        self._spec = spec
         return ServedVersion(module, info["step"] if info else -1, None, {}, info)
 
     @property
@@ -324,3 +356,12 @@ class ServedModel:
             self._refused.add(key)
             logger.error("%s; still serving step %d", message, self.version.step)
             self.num_refused += 1
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """``target`` as a snapshot of ``source``: a hard link (the same bytes, whatever replaces
+    ``source`` later), or a copy across file systems."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)

@@ -82,8 +82,12 @@ class ServeOptions:
             raise ValueError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
         if not self.poll_seconds > 0:
             raise ValueError(f"--poll-seconds must be > 0, got {self.poll_seconds}")
-        if self.compile not in ("off", "aoti"):
-            raise ValueError(f"--compile {self.compile!r}; expected off or aoti")
+        from recsys.serve.compiled_program import COMPILE_CHOICES
+
+        if self.compile not in COMPILE_CHOICES:
+            raise ValueError(
+                f"--compile {self.compile!r}; expected one of {', '.join(COMPILE_CHOICES)}"
+            )
         if Path(self.model).is_file():
             from recsys.serve.program_file import check_served_export
 
@@ -91,7 +95,7 @@ class ServeOptions:
         if self.compile == "aoti":
             from recsys.serve.compiled_program import compile_refusal
 
-            model = Path(self.model)
+            model = Path(self.model)  # a directory's tiers are refused when it is exported
             refusal = compile_refusal(model if model.is_file() else None, self.deltas is not None)
             if refusal:
                 raise ValueError(refusal)
