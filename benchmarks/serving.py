@@ -15,8 +15,10 @@ not its quality), exports it, and measures on the same test rows:
   extension at concurrency 8 and 32 (rows/s against ``predict_forward``'s, and against the
   program's rate measured again right after each load, in ``notes``);
 - ``--compile aoti`` rows (provider ``... (aoti)``): the binary cases again against ``recsys serve
-  --compile aoti`` (the export compiled by AOTInductor, :mod:`recsys.serve.compiled_program`),
-  the 64-row ones against the compiled program's own rate;
+  --compile aoti`` (the export compiled by AOTInductor, :mod:`recsys.serve.compiled_program`,
+  in a cache of the run's own, so the compile is timed), the 64-row ones against the compiled
+  program's own rate; and ``program_forward`` / ``program_forward (aoti)``: the exported and the
+  compiled program on batches of 64, 1,024 and all rows, in this process;
 - with ``--baseline DIR`` (a checkout of an earlier recsys, e.g. a ``git worktree`` of the
   commit before a change), the same JSON cases against that checkout's ``recsys serve`` of
   that checkout's own export of the checkpoint, in the same run with the same load generator
@@ -134,7 +136,15 @@ def main() -> None:
 
         lines += _online(model, samples, seconds, case, env, program_rate)
         if not args.no_compile:
+            # A cache of this run's own (the server inherits it): the compile is timed.
+            os.environ["RECSYS_CACHE_DIR"] = str(work / "cache")
+            start = time.perf_counter()
             compiled = compiled_program(model)  # compiled here, so the server finds it cached
+            compile_s = time.perf_counter() - start
+            sizes = [
+                next(iter(BatchLoader(dataset, "test", n))) for n in sorted({64, 1024, len(batch)})
+            ]
+            lines += _program_lines(case, env, sizes, module, compiled, compile_s)
 
             def compiled_rate() -> float:
                 return len(batch) / _forward_seconds(compiled, batch, repeats=10)
@@ -233,6 +243,27 @@ def _offline(model: Path, rows: Path, batch, work: Path, case: str, env: dict) -
             f"the loaded program on all rows in one batch, p50 of 5; {note}",
         ],
     ]
+
+
+def _program_lines(case, env, batches, exported, compiled, compile_s: float) -> list:
+    """The exported program and its AOTInductor compilation on batches of each size, in this
+    process (the torch threads of ``OMP_NUM_THREADS``), the two measured in turn per size:
+    p50 of 20 calls after a warm-up."""
+    lines, note = [], load_note()
+    programs = (("program_forward", exported), ("program_forward (aoti)", compiled))
+    for batch in batches:
+        for provider, module in programs:
+            seconds = _forward_seconds(module, batch, repeats=20)
+            extra = f"compiled in {compile_s:.0f} s (AOTInductor, this run's cache); " * (
+                module is compiled
+            )
+            lines.append([
+                case, provider, 0, f"{1000 * seconds:.3f}", "", "",
+                f"{len(batch) / seconds:.0f}", len(batch), *_env(env),
+                f"{extra}one batch of {len(batch)} rows, p50 of 20 calls; threads="
+                f"{torch.get_num_threads()}; {note}",
+            ])  # fmt: skip
+    return lines
 
 
 def _online(
