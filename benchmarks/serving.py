@@ -254,9 +254,8 @@ def _program_lines(case, env, batches, exported, compiled, compile_s: float) -> 
     for batch in batches:
         for provider, module in programs:
             seconds = _forward_seconds(module, batch, repeats=20)
-            extra = f"compiled in {compile_s:.0f} s (AOTInductor, this run's cache); " * (
-                module is compiled
-            )
+            compiled_note = f"compiled in {compile_s:.0f} s (AOTInductor, this run's cache); "
+            extra = compiled_note if module is compiled else ""
             lines.append([
                 case, provider, 0, f"{1000 * seconds:.3f}", "", "",
                 f"{len(batch) / seconds:.0f}", len(batch), *_env(env),

@@ -331,7 +331,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         default="off",
         help="aoti: score with the export compiled ahead of time by AOTInductor (C++; a faster "
         "call, none of the GIL hand-offs of the op-by-op program; scores within float rounding "
-        "of predict's; compiled once per export and cached, about 20 s for the default recipe; "
+        "of predict's; compiled once per program and cached: tens of seconds the first time; "
         "not with --deltas or tiered tables). Default off: the exported program, bitwise as "
         "recsys predict",
     )

@@ -82,7 +82,7 @@ class ServeOptions:
             raise ValueError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
         if not self.poll_seconds > 0:
             raise ValueError(f"--poll-seconds must be > 0, got {self.poll_seconds}")
-        from recsys.serve.compiled_program import COMPILE_CHOICES
+        from recsys.serve.compiled_program import COMPILE_CHOICES, compile_refusal
 
         if self.compile not in COMPILE_CHOICES:
             raise ValueError(
@@ -93,8 +93,6 @@ class ServeOptions:
 
             check_served_export(Path(self.model), deltas=self.deltas is not None)
         if self.compile == "aoti":
-            from recsys.serve.compiled_program import compile_refusal
-
             model = Path(self.model)  # a directory's tiers are refused when it is exported
             refusal = compile_refusal(model if model.is_file() else None, self.deltas is not None)
             if refusal:
