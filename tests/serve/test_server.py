@@ -131,13 +131,13 @@ def _offline(base: Path, rows: Path, deltas: Path | None, out: Path) -> np.ndarr
 class Server:
     """``recsys serve`` in a subprocess on free local ports."""
 
-    def __init__(self, tmp: Path, *args: str) -> None:
+    def __init__(self, tmp: Path, *args: str, poll_seconds: float = 0.2) -> None:
         self.port, grpc, metrics = _free_ports(3)
         self.grpc_port, self.metrics_port = grpc, metrics
         self.log = tmp / f"serve-{self.port}.log"
         command = [sys.executable, "-m", "recsys", "serve", *args, "--host", "127.0.0.1"]
         command += ["--port", str(self.port), "--grpc-port", str(grpc)]
-        command += ["--metrics-port", str(metrics), "--poll-seconds", "0.2"]
+        command += ["--metrics-port", str(metrics), "--poll-seconds", str(poll_seconds)]
         self.process = subprocess.Popen(
             command, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=os.environ.copy()
         )
