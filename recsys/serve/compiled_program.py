@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from recsys.serve.aoti_library import AotiLibrary
 from recsys.serve.program_file import archive_has
 from recsys.serve.tiered_export import TIERED_FILE
 
@@ -128,6 +129,13 @@ def compiled_program(path: Path, cache: Path | None = None, shown: str | Path | 
 
 
 def _load(package: Path) -> Any:
+    """The package's model: through its C interface with the GIL released while it runs
+    (:class:`~recsys.serve.aoti_library.AotiLibrary`), or torch's loader for a package laid
+    out otherwise."""
+    library = AotiLibrary.load(package)
+    if library is not None:
+        return library
+    logger.info("%s: torch's loader (it holds the GIL while the program runs)", package.name)
     return torch._inductor.aoti_load_package(str(package))
 
 

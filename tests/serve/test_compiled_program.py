@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+import threading
+import time
 import zipfile
 
 import numpy as np
@@ -97,6 +100,91 @@ def test_a_compiled_server_scores_as_predict(run, tmp_path, monkeypatch):  # noq
     log = server.log.read_text()
     assert f"compiling '{base}' with AOTInductor" in log
     assert f"scoring with '{base}' compiled by AOTInductor" in log
+
+
+class _Tower(torch.nn.Module):
+    """A program AOTInductor compiles to aten ops only (no op run through a proxy executor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.EmbeddingBag(1000, 64, mode="sum")
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(80, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1)
+        )
+
+    def forward(self, dense, ids, offsets):
+        pooled = self.embedding(ids, offsets)
+        return {"scores": torch.sigmoid(self.mlp(torch.cat([dense, pooled], dim=1)))}
+
+
+@needs_compiler
+def test_a_package_runs_through_its_c_interface_with_the_gil_released(tmp_path):
+    from recsys.serve.aoti_library import AotiLibrary
+
+    torch.manual_seed(0)
+    rows = 4096
+    inputs = (torch.randn(rows, 16), torch.randint(0, 1000, (3 * rows,)), torch.arange(rows) * 3)
+    program = torch.export.export(_Tower().eval(), inputs)
+    package = torch._inductor.aoti_compile_and_package(
+        program, package_path=str(tmp_path / "tower.pt2")
+    )
+    library = AotiLibrary.load(package)
+    assert library is not None and (library.num_inputs, library.num_outputs) == (3, 1)
+    loaded = torch._inductor.aoti_load_package(package)  # torch's loader, GIL held
+    np.testing.assert_array_equal(
+        library(*inputs)["scores"].numpy(), loaded(*inputs)["scores"].numpy()
+    )
+    with pytest.raises(TypeError, match="takes 3 tensors, not 2"):
+        library(*inputs[:2])
+
+    # With a switch interval of a minute, another thread runs only while this one lets the
+    # GIL go (and gives it back at once: time.sleep lets it go): the library's run does;
+    # torch's loader's does not.
+    def progress(call) -> int:
+        count, stop = [0], threading.Event()
+
+        def spin() -> None:
+            while not stop.is_set():
+                count[0] += 1
+                time.sleep(0)
+
+        interval = sys.getswitchinterval()
+        thread = threading.Thread(target=spin)
+        sys.setswitchinterval(60.0)
+        try:
+            thread.start()
+            before = count[0]
+            for _ in range(20):
+                call(*inputs)
+            moved = count[0] - before
+        finally:
+            stop.set()
+            sys.setswitchinterval(interval)
+            thread.join()
+        return moved
+
+    assert progress(library) > 10 * progress(loaded) + 1000
+
+
+def test_packages_laid_out_otherwise_go_to_torchs_loader(tmp_path):
+    from recsys.serve.aoti_library import AotiLibrary
+
+    model = "package/data/aotinductor/model"
+    layouts = {
+        "weights": {f"{model}/m.so": b"", f"{model}/m.cpp": b"", "package/data/weights/w": b""},
+        "proxy": {f"{model}/m.so": b"", f"{model}/m.json": b"{}"},
+        "two": {f"{model}/m.so": b"", "package/data/aotinductor/other/o.so": b""},
+        "cuda": {
+            f"{model}/m.so": b"",
+            f"{model}/m.wrapper_metadata.json": b'{"AOTI_DEVICE_KEY": "cuda"}',
+        },
+    }
+    for name, members in layouts.items():
+        package = tmp_path / f"{name}.pt2"
+        with zipfile.ZipFile(package, "w") as archive:
+            for member, data in members.items():
+                archive.writestr(member, data)
+        assert AotiLibrary.load(package) is None, name
 
 
 def test_the_cache_keeps_the_most_recently_used_packages(tmp_path):
