@@ -1,17 +1,21 @@
 """The Open Inference Protocol's HTTP infer route of ``recsys serve``, JSON and binary.
 
-An ASGI middleware in front of MLServer's REST app takes ``POST /v2/models/<name>/infer`` (and
-``/versions/<v>/infer``) itself: it reads the body (refused past ``max_body_bytes`` with a 413),
-decodes it as JSON or, with the ``Inference-Header-Content-Length`` header, as the binary
-tensor data extension (:mod:`recsys.serve.online.tensors`), checks the rows, scores them
-through the runtime's batcher and answers in the form the request asked for (binary outputs
-for ``binary_data_output``). Everything else, gRPC included, is MLServer's. Errors are the
-runtime's own JSON ``{"error": "..."}`` with 400 (a bad request), 404 (a model not served, or
-not loaded yet) or 413 (a body too large), each logged as one WARNING line.
+An ASGI middleware in front of MLServer's REST app (the app uvicorn calls) takes
+``POST /v2/models/<name>/infer`` (and ``/versions/<v>/infer``) itself: it reads the body
+(refused past ``max_body_bytes`` with a 413), decodes it as JSON or, with the
+``Inference-Header-Content-Length`` header, as the binary tensor data extension
+(:mod:`recsys.serve.online.tensors`), checks the rows, scores them through the runtime's batcher
+and answers in the form the request asked for (binary outputs for ``binary_data_output``).
+Everything else, gRPC included, is MLServer's. Errors are the runtime's own JSON
+``{"error": "..."}`` with 400 (a bad request), 404 (a model not served, or not loaded yet) or
+413 (a body too large), each logged as one WARNING line; a failure of the server's own (the
+program raised) is a 500 with its traceback in the log.
 
 Why a middleware: MLServer parses every infer body as JSON into pydantic models before a
 runtime sees it (binary bodies fail there with a 422), and its per-value conversions are most
-of a small request's cost; its routes, health, metadata and gRPC server are kept.
+of a small request's cost; its routes, health, metadata and gRPC server are kept. It sits in
+front of MLServer's FastAPI app rather than inside it, as Starlette's error middleware and
+routing add their own cost to every request.
 """
 
 from __future__ import annotations
@@ -78,14 +82,20 @@ class V2InferMiddleware:
             logger.warning("refused a v2 request to %s (%d): %s", scope["path"], status, error)
             await _send(send, status, json.dumps({"error": str(error)}).encode(), {})
             return
-        scores, step, timing = await runtime.score(rows)
-        scored = time.perf_counter()
-        if wants_binary_output(header):
-            payload, head = binary_response(header, name, scores, step)
-            extra = {"inference-header-content-length": str(head)}
-            content = "application/octet-stream"
-        else:
-            payload, extra, content = json_response(header, name, scores, step), {}, None
+        try:
+            scores, step, timing = await runtime.score(rows)
+            scored = time.perf_counter()
+            if wants_binary_output(header):
+                payload, head = binary_response(header, name, scores, step)
+                extra = {"inference-header-content-length": str(head)}
+                content = "application/octet-stream"
+            else:
+                payload, extra, content = json_response(header, name, scores, step), {}, None
+        except Exception as error:  # the server's fault: logged whole, answered 500
+            logger.exception("the v2 infer route failed on %s", scope["path"])
+            message = f"the server failed to score the request ({type(error).__name__}: {error})"
+            await _send(send, 500, json.dumps({"error": message}).encode(), {})
+            return
         runtime.observe(
             "v2",
             started,

@@ -66,6 +66,7 @@ JSON_ROUTE = "/predict"
 """The plain JSON route (named features)."""
 
 _METRICS: dict[str, Any] = {}
+_CHILDREN: dict[tuple[str, str], Any] = {}
 _SERVED: list[ServedModel] = []
 RUNTIMES: dict[str, RecsysRuntime] = {}
 """Model name -> its loaded runtime (what the HTTP infer route scores with)."""
@@ -100,6 +101,14 @@ def close_served() -> None:
     not unload models)."""
     while _SERVED:
         _SERVED.pop().close()
+
+
+def _labelled(metric: str, label: str) -> Any:
+    """``_metrics()[metric].labels(label)``, looked up once (a request observes several)."""
+    child = _CHILDREN.get((metric, label))
+    if child is None:
+        child = _CHILDREN[metric, label] = _metrics()[metric].labels(label)
+    return child
 
 
 def _metrics() -> dict[str, Any]:
@@ -354,15 +363,14 @@ class RecsysRuntime(MLModel):
 
     def reject(self, route: str) -> None:
         """Count a request refused on ``route``."""
-        _metrics()["rejected"].labels(route).inc()
+        _labelled("rejected", route).inc()
 
     def observe(self, route: str, start: float, **phases: float) -> None:
         """Count a request scored on ``route`` (arrived at ``start``) and its phases' times."""
-        metrics = _metrics()
-        metrics["requests"].labels(route).inc()
-        metrics["latency"].labels(route).observe(time.perf_counter() - start)
+        _labelled("requests", route).inc()
+        _labelled("latency", route).observe(time.perf_counter() - start)
         for phase, seconds in phases.items():
-            metrics["phases"].labels(phase).observe(seconds)
+            _labelled("phases", phase).observe(seconds)
 
 
 def _row_transform(served: ServedModel, data: str | None) -> RowTransform:

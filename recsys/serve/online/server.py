@@ -20,6 +20,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uvloop
 
@@ -209,12 +210,20 @@ def serve(options: ServeOptions) -> None:
     async def run() -> None:
         server = MLServer(settings)
         logging.getLogger("mlserver").propagate = False  # its own handler prints each record
-        # The HTTP infer route (JSON and the binary extension) before MLServer's own parsing:
-        # its REST app is built in the constructor and starts its middleware stack on the first
-        # request (mlserver pinned in requirements/base.txt; tests/serve cover the route).
-        server._rest_server._app.add_middleware(
-            V2InferMiddleware, runtimes=RUNTIMES, max_body_bytes=int(options.max_body_mb * 2**20)
-        )
+        # The HTTP infer route (JSON and the binary extension) as the app uvicorn calls, in
+        # front of MLServer's REST app (its parsing, error middleware and routing cost a small
+        # request more than recsys' own work): wrapped into the uvicorn config MLServer makes
+        # (mlserver pinned in requirements/base.txt; tests/serve cover the route).
+        rest = server._rest_server
+        uvicorn_config = rest._get_config
+        max_body = int(options.max_body_mb * 2**20)
+
+        def infer_first() -> Any:
+            config = uvicorn_config()
+            config.app = V2InferMiddleware(config.app, runtimes=RUNTIMES, max_body_bytes=max_body)
+            return config
+
+        rest._get_config = infer_first
         await server.start([model_settings])
 
     try:
