@@ -22,7 +22,7 @@ from __future__ import annotations
 import _ctypes
 import ctypes
 import json
-import logging
+import sys
 import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
@@ -33,19 +33,19 @@ from torch.utils import _pytree as pytree
 
 __all__ = ["AotiLibrary"]
 
-logger = logging.getLogger("recsys.serve")
-
 _MODEL_DIRECTORY = "data/aotinductor/model"
 # What a package with its weights in the library holds there besides the library: the
 # generated sources and their metadata (a proxy executor's extern-kernel ``.json`` is not one).
 _SOURCES = (".cpp", "_metadata.json")
 
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_new_capsule = ctypes.pythonapi.PyCapsule_New
-_new_capsule.restype = ctypes.py_object
-_new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+# Python's capsule functions, with signatures of their own (not set on ctypes.pythonapi's
+# shared function objects): torch._C._aoti's tensor handles are unnamed capsules.
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
+_new_capsule = ctypes.PYFUNCTYPE(
+    ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p
+)(("PyCapsule_New", ctypes.pythonapi))
 
 _Handles = ctypes.POINTER(ctypes.c_void_p)
 
@@ -147,7 +147,7 @@ class AotiLibrary:
         return pytree.tree_unflatten(tensors, self._outputs_spec)
 
     def __del__(self) -> None:
-        if self._handle is None:
+        if self._handle is None or sys.is_finalizing():  # at exit the process unmaps it all
             return
         container = getattr(self, "_container", None)
         if container is not None and container.value:
