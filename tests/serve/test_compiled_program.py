@@ -122,7 +122,7 @@ def test_a_package_runs_through_its_c_interface_with_the_gil_released(tmp_path):
     from recsys.serve.aoti_library import AotiLibrary
 
     torch.manual_seed(0)
-    rows = 4096
+    rows = 16384
     inputs = (torch.randn(rows, 16), torch.randint(0, 1000, (3 * rows,)), torch.arange(rows) * 3)
     program = torch.export.export(_Tower().eval(), inputs)
     package = torch._inductor.aoti_compile_and_package(
@@ -163,7 +163,9 @@ def test_a_package_runs_through_its_c_interface_with_the_gil_released(tmp_path):
             thread.join()
         return moved
 
-    assert progress(library) > 10 * progress(loaded) + 1000
+    # torch's loader lets the other thread in about once a call, the library for every call's
+    # whole length (hundreds of turns per call on a quiet machine, tens under a test run)
+    assert progress(library) > 5 * progress(loaded) + 100
 
 
 def test_packages_laid_out_otherwise_go_to_torchs_loader(tmp_path):
