@@ -18,6 +18,7 @@ validate, queue, score, encode) is on the metrics endpoint
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import sys
@@ -66,7 +67,6 @@ JSON_ROUTE = "/predict"
 """The plain JSON route (named features)."""
 
 _METRICS: dict[str, Any] = {}
-_CHILDREN: dict[tuple[str, str], Any] = {}
 _SERVED: list[ServedModel] = []
 RUNTIMES: dict[str, RecsysRuntime] = {}
 """Model name -> its loaded runtime (what the HTTP infer route scores with)."""
@@ -103,12 +103,10 @@ def close_served() -> None:
         _SERVED.pop().close()
 
 
+@functools.cache
 def _labelled(metric: str, label: str) -> Any:
     """``_metrics()[metric].labels(label)``, looked up once (a request observes several)."""
-    child = _CHILDREN.get((metric, label))
-    if child is None:
-        child = _CHILDREN[metric, label] = _metrics()[metric].labels(label)
-    return child
+    return _metrics()[metric].labels(label)
 
 
 def _metrics() -> dict[str, Any]:
