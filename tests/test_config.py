@@ -3,7 +3,14 @@ from pathlib import Path
 
 import pytest
 
-from recsys.config import Config, config_differences, config_reference, load_config, to_toml
+from recsys.config import (
+    Config,
+    config_differences,
+    config_reference,
+    load_config,
+    load_saved_config,
+    to_toml,
+)
 from recsys.config.loading import RENAMED_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,6 +168,21 @@ def test_old_config_toml_loads_as_the_new_one(tmp_path):
         "product": "both"
     }
     assert not {"cin_layer_sizes", "pnn_product"} & set(written)
+
+
+def test_a_saved_config_without_a_key_means_its_earlier_default(tmp_path):
+    # SASRec / HSTU numbered positions from the end before the key existed; a config.toml that
+    # recsys wrote lists every key, so one without it is older and keeps that meaning
+    text = to_toml(load_config(None, ["--model.name=sasrec"])).replace(
+        'positions = "from_start"\n', ""
+    )
+    assert "positions" not in text
+    old = write(tmp_path, text, "config.toml")
+    assert load_saved_config(old).model.sequence.positions == "from_end"
+    assert load_config(old).model.sequence.positions == "from_start"  # a recipe: the default
+    now = write(tmp_path, to_toml(load_config(None, ["--model.name=sasrec"])), "now.toml")
+    assert load_saved_config(now).model.sequence.positions == "from_start"
+    assert load_saved_config(old, ["--train.epochs=2"]).train.epochs == 2
 
 
 def test_old_keys_on_the_command_line_set_the_new_ones():

@@ -122,6 +122,7 @@ def build_sequence_model(
             dropout=sequence.dropout,
             ffn_dim=sequence.ffn_dim or None,
             layer_norm=sequence.layer_norm,
+            positions=sequence.positions,
         )
     elif config.name == "hstu":
         model = HSTU(
@@ -135,6 +136,7 @@ def build_sequence_model(
             relative_bias=sequence.relative_bias,
             time_bias=sequence.time_bias,
             time_convention=sequence.time_convention,
+            positions=sequence.positions,
         )
     elif config.name == "hstu_ranking":
         model = HSTURanking(

@@ -52,7 +52,7 @@ from recsys._files import file_checksum, fsync_path, write_failure
 from recsys.build.models import build_model, fused_embedding_optimizer
 from recsys.build.tiered_tables import private_storage, tiered_collections
 from recsys.checkpoint.lineage import LINEAGE_FILE, Lineage
-from recsys.config import Config, load_config, to_toml
+from recsys.config import Config, load_saved_config, to_toml
 from recsys.data.batch import DatasetSpec
 from recsys.distributed.ranks import all_gather, barrier, from_first_rank, is_distributed
 from recsys.embedding.dynamic.table import load_every_key
@@ -393,7 +393,7 @@ def read_config(path: str | Path) -> Config:
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(f"'{file}' is missing: was '{path}' saved by recsys train?")
-    return load_config(file)
+    return load_saved_config(file)
 
 
 def read_spec(path: str | Path) -> DatasetSpec:

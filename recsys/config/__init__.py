@@ -17,6 +17,7 @@ from recsys.config.loading import (
     config_reference,
     field_docs,
     load_config,
+    load_saved_config,
     names_its_run,
     to_toml,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "config_reference",
     "field_docs",
     "load_config",
+    "load_saved_config",
     "names_its_run",
     "to_toml",
 ]

@@ -84,6 +84,28 @@ RENAMED_KEYS = {
 line, and mean the new ones (written back under the new name)."""
 
 
+EARLIER_DEFAULTS = {"model.sequence.positions": "from_end"}
+"""Keys added with a default that differs from what configs saved before them meant -> that
+meaning. A saved ``config.toml`` (a run directory's, a checkpoint's) lists every key of the
+version that wrote it, so one without such a key was written before it and is read with this
+value (:func:`load_saved_config`); a recipe without it gets today's default."""
+
+
+def load_saved_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
+    """:func:`load_config` of a ``config.toml`` that recsys wrote (a run directory's or a
+    checkpoint's): a key of :data:`EARLIER_DEFAULTS` it lacks means its earlier value."""
+    path = Path(path)
+    table = tomllib.loads(path.read_text()) if path.is_file() else {}
+    implied = []
+    for key, value in EARLIER_DEFAULTS.items():
+        holder: Any = table
+        for name in key.split("."):
+            holder = holder.get(name) if isinstance(holder, dict) else None
+        if holder is None:
+            implied.append(f"--{key}={value}")
+    return load_config(path, [*implied, *overrides])
+
+
 def _move_renamed_keys(table: dict[str, Any], source: str) -> dict[str, Any]:
     """``table`` (a parsed TOML file) with the keys of :data:`RENAMED_KEYS` moved to their new
     place; a file that sets both a key's old and new name is an error."""

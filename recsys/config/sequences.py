@@ -43,6 +43,14 @@ class SequenceModelConfig:
     max_len: Annotated[int, AtLeast1] = 50
     """Longest history the model reads (learned positions); longer histories of the data are
     cut to their most recent max_len events."""
+    positions: Literal["from_start", "from_end"] = "from_start"
+    """sasrec, hstu: how the learned positions number a history's events. ``from_start``: from
+    the oldest the model reads, as SASRec's paper and RecBole; ``from_end``: back from the most
+    recent (always at 0; the default before, and how hstu_ranking, which ignores this key,
+    numbers its history ahead of its candidates). Under the causal loss ``from_start`` trains
+    every position of a row on the inputs a history of that length is ranked with;
+    ``from_end`` numbers a row's earlier positions as no ranked history is (its last event is
+    at 0), so only a row's last position trains what ranking reads."""
     num_blocks: Annotated[int, AtLeast1] = 2
     """Transformer blocks."""
     num_heads: Annotated[int, AtLeast1] = 1

@@ -115,7 +115,7 @@ class HSTU(SequenceEncoder):
     """HSTU blocks over item histories (see the module docstring).
 
     Args:
-        embeddings / max_len: as :class:`~recsys.models.sequence.SequenceEncoder`.
+        embeddings / max_len / positions: as :class:`~recsys.models.sequence.SequenceEncoder`.
         num_blocks / num_heads: depth and heads.
         qk_dim / v_dim: per-head widths of q, k and of u, v (default: dim // num_heads).
         dropout: on the inputs and each block's output.
@@ -147,8 +147,9 @@ class HSTU(SequenceEncoder):
         time_bias: bool = False,
         time_convention: str = "own",
         backend: str = "auto",
+        positions: str = "from_start",
     ) -> None:
-        super().__init__(embeddings, max_len=max_len)
+        super().__init__(embeddings, max_len=max_len, positions=positions)
         self.uses_times = time_bias
         if time_convention not in TIME_CONVENTIONS or (time_convention != "own" and not time_bias):
             raise ValueError(

@@ -8,8 +8,8 @@ and ``candidates`` (the ids scored: targets and sampled negatives), so one looku
 serves both and a fused optimizer updates each row once.
 
 For a history x_1 .. x_L (oldest first) position j's learned position vector is
-``p(L - 1 - j)``: positions count back from the most recent event, so the last event always has
-position 0 and a history longer than training's still lines up. ``num_blocks`` blocks of
+``p(L - 1 - j)`` (``positions="from_end"``: the last event always at 0) or ``p(j - 1)``
+(``"from_start"``, as the paper and RecBole). ``num_blocks`` blocks of
 causal multi-head attention (position j sees 1..j) and a feed-forward network follow, with
 the LayerNorms where ``layer_norm`` says:
 
@@ -82,7 +82,7 @@ class SASRec(SequenceEncoder):
     """Causal self-attention over item histories (see the module docstring).
 
     Args:
-        embeddings / max_len: as :class:`~recsys.models.sequence.SequenceEncoder`.
+        embeddings / max_len / positions: as :class:`~recsys.models.sequence.SequenceEncoder`.
         num_blocks / num_heads: the transformer's depth and heads (dim % num_heads == 0).
         dropout: on the inputs, attention weights, block outputs (and, ``"pre"``, inside the
             FFN).
@@ -106,8 +106,9 @@ class SASRec(SequenceEncoder):
         dropout: float = 0.2,
         ffn_dim: int | None = None,
         layer_norm: str = "pre",
+        positions: str = "from_start",
     ) -> None:
-        super().__init__(embeddings, max_len=max_len)
+        super().__init__(embeddings, max_len=max_len, positions=positions)
         dim = self.dim
         if layer_norm not in ("post", "pre"):
             raise ValueError(f"layer_norm={layer_norm!r}; expected 'post' or 'pre'")

@@ -1,6 +1,14 @@
 """What every sequence retrieval model here shares: one unpooled item table looked up once per
-step for the history and the candidates, learned positions counted back from the most recent
-event, and the user and item vectors that full-corpus ranking scores.
+step for the history and the candidates, learned absolute positions, and the user and item
+vectors that full-corpus ranking scores.
+
+Positions (``positions``) count either back from each history's most recent event
+(``"from_end"``: the last event always at 0) or from its oldest (``"from_start"``: event j at j,
+as SASRec's paper and RecBole number them). Under the causal loss every position of a training
+row predicts the next item. With ``"from_start"`` position j of a row sees exactly the inputs a
+history of j + 1 events is ranked with; with ``"from_end"`` a row's earlier positions see their
+events numbered by the distance from the row's end, which no ranked history has (its last event
+is at 0), so only a row's last position trains what ranking reads.
 
 A model subclasses :class:`SequenceEncoder` and implements :meth:`SequenceEncoder.encode`, which
 turns the position-aware inputs of every event (jagged, ``[sum L, D]``) into hidden states of
@@ -19,9 +27,11 @@ from torchrec import KeyedJaggedTensor
 
 from recsys.ops.jagged.dense_add import jagged_dense_add
 
-__all__ = ["CANDIDATES", "HISTORY", "Events", "SequenceEncoder"]
+__all__ = ["CANDIDATES", "HISTORY", "POSITIONS", "Events", "SequenceEncoder"]
 
 HISTORY, CANDIDATES = "history", "candidates"
+POSITIONS = ("from_end", "from_start")
+"""How a history's events are numbered for the learned positions (``SequenceEncoder``)."""
 
 
 @dataclass
@@ -48,9 +58,12 @@ class SequenceEncoder(nn.Module):
         embeddings: an unpooled embedding collection with one table whose features are
             ``history`` and ``candidates`` (:data:`HISTORY`, :data:`CANDIDATES`).
         max_len: the longest history (learned positions 0 .. max_len - 1).
+        positions: ``"from_end"`` or ``"from_start"`` (see the module docstring).
     """
 
-    def __init__(self, embeddings: nn.Module, *, max_len: int) -> None:
+    def __init__(
+        self, embeddings: nn.Module, *, max_len: int, positions: str = "from_start"
+    ) -> None:
         super().__init__()
         name = type(self).__name__
         configs = embeddings.embedding_configs()
@@ -62,7 +75,9 @@ class SequenceEncoder(nn.Module):
             )
         if max_len < 1:
             raise ValueError(f"max_len={max_len}; expected >= 1")
-        self.embeddings, self.max_len = embeddings, max_len
+        if positions not in POSITIONS:
+            raise ValueError(f"positions={positions!r}; expected one of {POSITIONS}")
+        self.embeddings, self.max_len, self.positions_from = embeddings, max_len, positions
         self.dim = configs[0].embedding_dim
         self.item_table = configs[0].name
         # A dynamic item table: the rows it started with (its corpus is item_keys()).
@@ -130,13 +145,13 @@ class SequenceEncoder(nn.Module):
         ends = torch.cumsum(lengths, 0)
         offsets = torch.cat([ends.new_zeros(1), ends])
         column = torch.arange(total, device=ids.device) - offsets[user]
-        # s e(item) + p(position) (s = input_scale), positions counted back from the last event
+        # s e(item) + p(position) (s = input_scale)
         x = jagged_dense_add(
             items,
             offsets,
             self.positions.weight,
             scale=self.input_scale,
-            from_end=True,
+            from_end=self.positions_from == "from_end",
             validate=False,  # offsets built here; max_length checked against max_len above
         )
         hidden = self.encode(Events(x, user, column, lengths, offsets, max_length, times))

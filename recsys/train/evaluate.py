@@ -38,7 +38,13 @@ from recsys.checkpoint.io import (
     tensor_reader,
     verify_checkpoint,
 )
-from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS, Config, DataConfig, load_config
+from recsys.config import (
+    SEQUENCE_MODELS,
+    TARGET_RANKING_MODELS,
+    Config,
+    DataConfig,
+    load_saved_config,
+)
 from recsys.data import build_dataset, resolve_source
 from recsys.data.batch import Batch, DatasetSpec
 from recsys.data.loader import BatchLoader, ChunkedDataset
@@ -271,7 +277,7 @@ def checkpoint_config(path: Path, overrides: Sequence[str] = ()) -> Config:
                 f"'{override}': the model is the checkpoint's (its config.toml); model.* keys "
                 "cannot be overridden"
             )
-    config = load_config(path / CONFIG_FILE, overrides)
+    config = load_saved_config(path / CONFIG_FILE, overrides)
     if "data.path" in keys and "data.source" not in keys:
         config.data.source = "auto"  # the new path says what it is
     return config

@@ -22,7 +22,12 @@ FEATURES = [HISTORY, CANDIDATES]
 
 
 def _model(
-    num_items: int = 40, dim: int = 8, max_len: int = 12, seed: int = 0, layer_norm: str = "pre"
+    num_items: int = 40,
+    dim: int = 8,
+    max_len: int = 12,
+    seed: int = 0,
+    layer_norm: str = "pre",
+    positions: str = "from_start",
 ) -> SASRec:
     torch.manual_seed(seed)
     table = EmbeddingConfig(
@@ -32,7 +37,14 @@ def _model(
         feature_names=[HISTORY, CANDIDATES],
     )
     collection = EmbeddingCollection(tables=[table])
-    return SASRec(collection, max_len=max_len, num_heads=2, dropout=0.1, layer_norm=layer_norm)
+    return SASRec(
+        collection,
+        max_len=max_len,
+        num_heads=2,
+        dropout=0.1,
+        layer_norm=layer_norm,
+        positions=positions,
+    )
 
 
 def _kjt(histories: list[list[int]]) -> tuple[KeyedJaggedTensor, int]:
@@ -63,7 +75,10 @@ def _reference(model: SASRec, items: list[int]) -> torch.Tensor:
     d, heads, post = model.dim, model.blocks[0].heads, model.layer_norm == "post"
     weights = {k: v.double() for k, v in model.state_dict().items()}
     e = weights["embeddings.embeddings.item.weight"][torch.tensor(items)]
-    p = weights["positions.weight"][torch.arange(len(items) - 1, -1, -1)]
+    numbered = torch.arange(len(items))
+    if model.positions_from == "from_end":
+        numbered = numbered.flip(0)
+    p = weights["positions.weight"][numbered]
 
     def norm(x, name):
         eps = 1e-12 if post else 1e-5
@@ -94,9 +109,12 @@ def _reference(model: SASRec, items: list[int]) -> torch.Tensor:
     return h if post else norm(h, "norm")
 
 
-@pytest.mark.parametrize("layer_norm", ["post", "pre"])
-def test_each_layer_norm_layout_is_its_formula(layer_norm):
-    model = _model(layer_norm=layer_norm).eval()
+@pytest.mark.parametrize(
+    ("layer_norm", "positions"),
+    [("post", "from_start"), ("pre", "from_start"), ("pre", "from_end")],
+)
+def test_each_layer_norm_layout_is_its_formula(layer_norm, positions):
+    model = _model(layer_norm=layer_norm, positions=positions).eval()
     histories = [[5, 6, 7, 8], [1], [3, 9, 2, 11, 30, 4, 4]]
     with torch.no_grad():
         hidden, _ = model(*_kjt(histories))
@@ -105,6 +123,20 @@ def test_each_layer_norm_layout_is_its_formula(layer_norm):
     if layer_norm == "post":  # BERT's initialization of the blocks' linear layers
         weight = model.blocks[0].qkv.weight
         assert abs(weight.std().item() - 0.02) < 0.005 and not model.blocks[0].qkv.bias.any()
+
+
+def test_positions_from_start_score_a_prefix_as_a_training_row_sees_it():
+    # Under the causal loss position j of a training row predicts item j + 1; numbered from the
+    # start, its state is the user vector of the history ending there, what ranking scores.
+    history = [5, 6, 7, 8, 9, 10]
+    prefixes = [history[: j + 1] for j in range(len(history))]
+    for positions, same in (("from_start", True), ("from_end", False)):
+        model = _model(positions=positions).eval()
+        with torch.no_grad():
+            row, _ = model(*_kjt([history]))
+            users = model.user_vectors(*_kjt(prefixes))
+        torch.testing.assert_close(users[-1], row[-1])  # the whole history: the same either way
+        assert torch.allclose(users[:-1], row[:-1], atol=1e-6) is same
 
 
 def test_user_vectors_are_the_last_state_and_empty_histories_are_zero():
@@ -169,7 +201,7 @@ def _dynamic_twin(fixed: SASRec, num_items: int) -> SASRec:
         weight = items.embeddings["item"].weight
         slots = items.dynamic["item"].find(keys)
         weight[slots] = fixed.embeddings.embeddings["item"].weight[keys]
-    twin = SASRec(items, max_len=12, num_heads=2, dropout=0.1)
+    twin = SASRec(items, max_len=12, num_heads=2, dropout=0.1, positions=fixed.positions_from)
     twin.load_state_dict(
         {k: v for k, v in fixed.state_dict().items() if not k.startswith("embeddings.")},
         strict=False,
