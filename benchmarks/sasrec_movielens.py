@@ -336,10 +336,7 @@ def run_peer(python: Path, mode: str, options: dict, work: Path) -> dict:
     """Run ``_sasrec_recbole.py`` in the peer environment (working directory ``work``: RecBole
     writes its tensorboard and checkpoint folders there); its JSON result."""
     out = work / f"peer_{mode}.json"
-    command = [str(python), str(PEER_SCRIPT), mode, "--out", str(out)]
-    for key, value in options.items():
-        if value is not None:
-            command += [f"--{key.replace('_', '-')}", str(value)]
+    command = [str(python), str(PEER_SCRIPT), *peer_argv(mode, options, out)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -347,10 +344,19 @@ def run_peer(python: Path, mode: str, options: dict, work: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def peer_argv(mode: str, options: dict, out: Path) -> list[str]:
+    """``_sasrec_recbole.py``'s command line for ``mode`` with ``options`` (None: left out)."""
+    argv = [mode, "--out", str(out)]
+    for key, value in options.items():
+        if value is not None:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
 def peer_options(run: SASRecRun, threads: int, device: torch.device) -> dict:
     """``_sasrec_recbole.py``'s options for ``run``: the same model and training."""
     options = asdict(run)
-    for name in ("loss", "train_rows", "window_stride", "patience"):
+    for name in ("loss", "train_rows", "window_stride", "patience", "extra"):  # recsys' only
         options.pop(name)
     options["stopping_step"] = run.patience
     options["threads"] = threads

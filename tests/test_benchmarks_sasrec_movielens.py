@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from benchmarks._movielens import LogSource, find_log, write_interactions_csv
-from benchmarks._sasrec_recbole import mask_history, metrics_from_ranks
+from benchmarks._sasrec_recbole import mask_history, metrics_from_ranks, parse_args
 from benchmarks._sasrec_recbole import target_ranks as peer_ranks
+from benchmarks.sasrec_movielens import SASRecRun, peer_argv, peer_options
 from recsys.train.ranking_metrics import RankingMetrics, target_ranks
 
 INTER = (
@@ -74,3 +75,13 @@ def test_the_peer_masks_the_history_as_exclude_history_does():
     assert torch.equal(ours, theirs)
     unmasked = target_ranks(queries, items, targets, first_item=first)
     assert (ours <= unmasked).all() and (ours < unmasked).any()
+
+
+def test_the_peer_is_given_only_options_it_has(tmp_path):
+    # recsys-only settings (--recsys-set, train_rows, ...) stay out of RecBole's command line
+    run = SASRecRun(seed=3, extra=("model.sequence.positions=from_end",))
+    options = peer_options(run, threads=1, device=torch.device("cpu"))
+    options.update(data_dir=tmp_path, name="ml-100k", budget_s=60.0)
+    args = parse_args(peer_argv("fit_log", options, tmp_path / "out.json"))
+    assert (args.seed, args.threads, args.stopping_step, args.budget_s) == (3, 1, 10, 60.0)
+    assert (args.dim, args.max_len, args.batch_size) == (run.dim, run.max_len, run.batch_size)
