@@ -3,8 +3,8 @@
 Math. A jagged x [T, D] over B sequences (sequence b in rows ``offsets[b] .. offsets[b + 1]``,
 n_b rows) and a dense table [N, D] indexed by position, shared by the sequences. Row c of
 sequence b (c < n_b) is at position p = c, or p = n_b - 1 - c with ``from_end`` (positions
-counted back from the sequence's last row, as sequence models count them from the latest
-event):
+counted back from the sequence's last row; the sequence models take either, by their
+``positions``):
 
     y[offsets[b] + c] = scale * x[offsets[b] + c] + dense[p]          (dense[p] = 0 for p >= N)
 
