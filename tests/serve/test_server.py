@@ -369,6 +369,7 @@ def test_sigterm_lets_requests_in_flight_finish(run, server):
             scores, _ = answer.result()
             assert scores.shape == (len(samples),)
     assert server.get("/v2/health/live")[0] is None  # gone
+    assert server.log.read_text().count("gRPC server shutdown complete") == 1  # one stop
 
 
 def test_every_batch_is_scored_by_one_version(run, tmp_path):

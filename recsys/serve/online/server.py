@@ -224,6 +224,18 @@ def serve(options: ServeOptions) -> None:
             return config
 
         rest._get_config = infer_first
+        # Stop once: each uvicorn server (HTTP, metrics) raises the signal it caught again once
+        # it has shut down, which MLServer's handler turned into more stops (the gRPC shutdown
+        # logged four times).
+        stop_servers = server.stop
+        stopping: list[asyncio.Future] = []
+
+        async def stop_once(sig: int | None = None) -> None:
+            if not stopping:
+                stopping.append(asyncio.ensure_future(stop_servers(sig)))
+            await stopping[0]
+
+        server.stop = stop_once  # MLServer's signal handlers look it up when a signal comes
         await server.start([model_settings])
 
     try:
