@@ -183,6 +183,11 @@ def test_a_saved_config_without_a_key_means_its_earlier_default(tmp_path):
     now = write(tmp_path, to_toml(load_config(None, ["--model.name=sasrec"])), "now.toml")
     assert load_saved_config(now).model.sequence.positions == "from_start"
     assert load_saved_config(old, ["--train.epochs=2"]).train.epochs == 2
+    dlrm = write(tmp_path, text.replace('name = "sasrec"', 'name = "dlrm"'), "dlrm.toml")
+    assert load_saved_config(dlrm).model.sequence.positions == "from_start"  # not read by dlrm
+    broken = write(tmp_path, "[model\n", "broken.toml")
+    with pytest.raises(ValueError, match="broken.toml' is not valid TOML"):
+        load_saved_config(broken)
 
 
 def test_old_keys_on_the_command_line_set_the_new_ones():

@@ -93,16 +93,22 @@ value (:func:`load_saved_config`); a recipe without it gets today's default."""
 
 def load_saved_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
     """:func:`load_config` of a ``config.toml`` that recsys wrote (a run directory's or a
-    checkpoint's): a key of :data:`EARLIER_DEFAULTS` it lacks means its earlier value."""
+    checkpoint's): a key of :data:`EARLIER_DEFAULTS` it lacks means its earlier value (for the
+    models that read it: ``model.sequence.positions``, sasrec and hstu)."""
     path = Path(path)
-    table = tomllib.loads(path.read_text()) if path.is_file() else {}
+    try:
+        table = tomllib.loads(path.read_text()) if path.is_file() else {}
+    except tomllib.TOMLDecodeError:
+        table = {}  # load_config names the file and the error
+    model = table.get("model", {}) if isinstance(table.get("model"), dict) else {}
     implied = []
-    for key, value in EARLIER_DEFAULTS.items():
-        holder: Any = table
-        for name in key.split("."):
-            holder = holder.get(name) if isinstance(holder, dict) else None
-        if holder is None:
-            implied.append(f"--{key}={value}")
+    if model.get("name") in ("sasrec", "hstu"):
+        for key, value in EARLIER_DEFAULTS.items():
+            holder: Any = table
+            for name in key.split("."):
+                holder = holder.get(name) if isinstance(holder, dict) else None
+            if holder is None:
+                implied.append(f"--{key}={value}")
     return load_config(path, [*implied, *overrides])
 
 

@@ -8,8 +8,8 @@ and ``candidates`` (the ids scored: targets and sampled negatives), so one looku
 serves both and a fused optimizer updates each row once.
 
 For a history x_1 .. x_L (oldest first) position j's learned position vector is
-``p(L - 1 - j)`` (``positions="from_end"``: the last event always at 0) or ``p(j - 1)``
-(``"from_start"``, as the paper and RecBole). ``num_blocks`` blocks of
+``p(j - 1)`` (``positions="from_start"``, as the paper and RecBole) or ``p(L - j)``
+(``"from_end"``: the last event always at 0). ``num_blocks`` blocks of
 causal multi-head attention (position j sees 1..j) and a feed-forward network follow, with
 the LayerNorms where ``layer_norm`` says:
 

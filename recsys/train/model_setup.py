@@ -17,7 +17,7 @@ from recsys.build.models import build_model, fused_embedding_optimizer
 from recsys.build.sharding import parallelize_from_config
 from recsys.build.tiered_tables import tiered_collections
 from recsys.checkpoint.finetune import freeze, init_from_checkpoint
-from recsys.checkpoint.io import resolve_checkpoint
+from recsys.checkpoint.io import read_config, resolve_checkpoint
 from recsys.config import Config
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.interface import embedding_collections
@@ -41,6 +41,8 @@ def setup_model(
     process group is initialized); ``say`` prints a line on the first rank."""
     ckpt = config.checkpoint
     fine_tune = bool(ckpt.init_from) and resume is None
+    if resume is not None or fine_tune:
+        _check_positions(config, resume or resolve_checkpoint(ckpt.init_from), resume, say)
     model = build_model(
         config.model,
         spec,
@@ -83,6 +85,30 @@ def id_checks(mode: str, device: torch.device) -> str:
     if mode == "auto":
         return "async" if device.type == "cuda" else "sync"
     return mode
+
+
+def _check_positions(
+    config: Config, checkpoint: Path, resume: Path | None, say: Callable[[str], None]
+) -> None:
+    """A sequence model resumed (or fine-tuned) with positions numbered as its checkpoint's:
+    the weights load either way, but the learned position vectors mean the other numbering.
+
+    Raises:
+        ValueError: resuming with a numbering other than the checkpoint's (fine-tuning says so).
+    """
+    if config.model.name not in ("sasrec", "hstu"):
+        return
+    saved = read_config(checkpoint).model.sequence.positions
+    ours = config.model.sequence.positions
+    if saved == ours:
+        return
+    message = (
+        f"checkpoint {checkpoint} numbers positions {saved} (model.sequence.positions; a "
+        f"config saved before the key means from_end) and this run {ours}"
+    )
+    if resume is not None:
+        raise ValueError(f"{message}: resume it with --model.sequence.positions={saved}")
+    say(f"{message}: fine-tuning relearns the position vectors for {ours}")
 
 
 def _table_device(config: Config, world_size: int, fine_tune: bool) -> torch.device | None:

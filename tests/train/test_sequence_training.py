@@ -1,11 +1,14 @@
 """`recsys train` of a sequence model end to end: ranking metrics in metrics.jsonl, checkpoints,
 a resume that continues the run exactly, the report's columns, and the config errors."""
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from recsys.checkpoint.io import latest_checkpoint
+from recsys._files import file_checksum
+from recsys.checkpoint.io import CHECKSUMS_FILE, latest_checkpoint, read_config
 from recsys.config import load_config
 from recsys.report import format_table, load_run, summarize
 from recsys.train.evaluate import evaluate_checkpoint
@@ -82,6 +85,31 @@ def test_resume_continues_the_run_exactly(whole_run, tmp_path):
     assert [e["loss"] for e in after] == [e["loss"] for e in whole if e["step"] > 6]
     assert resumed.test["hr@10"] == result.test["hr@10"]
     assert resumed.test["mrr"] == result.test["mrr"]
+
+
+def test_a_checkpoint_saved_before_positions_resumes_with_its_numbering(whole_run, tmp_path):
+    # A config.toml written before model.sequence.positions existed meant positions counted
+    # from the end: eval reads it so, and a resume must say which numbering it continues with.
+    run_dir, _ = whole_run
+    old = tmp_path / "old"
+    shutil.copytree(run_dir, old, symlinks=True)
+    for config in old.rglob("config.toml"):
+        text = config.read_text()
+        assert 'positions = "from_start"\n' in text
+        config.write_text(text.replace('positions = "from_start"\n', ""))
+        manifest = config.parent / CHECKSUMS_FILE  # a checkpoint's: the file as it was saved
+        if manifest.is_file():
+            sums = json.loads(manifest.read_text())
+            size, crc = file_checksum(config)
+            sums["files"]["config.toml"] = {"bytes": size, "crc32": crc}
+            manifest.write_text(json.dumps(sums))
+    checkpoint = latest_checkpoint(old / "checkpoints")
+    assert read_config(checkpoint).model.sequence.positions == "from_end"
+    resume = ["--checkpoint.keep_best=valid_hr@10", "--checkpoint.resume=latest"]
+    more = [*resume, "--train.epochs=3"]
+    with pytest.raises(ValueError, match="resume it with --model.sequence.positions=from_end"):
+        _run(old, *more)
+    assert _run(old, *more, "--model.sequence.positions=from_end").steps == 21
 
 
 def test_recsys_eval_reproduces_the_test_ranking(whole_run):

@@ -233,7 +233,7 @@ def serve(options: ServeOptions) -> None:
         async def stop_once(sig: int | None = None) -> None:
             if not stopping:
                 stopping.append(asyncio.ensure_future(stop_servers(sig)))
-            await stopping[0]
+            await asyncio.shield(stopping[0])  # a cancelled caller does not cancel the stop
 
         server.stop = stop_once  # MLServer's signal handlers look it up when a signal comes
         await server.start([model_settings])
