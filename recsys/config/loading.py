@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from recsys.config.sections import Config
+from recsys.config.sequences import SEQUENCE_MODELS
 
 # ---------------------------------------------------------------------------------------------
 # Loading
@@ -102,7 +103,7 @@ def load_saved_config(path: str | Path, overrides: typing.Sequence[str] = ()) ->
         table = {}  # load_config names the file and the error
     model = table.get("model", {}) if isinstance(table.get("model"), dict) else {}
     implied = []
-    if model.get("name") in ("sasrec", "hstu"):
+    if model.get("name") in SEQUENCE_MODELS:
         for key, value in EARLIER_DEFAULTS.items():
             holder: Any = table
             for name in key.split("."):

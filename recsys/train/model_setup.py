@@ -18,7 +18,7 @@ from recsys.build.sharding import parallelize_from_config
 from recsys.build.tiered_tables import tiered_collections
 from recsys.checkpoint.finetune import freeze, init_from_checkpoint
 from recsys.checkpoint.io import read_config, resolve_checkpoint
-from recsys.config import Config
+from recsys.config import SEQUENCE_MODELS, Config
 from recsys.data.batch import DatasetSpec
 from recsys.embedding.interface import embedding_collections
 from recsys.train.compiled import compile_dense, compile_line, compile_options
@@ -41,8 +41,9 @@ def setup_model(
     process group is initialized); ``say`` prints a line on the first rank."""
     ckpt = config.checkpoint
     fine_tune = bool(ckpt.init_from) and resume is None
-    if resume is not None or fine_tune:
-        _check_positions(config, resume or resolve_checkpoint(ckpt.init_from), resume, say)
+    parent = resolve_checkpoint(ckpt.init_from) if fine_tune else None
+    if resume is not None or parent is not None:
+        _check_positions(config, resume or parent, resume, say)
     model = build_model(
         config.model,
         spec,
@@ -52,14 +53,13 @@ def setup_model(
         run_dir=run_dir,
         table_device=_table_device(config, world_size, fine_tune),
     )
-    if fine_tune:
-        path = resolve_checkpoint(ckpt.init_from)
-        say(init_from_checkpoint(model, path, ckpt))
+    if parent is not None:
+        say(init_from_checkpoint(model, parent, ckpt))
         tiered = tiered_collections(model)
         if tiered and world_size > 1:
             raise ValueError(_FINE_TUNE_TIERED.format(world_size=world_size))
         for collection in tiered:  # their weights are in the tiered files; states start fresh
-            collection.tiered_files().load(path, weights_only=True)
+            collection.tiered_files().load(parent, weights_only=True)
     if note := capacity_note(model):
         say(note)
     configure_embedding_optimizer(config.train, model)
@@ -96,7 +96,7 @@ def _check_positions(
     Raises:
         ValueError: resuming with a numbering other than the checkpoint's (fine-tuning says so).
     """
-    if config.model.name not in ("sasrec", "hstu"):
+    if config.model.name not in SEQUENCE_MODELS:
         return
     saved = read_config(checkpoint).model.sequence.positions
     ours = config.model.sequence.positions
