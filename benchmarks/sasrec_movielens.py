@@ -592,7 +592,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="a recsys-only config key for recsys' runs (RecBole has no such option), e.g. "
-        "train.lr_schedule=cosine; written into the rows' config",
+        "train.lr_schedule=cosine; written into the rows' config (--mode accuracy only)",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     parser.add_argument("--step-lens", type=int, nargs="+", default=[50, 200])
@@ -607,6 +607,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         key, equals, _ = item.partition("=")
         if not equals or "." not in key:
             raise SystemExit(f"--recsys-set {item!r}: expected SECTION.KEY=VALUE")
+    if args.recsys_set and args.mode != "accuracy":
+        raise SystemExit(
+            f"--recsys-set applies to recsys train (--mode accuracy); --mode {args.mode}'s step "
+            "rows time SASRec as built with its defaults: pass --mode accuracy"
+        )
     for name in ("max_len", "dim", "blocks", "heads", "epochs", "batch_size", "step_batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")

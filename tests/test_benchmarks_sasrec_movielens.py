@@ -13,6 +13,7 @@ from benchmarks._movielens import LogSource, find_log, write_interactions_csv
 from benchmarks._sasrec_recbole import mask_history, metrics_from_ranks, parse_args
 from benchmarks._sasrec_recbole import target_ranks as peer_ranks
 from benchmarks.sasrec_movielens import SASRecRun, peer_argv, peer_options
+from benchmarks.sasrec_movielens import parse_args as bench_args
 from recsys.train.ranking_metrics import RankingMetrics, target_ranks
 
 INTER = (
@@ -85,3 +86,11 @@ def test_the_peer_is_given_only_options_it_has(tmp_path):
     args = parse_args(peer_argv("fit_log", options, tmp_path / "out.json"))
     assert (args.seed, args.threads, args.stopping_step, args.budget_s) == (3, 1, 10, 60.0)
     assert (args.dim, args.max_len, args.batch_size) == (run.dim, run.max_len, run.batch_size)
+
+
+def test_recsys_settings_are_refused_where_the_step_rows_would_ignore_them():
+    setting = ["--recsys-set", "model.sequence.positions=from_end"]
+    assert bench_args(["--mode", "accuracy", *setting]).recsys_set == setting[1:]
+    for mode in ("step", "both"):
+        with pytest.raises(SystemExit, match="--recsys-set applies to recsys train"):
+            bench_args(["--mode", mode, *setting])
