@@ -22,9 +22,10 @@ One row per world size and kind (``flat``, and from 4 ranks ``2D``: groups of 2 
 ``distributed.sparse_replicas`` = W / 2, synced every step): predicted and measured bytes per
 step for rank 0 (input, forward, backward), rank 0's tables and optimizer state (predicted, and
 the trainer's ``sharding`` event), and predicted and measured step time with their ratio. The
-bytes of row-wise and replicated tables depend on the ids drawn (the model takes their
-expectation for uniform ids), so they match exactly only for fixed bags on whole tables (a
-test); here the relative differences are in the row.
+bytes of variable bags, row-wise and replicated tables depend on the ids drawn (the model takes
+their expectation: the synthetic log's bag sizes and its power law over each table's rows), so
+they match exactly only for fixed bags and tables whose bytes do not depend on which ids come
+(a test); here the relative differences are in the row.
 """
 
 from __future__ import annotations

@@ -145,7 +145,8 @@ def _header(config: Config, inputs, world: int, topo, planned: str) -> str:
             f"  figures from: {topo.source}" if topo.source else "",
             f"tables: {len(tables)}, {rows:,} rows; dense: {inputs.dense_parameters:,} "
             f"parameters ({config.train.dense_optimizer}); ids per sample {ids:g} "
-            f"({inputs.pooling_source})",
+            f"({inputs.pooling_source}); distinct rows a batch touches from "
+            f"{inputs.profile_source}",
             f"batch: {batch:,} samples per rank (train.batch_size), {batch * world:,} per step",
             f"planner cost: {planned}",
         ]

@@ -5,14 +5,16 @@ a config for any number of ranks without a process group (:func:`plan_inputs`)."
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig
 
 from recsys.config import Config
+from recsys.distributed.id_profiles import IdProfile
 from recsys.distributed.parallel import (
     dynamic_rows,
     parallelize,
@@ -27,6 +29,7 @@ from recsys.embedding.interface import embedding_collections
 
 __all__ = [
     "PlanInputs",
+    "id_profiles",
     "parallelize_from_config",
     "plan_inputs",
     "planner_options",
@@ -100,6 +103,9 @@ class PlanInputs:
         dense_parameters: parameters outside the tables (trained under DDP).
         dense_state_values: fp32 values the dense optimizer keeps per parameter.
         pooling_source: where ``pooling_factors`` come from, in words.
+        id_profiles: table name -> how often each row is read (:func:`id_profiles`).
+        profile_source: where ``id_profiles`` come from, in words.
+        fused_update: ``train.fused_embedding_update``.
     """
 
     configs: dict[str, list[EmbeddingBagConfig]]
@@ -110,6 +116,9 @@ class PlanInputs:
     dense_parameters: int
     dense_state_values: int
     pooling_source: str
+    id_profiles: dict[str, IdProfile] = field(default_factory=dict)
+    profile_source: str = "uniform"
+    fused_update: bool = True
 
     @property
     def dense_bytes(self) -> int:
@@ -159,6 +168,8 @@ def step_inputs(
         sync_every=sync_every,
         extras=int(config.train.id_checks != "off"),
         dense_precision=config.train.precision,
+        id_profiles=inputs.id_profiles,
+        fused_update=inputs.fused_update,
     )
 
 
@@ -198,6 +209,7 @@ def plan_inputs(config: Config) -> PlanInputs:
     tables = {id(p) for c in embedding_collections(model).values() for p in c.parameters()}
     dense = sum(p.numel() for p in model.parameters() if id(p) not in tables)
     pooling, source = pooling_factors(config, dataset)
+    profiles, profile_source = id_profiles(config, configs, dataset)
     return PlanInputs(
         configs,
         states,
@@ -207,7 +219,50 @@ def plan_inputs(config: Config) -> PlanInputs:
         dense,
         _DENSE_STATES[config.train.dense_optimizer],
         source,
+        profiles,
+        profile_source,
+        optimizer is not None,
     )
+
+
+def id_profiles(
+    config: Config, configs: dict[str, list[EmbeddingBagConfig]], dataset: Any = None
+) -> tuple[dict[str, IdProfile], str]:
+    """Table name -> how often each of its rows is read, for the distinct rows a batch
+    touches (:mod:`recsys.distributed.id_profiles`), and where that comes from: the synthetic
+    log's power law (``zipf_alpha``) for its tables of one feature, else the id frequencies
+    of the first chunk of the train split (of ``dataset``, else the one ``[data]`` opens)."""
+    from recsys.data import build_dataset, resolve_source
+
+    tables = [table for group in configs.values() for table in group]
+    synthetic = config.data.synthetic
+    if (
+        resolve_source(config.data) == "synthetic"
+        and synthetic.drift_days == 0
+        and synthetic.id_encoding == "index"
+    ):
+        cardinality = {f"cat_{i}": n for i, n in enumerate(synthetic.cardinalities)}
+        profiles = {
+            t.name: IdProfile.zipf(t.num_embeddings, synthetic.zipf_alpha)
+            for t in tables
+            if len(t.feature_names) == 1 and cardinality.get(t.feature_names[0]) == t.num_embeddings
+        }
+        return profiles, f"the synthetic log's power law, zipf_alpha {synthetic.zipf_alpha:g}"
+    dataset = dataset or build_dataset(config.data, config.run.seed)
+    batch = dataset.chunk("train", 0)
+    ids = dict(
+        zip(
+            batch.sparse.keys(),
+            batch.sparse.values().split(batch.sparse.length_per_key()),
+            strict=True,
+        )
+    )
+    profiles = {
+        t.name: IdProfile.from_ids(np.concatenate([ids[f].numpy() for f in t.feature_names]))
+        for t in tables
+        if all(f in ids for f in t.feature_names)
+    }
+    return profiles, f"id frequencies of the first train chunk ({batch.batch_size} rows)"
 
 
 def pooling_factors(config: Config, dataset: Any = None) -> tuple[dict[str, float], str]:

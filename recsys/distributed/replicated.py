@@ -35,7 +35,15 @@ from recsys.ops.embedding_bag.layout import TableLayout, sorted_segments
 # Replicated tables of at most this many rows send which rows they touch as a bitmap with the
 # input dist's counts (rows / 8 bytes per destination), so the union is known before backward.
 MAX_MARKED_ROWS = 1 << 22
-_BITS = 63  # bits per int64 word (the sign bit unused)
+BITMAP_WORD_BITS = 63  # bits per int64 word of the touched-rows bitmap (the sign bit unused)
+
+
+def counted_rows_width(num_rows: int, num_groups: int) -> int:
+    """The int64 values :meth:`ReplicatedTables.count_rows` adds to each destination's counts
+    for replicated tables of ``num_rows`` rows in ``num_groups`` dim groups: a count per group,
+    then the bitmap's words (tables of at most :data:`MAX_MARKED_ROWS` rows)."""
+    words = -(-num_rows // BITMAP_WORD_BITS) if num_rows <= MAX_MARKED_ROWS else 0
+    return num_groups + words
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,7 @@ class ReplicatedTables(nn.Module):
         self._group_last = torch.tensor(group_ends, dtype=torch.int64, device=device) - 1
         self._groups = len(group_ends)
         self._marked = self._rows <= MAX_MARKED_ROWS
-        self._bits = torch.arange(_BITS, dtype=torch.int64, device=device)
+        self._bits = torch.arange(BITMAP_WORD_BITS, dtype=torch.int64, device=device)
         self._touched: TouchedRows | None = None  # the rows of the batch in training
 
     @property
@@ -166,7 +174,9 @@ class ReplicatedTables(nn.Module):
         counts = upto.diff(prepend=upto.new_zeros(1))
         if not self._marked:
             return counts
-        bits = F.pad(touched[: self._rows], (0, -self._rows % _BITS)).view(-1, _BITS)
+        bits = F.pad(touched[: self._rows], (0, -self._rows % BITMAP_WORD_BITS)).view(
+            -1, BITMAP_WORD_BITS
+        )
         return torch.cat([counts, (bits << self._bits).sum(dim=1)])
 
     def union_rows(self, extras: torch.Tensor) -> torch.Tensor:

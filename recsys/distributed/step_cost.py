@@ -15,16 +15,17 @@ block included; :class:`~recsys.distributed.comm.CommStats`), by kind and by whe
 (``intra``: a rank of the same node, the rank itself included; ``inter``: another node):
 
 - ``input``: the counts exchange (W x (2 + slots + extras) int64, where a destination's slots
-  are its (feature, shard) pairs), then to each destination, per slot, the B bag lengths and
-  the ids that shard owns (int64; a ROW_WISE or KEY_WISE shard of r of R rows gets r / R of a
-  feature's ids, an even spread of ids over rows; TABLE_WISE and COLUMN_WISE pieces all of
-  them).
+  are its (feature, shard) pairs; with a fused update, replicated tables add a row count per
+  dim group and, up to 2**22 rows, a bitmap of their rows, 63 to an int64), then to each
+  destination, per slot, the B bag lengths and the ids that shard owns (int64; a ROW_WISE or
+  KEY_WISE shard of r of R rows gets r / R of a feature's ids, an even spread of ids over
+  rows; TABLE_WISE and COLUMN_WISE pieces all of them).
 - ``forward``: each shard's pooled vectors for every rank's B samples (its columns for each of
   the table's features, at the forward precision; int8 adds a 4-byte scale per sample and
   destination).
 - ``backward``: the gradients of a rank's own samples' pooled vectors, to each shard (at the
   backward precision); a replicated (DATA_PARALLEL) table's touched rows' gradients and keys
-  (an all-gather over the group: the expected distinct rows of B * P uniform draws).
+  (an all-gather over the group: the expected distinct rows of B * P draws, see below).
 - ``dense``: the DDP all-reduce of the dense gradients (a ring: 2 (W - 1) / W of them).
 - ``replica_sync`` (2D): per step, 1 / ``sync_every`` of a ring all-reduce of the rank's shards
   (weights and fused-optimizer state) across the R groups.
@@ -41,8 +42,13 @@ their sum, less what overlaps):
   ``pipeline`` the input dist of the next batch runs behind this one's forward: only what
   exceeds the dense forward counts.
 - ``update``: the fused optimizer reading each id's gradient, then reading and writing each
-  distinct row (the expected distinct rows of uniform draws: an upper bound for skewed ids)
-  and its state once.
+  distinct row and its state once.
+
+**Distinct rows** a batch touches, in expectation: from the table's
+:class:`~recsys.distributed.id_profiles.IdProfile` (``StepInputs.id_profiles``: the synthetic
+log's power law, or the id frequencies of a sample of the data), else uniform draws (an upper
+bound for skewed ids); a row shard holds its share of them. A replicated table's exchange is
+sized by the largest count over ranks, which the expectation slightly undercounts.
 - ``dense``: 6 flops per dense parameter per sample (forward 2, backward 4) over the
   topology's dense throughput in the training precision (IEEE fp32, or a GPU's bf16 / fp16
   tensor-core rate).
@@ -67,6 +73,7 @@ import numpy as np
 from torchrec import EmbeddingBagConfig
 
 from recsys.distributed.comm import check_precision, wire_dtype
+from recsys.distributed.id_profiles import IdProfile
 from recsys.distributed.plan import (
     ShardingPlan,
     ShardingType,
@@ -74,6 +81,7 @@ from recsys.distributed.plan import (
     format_bytes,
     shard_bytes,
 )
+from recsys.distributed.replicated import counted_rows_width
 from recsys.distributed.topology import Topology
 from recsys.embedding.tables import element_bytes
 
@@ -97,8 +105,14 @@ class StepInputs:
         replicas: R; 1 = flat. The plan is then for W / R ranks.
         sync_every: 2D: steps between two replica syncs.
         extras: int64 values every rank adds to each destination's counts (the input check's
-            verdict, replicated tables' row counts).
+            verdict); the replicated tables' row counts and bitmaps are added from the plan.
         dense_precision: ``train.precision``, which dense rate of the topology applies.
+        id_profiles: table name -> how often each of its rows is read
+            (:class:`~recsys.distributed.id_profiles.IdProfile`; uniform for a table not given):
+            the distinct rows a batch touches.
+        fused_update: the tables are updated by a fused optimizer (``train.
+            fused_embedding_update``): replicated tables exchange their touched rows'
+            gradients, their row counts known from the input dist.
     """
 
     batch_size: int
@@ -113,6 +127,8 @@ class StepInputs:
     sync_every: int = 1
     extras: int = 0
     dense_precision: str = "fp32"
+    id_profiles: dict[str, IdProfile] = field(default_factory=dict)
+    fused_update: bool = True
 
     @property
     def dense_bytes(self) -> int:
@@ -213,6 +229,21 @@ class _Placed:
     bytes: np.ndarray  # [S] weights + state
     pooling: float
     features: int
+    profile: IdProfile | None = None  # how often each row is read; None: uniformly
+
+    def distinct(self, served: np.ndarray) -> np.ndarray:
+        """[S] distinct rows each shard's ``served`` ids touch, in expectation: uniform draws
+        over the shard's rows, or with a profile the table's distinct rows of
+        ``served / share`` draws times the shard's share (a skewed table's hot rows spread
+        evenly over its row shards)."""
+        rows = np.maximum(self.rows, 1)
+        if self.profile is None:
+            spread = rows * -np.expm1(served * np.log1p(-1.0 / np.maximum(rows, 2)))
+            return np.where(rows > 1, spread, (served > 0).astype(float))
+        share = np.maximum(self.share, 1e-12)
+        return np.array(
+            [self.profile.distinct(n / s) * s for n, s in zip(served, share, strict=True)]
+        )
 
 
 def predict_step(
@@ -237,6 +268,10 @@ def predict_step(
     check_precision(inputs.backward_precision, "backward_precision")
     placed = _placed_tables(plan, configs, inputs)
     cost = _Costs(world, group, inputs, topology)
+    # A fused update's replicated tables send their row counts with the input dist's counts.
+    cost.counted_rows = inputs.fused_update and any(
+        t.kind != ShardingType.DATA_PARALLEL for t in placed
+    )
     for table in placed:
         if table.kind == ShardingType.DATA_PARALLEL:
             cost.replicated(table)
@@ -271,7 +306,8 @@ def table_rank_seconds(
     gradients' all-gather. Latencies are left out (a collective's, shared by all its tables).
     The planner's cost per placement (:func:`~recsys.distributed.planner.plan_sharding` with a
     topology)."""
-    table = _placed(config, sharding, pooling, [0] * len(sharding.shards))
+    profile = inputs.id_profiles.get(config.name)
+    table = _placed(config, sharding, pooling, [0] * len(sharding.shards), profile)
     cost = _Costs(world, world, inputs, topology)
     if table.kind == ShardingType.DATA_PARALLEL:
         cost.replicated(table)
@@ -295,12 +331,17 @@ def _placed_tables(
                 else [shard_bytes(s, size, states) for s in sharding.shards]
             )
             pooling = sum(inputs.pooling_factors.get(f, 1.0) for f in config.feature_names)
-            out.append(_placed(config, sharding, pooling, sizes))
+            profile = inputs.id_profiles.get(config.name)
+            out.append(_placed(config, sharding, pooling, sizes, profile))
     return out
 
 
 def _placed(
-    config: EmbeddingBagConfig, sharding: TableSharding, pooling: float, sizes: Sequence[int]
+    config: EmbeddingBagConfig,
+    sharding: TableSharding,
+    pooling: float,
+    sizes: Sequence[int],
+    profile: IdProfile | None = None,
 ) -> _Placed:
     kind, shards = ShardingType(sharding.sharding_type), sharding.shards
     total_rows = max(s.row_offset + s.num_rows for s in shards) or 1
@@ -315,6 +356,7 @@ def _placed(
         np.array(sizes, dtype=np.int64),
         pooling,
         len(config.feature_names),
+        profile,
     )
 
 
@@ -340,6 +382,7 @@ class _Costs:
         self.memory = np.zeros(group)  # bytes lookups read
         self.update = np.zeros(group)  # bytes the optimizer reads and writes
         self.gathered = 0.0  # replicated tables' all-gather bytes per rank (sent)
+        self.counted_rows = False  # replicated row counts travel with the input dist's counts
         self.dense_s = self.allreduce_s = self.sync_s = 0.0
 
     def _split(self, amounts: np.ndarray, owners: np.ndarray):
@@ -383,23 +426,23 @@ class _Costs:
         size = element_bytes(table.config)
         kinds = list(inputs.optimizer_states.values())
         state = 4.0 * kinds.count("row") / np.maximum(table.cols, 1) + 4.0 * kinds.count("element")
-        rows = np.maximum(table.rows, 1)
-        distinct = rows * -np.expm1(served * np.log1p(-1.0 / np.maximum(rows, 2)))
+        distinct = table.distinct(served)
         np.add.at(self.memory, table.ranks, served * table.cols * size)
         touched = served * table.cols * 4.0 + 2 * distinct * table.cols * (size + state)
         np.add.at(self.update, table.ranks, touched)
 
     def replicated(self, table: _Placed) -> None:
         b, dim = self.inputs.batch_size, table.config.embedding_dim
-        rows = max(int(table.rows[0]), 1)
         draws = b * table.pooling
-        distinct = rows * -math.expm1(draws * math.log1p(-1.0 / rows)) if rows > 1 else 1.0
+        distinct = float(table.distinct(np.full(len(table.rows), draws))[0])
         size = element_bytes(table.config)
         self.memory += draws * dim * size
         state = 4.0 * len(self.inputs.optimizer_states)  # at most one per element
         self.update += draws * dim * 4.0 + 2 * distinct * dim * (size + state)
         if self.group > 1:
-            packed = 8.0 + distinct * (dim + 2) * 4  # its count, then rows: gradient + key
+            # Its rows: gradient + key; and, unless the input dist brought every rank's count
+            # (a fused update), the count first.
+            packed = (0.0 if self.counted_rows else 8.0) + distinct * (dim + 2) * 4
             self.gathered += packed
             # An all-gather over the group (2D: the replicas sync the table afterwards): one
             # block, for every rank of it.
@@ -417,7 +460,13 @@ class _Costs:
         if not slots.any():
             return
         owners = np.arange(self.group)
-        self.gather("input", 8.0 * (2 + slots + self.inputs.extras), owners)
+        extras = self.inputs.extras
+        replicated = [t for t in placed if t.kind == ShardingType.DATA_PARALLEL]
+        if self.counted_rows and replicated and self.group > 1:
+            rows = sum(t.config.num_embeddings for t in replicated)
+            dims = {t.config.embedding_dim for t in replicated}
+            extras += counted_rows_width(rows, len(dims))
+        self.gather("input", 8.0 * (2 + slots + extras), owners)
         holders, scale = np.flatnonzero(slots), np.full(np.count_nonzero(slots), 4.0)
         if self.inputs.forward_precision == "int8":
             self.scatter("forward", scale * self.inputs.batch_size, holders)

@@ -20,6 +20,7 @@ from recsys.config import load_config
 from recsys.config.sections import MLPERF_BAG_SIZES, MLPERF_TABLE_ROWS
 from recsys.distributed import planner as P
 from recsys.distributed.calibrate import fit_link
+from recsys.distributed.id_profiles import IdProfile
 from recsys.distributed.plan import ShardingPlan, ShardingType
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.distributed.step_cost import StepInputs, predict_step
@@ -84,37 +85,46 @@ def fixed_bags(batch: int, seed: int) -> KeyedJaggedTensor:
 def _counted_bytes(rank: int, world: int) -> None:
     batch = 5
     cluster = topology("h100_8x_ib400", ranks_per_node=2)
-    for precision in ("fp32", "fp16", "int8"):
-        for validate in (True, False):
-            torch.manual_seed(0)
-            unsharded = EmbeddingBagCollection(configs(), optimizer=SGD(lr=0.1), validate=validate)
-            plan = four_rank_plan(world, with_dp=False)
-            sharded = ShardedEmbeddingBagCollection(
-                unsharded,
-                plan[""],
-                forward_precision=precision,
-                backward_precision=precision,
+    cases = [(p, v, dp) for p in ("fp32", "fp16", "int8") for v in (True, False) for dp in (0, 1)]
+    for precision, validate, with_dp in cases:
+        torch.manual_seed(0)
+        unsharded = EmbeddingBagCollection(configs(), optimizer=SGD(lr=0.1), validate=validate)
+        plan = four_rank_plan(world, with_dp=bool(with_dp))
+        sharded = ShardedEmbeddingBagCollection(
+            unsharded,
+            plan[""],
+            forward_precision=precision,
+            backward_precision=precision,
+        )
+        bags = fixed_bags(batch, seed=rank)
+        profiles = {}
+        if with_dp:  # t_dp replicated: every rank's bags read each of its 3 rows
+            values = bags.values().clone()
+            values[-batch:] = torch.arange(batch) % 3
+            bags = KeyedJaggedTensor(keys=bags.keys(), values=values, lengths=bags.lengths())
+            profiles = {"t_dp": IdProfile(np.array([3]), np.array([1.0]))}  # each row sure
+        out = sharded(bags)
+        out.values().sum().backward()
+        inputs = StepInputs(
+            batch,
+            POOLING,
+            forward_precision=precision,
+            backward_precision=precision,
+            extras=int(validate),
+            id_profiles=profiles,
+        )
+        predicted = predict_step(plan, {"": configs()}, inputs, cluster)
+        counted = sharded.comm_stats.bytes
+        for part in ("input", "forward", "backward"):
+            assert predicted.rank_bytes(part)[rank] == counted[part], (
+                predicted.rank_bytes(part)[rank],
+                counted[part],
+                rank,
+                precision,
+                validate,
+                with_dp,
+                part,
             )
-            out = sharded(fixed_bags(batch, seed=rank))
-            out.values().sum().backward()
-            inputs = StepInputs(
-                batch,
-                POOLING,
-                forward_precision=precision,
-                backward_precision=precision,
-                extras=int(validate),
-            )
-            predicted = predict_step(plan, {"": configs()}, inputs, cluster)
-            counted = sharded.comm_stats.bytes
-            for part in ("input", "forward", "backward"):
-                assert predicted.rank_bytes(part)[rank] == counted[part], (
-                    predicted.rank_bytes(part)[rank],
-                    counted[part],
-                    rank,
-                    precision,
-                    validate,
-                    part,
-                )
 
 
 def test_predicted_bytes_equal_the_counted_bytes_on_four_ranks():
