@@ -43,12 +43,6 @@ their sum, less what overlaps):
   exceeds the dense forward counts.
 - ``update``: the fused optimizer reading each id's gradient, then reading and writing each
   distinct row and its state once.
-
-**Distinct rows** a batch touches, in expectation: from the table's
-:class:`~recsys.distributed.id_profiles.IdProfile` (``StepInputs.id_profiles``: the synthetic
-log's power law, or the id frequencies of a sample of the data), else uniform draws (an upper
-bound for skewed ids); a row shard holds its share of them. A replicated table's exchange is
-sized by the largest count over ranks, which the expectation slightly undercounts.
 - ``dense``: 6 flops per dense parameter per sample (forward 2, backward 4) over the
   topology's dense throughput in the training precision (IEEE fp32, or a GPU's bf16 / fp16
   tensor-core rate).
@@ -58,9 +52,16 @@ sized by the largest count over ranks, which the expectation slightly undercount
 - ``replica_sync``: 2D only, its all-reduce over the inter-node bandwidth (or the intra-node
   one when the groups share a node), amortised over ``sync_every`` steps.
 
+**Distinct rows** a batch touches, in expectation: from the table's
+:class:`~recsys.distributed.id_profiles.IdProfile` (``StepInputs.id_profiles``: the synthetic
+log's power law, or the id frequencies of a sample of the data), else uniform draws (an upper
+bound for skewed ids); a row shard holds its share of them. A replicated table's exchange is
+sized by the largest count over ranks, which the expectation slightly undercounts.
+
 What the model leaves out: kernel launch and Python overheads (which dominate small batches on
-small tables), congestion beyond one link per rank, skewed ids (a hot row's shard serves more
-than its share), and the DCN / interaction compute beyond its parameters' 6 flops.
+small tables), congestion beyond one link per rank, skewed ids on row shards (a hot row's
+shard serves more than its share), and the DCN / interaction compute beyond its parameters' 6
+flops.
 """
 
 from __future__ import annotations
