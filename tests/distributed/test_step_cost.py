@@ -434,13 +434,16 @@ def test_calibration_under_torchrun_writes_a_topology_file(tmp_path):
 
 def test_a_training_runs_bytes_per_step_are_the_predicted_ones(tmp_path):
     """``recsys train`` on 2 gloo ranks logs ``comm_bytes_<kind>`` per step and its tables'
-    bytes (rank 0's); with fixed bags and whole tables (no id spread over row shards, no
-    replicated table) they are what ``recsys plan``'s prediction says, byte for byte."""
+    bytes (rank 0's); with fixed bags, whole tables (no id spread over row shards) and a
+    replicated table every batch reads all of (4 rows: its touched-row counts, bitmap and
+    gradient exchange fixed) they are what ``recsys plan``'s prediction says, byte for byte."""
+    placed = [f'"t_cat_{i}=table_wise"' for i in range(3)] + ['"t_cat_3=data_parallel"']
     overrides = [
         *OVERRIDES,
+        "--data.synthetic.cardinalities=[100,1000,500,4]",
         "--data.synthetic.bag_sizes=[1,3,2,1]",
         "--data.synthetic.bag_lengths=fixed",
-        "--distributed.constraints=[" + ",".join(f'"t_cat_{i}=table_wise"' for i in range(4)) + "]",
+        "--distributed.constraints=[" + ",".join(placed) + "]",
         "--train.eval_every_steps=32",  # evaluations between the windows are left out
     ]
     done = run_torchrun(
