@@ -234,17 +234,15 @@ class _Placed:
 
     def distinct(self, served: np.ndarray) -> np.ndarray:
         """[S] distinct rows each shard's ``served`` ids touch, in expectation: uniform draws
-        over the shard's rows, or with a profile the table's distinct rows of
-        ``served / share`` draws times the shard's share (a skewed table's hot rows spread
-        evenly over its row shards)."""
+        over the shard's rows, or with a profile the table's distinct rows of its
+        ``served / share`` draws (the same for every shard) times the shard's share (a skewed
+        table's hot rows spread evenly over its row shards)."""
         rows = np.maximum(self.rows, 1)
         if self.profile is None:
             spread = rows * -np.expm1(served * np.log1p(-1.0 / np.maximum(rows, 2)))
             return np.where(rows > 1, spread, (served > 0).astype(float))
         share = np.maximum(self.share, 1e-12)
-        return np.array(
-            [self.profile.distinct(n / s) * s for n, s in zip(served, share, strict=True)]
-        )
+        return self.profile.distinct(float(served[0] / share[0])) * share
 
 
 def predict_step(
