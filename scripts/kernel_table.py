@@ -119,7 +119,7 @@ def compile_all(representative: bool, jobs: int) -> tuple[list[dict], list[dict]
     """Record the op tests' launches, expand them into GPU variants (only the representative
     ones when asked) and compile each for every target: (variants, compile rows)."""
     with tempfile.TemporaryDirectory() as tmp:
-        recorded = record_launches(OP_TESTS, Path(tmp) / "variants.json", "-k", "triton")
+        recorded = record_launches(OP_TESTS, Path(tmp) / "variants.json", "-k", "triton", jobs=jobs)
         variants = gpu_variants(recorded)
         if representative:
             variants = representatives(variants)

@@ -4,6 +4,12 @@ TRITON_INTERPRET=1 must be set before anything imports triton, so Triton kernels
 interpreter and every kernel test runs on a machine without a GPU. A caller that exports
 TRITON_INTERPRET=0 (scripts/gpu_check.sh on a GPU machine) gets compiled kernels instead.
 
+OMP_NUM_THREADS=1 (unless the caller sets it): one torch thread per test process. The tests'
+tensors are small, so a second thread gains little, and two threads that share the cores with
+anything else (another job on CI's machine, a torchrun test's ranks) wait for each other at
+every parallel region: beside one busy process on a 2-core machine, a test that trains in
+process took 21 s with two threads and 7 s with one (6 s with two on an idle machine).
+
 RECSYS_TEST_DEVICE=cuda makes CUDA torch's default device, so tests that build their tensors
 without naming a device (the op and embedding tests) run their compiled kernels on the GPU
 against the same float64 references (scripts/gpu_check.sh, step ``device_tests``).
@@ -13,7 +19,7 @@ import os
 import subprocess
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch

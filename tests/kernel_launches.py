@@ -152,16 +152,39 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         Path(path).write_text(json.dumps(list(_recorded.values()), indent=1, default=str))
 
 
-def record_launches(tests: list[str], out: Path, *pytest_args: str) -> list[dict[str, Any]]:
-    """Run ``tests`` under the interpreter in a subprocess and return the variants launched."""
-    env = os.environ | {"TRITON_INTERPRET": "1", RECORD_ENV: str(out)}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "tests.kernel_launches", *tests]
-    done = subprocess.run(
-        [*command, *pytest_args], env=env, capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"recording kernel launches failed:\n{done.stdout[-3000:]}")
-    return json.loads(out.read_text())
+def record_launches(
+    tests: list[str], out: Path, *pytest_args: str, jobs: int = 1
+) -> list[dict[str, Any]]:
+    """Run ``tests`` under the interpreter and return the variants launched, each once, in the
+    order they were first launched. With ``jobs`` > 1 the tests run in that many processes at
+    once, each on a contiguous slice of ``tests``, and their records are joined in the order of
+    the slices: what one process running them in turn records, a test file's launches
+    depending on nothing an earlier file ran."""
+    num_jobs = max(1, min(jobs, len(tests)))
+    bounds = [len(tests) * job // num_jobs for job in range(num_jobs + 1)]
+    children = []
+    for job in range(num_jobs):
+        path = out.with_name(f"{out.stem}_{job}{out.suffix}")
+        env = os.environ | {"TRITON_INTERPRET": "1", RECORD_ENV: str(path)}
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "tests.kernel_launches"]
+        command += [*tests[bounds[job] : bounds[job + 1]], *pytest_args]
+        child = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        children.append((child, path))
+    variants: dict[str, dict[str, Any]] = {}
+    failures = []
+    for child, path in children:
+        output, _ = child.communicate()
+        if child.returncode != 0:
+            failures.append(output[-3000:])
+            continue
+        for variant in json.loads(path.read_text()):
+            variants.setdefault(json.dumps(variant, sort_keys=True, default=str), variant)
+    if failures:
+        raise RuntimeError("recording kernel launches failed:\n" + "\n".join(failures))
+    out.write_text(json.dumps(list(variants.values()), indent=1, default=str))
+    return list(variants.values())
 
 
 def variant_label(variant: dict[str, Any]) -> str:
