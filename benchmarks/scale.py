@@ -21,7 +21,10 @@ samples/s. A model, not a measurement.
 One row per world size and kind (``flat``, and from 4 ranks ``2D``: groups of 2 ranks,
 ``distributed.sparse_replicas`` = W / 2, synced every step): predicted and measured bytes per
 step for rank 0 (input, forward, backward), rank 0's tables and optimizer state (predicted, and
-the trainer's ``sharding`` event), and predicted and measured step time with their ratio. The
+the trainer's ``sharding`` event), and predicted and measured step time with their ratio; the
+notes split both steps: the prediction's parts, and rank 0's measured data wait, forward,
+backward, optimizer and embedding collectives (the trainer's timers: the collectives' time
+taken out of the parts they ran in; DDP's all-reduce stays in the backward). The
 bytes of variable bags, row-wise and replicated tables depend on the ids drawn (the model takes
 their expectation: the synthetic log's bag sizes and its power law over each table's rows), so
 they match exactly only for fixed bags and tables whose bytes do not depend on which ids come
@@ -75,6 +78,7 @@ def measure(
 ) -> dict:
     """Train, read rank 0's events: bytes per step, its tables' bytes and the median step."""
     from recsys.train.metrics import read_metrics
+    from recsys.train.progress import STEP_PARTS
 
     run_dir = work / f"run_{world}_{replicas}"
     overrides = [*overrides, f"--distributed.sparse_replicas={replicas}"]
@@ -89,6 +93,11 @@ def measure(
     out = {"samples_per_s": rate, "windows": len(windows), "table_bytes": sharding["table_bytes"]}
     for kind in ("input", "forward", "backward"):
         out[kind] = statistics.mean(e[f"comm_bytes_{kind}"] for e in windows)
+    out["parts"] = {  # rank 0's step split (the trainer's timers), the median window's
+        part: statistics.median(e[f"time_{part}"] for e in windows)
+        for part in STEP_PARTS
+        if all(f"time_{part}" in e for e in windows)
+    }
     return out
 
 
@@ -119,9 +128,11 @@ def row(world, replicas, args, measured, predicted, cluster, env, load) -> list:
     for kind in ("input", "forward", "backward"):
         bytes_ += [float(predicted.rank_bytes(kind)[0]), measured[kind]]
     parts = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in predicted.seconds.items() if v)
+    split = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in measured["parts"].items())
     notes = (
         f"gloo ranks on this CPU; {measured['windows']} windows of {args.log_every} steps after "
-        f"the first; predicted ms: {parts}; calibrated: {cluster.describe()}; {load}"
+        f"the first; predicted ms: {parts}; measured ms (rank 0, median window): {split}; "
+        f"calibrated: {cluster.describe()}; {load}"
     )
     kind = "flat" if replicas == 1 else f"2D {replicas}x{world // replicas}"
     return [

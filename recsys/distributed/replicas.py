@@ -15,6 +15,7 @@ does the same). The dense layers stay data-parallel over all W ranks (DDP).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -74,16 +75,65 @@ def replica_tensors(collection: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+# Tensors below this size are averaged together, packed into buffers of at most this size: one
+# all-reduce per buffer instead of one per tensor (a latency each: 0.8 ms with gloo on 4 CPU
+# ranks); larger ones are averaged in place, never copied.
+BUCKET_BYTES = 16 * 2**20
+
+
 @torch.no_grad()
-def sync_replicas(collections: list[nn.Module]) -> None:
+def sync_replicas(collections: list[nn.Module], bucket_bytes: int = BUCKET_BYTES) -> None:
     """Average every 2D-sharded collection's :func:`replica_tensors` over its replica group
-    (collections with one replica are left alone), each in place: no copy of a shard, which
-    may be most of a device's memory. A collective of every rank; nothing waits for the
-    device."""
+    (collections with one replica are left alone). Tensors smaller than ``bucket_bytes`` are
+    packed, by dtype and in order, into buffers of at most that size, each averaged by one
+    all-reduce and copied back; a larger tensor is averaged in place, alone (no copy of a
+    shard, which may be most of a device's memory). Each value is the same sum over the same
+    ranks either way (bitwise the per-tensor average for two replicas). The time goes to the
+    collection's ``comm_stats`` (a step's collectives). A collective of every rank; nothing
+    waits for the device."""
     for collection in collections:
         groups: ReplicaGroups | None = getattr(collection, "replica_groups", None)
         if groups is None or groups.replicas == 1:
             continue
-        for tensor in replica_tensors(collection):
-            dist.all_reduce(tensor, group=groups.replica_group)
-            tensor.div_(groups.replicas)
+        tensors = replica_tensors(collection)
+        if not tensors:
+            continue
+        stats = getattr(collection, "comm_stats", None)
+        timed = stats.timed(tensors[0].device) if stats is not None else contextlib.nullcontext()
+        with timed:
+            for bucket in _buckets(tensors, bucket_bytes):
+                _average(bucket, groups)
+
+
+def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in groups to average together: a large tensor alone; the others by dtype and
+    device, in order, up to ``bucket_bytes`` a group."""
+    out: list[list[torch.Tensor]] = []
+    open_: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], int]] = {}
+    for tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            out.append([tensor])
+            continue
+        key = (tensor.dtype, tensor.device)
+        bucket, filled = open_.get(key, ([], 0))
+        if bucket and filled + size > bucket_bytes:
+            out.append(bucket)
+            bucket, filled = [], 0
+        bucket.append(tensor)
+        open_[key] = (bucket, filled + size)
+    out.extend(bucket for bucket, _ in open_.values() if bucket)
+    return out
+
+
+def _average(bucket: list[torch.Tensor], groups: ReplicaGroups) -> None:
+    if len(bucket) == 1:
+        (tensor,) = bucket
+        dist.all_reduce(tensor, group=groups.replica_group)
+        tensor.div_(groups.replicas)
+        return
+    flat = torch.cat([t.reshape(-1) for t in bucket])
+    dist.all_reduce(flat, group=groups.replica_group)
+    flat.div_(groups.replicas)
+    for tensor, piece in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+        tensor.copy_(piece.view_as(tensor))

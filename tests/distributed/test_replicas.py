@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from recsys.distributed.replicas import replica_groups, sync_replicas
+from recsys.distributed.replicas import _buckets, replica_groups, replica_tensors, sync_replicas
 from recsys.distributed.sharded import ShardedEmbeddingBagCollection
 from recsys.embedding.collection import EmbeddingBagCollection
 from recsys.embedding.optim import SGD, RowWiseAdagrad
@@ -119,9 +119,44 @@ def _cases(rank: int, world: int, directory: str) -> None:
         reference_step(groups, world, 10 * s + 2, groups=2)
     assert_state_equal(sharded, groups[0], atol=1e-5)
 
+    # Packed into buffers or each tensor alone: bitwise the same average (two replicas), timed
+    # as the collection's collectives.
+    tensors = replica_tensors(sharded)
+    with torch.no_grad():
+        for k, tensor in enumerate(tensors):  # every rank's own values
+            tensor.add_(
+                torch.randn(tensor.shape, generator=torch.Generator().manual_seed(k + rank))
+            )
+    before = [t.clone() for t in tensors]
+    sync_replicas([sharded], bucket_bytes=1)  # one all-reduce per tensor
+    alone = [t.clone() for t in tensors]
+    with torch.no_grad():
+        for tensor, value in zip(tensors, before, strict=True):
+            tensor.copy_(value)
+    seconds = sharded.comm_stats.seconds
+    sync_replicas([sharded])  # all in one buffer
+    assert sharded.comm_stats.seconds > seconds
+    for tensor, expected in zip(tensors, alone, strict=True):
+        assert torch.equal(tensor, expected)
+    assert not all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+
 
 def test_two_d_trains_like_the_flat_plan_and_checkpoints_move_between_them(tmp_path):
     run_ranks(4, _cases, str(tmp_path))
+
+
+def test_replica_buckets_pack_small_tensors_by_dtype_in_order_and_leave_large_ones_alone():
+    a, b, c = (torch.zeros(4) for _ in range(3))  # 16 bytes each
+    half = torch.zeros(4, dtype=torch.float16)  # 8 bytes
+    large = torch.zeros(16)  # 64 bytes
+    buckets = _buckets([a, half, b, large, c], bucket_bytes=40)
+    assert [[id(t) for t in bucket] for bucket in buckets] == [
+        [id(large)],
+        [id(a), id(b)],
+        [id(c)],
+        [id(half)],
+    ]
+    assert _buckets([a, b], bucket_bytes=1) == [[a], [b]]
 
 
 @pytest.mark.slow  # two 4-rank torchrun jobs: about a minute on 2 cores
