@@ -93,7 +93,7 @@ def measure(
     out = {"samples_per_s": rate, "windows": len(windows), "table_bytes": sharding["table_bytes"]}
     for kind in ("input", "forward", "backward"):
         out[kind] = statistics.mean(e[f"comm_bytes_{kind}"] for e in windows)
-    out["parts"] = {  # rank 0's step split (the trainer's timers), the median window's
+    out["parts"] = {  # rank 0's step split (the trainer's timers), each part's median
         part: statistics.median(e[f"time_{part}"] for e in windows)
         for part in STEP_PARTS
         if all(f"time_{part}" in e for e in windows)
@@ -131,7 +131,8 @@ def row(world, replicas, args, measured, predicted, cluster, env, load) -> list:
     split = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in measured["parts"].items())
     notes = (
         f"gloo ranks on this CPU; {measured['windows']} windows of {args.log_every} steps after "
-        f"the first; predicted ms: {parts}; measured ms (rank 0, median window): {split}; "
+        f"the first; predicted ms: {parts}; measured ms (rank 0, each part's median over the "
+        f"windows): {split}; "
         f"calibrated: {cluster.describe()}; {load}"
     )
     kind = "flat" if replicas == 1 else f"2D {replicas}x{world // replicas}"

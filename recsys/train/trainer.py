@@ -312,8 +312,6 @@ class _Run:
         """What a step may be followed by: a train log line, an evaluation, a checkpoint, and
         a stop when a signal arrived."""
         cfg, train_cfg, total_steps = self.config, self.config.train, self.total_steps
-        if self.step % cfg.distributed.sync_every == 0:
-            self._sync_replicas()
         if self.step % train_cfg.log_every_steps == 0 or self.step == total_steps:
             INPUT_ERRORS.raise_first()  # a bad batch since the last event ("async" checks)
             steps = window.steps
@@ -339,6 +337,8 @@ class _Run:
                     f"  {self.tiered_log.summary(tiered)}".rstrip()
                 )
             self._say_if_input_bound(times)
+        if self.step % cfg.distributed.sync_every == 0:  # after the log: the next window's time
+            self._sync_replicas()
         if train_cfg.eval_every_steps and self.step % train_cfg.eval_every_steps == 0:
             window.pause(self._validate)
         if self._checkpoint_due(cfg.checkpoint) and self._saved_now() is None:
