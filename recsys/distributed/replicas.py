@@ -15,7 +15,6 @@ does the same). The dense layers stay data-parallel over all W ranks (DDP).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -98,9 +97,7 @@ def sync_replicas(collections: list[nn.Module], bucket_bytes: int = BUCKET_BYTES
         tensors = replica_tensors(collection)
         if not tensors:
             continue
-        stats = getattr(collection, "comm_stats", None)
-        timed = stats.timed(tensors[0].device) if stats is not None else contextlib.nullcontext()
-        with timed:
+        with collection.comm_stats.timed(tensors[0].device):  # a sharded collection's
             for bucket in _buckets(tensors, bucket_bytes):
                 _average(bucket, groups)
 
