@@ -4,7 +4,9 @@ a config for any number of ranks without a process group (:func:`plan_inputs`)."
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,8 +210,9 @@ def plan_inputs(config: Config) -> PlanInputs:
     states = dict(optimizer.states) if optimizer is not None else {}
     tables = {id(p) for c in embedding_collections(model).values() for p in c.parameters()}
     dense = sum(p.numel() for p in model.parameters() if id(p) not in tables)
-    pooling, source = pooling_factors(config, dataset)
-    profiles, profile_source = id_profiles(config, configs, dataset)
+    first_chunk = functools.cache(lambda: dataset.chunk("train", 0))  # read once, if at all
+    pooling, source = pooling_factors(config, first_chunk)
+    profiles, profile_source = id_profiles(config, configs, first_chunk)
     return PlanInputs(
         configs,
         states,
@@ -226,13 +229,16 @@ def plan_inputs(config: Config) -> PlanInputs:
 
 
 def id_profiles(
-    config: Config, configs: dict[str, list[EmbeddingBagConfig]], dataset: Any = None
+    config: Config,
+    configs: dict[str, list[EmbeddingBagConfig]],
+    first_chunk: Callable[[], Any] | None = None,
 ) -> tuple[dict[str, IdProfile], str]:
     """Table name -> how often each of its rows is read, for the distinct rows a batch
     touches (:mod:`recsys.distributed.id_profiles`), and where that comes from: the synthetic
     log's power law (``zipf_alpha``) for its tables of one feature, else the id frequencies
-    of the first chunk of the train split (of ``dataset``, else the one ``[data]`` opens)."""
-    from recsys.data import build_dataset, resolve_source
+    of the first chunk of the train split (``first_chunk()``, else read from the data
+    ``[data]`` opens)."""
+    from recsys.data import resolve_source
 
     tables = [table for group in configs.values() for table in group]
     synthetic = config.data.synthetic
@@ -248,8 +254,7 @@ def id_profiles(
             if len(t.feature_names) == 1 and cardinality.get(t.feature_names[0]) == t.num_embeddings
         }
         return profiles, f"the synthetic log's power law, zipf_alpha {synthetic.zipf_alpha:g}"
-    dataset = dataset or build_dataset(config.data, config.run.seed)
-    batch = dataset.chunk("train", 0)
+    batch = (first_chunk or functools.partial(_first_chunk, config))()
     ids = dict(
         zip(
             batch.sparse.keys(),
@@ -265,12 +270,14 @@ def id_profiles(
     return profiles, f"id frequencies of the first train chunk ({batch.batch_size} rows)"
 
 
-def pooling_factors(config: Config, dataset: Any = None) -> tuple[dict[str, float], str]:
+def pooling_factors(
+    config: Config, first_chunk: Callable[[], Any] | None = None
+) -> tuple[dict[str, float], str]:
     """Feature -> mean ids per bag, and where that comes from: the synthetic log's expected bag
     lengths (``bag_sizes``: m when fixed, m / 2 when uniform over 0..m), else the mean bag
-    lengths of the first chunk of the train split (of ``dataset``, else the one ``[data]``
-    opens)."""
-    from recsys.data import build_dataset, resolve_source
+    lengths of the first chunk of the train split (``first_chunk()``, else read from the data
+    ``[data]`` opens)."""
+    from recsys.data import resolve_source
 
     if resolve_source(config.data) == "synthetic":
         synthetic = config.data.synthetic
@@ -279,9 +286,15 @@ def pooling_factors(config: Config, dataset: Any = None) -> tuple[dict[str, floa
         pooling = {f"cat_{i}": float(m if m == 1 or fixed else m / 2) for i, m in enumerate(sizes)}
         how = "fixed" if fixed else "drawn from 0..m: m / 2 each"
         return pooling, f"from the synthetic log's bag sizes, {how}"
-    dataset = dataset or build_dataset(config.data, config.run.seed)
-    batch = dataset.chunk("train", 0)
+    batch = (first_chunk or functools.partial(_first_chunk, config))()
     rows = max(batch.batch_size, 1)
     lengths = batch.sparse.length_per_key()
     pooling = {key: n / rows for key, n in zip(batch.sparse.keys(), lengths, strict=True)}
     return pooling, f"mean bag lengths of the first train chunk ({rows} rows)"
+
+
+def _first_chunk(config: Config) -> Any:
+    """The first chunk of the train split of the data ``[data]`` opens."""
+    from recsys.data import build_dataset
+
+    return build_dataset(config.data, config.run.seed).chunk("train", 0)

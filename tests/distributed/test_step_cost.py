@@ -384,6 +384,28 @@ def test_recsys_plan_prints_flat_and_2d_plans_with_their_predictions(capsys):
     assert out.count("predicted step") == 2 and "samples/s" in out
 
 
+def test_plan_inputs_read_the_first_train_chunk_of_real_data_once(tmp_path, monkeypatch):
+    from recsys.data.criteo import CriteoDataset
+    from tests.data.test_criteo import line, write
+
+    rng = np.random.default_rng(0)
+    cats = [[f"{rng.integers(1000):08x}" for _ in range(26)] for _ in range(300)]
+    path = write(tmp_path / "day.txt", [line(label=str(k % 2), cats=c) for k, c in enumerate(cats)])
+    reads = []
+    chunk = CriteoDataset.chunk
+    monkeypatch.setattr(CriteoDataset, "chunk", lambda self, *a: reads.append(a) or chunk(self, *a))
+    config = load_config(
+        "configs/dlrm_synthetic.toml", [f"--data.path={path}", "--data.criteo.hash_buckets=97"]
+    )
+    inputs = plan_inputs(config)
+    assert reads == [("train", 0)]  # the pooling factors and the id profiles share one read
+    assert inputs.pooling_factors == {f"cat_{i}": 1.0 for i in range(26)}
+    assert (
+        "first train chunk" in inputs.pooling_source
+        and "first train chunk" in inputs.profile_source
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
