@@ -254,7 +254,7 @@ def id_profiles(
             if len(t.feature_names) == 1 and cardinality.get(t.feature_names[0]) == t.num_embeddings
         }
         return profiles, f"the synthetic log's power law, zipf_alpha {synthetic.zipf_alpha:g}"
-    batch = (first_chunk or functools.partial(_first_chunk, config))()
+    batch = first_chunk() if first_chunk is not None else _first_chunk(config)
     ids = dict(
         zip(
             batch.sparse.keys(),
@@ -286,7 +286,7 @@ def pooling_factors(
         pooling = {f"cat_{i}": float(m if m == 1 or fixed else m / 2) for i, m in enumerate(sizes)}
         how = "fixed" if fixed else "drawn from 0..m: m / 2 each"
         return pooling, f"from the synthetic log's bag sizes, {how}"
-    batch = (first_chunk or functools.partial(_first_chunk, config))()
+    batch = first_chunk() if first_chunk is not None else _first_chunk(config)
     rows = max(batch.batch_size, 1)
     lengths = batch.sparse.length_per_key()
     pooling = {key: n / rows for key, n in zip(batch.sparse.keys(), lengths, strict=True)}
