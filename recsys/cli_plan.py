@@ -147,6 +147,7 @@ def _header(config: Config, inputs, world: int, topo, planned: str) -> str:
             f"parameters ({config.train.dense_optimizer}); ids per sample {ids:g} "
             f"({inputs.pooling_source}); distinct rows a batch touches from "
             f"{inputs.profile_source}",
+            f"dense part's step: {inputs.trace_source}",
             f"batch: {batch:,} samples per rank (train.batch_size), {batch * world:,} per step",
             f"planner cost: {planned}",
         ]

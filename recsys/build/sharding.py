@@ -17,6 +17,7 @@ from torchrec import EmbeddingBagConfig
 
 from recsys.config import Config
 from recsys.distributed.id_profiles import IdProfile
+from recsys.distributed.op_trace import OpTrace, trace_ops
 from recsys.distributed.parallel import (
     dynamic_rows,
     parallelize,
@@ -108,6 +109,11 @@ class PlanInputs:
         id_profiles: table name -> how often each row is read (:func:`id_profiles`).
         profile_source: where ``id_profiles`` come from, in words.
         fused_update: ``train.fused_embedding_update``.
+        dense_trace: the ops of a step's dense part at ``train.batch_size`` (forward, loss,
+            backward, dense optimizer; :func:`dense_step_trace`), or None where tracing it
+            failed (``trace_source`` says why): the cost model then charges 6 flops per dense
+            parameter per sample.
+        trace_source: how the dense part is costed, in words.
     """
 
     configs: dict[str, list[EmbeddingBagConfig]]
@@ -121,6 +127,8 @@ class PlanInputs:
     id_profiles: dict[str, IdProfile] = field(default_factory=dict)
     profile_source: str = "uniform"
     fused_update: bool = True
+    dense_trace: OpTrace | None = None
+    trace_source: str = "6 flops per dense parameter per sample"
 
     @property
     def dense_bytes(self) -> int:
@@ -172,6 +180,7 @@ def step_inputs(
         dense_precision=config.train.precision,
         id_profiles=inputs.id_profiles,
         fused_update=inputs.fused_update,
+        dense_trace=inputs.dense_trace,
     )
 
 
@@ -213,6 +222,7 @@ def plan_inputs(config: Config) -> PlanInputs:
     first_chunk = functools.cache(lambda: dataset.chunk("train", 0))  # read once, if at all
     pooling, source = pooling_factors(config, first_chunk)
     profiles, profile_source = id_profiles(config, configs, first_chunk)
+    trace, trace_source = dense_step_trace(config, model, first_chunk)
     return PlanInputs(
         configs,
         states,
@@ -225,6 +235,50 @@ def plan_inputs(config: Config) -> PlanInputs:
         profiles,
         profile_source,
         optimizer is not None,
+        trace,
+        trace_source,
+    )
+
+
+def dense_step_trace(
+    config: Config, model: nn.Module, first_chunk: Callable[[], Any]
+) -> tuple[OpTrace | None, str]:
+    """The ops of one training step's dense part (:func:`~recsys.distributed.op_trace.
+    trace_ops`): ``model`` moved to ``meta`` (its tables are there already), a batch of
+    ``train.batch_size`` rows of the train split's first chunk (``first_chunk()``, its rows
+    repeated if it has fewer), the forward, the loss, the backward and the dense optimizer's
+    step (a second step: the first creates the optimizer's state), less the embedding
+    collections; and how the dense part is costed, in words. A model whose step cannot run on
+    ``meta`` gives None (the cost model then charges 6 flops per dense parameter per sample)
+    and the reason."""
+    from torch.nn import functional as F
+
+    from recsys.train.optimizers import build_optimizers
+
+    meta = torch.device("meta")
+    batch_size = config.train.batch_size
+    try:
+        model = model.to(meta)
+        chunk = first_chunk()
+        batch = chunk.take(torch.arange(batch_size) % chunk.batch_size).to(meta)
+        dense = build_optimizers(config.train, model).get("dense")
+
+        def step() -> None:  # as recsys.train.step.TrainStep runs one
+            logits = model(batch.dense, batch.sparse)
+            model.zero_grad(set_to_none=True)
+            F.binary_cross_entropy_with_logits(logits.float(), batch.labels).backward()
+            if dense is not None:
+                dense.step()
+
+        collections = list(embedding_collections(model).values())
+        trace_ops(step, skip=collections)  # the optimizer's first step creates its state
+        trace = trace_ops(step, skip=collections)
+    except Exception as error:  # any failure falls back to the parameter count
+        return None, f"6 flops per dense parameter per sample (no meta trace: {error})"
+    flops, moved = trace.flops.sum() / batch_size, trace.bytes.sum() / batch_size
+    return trace, (
+        f"traced on meta: {trace.ops} ops a step, {flops / 1e6:.3g} MFLOP and "
+        f"{moved / 1e3:.3g} KB a sample"
     )
 
 

@@ -6,8 +6,10 @@ nodes, its counterpart on the next node (the inter-node link), and fits latency 
 bandwidth to the medians (least squares); the slowest rank's fit is the one kept, since a
 collective waits for its slowest member. It also times an all-reduce at the same sizes (written
 to the file as a comment, for comparison with what the model derives from the links), rows
-gathered at random from a table (memory bandwidth as lookups see it) and a matrix product
-(dense throughput). Rank 0 writes the
+gathered at random from a table (memory bandwidth as lookups see it), a matrix product
+(dense throughput) and a chain of tiny ops run forward and backward (the per-op floor, what an
+op costs whatever its size: dispatch and autograd on a CPU, a launch on a GPU; timed over a
+fifth of a second, so ranks that share cores share it as they do in a step). Rank 0 writes the
 :class:`~recsys.distributed.topology.Topology` file. A launch on one node measures no
 inter-node link: the file then repeats the intra-node figures for it, and says so.
 """
@@ -22,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from recsys.distributed.op_trace import trace_ops
 from recsys.distributed.topology import Topology
 
 __all__ = ["SIZES", "calibrate", "fit_link"]
@@ -109,6 +112,27 @@ def _dense_tflops(device: torch.device, repeats: int) -> float:
     return 2 * n**3 / seconds / 1e12
 
 
+def _op_us(device: torch.device, seconds: float = 0.2) -> float:
+    """Microseconds per op of 64 tiny ops forward and their backward, run for ``seconds``."""
+    leaf = torch.ones(8, device=device, requires_grad=True)
+
+    def chain() -> None:
+        value = leaf
+        for _ in range(64):
+            value = value * 1.0001
+        value.sum().backward()
+
+    chain()  # warm-up
+    ops = trace_ops(chain).ops
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        chain()
+        runs += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / runs / ops * 1e6
+
+
 def _memory_gib(device: torch.device, local: int) -> float:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 2**30
@@ -141,7 +165,9 @@ def calibrate(device: torch.device, repeats: int = 5) -> tuple[Topology, list[st
         notes.append("# one node: no inter-node link measured (intra-node figures repeated)")
     memory = _memory_gbs(device, repeats)
     tflops = _dense_tflops(device, repeats)
-    figures = torch.tensor([memory, tflops], dtype=torch.float64)
+    dist.barrier()
+    op_us = _op_us(device)
+    figures = torch.tensor([memory, tflops, -op_us], dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MIN)  # the slowest rank
     backend = dist.get_backend()
     measured = Topology(
@@ -155,5 +181,6 @@ def calibrate(device: torch.device, repeats: int = 5) -> tuple[Topology, list[st
         memory_gib=_memory_gib(device, local),
         dense_tflops=float(figures[1]),
         source=f"recsys plan --calibrate: medians of {repeats} runs at {list(SIZES)} bytes",
+        op_us=-float(figures[2]),
     )
     return measured, notes

@@ -43,9 +43,12 @@ their sum, less what overlaps):
   exceeds the dense forward counts.
 - ``update``: the fused optimizer reading each id's gradient, then reading and writing each
   distinct row and its state once.
-- ``dense``: 6 flops per dense parameter per sample (forward 2, backward 4) over the
-  topology's dense throughput in the training precision (IEEE fp32, or a GPU's bf16 / fp16
-  tensor-core rate).
+- ``dense``: the ops of the dense part's forward, loss, backward and optimizer step as traced
+  on ``meta`` (``StepInputs.dense_trace``, :mod:`recsys.distributed.op_trace`), one after
+  another, each the larger of the topology's per-op floor (``op_us``) and its roofline time:
+  its flops over the dense throughput in the training precision (IEEE fp32, or a GPU's bf16 /
+  fp16 tensor-core rate) plus the bytes it reads and writes over the memory bandwidth. Without
+  a trace, 6 flops per dense parameter per sample (forward 2, backward 4) over that throughput.
 - ``allreduce``: the dense gradients' ring all-reduce (over the inter-node bandwidth once the
   world spans nodes), plus 2 log2(W) latencies; DDP overlaps it with the dense backward, so
   only what exceeds that counts. Replicated tables' all-gathers add their bytes the same way.
@@ -58,10 +61,13 @@ log's power law, or the id frequencies of a sample of the data), else uniform dr
 bound for skewed ids); a row shard holds its share of them. A replicated table's exchange is
 sized by the largest count over ranks, which the expectation slightly undercounts.
 
-What the model leaves out: kernel launch and Python overheads (which dominate small batches on
-small tables), congestion beyond one link per rank, skewed ids on row shards (a hot row's
-shard serves more than its share), and the DCN / interaction compute beyond its parameters' 6
-flops.
+What the model leaves out: the per-op and Python costs of the embedding side (the input dist's
+bucketing, the exchanges' packing, the collectives' own host time; they dominate small batches
+on small tables, see ``benchmarks/results/scale.csv``), the data loader, ranks that wait on
+each other (a slower rank, or ranks sharing CPU cores), congestion beyond one link per rank,
+and skewed ids on row shards (a hot row's shard serves more than its share). A trace's bytes
+are its tensors' sizes as traced (fp32 unless the model casts), all charged at the memory's
+bandwidth, caches or not.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ from torchrec import EmbeddingBagConfig
 
 from recsys.distributed.comm import check_precision, wire_dtype
 from recsys.distributed.id_profiles import IdProfile
+from recsys.distributed.op_trace import OpTrace
 from recsys.distributed.plan import (
     ShardingPlan,
     ShardingType,
@@ -114,6 +121,9 @@ class StepInputs:
         fused_update: the tables are updated by a fused optimizer (``train.
             fused_embedding_update``): replicated tables exchange their touched rows'
             gradients, their row counts known from the input dist.
+        dense_trace: the ops of the step's dense part at ``batch_size``
+            (:class:`~recsys.distributed.op_trace.OpTrace`); None: 6 flops per dense
+            parameter per sample.
     """
 
     batch_size: int
@@ -130,6 +140,7 @@ class StepInputs:
     dense_precision: str = "fp32"
     id_profiles: dict[str, IdProfile] = field(default_factory=dict)
     fused_update: bool = True
+    dense_trace: OpTrace | None = None
 
     @property
     def dense_bytes(self) -> int:
@@ -474,8 +485,12 @@ class _Costs:
 
     def dense(self) -> None:
         inputs, topo, world = self.inputs, self.topology, self.world
-        flops = 6.0 * inputs.dense_parameters * inputs.batch_size
-        self.dense_s = flops / (topo.dense_rate(inputs.dense_precision) * 1e12)
+        rate = topo.dense_rate(inputs.dense_precision) * 1e12
+        if inputs.dense_trace is None:
+            self.dense_s = 6.0 * inputs.dense_parameters * inputs.batch_size / rate
+        else:
+            floor = topo.op_us * 1e-6
+            self.dense_s = inputs.dense_trace.seconds(floor, rate, topo.memory_gbs * 1e9)
         if world == 1:
             return
         ring = 2.0 * (world - 1) / world * inputs.dense_parameters * 4

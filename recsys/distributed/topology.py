@@ -45,6 +45,8 @@ class Topology:
             (torch keeps TF32 off by default); 0: ``dense_tflops`` (a calibrated topology
             measured the precision it ran, fp32). A file or override that starts from a preset
             and sets ``dense_tflops`` keeps the preset's fp32 rate unless it sets this too.
+        op_us: the least time one op of a step takes, in microseconds, whatever its size: a
+            kernel's launch on a GPU, an op's dispatch on a CPU (0: none).
     """
 
     name: str
@@ -58,6 +60,7 @@ class Topology:
     dense_tflops: float
     source: str = ""
     dense_fp32_tflops: float = 0.0
+    op_us: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1:
@@ -66,7 +69,7 @@ class Topology:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"topology {self.name!r}: {name} = {value!r}; expected > 0")
-        for name in ("intra_latency_us", "inter_latency_us", "dense_fp32_tflops"):
+        for name in ("intra_latency_us", "inter_latency_us", "dense_fp32_tflops", "op_us"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"topology {self.name!r}: {name} = {value!r}; expected >= 0")
@@ -90,6 +93,7 @@ class Topology:
             f"memory {self.memory_gbs:g} GB/s, {self.memory_gib:g} GiB, dense "
             f"{self.dense_tflops:g} TFLOP/s"
             + (f" (fp32 {self.dense_fp32_tflops:g})" if self.dense_fp32_tflops else "")
+            + (f", {self.op_us:g} us per op" if self.op_us else "")
         )
 
 
@@ -97,29 +101,29 @@ _H100_SOURCE = (
     "NVIDIA H100 Tensor Core GPU data sheet (SXM5: 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s "
     "bidirectional = 450 GB/s per direction, 989 dense BF16 TFLOP/s, 67 FP32); NVIDIA DGX H100 "
     "user guide (8 GPUs, one ConnectX-7 400 Gb/s = 50 GB/s InfiniBand port per GPU); "
-    "latencies are assumptions, not published figures"
+    "latencies and the 5 us per op are assumptions, not published figures"
 )
 _H200_SOURCE = (
     "NVIDIA H200 Tensor Core GPU data sheet (SXM: 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s "
     "bidirectional, 989 dense BF16 TFLOP/s, 67 FP32); NVIDIA DGX H200 (8 GPUs, 400 Gb/s "
-    "ConnectX-7 per GPU); latencies are assumptions, not published figures"
+    "ConnectX-7 per GPU); latencies and the 5 us per op are assumptions, not published figures"
 )
 _A100_SOURCE = (
     "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB: 2,039 GB/s HBM2e, NVLink 600 GB/s "
     "bidirectional = 300 GB/s per direction, 312 dense BF16 TFLOP/s, 19.5 FP32); NVIDIA DGX "
     "A100 user guide (8 GPUs, one ConnectX-6 200 Gb/s = 25 GB/s HDR InfiniBand port per "
-    "GPU); latencies are assumptions, not published figures"
+    "GPU); latencies and the 5 us per op are assumptions, not published figures"
 )
 
 PRESETS: dict[str, Topology] = {
     "h100_8x_ib400": Topology(
-        "h100_8x_ib400", 8, 450.0, 5.0, 50.0, 10.0, 3350.0, 80.0, 989.0, _H100_SOURCE, 67.0
+        "h100_8x_ib400", 8, 450.0, 5.0, 50.0, 10.0, 3350.0, 80.0, 989.0, _H100_SOURCE, 67.0, 5.0
     ),
     "h200_8x_ib400": Topology(
-        "h200_8x_ib400", 8, 450.0, 5.0, 50.0, 10.0, 4800.0, 141.0, 989.0, _H200_SOURCE, 67.0
+        "h200_8x_ib400", 8, 450.0, 5.0, 50.0, 10.0, 4800.0, 141.0, 989.0, _H200_SOURCE, 67.0, 5.0
     ),
     "a100_8x_ib200": Topology(
-        "a100_8x_ib200", 8, 300.0, 5.0, 25.0, 10.0, 2039.0, 80.0, 312.0, _A100_SOURCE, 19.5
+        "a100_8x_ib200", 8, 300.0, 5.0, 25.0, 10.0, 2039.0, 80.0, 312.0, _A100_SOURCE, 19.5, 5.0
     ),
     # A host of CPU ranks under gloo: loopback TCP inside the host, 25 GbE across hosts.
     # Rough figures of a small cloud VM; calibrate (recsys plan --calibrate) before trusting
@@ -135,7 +139,8 @@ PRESETS: dict[str, Topology] = {
         16.0,
         0.05,
         "assumptions for a small CPU host (gloo over loopback TCP, 25 GbE = 3.125 GB/s between "
-        "hosts); calibrate",
+        "hosts, 5 us per op); calibrate",
+        op_us=5.0,
     ),
 }
 
@@ -199,7 +204,7 @@ def load_topology(path: str | Path) -> Topology:
                 f"the presets are {', '.join(PRESETS)}"
             )
         return replace(PRESETS[preset], **values)
-    missing = sorted(_FIELDS - {"source", "dense_fp32_tflops"} - set(values))
+    missing = sorted(_FIELDS - {"source", "dense_fp32_tflops", "op_us"} - set(values))
     if missing:
         raise ValueError(f"topology file '{path}' lacks {missing} (or a preset to start from)")
     return Topology(**values)

@@ -241,8 +241,13 @@ def test_presets_name_their_sources_and_files_round_trip(tmp_path):
         assert preset.name == name and preset.source
     path = tmp_path / "cluster.toml"
     measured = Topology("calibrated", 2, 1.5, 80.0, 0.4, 300.0, 12.0, 16.0, 0.1, 'a "quoted" note')
-    save_topology(measured, path)
-    assert load_topology(path) == measured
+    for figures in (measured, replace(measured, op_us=3.5)):
+        save_topology(figures, path)
+        assert load_topology(path) == figures
+    # a file written before the per-op floor: none
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(line for line in lines if not line.startswith("op_us")))
+    assert load_topology(path).op_us == 0.0
     path.write_text('preset = "a100_8x_ib200"\ninter_gbs = 12.5\n')
     assert load_topology(path) == Topology(**{**vars(PRESETS["a100_8x_ib200"]), "inter_gbs": 12.5})
     assert topology(path=path, ranks_per_node=4).ranks_per_node == 4
@@ -271,6 +276,14 @@ def test_bad_topology_files_are_one_line_errors(tmp_path, text, message):
     with pytest.raises(ValueError, match="") as error:
         load_topology(path)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_per_op_floor_is_measured_as_a_step_runs_ops():
+    from recsys.distributed.calibrate import _op_us
+
+    per_op = _op_us(torch.device("cpu"), seconds=0.05)
+    # a tiny op forward and back: microseconds of dispatch and autograd, not nothing, not ms
+    assert 0.05 < per_op < 1000
 
 
 def test_dense_work_is_charged_at_the_training_precisions_rate(tmp_path):
