@@ -38,7 +38,8 @@ their sum, less what overlaps):
 - ``input_dist`` / ``output_dist`` / ``grad_dist``: an all-to-all costs the topology's latency
   plus, of the bytes a rank sends and receives to other ranks (its own block is a copy),
   the larger of the intra-node part over the intra-node bandwidth and the inter-node part over
-  the inter-node bandwidth (the two links run at once, each full duplex). With
+  the inter-node bandwidth (the two links run at once, each full duplex). The input dist is
+  two all-to-alls, a latency each: the counts, then the ids they size. With
   ``pipeline`` the input dist of the next batch runs behind this one's forward: only what
   exceeds the dense forward counts.
 - ``update``: the fused optimizer reading each id's gradient, then reading and writing each
@@ -51,7 +52,8 @@ their sum, less what overlaps):
   a trace, 6 flops per dense parameter per sample (forward 2, backward 4) over that throughput.
 - ``allreduce``: the dense gradients' ring all-reduce (over the inter-node bandwidth once the
   world spans nodes), plus 2 log2(W) latencies; DDP overlaps it with the dense backward, so
-  only what exceeds that counts. Replicated tables' all-gathers add their bytes the same way.
+  only what exceeds that counts. Replicated tables' all-gather adds its bytes and a latency the
+  same way.
 - ``replica_sync``: 2D only, its all-reduce over the inter-node bandwidth (or the intra-node
   one when the groups share a node), amortised over ``sync_every`` steps.
 
@@ -498,8 +500,10 @@ class _Costs:
         self.sent["dense"][where] += ring
         gbs, latency = self._link(where)
         seconds = ring / gbs + 2 * math.log2(world) * latency
+        if self.gathered:  # the replicated tables' all-gather
+            seconds += self._gather_seconds() + self._group_link()[1]
         # DDP overlaps the all-reduce with the backward (2/3 of the dense flops).
-        self.allreduce_s = max(0.0, seconds + self._gather_seconds() - self.dense_s * 2 / 3)
+        self.allreduce_s = max(0.0, seconds - self.dense_s * 2 / 3)
 
     def replica_sync(self, table_bytes: np.ndarray) -> None:
         replicas = self.world // self.group
@@ -517,6 +521,10 @@ class _Costs:
             return topo.intra_gbs * 1e9, topo.intra_latency_us * 1e-6
         return topo.inter_gbs * 1e9, topo.inter_latency_us * 1e-6
 
+    def _group_link(self) -> tuple[float, float]:
+        """The link a collective over the group waits on: inter-node once it spans nodes."""
+        return self._link("inter" if self.nodes > 1 else "intra")
+
     def _a2a_rank_seconds(self, part: str) -> np.ndarray:
         """[G] each rank's seconds in an all-to-all, no latency: its sent and received bytes
         share its links, each full duplex, so half their sum over each link, the busier one."""
@@ -528,14 +536,13 @@ class _Costs:
         both = self.a2a[part]
         if self.group == 1 or not (both["intra"].any() or both["inter"].any()):
             return 0.0
-        latency = self._link("inter" if self.nodes > 1 else "intra")[1]
-        return float(self._a2a_rank_seconds(part).max()) + latency
+        latency = self._group_link()[1]
+        collectives = 2 if part == "input" else 1  # the input dist: the counts, then the ids
+        return float(self._a2a_rank_seconds(part).max()) + collectives * latency
 
     def _gather_seconds(self) -> float:
         """The replicated tables' all-gather: every other group rank's block, received."""
-        return (
-            self.gathered * (self.group - 1) / self._link("inter" if self.nodes > 1 else "intra")[0]
-        )
+        return self.gathered * (self.group - 1) / self._group_link()[0]
 
     def rank_seconds(self) -> np.ndarray:
         """[G] each rank's memory and communication seconds, no latencies (for the planner)."""

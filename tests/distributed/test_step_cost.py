@@ -497,3 +497,18 @@ def test_a_training_runs_bytes_per_step_are_the_predicted_ones(tmp_path):
     for event in train:
         for kind in ("input", "forward", "backward"):
             assert event[f"comm_bytes_{kind}"] == predicted.rank_bytes(kind)[0], (kind, event)
+
+
+def test_every_collective_of_a_step_pays_its_latency():
+    # Links so fast that only latencies count, and no dense part: the input dist is two
+    # all-to-alls (the counts, then the ids), the pooled vectors and their gradients one each,
+    # the replicated table's all-gather one more (beside DDP's ring of 2 log2(W) latencies).
+    cluster = replace(PRESETS["cpu_host"], ranks_per_node=4, intra_gbs=1e9, intra_latency_us=100.0)
+    inputs = StepInputs(64)
+    flat = predict_step(four_rank_plan(4, with_dp=False), {"": configs()}, inputs, cluster)
+    assert flat.seconds["input_dist"] == pytest.approx(2e-4, rel=1e-6)
+    assert flat.seconds["output_dist"] == pytest.approx(1e-4, rel=1e-6)
+    assert flat.seconds["grad_dist"] == pytest.approx(1e-4, rel=1e-6)
+    assert flat.seconds["allreduce"] == pytest.approx(4 * 1e-4, rel=1e-6)  # 2 log2(4)
+    replicated = predict_step(four_rank_plan(4, with_dp=True), {"": configs()}, inputs, cluster)
+    assert replicated.seconds["allreduce"] == pytest.approx(5 * 1e-4, rel=1e-6)
