@@ -253,7 +253,7 @@ def dense_step_trace(
     and the reason."""
     from torch.nn import functional as F
 
-    from recsys.train.optimizers import build_optimizers
+    from recsys.build.models import dense_optimizer
 
     meta = torch.device("meta")
     batch_size = config.train.batch_size
@@ -261,7 +261,10 @@ def dense_step_trace(
         model = model.to(meta)
         chunk = first_chunk()
         batch = chunk.take(torch.arange(batch_size) % chunk.batch_size).to(meta)
-        dense = build_optimizers(config.train, model).get("dense")
+        collections = list(embedding_collections(model).values())
+        tables = {id(p) for c in collections for p in c.parameters()}
+        parameters = [p for p in model.parameters() if id(p) not in tables and p.requires_grad]
+        dense = dense_optimizer(config.train, parameters) if parameters else None
 
         def step() -> None:  # as recsys.train.step.TrainStep runs one
             logits = model(batch.dense, batch.sparse)
@@ -270,7 +273,6 @@ def dense_step_trace(
             if dense is not None:
                 dense.step()
 
-        collections = list(embedding_collections(model).values())
         trace_ops(step, skip=collections)  # the optimizer's first step creates its state
         trace = trace_ops(step, skip=collections)
     except Exception as error:  # any failure falls back to the parameter count

@@ -12,16 +12,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from recsys.build.models import fused_embedding_optimizer
+from recsys.build.models import TORCH_OPTIMIZERS, dense_optimizer, fused_embedding_optimizer
 from recsys.config import TrainConfig
 from recsys.embedding.interface import embedding_collections, logical_optimizer_state
-
-_OPTIMIZERS = {
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "adagrad": torch.optim.Adagrad,
-    "sgd": torch.optim.SGD,
-}
 
 
 def configure_embedding_optimizer(config: TrainConfig, model: nn.Module) -> None:
@@ -33,11 +26,11 @@ def configure_embedding_optimizer(config: TrainConfig, model: nn.Module) -> None
         for collection in embedding_collections(model).values():
             if not collection.is_frozen():
                 collection.set_optimizer(fused_embedding_optimizer(config))
-    elif config.embedding_optimizer not in _OPTIMIZERS:
+    elif config.embedding_optimizer not in TORCH_OPTIMIZERS:
         raise ValueError(
             f"train.embedding_optimizer = {config.embedding_optimizer!r} only exists as a fused "
             f"update (train.fused_embedding_update = true); with dense table gradients pick one "
-            f"of {', '.join(_OPTIMIZERS)}"
+            f"of {', '.join(TORCH_OPTIMIZERS)}"
         )
 
 
@@ -56,13 +49,9 @@ def build_optimizers(config: TrainConfig, model: nn.Module) -> dict[str, torch.o
     dense = [p for p in model.parameters() if id(p) not in table_ids and p.requires_grad]
     optimizers = {}
     if dense:
-        # foreach: one multi-tensor kernel per update op for all parameters (the default on
-        # CUDA; on CPU torch loops per parameter: ~110 ops a step for DLRM instead of ~10),
-        # the same numbers bitwise.
-        dense_optimizer = _OPTIMIZERS[config.dense_optimizer]
-        optimizers["dense"] = dense_optimizer(dense, lr=config.dense_lr, foreach=True)
+        optimizers["dense"] = dense_optimizer(config, dense)
     if tables:
-        optimizers["embedding"] = _OPTIMIZERS[config.embedding_optimizer](
+        optimizers["embedding"] = TORCH_OPTIMIZERS[config.embedding_optimizer](
             tables, lr=config.embedding_lr
         )
     return optimizers
