@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torchrec import EmbeddingBagConfig
 
 from recsys.config import Config
@@ -192,17 +193,17 @@ def plan_inputs(config: Config) -> PlanInputs:
     bag lengths of the first chunk of the train split.
 
     Raises:
-        ValueError: a sequence model (``recsys plan`` plans click models), or what building
-            the model or opening the data raises.
+        ValueError: a model of user histories (``recsys plan`` plans click models), or what
+            building the model or opening the data raises.
     """
     from recsys.build.models import build_model, fused_embedding_optimizer
-    from recsys.config import SEQUENCE_MODELS
+    from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS
     from recsys.data import build_dataset
 
-    if config.model.name in SEQUENCE_MODELS:
+    if config.model.name in SEQUENCE_MODELS + TARGET_RANKING_MODELS:
         raise ValueError(
-            f"model.name = {config.model.name!r}: recsys plan plans click models (a sequence "
-            "model's one item table is placed by the same planner when it trains)"
+            f"model.name = {config.model.name!r}: recsys plan plans click models (a model of "
+            "user histories has one item table, placed by the same planner when it trains)"
         )
     dataset = build_dataset(config.data, config.run.seed)
     optimizer = fused_embedding_optimizer(config.train)  # what the trainer fuses (or None)
@@ -222,12 +223,13 @@ def plan_inputs(config: Config) -> PlanInputs:
     first_chunk = functools.cache(lambda: dataset.chunk("train", 0))  # read once, if at all
     pooling, source = pooling_factors(config, first_chunk)
     profiles, profile_source = id_profiles(config, configs, first_chunk)
-    trace, trace_source = dense_step_trace(config, model, first_chunk)
+    dynamic, tiered = dynamic_rows(collections), tiered_rows(collections)
+    trace, trace_source = dense_step_trace(config, model, first_chunk)  # moves it to meta
     return PlanInputs(
         configs,
         states,
-        dynamic_rows(collections),
-        tiered_rows(collections),
+        dynamic,
+        tiered,
         pooling,
         dense,
         _DENSE_STATES[config.train.dense_optimizer],
@@ -243,16 +245,15 @@ def plan_inputs(config: Config) -> PlanInputs:
 def dense_step_trace(
     config: Config, model: nn.Module, first_chunk: Callable[[], Any]
 ) -> tuple[OpTrace | None, str]:
-    """The ops of one training step's dense part (:func:`~recsys.distributed.op_trace.
-    trace_ops`): ``model`` moved to ``meta`` (its tables are there already), a batch of
-    ``train.batch_size`` rows of the train split's first chunk (``first_chunk()``, its rows
-    repeated if it has fewer), the forward, the loss, the backward and the dense optimizer's
-    step (a second step: the first creates the optimizer's state), less the embedding
-    collections; and how the dense part is costed, in words. A model whose step cannot run on
-    ``meta`` gives None (the cost model then charges 6 flops per dense parameter per sample)
-    and the reason."""
-    from torch.nn import functional as F
-
+    """The ops of one training step's dense part
+    (:func:`~recsys.distributed.op_trace.trace_ops`): ``model`` moved to ``meta`` (its tables
+    are there already), a batch of ``train.batch_size`` rows of the train split's first chunk
+    (``first_chunk()``, its rows repeated if it has fewer), the forward, the loss, the backward
+    and the dense optimizer's step (a second step: the first creates the optimizer's state),
+    less the embedding collections, in fp32 whatever ``train.precision`` (the cost model charges
+    the precision's rate, not its smaller tensors); and how the dense part is costed, in words.
+    A model whose step cannot run on ``meta`` gives None (the cost model then charges 6 flops
+    per dense parameter per sample) and the reason."""
     from recsys.build.models import dense_optimizer
 
     meta = torch.device("meta")
@@ -266,7 +267,7 @@ def dense_step_trace(
         parameters = [p for p in model.parameters() if id(p) not in tables and p.requires_grad]
         dense = dense_optimizer(config.train, parameters) if parameters else None
 
-        def step() -> None:  # as recsys.train.step.TrainStep runs one
+        def step() -> None:  # TrainStep's order, in fp32, one BCE loss over every task
             logits = model(batch.dense, batch.sparse)
             model.zero_grad(set_to_none=True)
             F.binary_cross_entropy_with_logits(logits.float(), batch.labels).backward()
@@ -274,13 +275,13 @@ def dense_step_trace(
                 dense.step()
 
         trace_ops(step, skip=collections)  # the optimizer's first step creates its state
-        trace = trace_ops(step, skip=collections)
+        trace = trace_ops(step, skip=collections, batch_size=batch_size)
     except Exception as error:  # any failure falls back to the parameter count
         return None, f"6 flops per dense parameter per sample (no meta trace: {error})"
     flops, moved = trace.flops.sum() / batch_size, trace.bytes.sum() / batch_size
     return trace, (
         f"traced on meta: {trace.ops} ops a step, {flops / 1e6:.3g} MFLOP and "
-        f"{moved / 1e3:.3g} KB a sample"
+        f"{moved / 1e3:,.0f} KB read and written a sample"
     )
 
 

@@ -36,12 +36,19 @@ from torchrec import KeyedTensor
 __all__ = ["OpTrace", "trace_ops"]
 
 _aten = torch.ops.aten
-# Ops that move no data: allocations and metadata reads (views are left out by their schema).
+# aten ops that move no data: allocations, reshapes without a copy and metadata reads (views are
+# left out by their schema, ops of other namespaces, such as the profiler's, by theirs).
 _FREE = frozenset(
     {
         _aten.empty.memory_format,
         _aten.empty_strided.default,
         _aten.empty_like.default,
+        _aten.new_empty.default,
+        _aten.new_empty_strided.default,
+        _aten._unsafe_view.default,
+        _aten.promote_types.default,
+        _aten.result_type.Tensor,
+        _aten.result_type.Scalar,
         _aten.detach.default,
         _aten.lift_fresh.default,
         _aten._local_scalar_dense.default,
@@ -53,17 +60,20 @@ _FREE = frozenset(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class OpTrace:
     """The ops a traced step executed, in order.
 
     Attributes:
         flops: [N] each op's floating-point operations.
-        bytes: [N] the bytes of each op's tensor arguments and results.
+        bytes: [N] the bytes each op reads and writes: its tensor arguments, and its results
+            or, for an in-place op that returns none, the arguments it writes.
+        batch_size: the samples of the traced step (0: not a training step).
     """
 
     flops: np.ndarray
     bytes: np.ndarray
+    batch_size: int = 0
 
     @property
     def ops(self) -> int:
@@ -85,13 +95,31 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.paused or func.is_view or func in _FREE:
+        if self.paused or func.namespace != "aten" or func.is_view or func in _FREE:
             return out
-        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        written = _tensors(out) or _tensors(_written_arguments(func, args, kwargs))
         formula = flop_registry.get(func._overloadpacket)
         self.flops.append(float(formula(*args, **kwargs, out_val=out)) if formula else 0.0)
-        self.bytes.append(float(sum(t.numel() * t.element_size() for t in tensors)))
+        self.bytes.append(float(sum(_size(t) for t in _tensors((args, kwargs)) + written)))
         return out
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _size(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _written_arguments(func, args: tuple, kwargs: dict) -> list:
+    """The arguments ``func``'s schema says it writes (an in-place foreach op's lists)."""
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        written.append(args[index] if index < len(args) else kwargs.get(argument.name))
+    return written
 
 
 def _fresh(value):
@@ -113,9 +141,17 @@ def _fresh(value):
     return tree_map(leaf, value)
 
 
-def trace_ops(run: Callable[[], object], skip: Iterable[nn.Module] = ()) -> OpTrace:
-    """Run ``run()`` (on ``meta`` tensors, to trace shapes only) and record its ops, less those
-    of the modules in ``skip`` (see the module docstring)."""
+def trace_ops(
+    run: Callable[[], object], skip: Iterable[nn.Module] = (), batch_size: int = 0
+) -> OpTrace:
+    """Run ``run()`` and record its ops, less those of the modules in ``skip`` (see the module
+    docstring).
+
+    Args:
+        run: what to trace, on ``meta`` tensors to trace shapes only (any device works).
+        skip: modules whose forward (and so backward) is left out.
+        batch_size: the samples ``run`` steps, kept with the trace.
+    """
     recorder = _Recorder()
 
     def pause(module, args):
@@ -135,4 +171,4 @@ def trace_ops(run: Callable[[], object], skip: Iterable[nn.Module] = ()) -> OpTr
     finally:
         for handle in handles:
             handle.remove()
-    return OpTrace(np.array(recorder.flops), np.array(recorder.bytes))
+    return OpTrace(np.array(recorder.flops), np.array(recorder.bytes), batch_size)

@@ -123,7 +123,7 @@ class StepInputs:
         fused_update: the tables are updated by a fused optimizer (``train.
             fused_embedding_update``): replicated tables exchange their touched rows'
             gradients, their row counts known from the input dist.
-        dense_trace: the ops of the step's dense part at ``batch_size``
+        dense_trace: the ops of the step's dense part, traced at ``batch_size``
             (:class:`~recsys.distributed.op_trace.OpTrace`); None: 6 flops per dense
             parameter per sample.
     """
@@ -488,11 +488,17 @@ class _Costs:
     def dense(self) -> None:
         inputs, topo, world = self.inputs, self.topology, self.world
         rate = topo.dense_rate(inputs.dense_precision) * 1e12
-        if inputs.dense_trace is None:
+        trace = inputs.dense_trace
+        if trace is None:
             self.dense_s = 6.0 * inputs.dense_parameters * inputs.batch_size / rate
+        elif trace.batch_size != inputs.batch_size:
+            raise ValueError(
+                f"the dense part was traced at {trace.batch_size} samples, the step has "
+                f"{inputs.batch_size}; trace it at the step's batch"
+            )
         else:
             floor = topo.op_us * 1e-6
-            self.dense_s = inputs.dense_trace.seconds(floor, rate, topo.memory_gbs * 1e9)
+            self.dense_s = trace.seconds(floor, rate, topo.memory_gbs * 1e9)
         if world == 1:
             return
         ring = 2.0 * (world - 1) / world * inputs.dense_parameters * 4

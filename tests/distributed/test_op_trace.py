@@ -16,8 +16,8 @@ from recsys.distributed.topology import PRESETS
 META = torch.device("meta")
 
 
-def _forward_backward(model: nn.Module, batch: int):
-    x = torch.empty(batch, 16, device=META)
+def _forward_backward(model: nn.Module, batch: int, input_grad: bool = False):
+    x = torch.empty(batch, 16, device=META, requires_grad=input_grad)
     return lambda: model(x).sum().backward()
 
 
@@ -26,8 +26,7 @@ def test_a_linear_layer_is_three_matrix_products_of_two_flops_per_multiply_add()
     trace = trace_ops(_forward_backward(layer, 32))
     # forward x @ W.T; backward the weight's gradient (the input needs none): 2 * 32 * 16 * 8 each
     assert trace.flops.sum() == 2 * (2 * 32 * 16 * 8)
-    x = torch.empty(32, 16, device=META, requires_grad=True)
-    trace = trace_ops(lambda: layer(x).sum().backward())
+    trace = trace_ops(_forward_backward(layer, 32, input_grad=True))
     assert trace.flops.sum() == 3 * (2 * 32 * 16 * 8)  # and the input's gradient
 
 
@@ -38,6 +37,13 @@ def test_bytes_are_every_tensor_an_op_reads_and_writes():
     assert trace.bytes.tolist() == [3 * 64 * 32 * 4]
     view_only = trace_ops(lambda: a.view(32, 64).t())
     assert view_only.ops == 0
+    # an in-place foreach op returns nothing: what it writes is its first list
+    xs, ys = [torch.empty(10, device=META)] * 2, [torch.empty(10, device=META)] * 2
+    foreach = trace_ops(lambda: torch._foreach_add_(xs, ys))
+    assert foreach.bytes.tolist() == [(2 + 2 + 2) * 10 * 4]
+    # ops of other namespaces (the profiler's marks) and allocations are no work
+    with_marks = trace_ops(lambda: torch.ops.profiler._record_function_enter_new("x", None))
+    assert with_marks.ops == 0 and trace_ops(lambda: a.new_empty((4, 4))).ops == 0
 
 
 def test_a_skipped_module_is_left_out_of_the_forward_and_the_backward():
@@ -47,10 +53,20 @@ def test_a_skipped_module_is_left_out_of_the_forward_and_the_backward():
     assert first.weight.grad is None and second.weight.grad is not None  # never entered
     assert not first._forward_pre_hooks and not first._forward_hooks  # hooks removed
     everything = trace_ops(_forward_backward(model, 32))
-    alone = trace_ops(lambda: second(torch.empty(32, 16, device=META, requires_grad=True)).sum()
-                      .backward())  # fmt: skip
+    alone = trace_ops(_forward_backward(second, 32, input_grad=True))
     assert skipped.flops.sum() == alone.flops.sum() == 3 * (2 * 32 * 16 * 8)
     assert everything.flops.sum() == alone.flops.sum() + 2 * (2 * 32 * 16 * 16)
+
+
+def test_a_trace_is_charged_only_at_the_batch_it_was_traced_at():
+    config = load_config("configs/dlrm_synthetic.toml", ["--train.batch_size=256"])
+    inputs = plan_inputs(config)
+    assert inputs.dense_trace.batch_size == 256
+    plan = inputs.plan(2, inputs.options(config, PRESETS["cpu_host"])[0])
+    other = StepInputs(512, dense_parameters=inputs.dense_parameters,
+                       dense_trace=inputs.dense_trace)  # fmt: skip
+    with pytest.raises(ValueError, match="traced at 256 samples, the step has 512"):
+        predict_step(plan, inputs.configs, other, PRESETS["cpu_host"])
 
 
 def test_each_op_costs_at_least_the_floor():

@@ -512,3 +512,11 @@ def test_every_collective_of_a_step_pays_its_latency():
     assert flat.seconds["allreduce"] == pytest.approx(4 * 1e-4, rel=1e-6)  # 2 log2(4)
     replicated = predict_step(four_rank_plan(4, with_dp=True), {"": configs()}, inputs, cluster)
     assert replicated.seconds["allreduce"] == pytest.approx(5 * 1e-4, rel=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["sasrec_synthetic", "hstu_synthetic", "hstu_ranking_synthetic"])
+def test_plan_refuses_models_of_user_histories_in_one_line(recipe):
+    config = load_config(f"configs/{recipe}.toml", [])
+    with pytest.raises(ValueError, match="recsys plan plans click models") as error:
+        plan_inputs(config)
+    assert "\n" not in str(error.value)
