@@ -355,6 +355,13 @@ TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 """``train.dense_optimizer`` (and an unfused ``train.embedding_optimizer``) -> its torch class."""
 
 
+def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a dense optimizer trains: every one outside the embedding collections
+    that needs a gradient, in ``model.parameters()`` order."""
+    tables = {id(p) for c in embedding_collections(model).values() for p in c.parameters()}
+    return [p for p in model.parameters() if id(p) not in tables and p.requires_grad]
+
+
 def dense_optimizer(config: TrainConfig, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
     """``train.dense_optimizer`` over ``parameters`` (every one but the tables'), as a run steps
     it. foreach: one multi-tensor kernel per update op for all parameters (the default on CUDA;

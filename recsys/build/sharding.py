@@ -254,7 +254,7 @@ def dense_step_trace(
     the precision's rate, not its smaller tensors); and how the dense part is costed, in words.
     A model whose step cannot run on ``meta`` gives None (the cost model then charges 6 flops
     per dense parameter per sample) and the reason."""
-    from recsys.build.models import dense_optimizer
+    from recsys.build.models import dense_optimizer, dense_parameters
 
     meta = torch.device("meta")
     batch_size = config.train.batch_size
@@ -263,8 +263,7 @@ def dense_step_trace(
         chunk = first_chunk()
         batch = chunk.take(torch.arange(batch_size) % chunk.batch_size).to(meta)
         collections = list(embedding_collections(model).values())
-        tables = {id(p) for c in collections for p in c.parameters()}
-        parameters = [p for p in model.parameters() if id(p) not in tables and p.requires_grad]
+        parameters = dense_parameters(model)  # after the move: the dense ones are new
         dense = dense_optimizer(config.train, parameters) if parameters else None
 
         def step() -> None:  # TrainStep's order, in fp32, one BCE loss over every task

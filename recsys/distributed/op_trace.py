@@ -31,7 +31,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
-from torchrec import KeyedTensor
 
 __all__ = ["OpTrace", "trace_ops"]
 
@@ -131,14 +130,7 @@ def _fresh(value):
             return t
         return t.detach().requires_grad_(t.is_floating_point())
 
-    if isinstance(value, KeyedTensor):
-        return KeyedTensor(
-            keys=value.keys(),
-            length_per_key=value.length_per_key(),
-            values=leaf(value.values()),
-            key_dim=value.key_dim(),
-        )
-    return tree_map(leaf, value)
+    return tree_map(leaf, value)  # torchrec registers KeyedTensor with pytree
 
 
 def trace_ops(

@@ -12,7 +12,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from recsys.build.models import TORCH_OPTIMIZERS, dense_optimizer, fused_embedding_optimizer
+from recsys.build.models import (
+    TORCH_OPTIMIZERS,
+    dense_optimizer,
+    dense_parameters,
+    fused_embedding_optimizer,
+)
 from recsys.config import TrainConfig
 from recsys.embedding.interface import embedding_collections, logical_optimizer_state
 
@@ -42,11 +47,8 @@ def build_optimizers(config: TrainConfig, model: nn.Module) -> dict[str, torch.o
     collections = embedding_collections(model).values()
     if not any(c.optimizer for c in collections):
         configure_embedding_optimizer(config, model)
-    table_ids, tables = set(), []
-    for collection in collections:
-        table_ids |= {id(p) for p in collection.parameters()}
-        tables += collection.trainable_parameters()
-    dense = [p for p in model.parameters() if id(p) not in table_ids and p.requires_grad]
+    tables = [p for collection in collections for p in collection.trainable_parameters()]
+    dense = dense_parameters(model)
     optimizers = {}
     if dense:
         optimizers["dense"] = dense_optimizer(config, dense)
