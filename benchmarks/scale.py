@@ -3,14 +3,15 @@
 For each world size W (``--world-sizes``, gloo ranks of this machine under torchrun):
 
 1. ``torchrun --nproc-per-node=W -m recsys plan --calibrate`` measures this launch (links,
-   memory bandwidth, matrix throughput) into a topology file;
+   memory bandwidth, matrix throughput, per-op floor, how much slower host work runs with every
+   rank busy) into a topology file;
 2. ``torchrun --nproc-per-node=W -m recsys train`` of the recipe (``--config``, default
    ``configs/dlrm_synthetic.toml``) for ``--steps`` steps, logging every ``--log-every``: rank 0's
    ``comm_bytes_<kind>`` per step and the samples/s of each window (the first window, with the
    warm-up, is dropped; the median of the others is the measured step), and its tables' bytes;
 3. the same plan made in this process (the recipe's model on ``meta``, the run's planner
-   options) and its :func:`~recsys.distributed.step_cost.predict_step` on the calibrated
-   topology.
+   options, its train loader timed here as ``recsys plan --topology FILE`` times it) and its
+   :func:`~recsys.distributed.step_cost.predict_step` on the calibrated topology.
 
 ``--project W ...`` runs nothing: it writes ``recsys plan``'s prediction of the MLPerf
 DLRM-DCNv2 recipe and the default recipe (8,192 samples per GPU) on a hardware preset, flat and
@@ -109,8 +110,8 @@ def predict(world: int, replicas: int, recipe: str, overrides: list[str], topolo
     from recsys.distributed.topology import load_topology
 
     config = load_config(recipe, overrides)
-    inputs = plan_inputs(config)
     cluster = load_topology(topology_file)
+    inputs = plan_inputs(config, time_input=True, ranks_per_node=cluster.ranks_per_node)
     options = planner_options(config, cluster.ranks_per_node, inputs.pooling_factors)
     plan = inputs.plan(world // replicas, options)  # what the run planned (no memory limit)
     sync = config.distributed.sync_every

@@ -81,7 +81,9 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     asked = args.replicas or (configured if configured > 1 else 0)
     replicas = _replica_counts(world, cluster.ranks_per_node, asked)
     sync_every = args.sync_every or config.distributed.sync_every
-    inputs = plan_inputs(config)
+    # A topology file (a calibration of the training hosts): its loader is timed here too.
+    timed = bool(config.distributed.topology)
+    inputs = plan_inputs(config, time_input=timed, ranks_per_node=cluster.ranks_per_node)
     print(_header(config, inputs, world, cluster, planned))
     for count in replicas:
         print()
@@ -148,6 +150,8 @@ def _header(config: Config, inputs, world: int, topo, planned: str) -> str:
             f"({inputs.pooling_source}); distinct rows a batch touches from "
             f"{inputs.profile_source}",
             f"dense part's step: {inputs.trace_source}",
+            f"batches: {inputs.input_source}"
+            + ("" if inputs.input_s else " (a --topology FILE of the training hosts times them)"),
             f"batch: {batch:,} samples per rank (train.batch_size), {batch * world:,} per step",
             f"planner cost: {planned}",
         ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,6 +116,11 @@ class PlanInputs:
             failed (``trace_source`` says why): the cost model then charges 6 flops per dense
             parameter per sample.
         trace_source: how the dense part is costed, in words.
+        input_s: seconds this host takes to make one train batch for a rank (0: not measured;
+            :func:`input_seconds`).
+        input_inline: the trainer makes its batches inside the step (no loader workers, no
+            prefetching): their time adds to the step's.
+        input_source: how ``input_s`` was measured, in words.
     """
 
     configs: dict[str, list[EmbeddingBagConfig]]
@@ -130,6 +136,9 @@ class PlanInputs:
     fused_update: bool = True
     dense_trace: OpTrace | None = None
     trace_source: str = "6 flops per dense parameter per sample"
+    input_s: float = 0.0
+    input_inline: bool = True
+    input_source: str = "not measured"
 
     @property
     def dense_bytes(self) -> int:
@@ -182,15 +191,20 @@ def step_inputs(
         id_profiles=inputs.id_profiles,
         fused_update=inputs.fused_update,
         dense_trace=inputs.dense_trace,
+        input_s=inputs.input_s,
+        input_inline=inputs.input_inline,
     )
 
 
-def plan_inputs(config: Config) -> PlanInputs:
+def plan_inputs(config: Config, time_input: bool = False, ranks_per_node: int = 1) -> PlanInputs:
     """The model of ``config`` built with its tables on ``meta`` (nothing table-sized is
     allocated), as the trainer builds it: its tables, the state its fused embedding optimizer
     keeps and the dense parameters. Pooling factors: the synthetic data's expected
     bag lengths (``bag_sizes``: m ids per bag when fixed, m / 2 when uniform), else the mean
     bag lengths of the first chunk of the train split.
+
+    With ``time_input``, the train loader is timed on this host (:func:`input_seconds`), for
+    ranks ``ranks_per_node`` to a node (how many loader workers each would start).
 
     Raises:
         ValueError: a model of user histories (``recsys plan`` plans click models), or what
@@ -225,6 +239,8 @@ def plan_inputs(config: Config) -> PlanInputs:
     profiles, profile_source = id_profiles(config, configs, first_chunk)
     dynamic, tiered = dynamic_rows(collections), tiered_rows(collections)
     trace, trace_source = dense_step_trace(config, model, first_chunk)  # moves it to meta
+    inline = input_inline(config, ranks_per_node)
+    timed = input_seconds(config, dataset, inline) if time_input else (0.0, "not measured")
     return PlanInputs(
         configs,
         states,
@@ -239,6 +255,63 @@ def plan_inputs(config: Config) -> PlanInputs:
         optimizer is not None,
         trace,
         trace_source,
+        input_s=timed[0],
+        input_inline=inline,
+        input_source=timed[1],
+    )
+
+
+def input_inline(config: Config, ranks_per_node: int) -> bool:
+    """Whether the trainer makes its train batches inside the step: no loader workers
+    (``data.loader_workers``, -1: as many as each of ``ranks_per_node`` ranks of this host would
+    start) and nothing prefetched (``data.prefetch_batches``, -1: 4 on CUDA, none on CPU)."""
+    from recsys.data.loader import default_workers
+
+    data = config.data
+    workers = data.loader_workers if data.loader_workers >= 0 else default_workers(ranks_per_node)
+    name = config.run.device
+    cuda = torch.cuda.is_available() if name == "auto" else name.startswith("cuda")
+    prefetch = data.prefetch_batches if data.prefetch_batches >= 0 else 4 * cuda
+    return workers == 0 and prefetch == 0
+
+
+def input_seconds(
+    config: Config, dataset: Any, inline: bool, seconds: float = 0.5
+) -> tuple[float, str]:
+    """The mean seconds this host takes to make one train batch of ``train.batch_size`` rows
+    as one rank's loader makes them without workers (shuffled as the config says), over the
+    batches after the first for about ``seconds`` and at least a whole chunk of the data (its
+    reading or generating shared out over its batches), ten times that at most; and how, in
+    words (``inline``: as
+    :func:`input_inline` says)."""
+    from recsys.data.loader import BatchLoader
+
+    batch_size = config.train.batch_size
+    loader = BatchLoader(
+        dataset,
+        "train",
+        batch_size,
+        shuffle=config.data.shuffle,
+        seed=config.run.seed,
+        drop_last=True,
+        shuffle_buffer_chunks=config.data.shuffle_buffer_chunks,
+    )
+    chunk_batches = max(1, dataset.chunk_rows("train", 0) // batch_size)
+    batches = iter(loader)
+    next(batches, None)  # the first opens the data
+    count, start = 0, time.perf_counter()
+    for _ in batches:
+        count += 1
+        elapsed = time.perf_counter() - start
+        if (count >= chunk_batches and elapsed >= seconds) or elapsed >= 10 * seconds:
+            break
+    if not count:
+        return 0.0, "not measured (the train split holds one batch or none)"
+    per_batch = (time.perf_counter() - start) / count
+    where = "inside the step" if inline else "by loader workers or a prefetching thread"
+    return per_batch, (
+        f"{1e3 * per_batch:.3g} ms a batch of {batch_size} on this host (the train loader, "
+        f"{count} batches), made {where}"
     )
 
 

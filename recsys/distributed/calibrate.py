@@ -9,8 +9,11 @@ to the file as a comment, for comparison with what the model derives from the li
 gathered at random from a table (memory bandwidth as lookups see it), a matrix product
 (dense throughput) and a chain of tiny ops run forward and backward (the per-op floor, what an
 op costs whatever its size: dispatch and autograd on a CPU, a launch on a GPU; timed over a
-fifth of a second, so ranks that share cores share it as they do in a step). Rank 0 writes the
-:class:`~recsys.distributed.topology.Topology` file. A launch on one node measures no
+fifth of a second, so ranks that share cores share it as they do in a step). The same chain on
+the host's CPU, timed by the first rank of each node alone and then by every rank at once,
+gives how much slower host work (the data loader's) runs on a rank of the launch than in a
+process alone (``host_share``: about the ranks per CPU core, where they share them). Rank 0
+writes the :class:`~recsys.distributed.topology.Topology` file. A launch on one node measures no
 inter-node link: the file then repeats the intra-node figures for it, and says so.
 """
 
@@ -80,9 +83,7 @@ def _one_peer(size: int, peer_of: Callable[[int], int], device: torch.device):
 def _link(peer_of: Callable[[int], int], device: torch.device, repeats: int) -> tuple[float, float]:
     """This link's fit, to the slowest rank's times (each size's maximum over ranks)."""
     times = [_median_seconds(_one_peer(s, peer_of, device), device, repeats) for s in SIZES]
-    gathered = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(gathered, op=dist.ReduceOp.MAX)
-    return fit_link(SIZES, gathered.tolist())
+    return fit_link(SIZES, _over_ranks(times, dist.ReduceOp.MAX, device))
 
 
 def _allreduce_line(device: torch.device, repeats: int) -> str:
@@ -133,6 +134,30 @@ def _op_us(device: torch.device, seconds: float = 0.2) -> float:
     return (time.perf_counter() - start) / runs / ops * 1e6
 
 
+def _over_ranks(values: Sequence[float], op, device: torch.device) -> list[float]:
+    """``values`` reduced over the ranks with ``op`` (on ``device``: NCCL reduces CUDA
+    tensors only)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def _host_share(local: int, device: torch.device, seconds: float = 0.1) -> float:
+    """How many times longer the per-op chain takes on the host's CPU with every rank running
+    it at once than on the first rank of each node alone (at least 1; the slowest rank's)."""
+    cpu = torch.device("cpu")
+    dist.barrier()
+    if dist.get_rank() % local == 0:
+        alone = _op_us(cpu, seconds)
+    else:  # asleep, not waiting in a collective (which may poll), while the first one times
+        alone = 0.0
+        time.sleep(4 * seconds)
+    dist.barrier()
+    together = _op_us(cpu, seconds)
+    alone, together = _over_ranks([alone, together], dist.ReduceOp.MAX, device)
+    return max(1.0, together / alone)
+
+
 def _memory_gib(device: torch.device, local: int) -> float:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 2**30
@@ -167,8 +192,8 @@ def calibrate(device: torch.device, repeats: int = 5) -> tuple[Topology, list[st
     tflops = _dense_tflops(device, repeats)
     dist.barrier()
     op_us = _op_us(device)
-    figures = torch.tensor([memory, tflops, -op_us], dtype=torch.float64)
-    dist.all_reduce(figures, op=dist.ReduceOp.MIN)  # the slowest rank
+    host_share = _host_share(local, device)
+    figures = _over_ranks([memory, tflops, -op_us], dist.ReduceOp.MIN, device)  # the slowest
     backend = dist.get_backend()
     measured = Topology(
         name=f"calibrated ({backend}, {nodes} x {local} ranks, {device.type})",
@@ -182,5 +207,6 @@ def calibrate(device: torch.device, repeats: int = 5) -> tuple[Topology, list[st
         dense_tflops=float(figures[1]),
         source=f"recsys plan --calibrate: medians of {repeats} runs at {list(SIZES)} bytes",
         op_us=-float(figures[2]),
+        host_share=host_share,
     )
     return measured, notes

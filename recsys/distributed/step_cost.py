@@ -33,6 +33,10 @@ block included; :class:`~recsys.distributed.comm.CommStats`), by kind and by whe
 **Seconds**, the busiest rank of each part (the parts run one after another, so the step is
 their sum, less what overlaps):
 
+- ``data``: making the rank's batch (``StepInputs.input_s``, timed on the host ``recsys plan``
+  runs on, times the topology's ``host_share``: ranks that share CPU cores make theirs more
+  slowly): all of it when the trainer makes its batches inside the step (no loader workers,
+  nothing prefetched: a CPU run's default), else only what exceeds the rest of the step.
 - ``lookup``: the ids a rank's shards serve (G * B * P of them for a table, times the shard's
   share), each reading a row of its columns, over the device's memory bandwidth.
 - ``input_dist`` / ``output_dist`` / ``grad_dist``: an all-to-all costs the topology's latency
@@ -65,7 +69,7 @@ sized by the largest count over ranks, which the expectation slightly undercount
 
 What the model leaves out: the per-op and Python costs of the embedding side (the input dist's
 bucketing, the exchanges' packing, the collectives' own host time; they dominate small batches
-on small tables, see ``benchmarks/results/scale.csv``), the data loader, ranks that wait on
+on small tables, see ``benchmarks/results/scale.csv``), ranks that wait on
 each other (a slower rank, or ranks sharing CPU cores), congestion beyond one link per rank,
 and skewed ids on row shards (a hot row's shard serves more than its share). A trace's bytes
 are its tensors' sizes as traced (fp32 unless the model casts), all charged at the memory's
@@ -126,6 +130,9 @@ class StepInputs:
         dense_trace: the ops of the step's dense part, traced at ``batch_size``
             (:class:`~recsys.distributed.op_trace.OpTrace`); None: 6 flops per dense
             parameter per sample.
+        input_s: seconds a rank's batch takes to make, in a process alone (0: not modelled).
+        input_inline: the batches are made inside the step (else by loader workers or a
+            prefetching thread, beside it).
     """
 
     batch_size: int
@@ -143,6 +150,8 @@ class StepInputs:
     id_profiles: dict[str, IdProfile] = field(default_factory=dict)
     fused_update: bool = True
     dense_trace: OpTrace | None = None
+    input_s: float = 0.0
+    input_inline: bool = True
 
     @property
     def dense_bytes(self) -> int:
@@ -297,11 +306,19 @@ def predict_step(
     if replicas > 1:
         cost.replica_sync(table_bytes)
     seconds = cost.seconds()
+    seconds = {"data": _input_seconds(inputs, topology, math.fsum(seconds.values())), **seconds}
     sent = {(p, w): np.tile(v, replicas) for p, both in cost.sent.items() for w, v in both.items()}
     return StepPrediction(
         world, replicas, group, inputs.batch_size, table_bytes, inputs.dense_bytes, sent, seconds,
         math.fsum(seconds.values()), topology, inputs.dense_precision,
     )  # fmt: skip
+
+
+def _input_seconds(inputs: StepInputs, topology: Topology, rest: float) -> float:
+    """A rank's batch on the launch's hosts (``host_share`` times its time alone): all of it
+    when made inside the step, else only what exceeds the rest of the step."""
+    made = inputs.input_s * topology.host_share
+    return made if inputs.input_inline else max(0.0, made - rest)
 
 
 def table_rank_seconds(

@@ -47,6 +47,9 @@ class Topology:
             and sets ``dense_tflops`` keeps the preset's fp32 rate unless it sets this too.
         op_us: the least time one op of a step takes, in microseconds, whatever its size: a
             kernel's launch on a GPU, an op's dispatch on a CPU (0: none).
+        host_share: how many times longer host work (the data loader's) takes on a rank of
+            the launch, all ranks busy at once, than in one process alone: above 1 where ranks
+            share CPU cores (1: each rank has its own; presets).
     """
 
     name: str
@@ -61,6 +64,7 @@ class Topology:
     source: str = ""
     dense_fp32_tflops: float = 0.0
     op_us: float = 0.0
+    host_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1:
@@ -73,6 +77,9 @@ class Topology:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"topology {self.name!r}: {name} = {value!r}; expected >= 0")
+        share = self.host_share
+        if not (isinstance(share, int | float) and share >= 1 and math.isfinite(share)):
+            raise ValueError(f"topology {self.name!r}: host_share = {share!r}; expected >= 1")
 
     def node(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -94,6 +101,7 @@ class Topology:
             f"{self.dense_tflops:g} TFLOP/s"
             + (f" (fp32 {self.dense_fp32_tflops:g})" if self.dense_fp32_tflops else "")
             + (f", {self.op_us:g} us per op" if self.op_us else "")
+            + (f", host work {self.host_share:.3g}x slower" if self.host_share != 1 else "")
         )
 
 
@@ -204,7 +212,8 @@ def load_topology(path: str | Path) -> Topology:
                 f"the presets are {', '.join(PRESETS)}"
             )
         return replace(PRESETS[preset], **values)
-    missing = sorted(_FIELDS - {"source", "dense_fp32_tflops", "op_us"} - set(values))
+    optional = {"source", "dense_fp32_tflops", "op_us", "host_share"}
+    missing = sorted(_FIELDS - optional - set(values))
     if missing:
         raise ValueError(f"topology file '{path}' lacks {missing} (or a preset to start from)")
     return Topology(**values)

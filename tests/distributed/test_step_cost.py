@@ -241,13 +241,14 @@ def test_presets_name_their_sources_and_files_round_trip(tmp_path):
         assert preset.name == name and preset.source
     path = tmp_path / "cluster.toml"
     measured = Topology("calibrated", 2, 1.5, 80.0, 0.4, 300.0, 12.0, 16.0, 0.1, 'a "quoted" note')
-    for figures in (measured, replace(measured, op_us=3.5)):
+    for figures in (measured, replace(measured, op_us=3.5, host_share=2.5)):
         save_topology(figures, path)
         assert load_topology(path) == figures
-    # a file written before the per-op floor: none
+    assert "host work 2.5x slower" in load_topology(path).describe()
+    # a file written before the per-op floor and the host share: none, and no sharing
     lines = path.read_text().splitlines()
-    path.write_text("\n".join(line for line in lines if not line.startswith("op_us")))
-    assert load_topology(path).op_us == 0.0
+    path.write_text("\n".join(line for line in lines if not line.startswith(("op_us", "host"))))
+    assert (load_topology(path).op_us, load_topology(path).host_share) == (0.0, 1.0)
     path.write_text('preset = "a100_8x_ib200"\ninter_gbs = 12.5\n')
     assert load_topology(path) == Topology(**{**vars(PRESETS["a100_8x_ib200"]), "inter_gbs": 12.5})
     assert topology(path=path, ranks_per_node=4).ranks_per_node == 4
@@ -267,6 +268,7 @@ def test_presets_name_their_sources_and_files_round_trip(tmp_path):
             'preset = "cpu_host"\ndense_fp32_tflops = -2.0',
             "dense_fp32_tflops = -2.0; expected >= 0",
         ),
+        ('preset = "cpu_host"\nhost_share = 0.5', "host_share = 0.5; expected >= 1"),
         ("name = [", "is not valid TOML"),
     ],
 )
@@ -284,6 +286,59 @@ def test_the_per_op_floor_is_measured_as_a_step_runs_ops():
     per_op = _op_us(torch.device("cpu"), seconds=0.05)
     # a tiny op forward and back: microseconds of dispatch and autograd, not nothing, not ms
     assert 0.05 < per_op < 1000
+
+
+def _one_table_step(**inputs):
+    table = EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=100, feature_names=["f"])
+    plan = P.plan_sharding({"": [table]}, 2)
+    return lambda topology: predict_step(plan, {"": [table]}, StepInputs(64, **inputs), topology)
+
+
+def test_batches_made_inside_the_step_add_to_it_on_the_launchs_hosts():
+    cpu = PRESETS["cpu_host"]
+    without = _one_table_step()(cpu)
+    assert without.seconds["data"] == 0.0
+    inline = _one_table_step(input_s=0.002)
+    # ranks sharing cores make their batches host_share times more slowly, inside the step
+    for share in (1.0, 3.0):
+        step = inline(replace(cpu, host_share=share))
+        assert step.seconds["data"] == pytest.approx(0.002 * share)
+        assert step.step_s == pytest.approx(without.step_s + 0.002 * share)
+    # made beside the step (loader workers, prefetching): only what exceeds the rest counts
+    beside = _one_table_step(input_s=without.step_s / 2, input_inline=False)
+    assert beside(cpu).seconds["data"] == 0.0
+    slow = _one_table_step(input_s=without.step_s + 0.005, input_inline=False)(cpu)
+    assert slow.seconds["data"] == pytest.approx(0.005)
+    assert slow.step_s == pytest.approx(without.step_s + 0.005)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "inline"),
+    [
+        (["--run.device=cpu"], True),  # auto: no prefetching on CPU; 1 CPU a rank: no workers
+        (["--run.device=cpu", "--data.prefetch_batches=2"], False),
+        (["--run.device=cpu", "--data.loader_workers=1"], False),
+        (["--run.device=cuda"], False),  # auto: 4 batches prefetched on CUDA
+    ],
+)
+def test_where_the_trainer_makes_its_batches(overrides, inline, monkeypatch):
+    from recsys.build.sharding import input_inline
+
+    monkeypatch.setattr("recsys.data.loader.usable_cpus", lambda: 2)
+    config = load_config("configs/dlrm_synthetic.toml", overrides)
+    assert input_inline(config, ranks_per_node=2) is inline
+
+
+def test_plan_inputs_time_the_train_loader_when_asked():
+    config = load_config(
+        "configs/dlrm_synthetic.toml", ["--run.device=cpu", "--train.batch_size=256"]
+    )
+    untimed = plan_inputs(config)
+    assert untimed.input_s == 0.0 and untimed.input_source == "not measured"
+    timed = plan_inputs(config, time_input=True, ranks_per_node=2)
+    assert 0 < timed.input_s < 1.0
+    assert "a batch of 256 on this host" in timed.input_source
+    assert step_inputs(config, timed, pipeline=False).input_s == timed.input_s
 
 
 def test_dense_work_is_charged_at_the_training_precisions_rate(tmp_path):
@@ -447,7 +502,7 @@ def test_link_fit_recovers_latency_and_bandwidth():
     assert fit_link(sizes, [5e-6] * 4) == pytest.approx((4e6 / 5e-6 / 1e9, 5.0))
 
 
-def test_calibration_under_torchrun_writes_a_topology_file(tmp_path):
+def test_calibration_under_torchrun_writes_a_topology_file(tmp_path, capsys):
     path = tmp_path / "cluster.toml"
     done = run_torchrun(
         ["--nproc-per-node=2", "-m", "recsys", "plan", "--calibrate", str(path)], timeout=180
@@ -456,6 +511,7 @@ def test_calibration_under_torchrun_writes_a_topology_file(tmp_path):
     assert done.stdout.count("recsys: wrote") == 1  # rank 0 alone
     measured = load_topology(path)
     assert measured.ranks_per_node == 2 and measured.name.startswith("calibrated (gloo, 1 x 2")
+    assert 1.0 <= measured.host_share < 50
     text = path.read_text()
     assert "# all-reduce (median)" in text and "no inter-node link measured" in text
     assert measured.inter_gbs == measured.intra_gbs  # one node: repeated
@@ -465,6 +521,7 @@ def test_calibration_under_torchrun_writes_a_topology_file(tmp_path):
          "--topology", str(path)]
     )  # fmt: skip
     assert code == 0
+    assert "batches: " in capsys.readouterr().out  # timed here, for the calibrated hosts
 
 
 def test_a_training_runs_bytes_per_step_are_the_predicted_ones(tmp_path):
