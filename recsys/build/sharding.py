@@ -310,7 +310,7 @@ def input_seconds(
     per_batch = (time.perf_counter() - start) / count
     where = "inside the step" if inline else "by loader workers or a prefetching thread"
     return per_batch, (
-        f"{1e3 * per_batch:.3g} ms a batch of {batch_size} on this host (the train loader, "
+        f"{1e3 * per_batch:.3g} ms a batch of {batch_size:,} on this host (the train loader, "
         f"{count} batches), made {where}"
     )
 
