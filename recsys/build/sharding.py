@@ -116,8 +116,8 @@ class PlanInputs:
             failed (``trace_source`` says why): the cost model then charges 6 flops per dense
             parameter per sample.
         trace_source: how the dense part is costed, in words.
-        input_s: seconds this host takes to make one train batch for a rank (0: not measured;
-            :func:`input_seconds`).
+        input_s: seconds this host takes to make one train batch for a rank, its loader
+            workers sharing it out (0: not measured; :func:`input_seconds`).
         input_inline: the trainer makes its batches inside the step (no loader workers, no
             prefetching): their time adds to the step's.
         input_source: how ``input_s`` was measured, in words.
@@ -204,7 +204,8 @@ def plan_inputs(config: Config, time_input: bool = False, ranks_per_node: int = 
     bag lengths of the first chunk of the train split.
 
     With ``time_input``, the train loader is timed on this host (:func:`input_seconds`), for
-    ranks ``ranks_per_node`` to a node (how many loader workers each would start).
+    ranks ``ranks_per_node`` to a node (:func:`batch_makers`: how many loader workers each
+    would start).
 
     Raises:
         ValueError: a model of user histories (``recsys plan`` plans click models), or what
@@ -239,8 +240,13 @@ def plan_inputs(config: Config, time_input: bool = False, ranks_per_node: int = 
     profiles, profile_source = id_profiles(config, configs, first_chunk)
     dynamic, tiered = dynamic_rows(collections), tiered_rows(collections)
     trace, trace_source = dense_step_trace(config, model, first_chunk)  # moves it to meta
-    inline = input_inline(config, ranks_per_node)
-    timed = input_seconds(config, dataset, inline) if time_input else (0.0, "not measured")
+    workers, prefetched = batch_makers(config, ranks_per_node)
+    inline = not (workers or prefetched)
+    timed = (0.0, "not measured")
+    if time_input:
+        input_s, how = input_seconds(config, dataset, workers)
+        where = "inside the step" if inline else "beside the step (workers or prefetching)"
+        timed = (input_s, f"{how}, made {where}")
     return PlanInputs(
         configs,
         states,
@@ -261,10 +267,11 @@ def plan_inputs(config: Config, time_input: bool = False, ranks_per_node: int = 
     )
 
 
-def input_inline(config: Config, ranks_per_node: int) -> bool:
-    """Whether the trainer makes its train batches inside the step: no loader workers
+def batch_makers(config: Config, ranks_per_node: int) -> tuple[int, bool]:
+    """How the trainer makes its train batches: its loader worker processes
     (``data.loader_workers``, -1: as many as each of ``ranks_per_node`` ranks of this host would
-    start) and nothing prefetched (``data.prefetch_batches``, -1: 4 on CUDA, none on CPU)."""
+    start) and whether batches are prefetched (``data.prefetch_batches``, -1: 4 on CUDA, none on
+    CPU). No workers and no prefetching: inside the step."""
     from recsys.data.loader import default_workers
 
     data = config.data
@@ -272,18 +279,17 @@ def input_inline(config: Config, ranks_per_node: int) -> bool:
     name = config.run.device
     cuda = torch.cuda.is_available() if name == "auto" else name.startswith("cuda")
     prefetch = data.prefetch_batches if data.prefetch_batches >= 0 else 4 * cuda
-    return workers == 0 and prefetch == 0
+    return workers, prefetch > 0
 
 
 def input_seconds(
-    config: Config, dataset: Any, inline: bool, seconds: float = 0.5
+    config: Config, dataset: Any, workers: int, seconds: float = 0.5
 ) -> tuple[float, str]:
     """The mean seconds this host takes to make one train batch of ``train.batch_size`` rows
-    as one rank's loader makes them without workers (shuffled as the config says), over the
+    as one rank's loader makes them in one process (shuffled as the config says), over the
     batches after the first for about ``seconds`` and at least a whole chunk of the data (its
-    reading or generating shared out over its batches), ten times that at most; and how, in
-    words (``inline``: as
-    :func:`input_inline` says)."""
+    reading or generating shared out over its batches), ten times that at most; divided among
+    ``workers`` loader processes, when there are any; and how, in words."""
     from recsys.data.loader import BatchLoader
 
     batch_size = config.train.batch_size
@@ -307,11 +313,11 @@ def input_seconds(
             break
     if not count:
         return 0.0, "not measured (the train split holds one batch or none)"
-    per_batch = (time.perf_counter() - start) / count
-    where = "inside the step" if inline else "by loader workers or a prefetching thread"
-    return per_batch, (
-        f"{1e3 * per_batch:.3g} ms a batch of {batch_size:,} on this host (the train loader, "
-        f"{count} batches), made {where}"
+    alone = (time.perf_counter() - start) / count
+    shared = f", shared by {workers} loader workers" if workers else ""
+    return alone / max(workers, 1), (
+        f"{1e3 * alone:.3g} ms a batch of {batch_size:,} on this host (the train loader in one "
+        f"process, {count} batches){shared}"
     )
 
 

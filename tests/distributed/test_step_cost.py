@@ -322,11 +322,12 @@ def test_batches_made_inside_the_step_add_to_it_on_the_launchs_hosts():
     ],
 )
 def test_where_the_trainer_makes_its_batches(overrides, inline, monkeypatch):
-    from recsys.build.sharding import input_inline
+    from recsys.build.sharding import batch_makers
 
     monkeypatch.setattr("recsys.data.loader.usable_cpus", lambda: 2)
     config = load_config("configs/dlrm_synthetic.toml", overrides)
-    assert input_inline(config, ranks_per_node=2) is inline
+    workers, prefetched = batch_makers(config, ranks_per_node=2)
+    assert (workers == 0 and not prefetched) is inline
 
 
 def test_plan_inputs_time_the_train_loader_when_asked():
@@ -336,9 +337,18 @@ def test_plan_inputs_time_the_train_loader_when_asked():
     untimed = plan_inputs(config)
     assert untimed.input_s == 0.0 and untimed.input_source == "not measured"
     timed = plan_inputs(config, time_input=True, ranks_per_node=2)
-    assert 0 < timed.input_s < 1.0
+    assert 0 < timed.input_s < 1.0 and timed.input_inline
     assert "a batch of 256 on this host" in timed.input_source
+    assert timed.input_source.endswith("made inside the step")
     assert step_inputs(config, timed, pipeline=False).input_s == timed.input_s
+    # two loader workers share the batches out: each batch half the time, beside the step
+    workers = load_config(
+        "configs/dlrm_synthetic.toml",
+        ["--run.device=cpu", "--train.batch_size=256", "--data.loader_workers=2"],
+    )
+    shared = plan_inputs(workers, time_input=True, ranks_per_node=2)
+    assert not shared.input_inline and "shared by 2 loader workers" in shared.input_source
+    assert 0.2 * timed.input_s < shared.input_s < 1.0 * timed.input_s
 
 
 def test_dense_work_is_charged_at_the_training_precisions_rate(tmp_path):
