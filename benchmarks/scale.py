@@ -111,7 +111,8 @@ def predict(world: int, replicas: int, recipe: str, overrides: list[str], topolo
 
     config = load_config(recipe, overrides)
     cluster = load_topology(topology_file)
-    inputs = plan_inputs(config, time_input=True, ranks_per_node=cluster.ranks_per_node)
+    cuda = cluster.device == "cuda"
+    inputs = plan_inputs(config, time_input=True, ranks_per_node=cluster.ranks_per_node, cuda=cuda)
     options = planner_options(config, cluster.ranks_per_node, inputs.pooling_factors)
     plan = inputs.plan(world // replicas, options)  # what the run planned (no memory limit)
     sync = config.distributed.sync_every

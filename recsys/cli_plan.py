@@ -81,9 +81,14 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     asked = args.replicas or (configured if configured > 1 else 0)
     replicas = _replica_counts(world, cluster.ranks_per_node, asked)
     sync_every = args.sync_every or config.distributed.sync_every
-    # A topology file (a calibration of the training hosts): its loader is timed here too.
-    timed = bool(config.distributed.topology)
-    inputs = plan_inputs(config, time_input=timed, ranks_per_node=cluster.ranks_per_node)
+    # A calibration of the training hosts (a topology file it wrote): their batches are timed
+    # here, on one of them.
+    inputs = plan_inputs(
+        config,
+        time_input=bool(cluster.device),
+        ranks_per_node=cluster.ranks_per_node,
+        cuda=cluster.device == "cuda" if cluster.device else None,
+    )
     print(_header(config, inputs, world, cluster, planned))
     for count in replicas:
         print()
@@ -151,7 +156,12 @@ def _header(config: Config, inputs, world: int, topo, planned: str) -> str:
             f"{inputs.profile_source}",
             f"dense part's step: {inputs.trace_source}",
             f"batches: {inputs.input_source}"
-            + ("" if inputs.input_s else " (a --topology FILE of the training hosts times them)"),
+            + (
+                " (a --topology FILE that recsys plan --calibrate wrote on the training hosts "
+                "times them here)"
+                if inputs.input_source == "not measured"
+                else ""
+            ),
             f"batch: {batch:,} samples per rank (train.batch_size), {batch * world:,} per step",
             f"planner cost: {planned}",
         ]

@@ -196,7 +196,9 @@ def step_inputs(
     )
 
 
-def plan_inputs(config: Config, time_input: bool = False, ranks_per_node: int = 1) -> PlanInputs:
+def plan_inputs(
+    config: Config, time_input: bool = False, ranks_per_node: int = 1, cuda: bool | None = None
+) -> PlanInputs:
     """The model of ``config`` built with its tables on ``meta`` (nothing table-sized is
     allocated), as the trainer builds it: its tables, the state its fused embedding optimizer
     keeps and the dense parameters. Pooling factors: the synthetic data's expected
@@ -204,8 +206,8 @@ def plan_inputs(config: Config, time_input: bool = False, ranks_per_node: int = 
     bag lengths of the first chunk of the train split.
 
     With ``time_input``, the train loader is timed on this host (:func:`input_seconds`), for
-    ranks ``ranks_per_node`` to a node (:func:`batch_makers`: how many loader workers each
-    would start).
+    ranks ``ranks_per_node`` to a node training on CUDA or not (``cuda``, None: as this host
+    would; :func:`batch_makers`: who makes the batches).
 
     Raises:
         ValueError: a model of user histories (``recsys plan`` plans click models), or what
@@ -240,7 +242,7 @@ def plan_inputs(config: Config, time_input: bool = False, ranks_per_node: int = 
     profiles, profile_source = id_profiles(config, configs, first_chunk)
     dynamic, tiered = dynamic_rows(collections), tiered_rows(collections)
     trace, trace_source = dense_step_trace(config, model, first_chunk)  # moves it to meta
-    workers, prefetched = batch_makers(config, ranks_per_node)
+    workers, prefetched = batch_makers(config, ranks_per_node, cuda)
     inline = not (workers or prefetched)
     timed = (0.0, "not measured")
     if time_input:
@@ -267,17 +269,21 @@ def plan_inputs(config: Config, time_input: bool = False, ranks_per_node: int = 
     )
 
 
-def batch_makers(config: Config, ranks_per_node: int) -> tuple[int, bool]:
+def batch_makers(config: Config, ranks_per_node: int, cuda: bool | None = None) -> tuple[int, bool]:
     """How the trainer makes its train batches: its loader worker processes
-    (``data.loader_workers``, -1: as many as each of ``ranks_per_node`` ranks of this host would
-    start) and whether batches are prefetched (``data.prefetch_batches``, -1: 4 on CUDA, none on
-    CPU). No workers and no prefetching: inside the step."""
+    (``data.loader_workers``, -1: half the CPUs each of ``ranks_per_node`` ranks of this host
+    has, none under 2) and whether batches are prefetched (``data.prefetch_batches``, -1: 4 on
+    CUDA, none on CPU; ``run.device = "auto"`` trains on CUDA where ``cuda`` says, None: where
+    this host has it). No workers and no prefetching: inside the step."""
     from recsys.data.loader import default_workers
 
     data = config.data
     workers = data.loader_workers if data.loader_workers >= 0 else default_workers(ranks_per_node)
     name = config.run.device
-    cuda = torch.cuda.is_available() if name == "auto" else name.startswith("cuda")
+    if name != "auto":
+        cuda = name.startswith("cuda")
+    elif cuda is None:
+        cuda = torch.cuda.is_available()
     prefetch = data.prefetch_batches if data.prefetch_batches >= 0 else 4 * cuda
     return workers, prefetch > 0
 
@@ -286,10 +292,12 @@ def input_seconds(
     config: Config, dataset: Any, workers: int, seconds: float = 0.5
 ) -> tuple[float, str]:
     """The mean seconds this host takes to make one train batch of ``train.batch_size`` rows
-    as one rank's loader makes them in one process (shuffled as the config says), over the
-    batches after the first for about ``seconds`` and at least a whole chunk of the data (its
-    reading or generating shared out over its batches), ten times that at most; divided among
-    ``workers`` loader processes, when there are any; and how, in words."""
+    as one rank's loader makes them in one process (shuffled as the config says, one chunk to a
+    shuffle buffer, whatever ``data.shuffle_buffer_chunks``: a buffer's work per batch is the
+    same, and planning reads no more than a chunk ahead), over the batches after the first for
+    about ``seconds`` and at least a whole chunk of the data (its reading or generating shared
+    out over its batches), ten times that at most; divided among ``workers`` loader processes,
+    when there are any; and how, in words."""
     from recsys.data.loader import BatchLoader
 
     batch_size = config.train.batch_size
@@ -300,7 +308,6 @@ def input_seconds(
         shuffle=config.data.shuffle,
         seed=config.run.seed,
         drop_last=True,
-        shuffle_buffer_chunks=config.data.shuffle_buffer_chunks,
     )
     chunk_batches = max(1, dataset.chunk_rows("train", 0) // batch_size)
     batches = iter(loader)
@@ -316,8 +323,8 @@ def input_seconds(
     alone = (time.perf_counter() - start) / count
     shared = f", shared by {workers} loader workers" if workers else ""
     return alone / max(workers, 1), (
-        f"{1e3 * alone:.3g} ms a batch of {batch_size:,} on this host (the train loader in one "
-        f"process, {count} batches){shared}"
+        f"{1e3 * alone:,.2f} ms a batch of {batch_size:,} on this host (the train loader in one "
+        f"process, {count} batch{'es' * (count > 1)}){shared}"
     )
 
 

@@ -151,7 +151,7 @@ def _host_share(local: int, device: torch.device, seconds: float = 0.1) -> float
         alone = _op_us(cpu, seconds)
     else:  # asleep, not waiting in a collective (which may poll), while the first one times
         alone = 0.0
-        time.sleep(4 * seconds)
+        time.sleep(10 * seconds)
     dist.barrier()
     together = _op_us(cpu, seconds)
     alone, together = _over_ranks([alone, together], dist.ReduceOp.MAX, device)
@@ -208,5 +208,6 @@ def calibrate(device: torch.device, repeats: int = 5) -> tuple[Topology, list[st
         source=f"recsys plan --calibrate: medians of {repeats} runs at {list(SIZES)} bytes",
         op_us=-float(figures[2]),
         host_share=host_share,
+        device=device.type,
     )
     return measured, notes

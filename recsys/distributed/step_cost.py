@@ -36,7 +36,8 @@ their sum, less what overlaps):
 - ``data``: making the rank's batch (``StepInputs.input_s``, timed on the host ``recsys plan``
   runs on, times the topology's ``host_share``: ranks that share CPU cores make theirs more
   slowly): all of it when the trainer makes its batches inside the step (no loader workers,
-  nothing prefetched: a CPU run's default), else only what exceeds the rest of the step.
+  nothing prefetched: a CPU run's default where a rank has fewer than 2 CPUs), else only what
+  exceeds the rest of the step.
 - ``lookup``: the ids a rank's shards serve (G * B * P of them for a table, times the shard's
   share), each reading a row of its columns, over the device's memory bandwidth.
 - ``input_dist`` / ``output_dist`` / ``grad_dist``: an all-to-all costs the topology's latency
@@ -130,7 +131,8 @@ class StepInputs:
         dense_trace: the ops of the step's dense part, traced at ``batch_size``
             (:class:`~recsys.distributed.op_trace.OpTrace`); None: 6 flops per dense
             parameter per sample.
-        input_s: seconds a rank's batch takes to make, in a process alone (0: not modelled).
+        input_s: seconds a rank's batch takes to make on a host of the launch with no other
+            rank busy (its loader workers sharing it out; 0: not modelled).
         input_inline: the batches are made inside the step (else by loader workers or a
             prefetching thread, beside it).
     """

@@ -50,6 +50,8 @@ class Topology:
         host_share: how many times longer host work (the data loader's) takes on a rank of
             the launch, all ranks busy at once, than in one process alone: above 1 where ranks
             share CPU cores (1: each rank has its own; presets).
+        device: the device type a calibration measured (``"cpu"`` / ``"cuda"``); empty for a
+            preset and its overrides (figures of no host at hand).
     """
 
     name: str
@@ -65,6 +67,7 @@ class Topology:
     dense_fp32_tflops: float = 0.0
     op_us: float = 0.0
     host_share: float = 1.0
+    device: str = ""
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1:
@@ -212,7 +215,7 @@ def load_topology(path: str | Path) -> Topology:
                 f"the presets are {', '.join(PRESETS)}"
             )
         return replace(PRESETS[preset], **values)
-    optional = {"source", "dense_fp32_tflops", "op_us", "host_share"}
+    optional = {"source", "dense_fp32_tflops", "op_us", "host_share", "device"}
     missing = sorted(_FIELDS - optional - set(values))
     if missing:
         raise ValueError(f"topology file '{path}' lacks {missing} (or a preset to start from)")

@@ -241,14 +241,16 @@ def test_presets_name_their_sources_and_files_round_trip(tmp_path):
         assert preset.name == name and preset.source
     path = tmp_path / "cluster.toml"
     measured = Topology("calibrated", 2, 1.5, 80.0, 0.4, 300.0, 12.0, 16.0, 0.1, 'a "quoted" note')
-    for figures in (measured, replace(measured, op_us=3.5, host_share=2.5)):
+    for figures in (measured, replace(measured, op_us=3.5, host_share=2.5, device="cpu")):
         save_topology(figures, path)
         assert load_topology(path) == figures
     assert "host work 2.5x slower" in load_topology(path).describe()
     # a file written before the per-op floor and the host share: none, and no sharing
     lines = path.read_text().splitlines()
-    path.write_text("\n".join(line for line in lines if not line.startswith(("op_us", "host"))))
+    old = ("op_us", "host", "device")
+    path.write_text("\n".join(line for line in lines if not line.startswith(old)))
     assert (load_topology(path).op_us, load_topology(path).host_share) == (0.0, 1.0)
+    assert load_topology(path).device == ""  # as a preset: no host measured
     path.write_text('preset = "a100_8x_ib200"\ninter_gbs = 12.5\n')
     assert load_topology(path) == Topology(**{**vars(PRESETS["a100_8x_ib200"]), "inter_gbs": 12.5})
     assert topology(path=path, ranks_per_node=4).ranks_per_node == 4
@@ -307,6 +309,9 @@ def test_batches_made_inside_the_step_add_to_it_on_the_launchs_hosts():
     # made beside the step (loader workers, prefetching): only what exceeds the rest counts
     beside = _one_table_step(input_s=without.step_s / 2, input_inline=False)
     assert beside(cpu).seconds["data"] == 0.0
+    # ... and the launch's hosts make it host_share times more slowly there too
+    shared = beside(replace(cpu, host_share=3.0))
+    assert shared.seconds["data"] == pytest.approx(without.step_s / 2)  # 1.5 x the rest - rest
     slow = _one_table_step(input_s=without.step_s + 0.005, input_inline=False)(cpu)
     assert slow.seconds["data"] == pytest.approx(0.005)
     assert slow.step_s == pytest.approx(without.step_s + 0.005)
@@ -319,6 +324,7 @@ def test_batches_made_inside_the_step_add_to_it_on_the_launchs_hosts():
         (["--run.device=cpu", "--data.prefetch_batches=2"], False),
         (["--run.device=cpu", "--data.loader_workers=1"], False),
         (["--run.device=cuda"], False),  # auto: 4 batches prefetched on CUDA
+        (["--run.device=auto"], "cuda"),  # as the calibrated hosts train, not this one
     ],
 )
 def test_where_the_trainer_makes_its_batches(overrides, inline, monkeypatch):
@@ -326,16 +332,33 @@ def test_where_the_trainer_makes_its_batches(overrides, inline, monkeypatch):
 
     monkeypatch.setattr("recsys.data.loader.usable_cpus", lambda: 2)
     config = load_config("configs/dlrm_synthetic.toml", overrides)
+    if inline == "cuda":  # run.device = "auto": the training hosts' device decides
+        assert batch_makers(config, 2, cuda=True) == (0, True)
+        assert batch_makers(config, 2, cuda=False) == (0, False)
+        return
     workers, prefetched = batch_makers(config, ranks_per_node=2)
     assert (workers == 0 and not prefetched) is inline
+    assert batch_makers(config, ranks_per_node=1)[0] == 1  # 2 CPUs a rank: one worker
 
 
-def test_plan_inputs_time_the_train_loader_when_asked():
+def test_plan_inputs_time_the_train_loader_when_asked(monkeypatch):
+    import recsys.build.sharding as sharding
+
     config = load_config(
         "configs/dlrm_synthetic.toml", ["--run.device=cpu", "--train.batch_size=256"]
     )
     untimed = plan_inputs(config)
     assert untimed.input_s == 0.0 and untimed.input_source == "not measured"
+
+    class Clock:  # 1 ms a reading: both timings below read the same batches the same way
+        def __init__(self):
+            self.now = 0.0
+
+        def perf_counter(self):
+            self.now += 1e-3
+            return self.now
+
+    monkeypatch.setattr(sharding, "time", Clock())
     timed = plan_inputs(config, time_input=True, ranks_per_node=2)
     assert 0 < timed.input_s < 1.0 and timed.input_inline
     assert "a batch of 256 on this host" in timed.input_source
@@ -346,9 +369,11 @@ def test_plan_inputs_time_the_train_loader_when_asked():
         "configs/dlrm_synthetic.toml",
         ["--run.device=cpu", "--train.batch_size=256", "--data.loader_workers=2"],
     )
+    monkeypatch.setattr(sharding, "time", Clock())
     shared = plan_inputs(workers, time_input=True, ranks_per_node=2)
     assert not shared.input_inline and "shared by 2 loader workers" in shared.input_source
-    assert 0.2 * timed.input_s < shared.input_s < 1.0 * timed.input_s
+    assert shared.input_source.endswith("made beside the step (workers or prefetching)")
+    assert shared.input_s == pytest.approx(timed.input_s / 2)
 
 
 def test_dense_work_is_charged_at_the_training_precisions_rate(tmp_path):
@@ -521,7 +546,7 @@ def test_calibration_under_torchrun_writes_a_topology_file(tmp_path, capsys):
     assert done.stdout.count("recsys: wrote") == 1  # rank 0 alone
     measured = load_topology(path)
     assert measured.ranks_per_node == 2 and measured.name.startswith("calibrated (gloo, 1 x 2")
-    assert 1.0 <= measured.host_share < 50
+    assert measured.host_share < 50 and measured.device == "cpu"
     text = path.read_text()
     assert "# all-reduce (median)" in text and "no inter-node link measured" in text
     assert measured.inter_gbs == measured.intra_gbs  # one node: repeated
@@ -531,7 +556,9 @@ def test_calibration_under_torchrun_writes_a_topology_file(tmp_path, capsys):
          "--topology", str(path)]
     )  # fmt: skip
     assert code == 0
-    assert "batches: " in capsys.readouterr().out  # timed here, for the calibrated hosts
+    out = capsys.readouterr().out  # the batches timed here, for the calibrated hosts
+    assert "ms a batch of 2,048 on this host" in out
+    assert "predicted ms per step: data " in out
 
 
 def test_a_training_runs_bytes_per_step_are_the_predicted_ones(tmp_path):
