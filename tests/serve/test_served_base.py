@@ -65,3 +65,12 @@ def test_a_run_directory_follows_its_latest_checkpoint(run, tmp_path):  # noqa: 
     export = export_model(checkpoints / "step_00000008", tmp_path / "step8.pt2")
     expected = _offline(export, rows, None, tmp_path / "offline.parquet")
     np.testing.assert_array_equal(_scores(served, rows), expected)
+
+
+def test_the_served_base_skips_torchs_call_check_and_scores_as_predict(run, tmp_path):  # noqa: F811
+    run_dir, base, rows = run
+    served = ServedModel(base)
+    # The graph's own guards check the inputs; the pytree check in front of them is off
+    assert served.version.module.validate_inputs is False
+    expected = _offline(base, rows, None, tmp_path / "offline.parquet")
+    np.testing.assert_array_equal(_scores(served, rows), expected)
