@@ -29,7 +29,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--topology: the config's, else the run's byte-weighted plan, predicted on "
         "h100_8x_ib400",
     )
-    where.add_argument("--topology", default="", help="distributed.topology: a topology TOML file")
+    where.add_argument(
+        "--topology",
+        default="",
+        help="distributed.topology: a topology TOML file; one --calibrate wrote also has the "
+        "train loader timed here (run it on a training host)",
+    )
     parser.add_argument(
         "--replicas",
         type=int,
@@ -47,8 +52,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibrate",
         metavar="FILE",
         default="",
-        help="under torchrun: measure this launch's links, memory and compute and write them "
-        "as a topology file (for --topology / distributed.topology); plans nothing",
+        help="under torchrun: measure this launch's links, memory, compute and host sharing "
+        "and write them as a topology file (for --topology / distributed.topology); plans "
+        "nothing",
     )
 
 
