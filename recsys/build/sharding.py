@@ -275,7 +275,7 @@ def batch_makers(config: Config, ranks_per_node: int, cuda: bool | None = None) 
     has, none under 2) and whether batches are prefetched (``data.prefetch_batches``, -1: 4 on
     CUDA, none on CPU; ``run.device = "auto"`` trains on CUDA where ``cuda`` says, None: where
     this host has it). No workers and no prefetching: inside the step."""
-    from recsys.data.loader import default_workers
+    from recsys.data.loader import default_prefetch, default_workers
 
     data = config.data
     workers = data.loader_workers if data.loader_workers >= 0 else default_workers(ranks_per_node)
@@ -284,8 +284,7 @@ def batch_makers(config: Config, ranks_per_node: int, cuda: bool | None = None) 
         cuda = name.startswith("cuda")
     elif cuda is None:
         cuda = torch.cuda.is_available()
-    prefetch = data.prefetch_batches if data.prefetch_batches >= 0 else 4 * cuda
-    return workers, prefetch > 0
+    return workers, default_prefetch(data.prefetch_batches, cuda) > 0
 
 
 def input_seconds(

@@ -60,6 +60,12 @@ def default_workers(world_size: int = 1) -> int:
     return 0 if cpus < 2 else min(MAX_AUTO_WORKERS, cpus // 2)
 
 
+def default_prefetch(prefetch_batches: int, cuda: bool) -> int:
+    """``data.prefetch_batches`` with -1 (auto) resolved: 4 batches ahead on CUDA, none on
+    CPU (where a prefetching thread would only take the training process's cores)."""
+    return prefetch_batches if prefetch_batches >= 0 else (4 if cuda else 0)
+
+
 class ChunkedDataset(Protocol):
     spec: DatasetSpec
 

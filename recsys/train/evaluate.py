@@ -47,7 +47,7 @@ from recsys.config import (
 )
 from recsys.data import build_dataset, resolve_source
 from recsys.data.batch import Batch, DatasetSpec
-from recsys.data.loader import BatchLoader, ChunkedDataset
+from recsys.data.loader import BatchLoader, ChunkedDataset, default_prefetch
 from recsys.distributed.parallel import (
     DistributedInfo,
     init_distributed,
@@ -132,9 +132,7 @@ def evaluate_split(
 
 def prefetch_batches(config: DataConfig, device: torch.device) -> int:
     """``data.prefetch_batches`` with -1 (auto) resolved: 4 on CUDA, 0 on CPU."""
-    if config.prefetch_batches == -1:
-        return 4 if device.type == "cuda" else 0
-    return config.prefetch_batches
+    return default_prefetch(config.prefetch_batches, device.type == "cuda")
 
 
 @dataclass

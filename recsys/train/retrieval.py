@@ -39,7 +39,7 @@ from torchrec import KeyedJaggedTensor
 from recsys.config import Config
 from recsys.data import resolve_source
 from recsys.data.layout import EpochLayout, Reshard
-from recsys.data.loader import background
+from recsys.data.loader import background, default_prefetch
 from recsys.data.sequence_batches import ITEMS, SequenceBatch, SequenceLoader
 from recsys.data.sequence_source import SequenceDataset, build_sequence_dataset
 from recsys.distributed.parallel import DistributedInfo
@@ -196,8 +196,7 @@ class NextItemTask:
             train_rows=self.config.train.next_item.train_rows,
             window_stride=self.config.train.next_item.window_stride,
         )
-        prefetch = self.config.data.prefetch_batches  # -1 (auto): 4 on CUDA, none on CPU
-        prefetch = prefetch if prefetch >= 0 else (4 if self.device.type == "cuda" else 0)
+        prefetch = default_prefetch(self.config.data.prefetch_batches, self.device.type == "cuda")
         return _Epoch(loader, epoch, start_batch, self.device, prefetch)
 
     def _eval_batches(self, split: str) -> Iterator[SequenceBatch | None]:

@@ -26,7 +26,7 @@ from torch import nn
 from recsys.config import SEQUENCE_MODELS, TARGET_RANKING_MODELS, Config
 from recsys.data import build_dataset
 from recsys.data.layout import Reshard
-from recsys.data.loader import MAX_AUTO_WORKERS, BatchLoader, default_workers
+from recsys.data.loader import MAX_AUTO_WORKERS, BatchLoader, default_prefetch, default_workers
 from recsys.data.workers import usable_cpus
 from recsys.distributed.parallel import DistributedInfo
 from recsys.train.evaluate import evaluate_split
@@ -107,8 +107,7 @@ class CTRTask:
     def prefetch(self) -> int:
         """``data.prefetch_batches`` (>= -1: checked with the config); -1 (auto): 4 on CUDA,
         none on CPU."""
-        prefetch = self.config.data.prefetch_batches
-        return prefetch if prefetch >= 0 else (4 if self.device.type == "cuda" else 0)
+        return default_prefetch(self.config.data.prefetch_batches, self.device.type == "cuda")
 
     def steps_per_epoch(self) -> int:
         """Batches per epoch on each rank.
