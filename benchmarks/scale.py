@@ -103,7 +103,12 @@ def measure(
 
 
 def predict(world: int, replicas: int, recipe: str, overrides: list[str], topology_file: Path):
-    """The run's plan, made here, and its prediction on the calibrated topology."""
+    """The run's plan, made here, and its prediction on the calibrated topology as ``recsys
+    plan`` makes it (rank 0's compute timed here, its peers mirrored); the prediction with
+    nothing timed but the batches; how the compute was timed."""
+    from dataclasses import replace
+
+    from recsys.build.rank_timing import rank_step_seconds
     from recsys.build.sharding import plan_inputs, planner_options, step_inputs
     from recsys.config import load_config
     from recsys.distributed.step_cost import predict_step
@@ -118,12 +123,17 @@ def predict(world: int, replicas: int, recipe: str, overrides: list[str], topolo
     sync = config.distributed.sync_every
     pipeline = config.train.pipeline == "on"
     step = step_inputs(config, inputs, pipeline=pipeline, replicas=replicas, sync_every=sync)
-    return predict_step(plan, inputs.configs, step, cluster), cluster
+    modelled = predict_step(plan, inputs.configs, step, cluster)
+    compute_s, how = rank_step_seconds(config, world, replicas, sync)
+    step = replace(step, compute_s=compute_s)
+    return predict_step(plan, inputs.configs, step, cluster), modelled, cluster, how
 
 
-def row(world, replicas, args, measured, predicted, cluster, env, load) -> list:
+def row(world, replicas, args, measured, predicted, modelled, how, cluster, env, load) -> list:
     """One CSV line: rank 0's bytes per step, predicted and measured; the busiest rank's
-    tables; the step, predicted and measured."""
+    tables; the step, predicted (``recsys plan``'s: a rank's compute timed, ``how``) and
+    measured; in the notes, the parts of both and the prediction with no compute timed
+    (``modelled``)."""
     step_ms = 1e3 * world * args.batch_size / measured["samples_per_s"]
     pred_ms = 1e3 * predicted.step_s
     bytes_ = []
@@ -131,10 +141,13 @@ def row(world, replicas, args, measured, predicted, cluster, env, load) -> list:
         bytes_ += [float(predicted.rank_bytes(kind)[0]), measured[kind]]
     parts = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in predicted.seconds.items() if v)
     split = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in measured["parts"].items())
+    model = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in modelled.seconds.items() if v)
     notes = (
         f"gloo ranks on this CPU; {measured['windows']} windows of {args.log_every} steps after "
-        f"the first; predicted ms: {parts}; measured ms (rank 0, each part's median over the "
-        f"windows): {split}; "
+        f"the first; predicted ms: {parts}; compute: {how}; measured ms (rank 0, each part's "
+        f"median over the windows): {split}; with no compute timed (lookups, updates and dense "
+        f"part modelled): {1e3 * modelled.step_s:.3f} ms, "
+        f"{modelled.step_s / (step_ms / 1e3):.3f} of the measured ({model}); "
         f"calibrated: {cluster.describe()}; {load}"
     )
     kind = "flat" if replicas == 1 else f"2D {replicas}x{world // replicas}"
@@ -280,8 +293,23 @@ def main(argv: list[str] | None = None) -> None:
                 load = load_note()
                 recipe = [f"--config={args.config}", *overrides]
                 measured = measure(world, replicas, args, recipe, work)
-                predicted, cluster = predict(world, replicas, args.config, overrides, topology_file)
-                lines.append(row(world, replicas, args, measured, predicted, cluster, env, load))
+                predicted, modelled, cluster, how = predict(
+                    world, replicas, args.config, overrides, topology_file
+                )
+                lines.append(
+                    row(
+                        world,
+                        replicas,
+                        args,
+                        measured,
+                        predicted,
+                        modelled,
+                        how,
+                        cluster,
+                        env,
+                        load,
+                    )  # fmt: skip
+                )
     path = append_csv(TOPIC, COLUMNS, lines, args.out_dir)
     header = ["W", "kind", "input", "forward", "backward", "MiB", "step ms (pred/meas)"]
     table = [

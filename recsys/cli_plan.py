@@ -5,6 +5,7 @@ process group (:mod:`recsys.cli` parses the command line)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from recsys.config import Config, load_config
 
@@ -33,7 +34,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--topology",
         default="",
         help="distributed.topology: a topology TOML file; one --calibrate wrote also has the "
-        "train loader timed here (run it on a training host)",
+        "train loader timed here and, on CPU hosts, a step of the first 8 ranks (each in this "
+        "process, its peers mirrored; run it on a training host)",
     )
     parser.add_argument(
         "--replicas",
@@ -52,9 +54,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibrate",
         metavar="FILE",
         default="",
-        help="under torchrun: measure this launch's links, memory, compute and host sharing "
-        "and write them as a topology file (for --topology / distributed.topology); plans "
-        "nothing",
+        help="under torchrun: measure this launch's links, memory, compute, host sharing and "
+        "the ranks' waits at collectives and write them as a topology file (for --topology / "
+        "distributed.topology); plans nothing",
     )
 
 
@@ -153,7 +155,7 @@ def _header(config: Config, inputs, world: int, topo, planned: str) -> str:
     return "\n".join(
         [
             f"recsys plan: model {config.model.name} on {world} ranks, {topo.ranks_per_node} per "
-            f"node; a model of a step, not a measurement",
+            f"node; a model of a step, not a run of it",
             f"cluster: {topo.describe()}",
             f"  figures from: {topo.source}" if topo.source else "",
             f"tables: {len(tables)}, {rows:,} rows; dense: {inputs.dense_parameters:,} "
@@ -189,6 +191,16 @@ def _plan_text(config: Config, inputs, world: int, replicas: int, sync_every: in
     pipeline = config.train.pipeline in ("on", "auto")  # auto: on for sharded tables on GPUs
     step = step_inputs(config, inputs, pipeline=pipeline, replicas=replicas, sync_every=sync_every)
     prediction = predict_step(plan, inputs.configs, step, topo)
+    timed = ""
+    if topo.device == "cpu":  # a calibration of CPU hosts: a rank's compute is timed here
+        from recsys.build.rank_timing import rank_step_seconds
+
+        rank_bytes = int(prediction.table_bytes.max()) + prediction.dense_bytes
+        compute_s, how = rank_step_seconds(config, world, replicas, sync_every, rank_bytes)
+        timed = f"compute: {how}"
+        if compute_s:
+            step = replace(step, compute_s=compute_s)
+            prediction = predict_step(plan, inputs.configs, step, topo)
     title = (
         f"== flat: tables over all {world} ranks =="
         if replicas == 1
@@ -196,6 +208,5 @@ def _plan_text(config: Config, inputs, world: int, replicas: int, sync_every: in
         f"{'step' if sync_every == 1 else f'{sync_every} steps'} =="
     )
     budget = f"memory limit per rank for tables {options['memory_per_rank'] / 2**30:.1f} GiB"
-    return "\n".join(
-        [title, budget + limit_note, plan.describe(max_ranks=16), "", prediction.describe()]
-    )
+    lines = [title, budget + limit_note, plan.describe(max_ranks=16), "", prediction.describe()]
+    return "\n".join(lines + ([timed] if timed else []))

@@ -9,10 +9,13 @@ to the file as a comment, for comparison with what the model derives from the li
 gathered at random from a table (memory bandwidth as lookups see it), a matrix product
 (dense throughput) and a chain of tiny ops run forward and backward (the per-op floor, what an
 op costs whatever its size: dispatch and autograd on a CPU, a launch on a GPU; timed over a
-fifth of a second, so ranks that share cores share it as they do in a step). The same chain on
-the host's CPU, timed by the first rank of each node alone and then by every rank at once,
-gives how much slower host work (the data loader's) runs on a rank of the launch than in a
-process alone (``host_share``: about the ranks per CPU core, where they share them). Rank 0
+fifth of a second, so ranks that share cores share it as they do in a step). Rounds of that
+chain on the host's CPU, each ended by an all-reduce as a step's pieces of work end at its
+collectives, with about 2 ms and then 8 ms of work a round (as long as the first rank of each
+node takes alone), fit how much slower host work runs on a rank of the launch than in a
+process alone (``host_share``, the slope: about the ranks per CPU core, where they share them)
+and what each collective costs beyond its latency when the ranks reach it at different times
+(``sync_wait_us``, the intercept less the link's latency). Rank 0
 writes the :class:`~recsys.distributed.topology.Topology` file. A launch on one node measures no
 inter-node link: the file then repeats the intra-node figures for it, and says so.
 """
@@ -113,8 +116,8 @@ def _dense_tflops(device: torch.device, repeats: int) -> float:
     return 2 * n**3 / seconds / 1e12
 
 
-def _op_us(device: torch.device, seconds: float = 0.2) -> float:
-    """Microseconds per op of 64 tiny ops forward and their backward, run for ``seconds``."""
+def _chain(device: torch.device) -> Callable[[], None]:
+    """64 tiny ops forward and their backward: what an op costs whatever its size."""
     leaf = torch.ones(8, device=device, requires_grad=True)
 
     def chain() -> None:
@@ -124,14 +127,24 @@ def _op_us(device: torch.device, seconds: float = 0.2) -> float:
         value.sum().backward()
 
     chain()  # warm-up
-    ops = trace_ops(chain).ops
+    return chain
+
+
+def _chain_seconds(chain: Callable[[], None], device: torch.device, seconds: float) -> float:
+    """Seconds per ``chain()``, run for ``seconds``."""
     runs, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         chain()
         runs += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / runs / ops * 1e6
+    return (time.perf_counter() - start) / runs
+
+
+def _op_us(device: torch.device, seconds: float = 0.2) -> float:
+    """Microseconds per op of the tiny-op chain (:func:`_chain`), run for ``seconds``."""
+    chain = _chain(device)
+    return _chain_seconds(chain, device, seconds) / trace_ops(chain).ops * 1e6
 
 
 def _over_ranks(values: Sequence[float], op, device: torch.device) -> list[float]:
@@ -142,20 +155,58 @@ def _over_ranks(values: Sequence[float], op, device: torch.device) -> list[float
     return tensor.tolist()
 
 
-def _host_share(local: int, device: torch.device, seconds: float = 0.1) -> float:
-    """How many times longer the per-op chain takes on the host's CPU with every rank running
-    it at once than on the first rank of each node alone (at least 1; the slowest rank's)."""
-    cpu = torch.device("cpu")
+def _chain_alone(local: int, device: torch.device, seconds: float = 0.2) -> float:
+    """Seconds of one per-op chain on the host's CPU, timed by the first rank of each node
+    alone (the others asleep, not waiting in a collective, which may poll); the slowest."""
+    chain = _chain(torch.device("cpu"))
     dist.barrier()
     if dist.get_rank() % local == 0:
-        alone = _op_us(cpu, seconds)
-    else:  # asleep, not waiting in a collective (which may poll), while the first one times
+        alone = _chain_seconds(chain, torch.device("cpu"), seconds)
+    else:
         alone = 0.0
-        time.sleep(10 * seconds)
+        time.sleep(2 * seconds)
     dist.barrier()
-    together = _op_us(cpu, seconds)
-    alone, together = _over_ranks([alone, together], dist.ReduceOp.MAX, device)
-    return max(1.0, together / alone)
+    return _over_ranks([alone], dist.ReduceOp.MAX, device)[0]
+
+
+def _rounds_seconds(device: torch.device, chains: int, rounds: int) -> float:
+    """Every rank runs ``chains`` per-op chains on the host's CPU and then all-reduces one
+    value, ``rounds`` times: the mean seconds of a round (the ranks' mean)."""
+    chain = _chain(torch.device("cpu"))
+    flag = torch.zeros(1, device=device)
+
+    def run() -> None:
+        for _ in range(chains):
+            chain()
+        dist.all_reduce(flag)
+
+    run()  # warm-up
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    mean = (time.perf_counter() - start) / rounds
+    return _over_ranks([mean], dist.ReduceOp.SUM, device)[0] / dist.get_world_size()
+
+
+def _host_work(local: int, device: torch.device, latency_us: float) -> tuple[float, float]:
+    """``host_share`` and ``sync_wait_us``: rounds of host work ended by a collective, as a
+    step's pieces are, at two sizes (about 2 ms and 8 ms of the per-op chain a round, timed
+    alone), fitted as ``round = host_share * work + latency + sync_wait`` (least squares over
+    the two: the slope is how much slower work runs with every rank busy, the intercept what
+    a collective costs with ranks reaching it at different times); at least 1 and 0."""
+    chain_s = _chain_alone(local, device)
+    works, rounds = [], []
+    for target, count in ((2e-3, 100), (8e-3, 30)):
+        chains = max(1, round(target / chain_s))
+        works.append(chains * chain_s)
+        rounds.append(_rounds_seconds(device, chains, count))
+    slope = (rounds[1] - rounds[0]) / (works[1] - works[0])
+    share = max(1.0, slope)
+    intercept = statistics.fmean(r - share * w for r, w in zip(rounds, works, strict=True))
+    return share, max(0.0, intercept * 1e6 - latency_us)
 
 
 def _memory_gib(device: torch.device, local: int) -> float:
@@ -192,7 +243,7 @@ def calibrate(device: torch.device, repeats: int = 5) -> tuple[Topology, list[st
     tflops = _dense_tflops(device, repeats)
     dist.barrier()
     op_us = _op_us(device)
-    host_share = _host_share(local, device)
+    host_share, sync_wait = _host_work(local, device, (intra if nodes == 1 else inter)[1])
     figures = _over_ranks([memory, tflops, -op_us], dist.ReduceOp.MIN, device)  # the slowest
     backend = dist.get_backend()
     measured = Topology(
@@ -208,6 +259,7 @@ def calibrate(device: torch.device, repeats: int = 5) -> tuple[Topology, list[st
         source=f"recsys plan --calibrate: medians of {repeats} runs at {list(SIZES)} bytes",
         op_us=-float(figures[2]),
         host_share=host_share,
+        sync_wait_us=sync_wait,
         device=device.type,
     )
     return measured, notes

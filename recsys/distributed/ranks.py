@@ -40,8 +40,11 @@ def all_gather(value: Any) -> list[Any]:
 
 
 def from_first_rank(value: Any) -> Any:
-    """Rank 0's ``value``, on every rank."""
-    if not is_distributed():
+    """Rank 0's ``value``, on every rank (in a mirrored world, where no rank 0 runs beside
+    this one, this rank's own: :mod:`recsys.distributed.mirror`)."""
+    from recsys.distributed.mirror import is_mirrored
+
+    if not is_distributed() or is_mirrored():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)

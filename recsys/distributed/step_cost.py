@@ -38,13 +38,20 @@ their sum, less what overlaps):
   slowly): all of it when the trainer makes its batches inside the step (no loader workers,
   nothing prefetched: a CPU run's default where a rank has fewer than 2 CPUs), else only what
   exceeds the rest of the step.
+- ``compute``: where the topology is a calibration of CPU hosts and ``recsys plan`` runs on one
+  of them, the ranks' step less its collectives timed there, each rank with its peers mirrored
+  and the slowest between each two collectives (``StepInputs.compute_s``,
+  :mod:`recsys.build.rank_timing`), times ``host_share``; it then stands for ``lookup``,
+  ``dense`` and ``update``, and for ``data`` when the batches are made inside the step.
 - ``lookup``: the ids a rank's shards serve (G * B * P of them for a table, times the shard's
   share), each reading a row of its columns, over the device's memory bandwidth.
 - ``input_dist`` / ``output_dist`` / ``grad_dist``: an all-to-all costs the topology's latency
   plus, of the bytes a rank sends and receives to other ranks (its own block is a copy),
   the larger of the intra-node part over the intra-node bandwidth and the inter-node part over
   the inter-node bandwidth (the two links run at once, each full duplex). The input dist is
-  two all-to-alls, a latency each: the counts, then the ids they size. With
+  two all-to-alls, a latency each: the counts, then the ids they size. Each collective a rank
+  waits on also costs the topology's ``sync_wait_us`` (ranks that share cores reach it at
+  different times; 0 on a preset). With
   ``pipeline`` the input dist of the next batch runs behind this one's forward: only what
   exceeds the dense forward counts.
 - ``update``: the fused optimizer reading each id's gradient, then reading and writing each
@@ -57,8 +64,8 @@ their sum, less what overlaps):
   a trace, 6 flops per dense parameter per sample (forward 2, backward 4) over that throughput.
 - ``allreduce``: the dense gradients' ring all-reduce (over the inter-node bandwidth once the
   world spans nodes), plus 2 log2(W) latencies; DDP overlaps it with the dense backward, so
-  only what exceeds that counts. Replicated tables' all-gather adds its bytes and a latency the
-  same way.
+  only what exceeds that counts, and a ``sync_wait_us`` where the ranks meet at its end.
+  Replicated tables' all-gather adds its bytes, a latency and a wait the same way.
 - ``replica_sync``: 2D only, its all-reduce over the inter-node bandwidth (or the intra-node
   one when the groups share a node), amortised over ``sync_every`` steps.
 
@@ -68,10 +75,11 @@ log's power law, or the id frequencies of a sample of the data), else uniform dr
 bound for skewed ids); a row shard holds its share of them. A replicated table's exchange is
 sized by the largest count over ranks, which the expectation slightly undercounts.
 
-What the model leaves out: the per-op and Python costs of the embedding side (the input dist's
-bucketing, the exchanges' packing, the collectives' own host time; they dominate small batches
-on small tables, see ``benchmarks/results/scale.csv``), ranks that wait on
-each other (a slower rank, or ranks sharing CPU cores), congestion beyond one link per rank,
+What the model leaves out, unless a rank's compute is timed: the per-op and Python costs of the
+embedding side (the input dist's bucketing, the exchanges' packing; they dominate small batches
+on small tables, see ``benchmarks/results/scale.csv``). Always: the collectives' own host time,
+a rank slower than the others by its shards (the busiest rank of each part is charged, but
+the parts' busiest ranks may differ), congestion beyond one link per rank,
 and skewed ids on row shards (a hot row's shard serves more than its share). A trace's bytes
 are its tensors' sizes as traced (fp32 unless the model casts), all charged at the memory's
 bandwidth, caches or not.
@@ -135,6 +143,11 @@ class StepInputs:
             rank busy (its loader workers sharing it out; 0: not modelled).
         input_inline: the batches are made inside the step (else by loader workers or a
             prefetching thread, beside it).
+        compute_s: seconds a step of the ranks takes less its collectives, making the batch
+            included, timed on a host of the launch with no other rank busy and the peers
+            mirrored, the slowest rank between each two collectives
+            (:func:`~recsys.build.rank_timing.rank_step_seconds`; 0: not timed, the lookups,
+            updates and dense part are modelled).
     """
 
     batch_size: int
@@ -154,6 +167,7 @@ class StepInputs:
     dense_trace: OpTrace | None = None
     input_s: float = 0.0
     input_inline: bool = True
+    compute_s: float = 0.0
 
     @property
     def dense_bytes(self) -> int:
@@ -318,9 +332,12 @@ def predict_step(
 
 def _input_seconds(inputs: StepInputs, topology: Topology, rest: float) -> float:
     """A rank's batch on the launch's hosts (``host_share`` times its time alone): all of it
-    when made inside the step, else only what exceeds the rest of the step."""
+    when made inside the step (none when the step was timed: it is in it), else only what
+    exceeds the rest of the step."""
     made = inputs.input_s * topology.host_share
-    return made if inputs.input_inline else max(0.0, made - rest)
+    if inputs.input_inline:
+        return 0.0 if inputs.compute_s else made
+    return max(0.0, made - rest)
 
 
 def table_rank_seconds(
@@ -415,6 +432,7 @@ class _Costs:
         self.gathered = 0.0  # replicated tables' all-gather bytes per rank (sent)
         self.counted_rows = False  # replicated row counts travel with the input dist's counts
         self.dense_s = self.allreduce_s = self.sync_s = 0.0
+        self.wait = topology.sync_wait_us * 1e-6  # at each collective, for the other ranks
 
     def _split(self, amounts: np.ndarray, owners: np.ndarray):
         """Per group rank: what ``amounts`` [S] at ``owners`` [S] sum to (on that rank, on
@@ -526,9 +544,10 @@ class _Costs:
         gbs, latency = self._link(where)
         seconds = ring / gbs + 2 * math.log2(world) * latency
         if self.gathered:  # the replicated tables' all-gather
-            seconds += self._gather_seconds() + self._group_link()[1]
-        # DDP overlaps the all-reduce with the backward (2/3 of the dense flops).
-        self.allreduce_s = max(0.0, seconds - self.dense_s * 2 / 3)
+            seconds += self._gather_seconds() + self._group_link()[1] + self.wait
+        # DDP overlaps the all-reduce with the backward (2/3 of the dense flops); the ranks
+        # meet at its end.
+        self.allreduce_s = max(0.0, seconds - self.dense_s * 2 / 3) + self.wait
 
     def replica_sync(self, table_bytes: np.ndarray) -> None:
         replicas = self.world // self.group
@@ -537,7 +556,7 @@ class _Costs:
         self.sent["replica_sync"][where] += ring
         gbs, latency = self._link(where)
         self.sync_s = float(ring.max()) / gbs
-        self.sync_s += 2 * math.log2(replicas) * latency / self.inputs.sync_every
+        self.sync_s += (2 * math.log2(replicas) * latency + self.wait) / self.inputs.sync_every
 
     def _link(self, where: str) -> tuple[float, float]:
         """Bytes per second and seconds of latency of the intra- or inter-node link."""
@@ -563,7 +582,7 @@ class _Costs:
             return 0.0
         latency = self._group_link()[1]
         collectives = 2 if part == "input" else 1  # the input dist: the counts, then the ids
-        return float(self._a2a_rank_seconds(part).max()) + collectives * latency
+        return float(self._a2a_rank_seconds(part).max()) + collectives * (latency + self.wait)
 
     def _gather_seconds(self) -> float:
         """The replicated tables' all-gather: every other group rank's block, received."""
@@ -581,13 +600,15 @@ class _Costs:
         input_dist = self._a2a_seconds("input")
         if self.inputs.pipeline:
             input_dist = max(0.0, input_dist - self.dense_s / 3)
+        timed = self.inputs.compute_s * self.topology.host_share
         return {
-            "lookup": float(self.memory.max()) / memory,
+            "compute": timed,  # timed: the lookups, dense part and updates below are in it
+            "lookup": 0.0 if timed else float(self.memory.max()) / memory,
             "input_dist": input_dist,
             "output_dist": self._a2a_seconds("forward"),
-            "dense": self.dense_s,
+            "dense": 0.0 if timed else self.dense_s,
             "grad_dist": self._a2a_seconds("backward"),
-            "update": float(self.update.max()) / memory,
+            "update": 0.0 if timed else float(self.update.max()) / memory,
             "allreduce": self.allreduce_s,
             "replica_sync": self.sync_s,
         }

@@ -50,6 +50,9 @@ class Topology:
         host_share: how many times longer host work (the data loader's) takes on a rank of
             the launch, all ranks busy at once, than in one process alone: above 1 where ranks
             share CPU cores (1: each rank has its own; presets).
+        sync_wait_us: how long a rank waits at each collective of a step for the others, on
+            top of its latency, in microseconds: ranks that share CPU cores finish their work
+            between two collectives at different times (0: none; presets).
         device: the device type a calibration measured (``"cpu"`` / ``"cuda"``); empty for a
             preset and its overrides (figures of no host at hand).
     """
@@ -67,6 +70,7 @@ class Topology:
     dense_fp32_tflops: float = 0.0
     op_us: float = 0.0
     host_share: float = 1.0
+    sync_wait_us: float = 0.0
     device: str = ""
 
     def __post_init__(self) -> None:
@@ -76,7 +80,8 @@ class Topology:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"topology {self.name!r}: {name} = {value!r}; expected > 0")
-        for name in ("intra_latency_us", "inter_latency_us", "dense_fp32_tflops", "op_us"):
+        for name in ("intra_latency_us", "inter_latency_us", "dense_fp32_tflops", "op_us",
+                     "sync_wait_us"):  # fmt: skip
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"topology {self.name!r}: {name} = {value!r}; expected >= 0")
@@ -105,6 +110,7 @@ class Topology:
             + (f" (fp32 {self.dense_fp32_tflops:g})" if self.dense_fp32_tflops else "")
             + (f", {self.op_us:g} us per op" if self.op_us else "")
             + (f", host work {self.host_share:.3g}x slower" if self.host_share != 1 else "")
+            + (f", {self.sync_wait_us:.4g} us waiting per collective" if self.sync_wait_us else "")
         )
 
 
@@ -215,7 +221,7 @@ def load_topology(path: str | Path) -> Topology:
                 f"the presets are {', '.join(PRESETS)}"
             )
         return replace(PRESETS[preset], **values)
-    optional = {"source", "dense_fp32_tflops", "op_us", "host_share", "device"}
+    optional = {"source", "dense_fp32_tflops", "op_us", "host_share", "sync_wait_us", "device"}
     missing = sorted(_FIELDS - optional - set(values))
     if missing:
         raise ValueError(f"topology file '{path}' lacks {missing} (or a preset to start from)")

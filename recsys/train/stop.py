@@ -80,7 +80,10 @@ class StopSignals:
         self._group = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None  # the last call's all-reduce
         if world_size > 1 and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
+            # The flags are CPU tensors: a gloo group beside NCCL (and gloo); a backend of
+            # another kind (the mirror recsys plan times a rank in) serves them itself.
+            cpu = dist.get_backend() in (dist.Backend.GLOO, dist.Backend.NCCL)
+            self._group = dist.new_group(backend=dist.Backend.GLOO if cpu else None)
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():

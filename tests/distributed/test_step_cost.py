@@ -241,15 +241,17 @@ def test_presets_name_their_sources_and_files_round_trip(tmp_path):
         assert preset.name == name and preset.source
     path = tmp_path / "cluster.toml"
     measured = Topology("calibrated", 2, 1.5, 80.0, 0.4, 300.0, 12.0, 16.0, 0.1, 'a "quoted" note')
-    for figures in (measured, replace(measured, op_us=3.5, host_share=2.5, device="cpu")):
+    calibrated = replace(measured, op_us=3.5, host_share=2.5, sync_wait_us=750.0, device="cpu")
+    for figures in (measured, calibrated):
         save_topology(figures, path)
         assert load_topology(path) == figures
-    assert "host work 2.5x slower" in load_topology(path).describe()
+    assert "host work 2.5x slower, 750 us waiting per collective" in load_topology(path).describe()
     # a file written before the per-op floor and the host share: none, and no sharing
     lines = path.read_text().splitlines()
-    old = ("op_us", "host", "device")
+    old = ("op_us", "host", "sync_wait", "device")
     path.write_text("\n".join(line for line in lines if not line.startswith(old)))
-    assert (load_topology(path).op_us, load_topology(path).host_share) == (0.0, 1.0)
+    older = load_topology(path)
+    assert (older.op_us, older.host_share, older.sync_wait_us) == (0.0, 1.0, 0.0)
     assert load_topology(path).device == ""  # as a preset: no host measured
     path.write_text('preset = "a100_8x_ib200"\ninter_gbs = 12.5\n')
     assert load_topology(path) == Topology(**{**vars(PRESETS["a100_8x_ib200"]), "inter_gbs": 12.5})
@@ -271,6 +273,7 @@ def test_presets_name_their_sources_and_files_round_trip(tmp_path):
             "dense_fp32_tflops = -2.0; expected >= 0",
         ),
         ('preset = "cpu_host"\nhost_share = 0.5', "host_share = 0.5; expected >= 1"),
+        ('preset = "cpu_host"\nsync_wait_us = -1.0', "sync_wait_us = -1.0; expected >= 0"),
         ("name = [", "is not valid TOML"),
     ],
 )
@@ -547,6 +550,7 @@ def test_calibration_under_torchrun_writes_a_topology_file(tmp_path, capsys):
     measured = load_topology(path)
     assert measured.ranks_per_node == 2 and measured.name.startswith("calibrated (gloo, 1 x 2")
     assert measured.host_share < 50 and measured.device == "cpu"
+    assert 0 <= measured.sync_wait_us < 1e6
     text = path.read_text()
     assert "# all-reduce (median)" in text and "no inter-node link measured" in text
     assert measured.inter_gbs == measured.intra_gbs  # one node: repeated
@@ -558,7 +562,11 @@ def test_calibration_under_torchrun_writes_a_topology_file(tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out  # the batches timed here, for the calibrated hosts
     assert "ms a batch of 2,048 on this host" in out
-    assert "predicted ms per step: data " in out
+    # ... and so is the ranks' step, each with its peers mirrored, in place of the modelled
+    # lookups, dense part and updates, and of the batches made inside it
+    assert "compute: " in out and "ranks 0-1 of 2 timed on this host with their peers" in out
+    predicted = out.split("predicted ms per step: ")[1].split("\n")[0]
+    assert predicted.startswith("compute ") and "lookup" not in predicted
 
 
 def test_a_training_runs_bytes_per_step_are_the_predicted_ones(tmp_path):
@@ -606,6 +614,33 @@ def test_every_collective_of_a_step_pays_its_latency():
     assert flat.seconds["allreduce"] == pytest.approx(4 * 1e-4, rel=1e-6)  # 2 log2(4)
     replicated = predict_step(four_rank_plan(4, with_dp=True), {"": configs()}, inputs, cluster)
     assert replicated.seconds["allreduce"] == pytest.approx(5 * 1e-4, rel=1e-6)
+    # Ranks sharing cores also wait for each other at each collective they meet at: the two of
+    # the input dist, one each for the vectors and gradients, DDP's end and the all-gather.
+    waiting = replace(cluster, sync_wait_us=30.0)
+    flat = predict_step(four_rank_plan(4, with_dp=False), {"": configs()}, inputs, waiting)
+    assert flat.seconds["input_dist"] == pytest.approx(2 * 130e-6, rel=1e-6)
+    assert flat.seconds["output_dist"] == flat.seconds["grad_dist"] == pytest.approx(130e-6)
+    assert flat.seconds["allreduce"] == pytest.approx(4e-4 + 30e-6, rel=1e-6)
+    replicated = predict_step(four_rank_plan(4, with_dp=True), {"": configs()}, inputs, waiting)
+    assert replicated.seconds["allreduce"] == pytest.approx(5e-4 + 2 * 30e-6, rel=1e-6)
+
+
+def test_a_timed_rank_compute_stands_for_the_modelled_lookups_dense_part_and_updates():
+    cpu = PRESETS["cpu_host"]
+    modelled = _one_table_step()(cpu)
+    assert modelled.seconds["compute"] == 0.0
+    assert modelled.seconds["lookup"] > 0 and modelled.seconds["update"] > 0
+    for share in (1.0, 2.5):
+        timed = _one_table_step(compute_s=0.004)(replace(cpu, host_share=share))
+        assert timed.seconds["compute"] == pytest.approx(0.004 * share)
+        assert timed.seconds["lookup"] == timed.seconds["dense"] == timed.seconds["update"] == 0
+        rest = modelled.step_s - sum(modelled.seconds[p] for p in ("lookup", "dense", "update"))
+        assert timed.step_s == pytest.approx(rest + 0.004 * share)
+    assert "compute 4.000" in _one_table_step(compute_s=0.004)(cpu).describe()
+    # batches made inside the step were made in the timed step; beside it, as before
+    assert _one_table_step(input_s=0.002, compute_s=0.004)(cpu).seconds["data"] == 0.0
+    beside = _one_table_step(input_s=1.0, input_inline=False, compute_s=0.004)(cpu)
+    assert beside.step_s == pytest.approx(1.0)  # a loader slower than the rest sets the step
 
 
 @pytest.mark.parametrize("recipe", ["sasrec_synthetic", "hstu_synthetic", "hstu_ranking_synthetic"])
