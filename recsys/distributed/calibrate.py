@@ -11,7 +11,7 @@ gathered at random from a table (memory bandwidth as lookups see it), a matrix p
 op costs whatever its size: dispatch and autograd on a CPU, a launch on a GPU; timed over a
 fifth of a second, so ranks that share cores share it as they do in a step). Rounds of that
 chain on the host's CPU, each ended by an all-reduce as a step's pieces of work end at its
-collectives, with about 2 ms and then 8 ms of work a round (as long as the first rank of each
+collectives, with about 2 ms and then 16 ms of work a round (as long as the first rank of each
 node takes alone), fit how much slower host work runs on a rank of the launch than in a
 process alone (``host_share``, the slope: about the ranks per CPU core, where they share them)
 and what each collective costs beyond its latency when the ranks reach it at different times
@@ -193,13 +193,13 @@ def _rounds_seconds(device: torch.device, chains: int, rounds: int) -> float:
 
 def _host_work(local: int, device: torch.device, latency_us: float) -> tuple[float, float]:
     """``host_share`` and ``sync_wait_us``: rounds of host work ended by a collective, as a
-    step's pieces are, at two sizes (about 2 ms and 8 ms of the per-op chain a round, timed
-    alone), fitted as ``round = host_share * work + latency + sync_wait`` (least squares over
-    the two: the slope is how much slower work runs with every rank busy, the intercept what
+    step's pieces are, at two sizes (about 2 ms and 16 ms of the per-op chain a round, timed
+    alone), fitted as ``round = host_share * work + latency + sync_wait`` (through the two:
+    the slope is how much slower work runs with every rank busy, the intercept what
     a collective costs with ranks reaching it at different times); at least 1 and 0."""
     chain_s = _chain_alone(local, device)
     works, rounds = [], []
-    for target, count in ((2e-3, 100), (8e-3, 30)):
+    for target, count in ((2e-3, 150), (16e-3, 25)):
         chains = max(1, round(target / chain_s))
         works.append(chains * chain_s)
         rounds.append(_rounds_seconds(device, chains, count))

@@ -65,7 +65,8 @@ their sum, less what overlaps):
 - ``allreduce``: the dense gradients' ring all-reduce (over the inter-node bandwidth once the
   world spans nodes), plus 2 log2(W) latencies; DDP overlaps it with the dense backward, so
   only what exceeds that counts, and a ``sync_wait_us`` where the ranks meet at its end.
-  Replicated tables' all-gather adds its bytes, a latency and a wait the same way.
+  Replicated tables' all-gather adds its bytes, a latency and a wait, all of them: it runs in
+  the embeddings' backward, after the dense part's.
 - ``replica_sync``: 2D only, its all-reduce over the inter-node bandwidth (or the intra-node
   one when the groups share a node), amortised over ``sync_every`` steps.
 
@@ -543,11 +544,12 @@ class _Costs:
         self.sent["dense"][where] += ring
         gbs, latency = self._link(where)
         seconds = ring / gbs + 2 * math.log2(world) * latency
-        if self.gathered:  # the replicated tables' all-gather
-            seconds += self._gather_seconds() + self._group_link()[1] + self.wait
         # DDP overlaps the all-reduce with the backward (2/3 of the dense flops); the ranks
-        # meet at its end.
+        # meet at its end. The replicated tables' all-gather runs in the embeddings' backward,
+        # after the dense part's: nothing overlaps it.
         self.allreduce_s = max(0.0, seconds - self.dense_s * 2 / 3) + self.wait
+        if self.gathered:
+            self.allreduce_s += self._gather_seconds() + self._group_link()[1] + self.wait
 
     def replica_sync(self, table_bytes: np.ndarray) -> None:
         replicas = self.world // self.group

@@ -623,6 +623,13 @@ def test_every_collective_of_a_step_pays_its_latency():
     assert flat.seconds["allreduce"] == pytest.approx(4e-4 + 30e-6, rel=1e-6)
     replicated = predict_step(four_rank_plan(4, with_dp=True), {"": configs()}, inputs, waiting)
     assert replicated.seconds["allreduce"] == pytest.approx(5e-4 + 2 * 30e-6, rel=1e-6)
+    # A dense part long enough to hide DDP's ring: the all-gather, in the embeddings' backward
+    # after it, still counts whole.
+    dense = StepInputs(64, dense_parameters=10**8)
+    hidden = predict_step(four_rank_plan(4, with_dp=False), {"": configs()}, dense, cluster)
+    assert hidden.seconds["allreduce"] == 0.0
+    gathered = predict_step(four_rank_plan(4, with_dp=True), {"": configs()}, dense, cluster)
+    assert gathered.seconds["allreduce"] == pytest.approx(1e-4, rel=1e-3)
 
 
 def test_a_timed_rank_compute_stands_for_the_modelled_lookups_dense_part_and_updates():
