@@ -4,14 +4,17 @@ For each world size W (``--world-sizes``, gloo ranks of this machine under torch
 
 1. ``torchrun --nproc-per-node=W -m recsys plan --calibrate`` measures this launch (links,
    memory bandwidth, matrix throughput, per-op floor, how much slower host work runs with every
-   rank busy) into a topology file;
+   rank busy and how long ranks wait at a collective) into a topology file;
 2. ``torchrun --nproc-per-node=W -m recsys train`` of the recipe (``--config``, default
    ``configs/dlrm_synthetic.toml``) for ``--steps`` steps, logging every ``--log-every``: rank 0's
    ``comm_bytes_<kind>`` per step and the samples/s of each window (the first window, with the
    warm-up, is dropped; the median of the others is the measured step), and its tables' bytes;
 3. the same plan made in this process (the recipe's model on ``meta``, the run's planner
    options, its train loader timed here as ``recsys plan --topology FILE`` times it) and its
-   :func:`~recsys.distributed.step_cost.predict_step` on the calibrated topology.
+   :func:`~recsys.distributed.step_cost.predict_step` on the calibrated topology, as ``recsys
+   plan`` makes it: with the ranks' step timed here
+   (:func:`~recsys.build.rank_timing.rank_step_seconds`), and, in the notes, with nothing timed
+   but the batches.
 
 ``--project W ...`` runs nothing: it writes ``recsys plan``'s prediction of the MLPerf
 DLRM-DCNv2 recipe and the default recipe (8,192 samples per GPU) on a hardware preset, flat and
@@ -104,8 +107,8 @@ def measure(
 
 def predict(world: int, replicas: int, recipe: str, overrides: list[str], topology_file: Path):
     """The run's plan, made here, and its prediction on the calibrated topology as ``recsys
-    plan`` makes it (rank 0's compute timed here, its peers mirrored); the prediction with
-    nothing timed but the batches; how the compute was timed."""
+    plan`` makes it (the ranks' step timed here, each with its peers mirrored); the prediction
+    with nothing timed but the batches; how the step was timed."""
     from dataclasses import replace
 
     from recsys.build.rank_timing import rank_step_seconds
@@ -131,7 +134,7 @@ def predict(world: int, replicas: int, recipe: str, overrides: list[str], topolo
 
 def row(world, replicas, args, measured, predicted, modelled, how, cluster, env, load) -> list:
     """One CSV line: rank 0's bytes per step, predicted and measured; the busiest rank's
-    tables; the step, predicted (``recsys plan``'s: a rank's compute timed, ``how``) and
+    tables; the step, predicted (``recsys plan``'s: the ranks' step timed, ``how``) and
     measured; in the notes, the parts of both and the prediction with no compute timed
     (``modelled``)."""
     step_ms = 1e3 * world * args.batch_size / measured["samples_per_s"]
@@ -296,20 +299,8 @@ def main(argv: list[str] | None = None) -> None:
                 predicted, modelled, cluster, how = predict(
                     world, replicas, args.config, overrides, topology_file
                 )
-                lines.append(
-                    row(
-                        world,
-                        replicas,
-                        args,
-                        measured,
-                        predicted,
-                        modelled,
-                        how,
-                        cluster,
-                        env,
-                        load,
-                    )  # fmt: skip
-                )
+                timed = (measured, predicted, modelled, how, cluster)
+                lines.append(row(world, replicas, args, *timed, env, load))
     path = append_csv(TOPIC, COLUMNS, lines, args.out_dir)
     header = ["W", "kind", "input", "forward", "backward", "MiB", "step ms (pred/meas)"]
     table = [
