@@ -13,7 +13,7 @@ For each world size W (``--world-sizes``, gloo ranks of this machine under torch
    options, its train loader timed here as ``recsys plan --topology FILE`` times it) and its
    :func:`~recsys.distributed.step_cost.predict_step` on the calibrated topology, as ``recsys
    plan`` makes it: with the ranks' step timed here
-   (:func:`~recsys.build.rank_timing.rank_step_seconds`), and, in the notes, with nothing timed
+   (:func:`~recsys.train.rank_timing.rank_step_seconds`), and, in the notes, with nothing timed
    but the batches.
 
 ``--project W ...`` runs nothing: it writes ``recsys plan``'s prediction of the MLPerf
@@ -111,11 +111,11 @@ def predict(world: int, replicas: int, recipe: str, overrides: list[str], topolo
     with nothing timed but the batches; how the step was timed."""
     from dataclasses import replace
 
-    from recsys.build.rank_timing import rank_step_seconds
     from recsys.build.sharding import plan_inputs, planner_options, step_inputs
     from recsys.config import load_config
     from recsys.distributed.step_cost import predict_step
     from recsys.distributed.topology import load_topology
+    from recsys.train.rank_timing import rank_step_seconds
 
     config = load_config(recipe, overrides)
     cluster = load_topology(topology_file)

@@ -193,7 +193,7 @@ def _plan_text(config: Config, inputs, world: int, replicas: int, sync_every: in
     prediction = predict_step(plan, inputs.configs, step, topo)
     timed = ""
     if topo.device == "cpu":  # a calibration of CPU hosts: a rank's compute is timed here
-        from recsys.build.rank_timing import rank_step_seconds
+        from recsys.train.rank_timing import rank_step_seconds
 
         rank_bytes = int(prediction.table_bytes.max()) + prediction.dense_bytes
         compute_s, how = rank_step_seconds(config, world, replicas, sync_every, rank_bytes)

@@ -1,5 +1,5 @@
 """One rank of a W-rank job in this process, its peers mirrored: for timing a rank's step on
-the host ``recsys plan`` runs on (:func:`~recsys.build.rank_timing.rank_step_seconds`).
+the host ``recsys plan`` runs on (:func:`~recsys.train.rank_timing.rank_step_seconds`).
 
 :func:`mirrored` starts a process group of the ``mirror`` backend, which no other process
 joins: a collective returns at once, as if every peer had done what this rank does. An

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recsys.build.rank_timing import rank_step_seconds, slowest_pieces
 from recsys.config import load_config
 from recsys.distributed.mirror import mirrored
+from recsys.train.rank_timing import rank_step_seconds, slowest_pieces
 from recsys.train.stop import StopSignals
 
 
