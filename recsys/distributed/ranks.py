@@ -8,6 +8,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from recsys.distributed.mirror import is_mirrored
+
 
 def is_distributed() -> bool:
     """Whether a process group is up (torchrun)."""
@@ -42,8 +44,6 @@ def all_gather(value: Any) -> list[Any]:
 def from_first_rank(value: Any) -> Any:
     """Rank 0's ``value``, on every rank (in a mirrored world, where no rank 0 runs beside
     this one, this rank's own: :mod:`recsys.distributed.mirror`)."""
-    from recsys.distributed.mirror import is_mirrored
-
     if not is_distributed() or is_mirrored():
         return value
     box = [value]

@@ -31,6 +31,9 @@ import numpy as np
 
 from recsys.config import Config, load_config
 from recsys.config.loading import to_toml
+from recsys.data import build_dataset
+from recsys.distributed.mirror import mirrored, recording
+from recsys.train.trainer import train_steps
 
 __all__ = ["MAX_RANKS", "rank_step_seconds", "slowest_pieces"]
 
@@ -84,9 +87,6 @@ def _timed_config(config: Config, work: Path, replicas: int, sync_every: int) ->
 def _pieces(config: Config, world: int, rank: int, steps: int) -> list[np.ndarray]:
     """Rank ``rank``'s ``steps`` steps after the warm-up (fewer where the train split ends),
     each split into its pieces (see the module docstring): their seconds."""
-    from recsys.distributed.mirror import mirrored, recording
-    from recsys.train.trainer import train_steps
-
     out: list[np.ndarray] = []
     with (
         mirrored(world, rank),
@@ -174,8 +174,6 @@ def _whole_chunks(config: Config) -> int:
     """Steps that read whole shuffle buffers of a rank's train data (``data.
     shuffle_buffer_chunks`` chunks at once, or a chunk unshuffled: their reading or generating
     shared out over their batches), at least 20, at most 200."""
-    from recsys.data import build_dataset
-
     dataset = build_dataset(config.data, config.run.seed)
     chunks = config.data.shuffle_buffer_chunks if config.data.shuffle else 1
     rows = dataset.chunk_rows("train", 0) * max(chunks, 1)
