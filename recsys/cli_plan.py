@@ -188,7 +188,10 @@ def _plan_text(config: Config, inputs, world: int, replicas: int, sync_every: in
         else ""
     )
     plan = inputs.plan(group, options)
-    pipeline = config.train.pipeline in ("on", "auto")  # auto: on for sharded tables on GPUs
+    # auto: on for sharded tables on GPUs, as the trainer resolves it; off on a calibration of
+    # CPU hosts (where the ranks' step is timed unpipelined)
+    mode = config.train.pipeline
+    pipeline = mode == "on" or (mode == "auto" and topo.device != "cpu")
     step = step_inputs(config, inputs, pipeline=pipeline, replicas=replicas, sync_every=sync_every)
     prediction = predict_step(plan, inputs.configs, step, topo)
     timed = ""

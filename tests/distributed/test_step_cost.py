@@ -567,6 +567,9 @@ def test_calibration_under_torchrun_writes_a_topology_file(tmp_path, capsys):
     assert "compute: " in out and "ranks 0-1 of 2 timed on this host with their peers" in out
     predicted = out.split("predicted ms per step: ")[1].split("\n")[0]
     assert predicted.startswith("compute ") and "lookup" not in predicted
+    # the trainer pipelines on CUDA only (train.pipeline = "auto"): on CPU hosts the input
+    # dist is not hidden behind the forward
+    assert "input_dist" in predicted
 
 
 def test_a_training_runs_bytes_per_step_are_the_predicted_ones(tmp_path):
