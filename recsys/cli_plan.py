@@ -126,7 +126,7 @@ def _calibrate(path: str) -> None:
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    info = init_distributed(device)
+    info = init_distributed(device, "auto")  # as a run binds its ranks by default
     try:
         measured, notes = calibrate(device)
     finally:

@@ -400,6 +400,13 @@ class DistributedConfig:
     sync_every: Annotated[int, AtLeast1] = 1
     """2D: steps between two averagings of the replicas (also before every evaluation and
     checkpoint). 1 with SGD trains like the flat plan."""
+    cpu_binding: Literal["auto", "off"] = "auto"
+    """CPU ranks under torchrun: "auto" binds each local rank (and its collectives' threads)
+    to its own block of the cores the job may use (cores // LOCAL_WORLD_SIZE of them, in
+    order), when there are at least as many cores as ranks on the node; "off" leaves the
+    threads to the OS. CUDA ranks and one-process runs are never bound. Losses are the
+    same either way (recsys.distributed.cpu_binding; benchmarks/cpu_binding.py measures the
+    step)."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from recsys.distributed.cpu_binding import bind_local_rank
 from recsys.distributed.plan import ShardingPlan, check_plan
 from recsys.distributed.planner import plan_sharding
 from recsys.distributed.replicas import replica_groups
@@ -44,22 +45,28 @@ class DistributedInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    cores: tuple[int, ...] = ()  # the CPU cores this rank is bound to (distributed.cpu_binding)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def init_distributed(device: torch.device) -> DistributedInfo:
+def init_distributed(device: torch.device, cpu_binding: str = "off") -> DistributedInfo:
     """Join the torchrun job described by the environment (WORLD_SIZE, RANK, LOCAL_RANK);
-    NCCL on CUDA, gloo on CPU. A plain ``python`` launch is a world of one."""
+    NCCL on CUDA, gloo on CPU. A plain ``python`` launch is a world of one. ``cpu_binding``
+    (``distributed.cpu_binding``): ``auto`` binds a CPU rank to its own cores first
+    (:func:`~recsys.distributed.cpu_binding.bind_local_rank`), so the transport's threads
+    start there."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return DistributedInfo()
+    cores = bind_local_rank(cpu_binding, device) if not dist.is_initialized() else []
     info = DistributedInfo(
         rank=int(os.environ["RANK"]),
         world_size=world_size,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        cores=tuple(cores),
     )
     if not dist.is_initialized():
         dist.init_process_group(

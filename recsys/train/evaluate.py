@@ -217,7 +217,7 @@ def evaluate_checkpoint(
     config = checkpoint_config(path, overrides)
     device = resolve_device(config.run.device, int(os.environ.get("LOCAL_RANK", "0")))
     joined = dist.is_initialized()  # called inside a job that set up its own process group
-    info = _current_info() if joined else init_distributed(device)
+    info = _current_info() if joined else init_distributed(device, config.distributed.cpu_binding)
     try:
         verify_checkpoint(path)  # before its spec.json is trusted, and its tensors read
         spec = read_spec(path)

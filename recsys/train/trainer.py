@@ -133,7 +133,7 @@ def train_steps(config: Config) -> Iterator[int]:
 def _opened(config: Config) -> Iterator[_Run]:
     """The run of ``config`` in this process, its process group and stores closed after."""
     device = resolve_device(config.run.device, int(os.environ.get("LOCAL_RANK", "0")))
-    info = init_distributed(device)
+    info = init_distributed(device, config.distributed.cpu_binding)
     run = None
     try:
         run = _Run(config, device, info)
@@ -250,11 +250,18 @@ class _Run:
         cfg, train_cfg = self.config, self.config.train
         total_steps = self.total_steps
         resumed = f", from step {self.step}" if self.step else ""
+        cores = len(self.info.cores)
+        bound = (
+            f"; each rank of this node on its own {cores} CPU core{'s' * (cores > 1)} "
+            "(distributed.cpu_binding)"
+            if cores
+            else ""
+        )
         self._print(
             f"recsys: training {cfg.model.name} on {data_name(cfg)} for "
             f"{total_steps} steps{resumed} "
             f"(batch {train_cfg.batch_size} x {self.info.world_size} rank(s), {self.device}); "
-            f"run dir {self.run_dir}"
+            f"run dir {self.run_dir}{bound}"
         )
         progress = tqdm(
             total=total_steps,
