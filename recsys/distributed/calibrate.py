@@ -9,13 +9,13 @@ to the file as a comment, for comparison with what the model derives from the li
 gathered at random from a table (memory bandwidth as lookups see it), a matrix product
 (dense throughput) and a chain of tiny ops run forward and backward (the per-op floor, what an
 op costs whatever its size: dispatch and autograd on a CPU, a launch on a GPU; timed over a
-fifth of a second, so ranks that share cores share it as they do in a step). Rounds of that
-chain on the host's CPU, each ended by an all-reduce as a step's pieces of work end at its
-collectives, with about 2 ms and then 16 ms of work a round (as long as the first rank of each
-node takes alone), fit how much slower host work runs on a rank of the launch than in a
-process alone (``host_share``, the slope: about the ranks per CPU core, where they share them)
-and what each collective costs beyond its latency when the ranks reach it at different times
-(``sync_wait_us``, the intercept less the link's latency). Rank 0
+fifth of a second, so ranks that share cores share it as they do in a step). That chain run
+by every rank at once against the first rank of each node alone, three times, gives how much
+slower host work runs on a rank of the launch (``host_share``, the median: about the ranks per
+CPU core, where they share them); rounds of the chain on the host's CPU, about 2 ms of it a
+round each ended by an all-reduce as a step's pieces of work end at its collectives, give what
+each collective costs beyond its latency when the ranks reach it at different times
+(``sync_wait_us``: a round less ``host_share`` times its work, less the link's latency). Rank 0
 writes the :class:`~recsys.distributed.topology.Topology` file. A launch on one node measures no
 inter-node link: the file then repeats the intra-node figures for it, and says so.
 """
@@ -191,22 +191,29 @@ def _rounds_seconds(device: torch.device, chains: int, rounds: int) -> float:
     return _over_ranks([mean], dist.ReduceOp.SUM, device)[0] / dist.get_world_size()
 
 
+def _share_once(local: int, device: torch.device, seconds: float = 0.2) -> float:
+    """How many times longer a per-op chain takes on a rank with every rank of the launch
+    running chains at once than in the first rank of each node alone: the ranks' mean."""
+    alone = _chain_alone(local, device, seconds)
+    chain = _chain(torch.device("cpu"))
+    dist.barrier()
+    mine = _chain_seconds(chain, torch.device("cpu"), seconds)
+    together = _over_ranks([mine], dist.ReduceOp.SUM, device)[0] / dist.get_world_size()
+    return together / alone
+
+
 def _host_work(local: int, device: torch.device, latency_us: float) -> tuple[float, float]:
-    """``host_share`` and ``sync_wait_us``: rounds of host work ended by a collective, as a
-    step's pieces are, at two sizes (about 2 ms and 16 ms of the per-op chain a round, timed
-    alone), fitted as ``round = host_share * work + latency + sync_wait`` (through the two:
-    the slope is how much slower work runs with every rank busy, the intercept what
-    a collective costs with ranks reaching it at different times); at least 1 and 0."""
+    """``host_share`` and ``sync_wait_us``: the median of three measures of how much slower
+    host work runs with every rank busy (:func:`_share_once`, at least 1), then rounds of
+    about 2 ms of the per-op chain (timed alone) each ended by an all-reduce, as a step's
+    pieces of work end at its collectives: a round less ``host_share`` times its work, less
+    the link's latency, is what a collective costs with ranks reaching it at different
+    times (at least 0)."""
+    share = max(1.0, statistics.median(_share_once(local, device) for _ in range(3)))
     chain_s = _chain_alone(local, device)
-    works, rounds = [], []
-    for target, count in ((2e-3, 150), (16e-3, 25)):
-        chains = max(1, round(target / chain_s))
-        works.append(chains * chain_s)
-        rounds.append(_rounds_seconds(device, chains, count))
-    slope = (rounds[1] - rounds[0]) / (works[1] - works[0])
-    share = max(1.0, slope)
-    intercept = statistics.fmean(r - share * w for r, w in zip(rounds, works, strict=True))
-    return share, max(0.0, intercept * 1e6 - latency_us)
+    chains = max(1, round(2e-3 / chain_s))
+    rounds = _rounds_seconds(device, chains, 200)
+    return share, max(0.0, (rounds - share * chains * chain_s) * 1e6 - latency_us)
 
 
 def _memory_gib(device: torch.device, local: int) -> float:
