@@ -404,9 +404,10 @@ class DistributedConfig:
     """CPU ranks under torchrun: "auto" binds each local rank (and its collectives' threads)
     to its own block of the cores the job may use (cores // LOCAL_WORLD_SIZE of them, in
     order), when there are at least as many cores as ranks on the node; "off" leaves the
-    threads to the OS. CUDA ranks and one-process runs are never bound. Losses are the
-    same either way (recsys.distributed.cpu_binding; benchmarks/cpu_binding.py measures the
-    step)."""
+    threads to the OS (do so when several torchrun agents share one host: each splits the
+    cores among its own ranks). CUDA ranks and one-process runs are never bound. Losses are
+    the same either way (recsys.distributed.cpu_binding; benchmarks/cpu_binding.py measures
+    the step)."""
 
 
 @dataclass
